@@ -1,0 +1,51 @@
+# Every target installs what it needs (a .venv with pinned deps) before it runs.
+# On a machine without a venv of ours (the GPU box), pass SYSTEM_PYTHON=python3 to use an
+# interpreter that already has torch and mpack importable.
+
+VENV  := .venv
+STAMP := $(VENV)/.mpack-installed
+
+ifdef SYSTEM_PYTHON
+PY   := $(SYSTEM_PYTHON)
+DEPS :=
+else
+PY   := $(VENV)/bin/python
+DEPS := $(STAMP)
+endif
+
+PYTEST_ARGS ?=
+
+.PHONY: install test test-gpu lint format demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	# torch first and on its own: a plain resolver run would pull a multi-GB CUDA build.
+	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+test: $(DEPS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: $(DEPS)
+	$(PY) -m pytest -q -m gpu -rs $(PYTEST_ARGS)
+
+lint: $(DEPS)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(DEPS)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+demo: $(DEPS)
+	PY=$(PY) bash scripts/demo.sh
+
+bench: $(DEPS)
+	$(PY) scripts/bench_repack.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache

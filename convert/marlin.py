@@ -1,0 +1,316 @@
+"""The Marlin FP8 layout (vLLM 0.33.0), in both directions. This module owns it.
+
+What vLLM's FP8 Marlin kernel reads for one linear layer, and how mpack builds it from a
+compressed-tensors checkpoint weight ``Wck`` (float8_e4m3fn ``[N, K]``, row-major):
+
+* **Padding** (SPEC §3.3): ``N`` and ``K`` grow to ``(Np, Kp)``, zero bytes at the end of each.
+* **Weight** (SPEC §5): the fp8 bytes are cut into tiles of 16 (k) x 64 (n), tiles in row-major
+  order (k-tile outer). One tile is 1024 bytes = 256 int32 words; word ``p`` of a tile holds
+  four k-values of one column ``n``: ``k = 2(t&3) + {0, 8, 1, 9}`` (LSB first) where ``t = p>>3``
+  and ``n = 16*((p>>1)&3) + 8*(p&1) + (t>>2)``. The result is int32 ``[Kp/16, 4*Np]``; a
+  k-tile is one row of it.
+* **Scales** (SPEC §7): one per output channel, cast to the activation dtype, zero-padded,
+  permuted inside every group of 32 channels, and multiplied by ``2**8`` (fp16) or ``2**120``
+  (bf16) to undo the exponent shift of the kernel's fp8 widening.
+* **Bias** (SPEC §8): cast, zero-padded, same 32-group permutation, no fold.
+* **Requantization** (SPEC §4, ``w8a8-marlin`` profile): shards re-expressed in the largest
+  shard scale with vLLM's GPU arithmetic.
+
+Every function works on CPU and CUDA tensors and gives the same bytes on both: the layout is
+pure data movement, and the arithmetic is spelled out one IEEE operation at a time. Inverses
+(``unpack_*``) live next to each packer; ``mpack verify`` and the tests use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "ACT_DTYPES",
+    "SCALE_PERM",
+    "broadcast_scales",
+    "fold_factor",
+    "marlin_padded_nk",
+    "pack_bias",
+    "pack_scales",
+    "pack_weight",
+    "repack",
+    "requantize",
+    "requantize_shards",
+    "unpack_bias",
+    "unpack_scales",
+    "unpack_weight",
+    "unrepack",
+]
+
+#: Activation dtypes the kernel supports, by name.
+ACT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Position ``m`` of every 32-channel group takes channel ``SCALE_PERM[m]`` (SPEC §7.4).
+SCALE_PERM: tuple[int, ...] = (
+    0, 1, 8, 9, 16, 17, 24, 25,
+    2, 3, 10, 11, 18, 19, 26, 27,
+    4, 5, 12, 13, 20, 21, 28, 29,
+    6, 7, 14, 15, 22, 23, 30, 31,
+)  # fmt: skip
+
+# The tile, as axes of the checkpoint's [N, K] bytes (SPEC §5):
+#   n = 64*nt + 16*w + 8*h + t8          k = 16*kt + 8*khi + 2*kmid + klo
+# The packed row kt holds, per n-tile, the axes in the order (t8, kmid, w, h, klo, khi).
+_WCK_AXES = (4, 0, 3, 6, 1, 2, 7, 5)  # (nt,w,h,t8,kt,khi,kmid,klo) -> (kt,nt,t8,kmid,w,h,klo,khi)
+_WCK_AXES_INV = tuple(_WCK_AXES.index(i) for i in range(8))
+
+_EXP_FOLD = {torch.float16: 2.0**8, torch.bfloat16: 2.0**120}
+_FP8_MAX = 448.0
+
+
+def _roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def marlin_padded_nk(n: int, k: int) -> tuple[int, int]:
+    """The padded ``(Np, Kp)`` for a layer with ``n`` output and ``k`` input channels (SPEC §3.3).
+
+    Candidates ``(roundup(n, 64), roundup(k, 128))`` and ``(roundup(n, 128), roundup(k, 64))``;
+    the smaller ``Np*Kp`` wins, then the smaller ``Np+Kp``, then the first.
+    """
+    if n <= 0 or k <= 0:
+        raise ValueError(f"layer dims must be positive, got N={n}, K={k}")
+    a = (_roundup(n, 64), _roundup(k, 128))
+    b = (_roundup(n, 128), _roundup(k, 64))
+    return min((a, b), key=lambda c: (c[0] * c[1], c[0] + c[1]))  # min() keeps the first on ties
+
+
+def _as_bytes(w: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a 1-byte tensor (float8_e4m3fn or uint8/int8), no copy."""
+    if w.element_size() != 1:
+        raise TypeError(f"expected a 1-byte dtype (float8_e4m3fn/uint8), got {w.dtype}")
+    return w if w.dtype == torch.uint8 else w.view(torch.uint8)
+
+
+def repack(wck: torch.Tensor) -> torch.Tensor:
+    """Repack checkpoint fp8 rows into Marlin tiles, without padding (SPEC §5).
+
+    Args:
+        wck: float8_e4m3fn or uint8 ``[N, K]``, row-major; ``N % 64 == 0``, ``K % 16 == 0``.
+
+    Returns:
+        int32 ``[K/16, 4*N]`` on ``wck``'s device (little-endian words).
+    """
+    n, k = wck.shape
+    if n % 64 or k % 16:
+        raise ValueError(f"repack needs N % 64 == 0 and K % 16 == 0, got N={n}, K={k}")
+    x = _as_bytes(wck).reshape(n // 64, 4, 2, 8, k // 16, 2, 4, 2)  # (nt,w,h,t8,kt,khi,kmid,klo)
+    y = x.permute(*_WCK_AXES).contiguous()  # (kt,nt,t8,kmid,w,h,klo,khi)
+    return y.view(k // 16, 16 * n).view(torch.int32)  # [K/16, 4N]
+
+
+def unrepack(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`repack`.
+
+    Args:
+        packed: int32 ``[K/16, 4*N]`` Marlin tiles (contiguous).
+
+    Returns:
+        uint8 ``[N, K]``: the checkpoint fp8 bytes.
+    """
+    kt, words = packed.shape
+    if packed.dtype != torch.int32 or words % 256:
+        raise ValueError(
+            f"expected int32 [K/16, 4*N] with N % 64 == 0, got {packed.dtype} {tuple(packed.shape)}"
+        )
+    n, k = words // 4, kt * 16
+    y = packed.contiguous().view(torch.uint8).reshape(kt, n // 64, 8, 4, 4, 2, 2, 2)
+    return y.permute(*_WCK_AXES_INV).reshape(n, k).contiguous()  # [N, K]
+
+
+def pack_weight(wck: torch.Tensor, np_: int | None = None, kp: int | None = None) -> torch.Tensor:
+    """Zero-pad to ``(Np, Kp)`` and repack: what the sidecar stores as ``<layer>.weight``.
+
+    Args:
+        wck: float8_e4m3fn or uint8 ``[N, K]``, ``K % 4 == 0`` (fused/sliced rows of one rank).
+        np_, kp: padded dims; default :func:`marlin_padded_nk` ``(N, K)``.
+
+    Returns:
+        int32 ``[Kp/16, 4*Np]`` on ``wck``'s device.
+    """
+    n, k = wck.shape
+    if np_ is None or kp is None:
+        np_, kp = marlin_padded_nk(n, k)
+    w = _as_bytes(wck)
+    if (np_, kp) != (n, k):
+        if np_ < n or kp < k:
+            raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
+        padded = torch.zeros((np_, kp), dtype=torch.uint8, device=w.device)
+        padded[:n, :k] = w
+        w = padded  # [Np, Kp]
+    return repack(w)
+
+
+def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: int32 ``[Kp/16, 4*Np]`` -> uint8 ``[N, K]`` (padding dropped)."""
+    w = unrepack(packed)  # [Np, Kp]
+    if w.shape[0] < n or w.shape[1] < k:
+        raise ValueError(
+            f"packed weight is {tuple(w.shape)} bytes, smaller than the layer ({n}, {k})"
+        )
+    return w[:n, :k].contiguous()
+
+
+def fold_factor(act_dtype: torch.dtype) -> float:
+    """The exponent-bias fold (SPEC §7.5): ``2**8`` for float16, ``2**120`` for bfloat16."""
+    try:
+        return _EXP_FOLD[act_dtype]
+    except KeyError:
+        raise ValueError(f"activation dtype must be float16 or bfloat16, got {act_dtype}") from None
+
+
+def broadcast_scales(
+    scale: torch.Tensor, n: int, widths: Sequence[int] | None = None
+) -> torch.Tensor:
+    """One float32 scale per output channel (SPEC §7.2).
+
+    Args:
+        scale: float32/bf16/fp16; numel 1 (per-tensor), ``len(widths)`` (one per fused shard)
+            or ``n`` (per-channel; ``[N]`` or ``[N, 1]``).
+        n: output channels ``N`` of the (fused, sliced) layer.
+        widths: rows of each shard, summing to ``n``; needed only for per-shard scales.
+
+    Returns:
+        float32 ``[N]``.
+    """
+    s = scale.detach().reshape(-1).to(torch.float32)
+    if s.numel() == n:
+        return s.clone()
+    if s.numel() == 1:
+        return s.expand(n).clone()
+    if widths is not None and s.numel() == len(widths):
+        if sum(widths) != n:
+            raise ValueError(f"shard widths {list(widths)} do not sum to N={n}")
+        reps = torch.tensor(list(widths), device=s.device)
+        return torch.repeat_interleave(s, reps)
+    raise ValueError(f"cannot broadcast {s.numel()} scales to N={n} (shard widths {widths})")
+
+
+def _permute_groups(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Apply the 32-channel permutation (or its inverse) to a 1-D tensor whose length % 32 == 0."""
+    perm = torch.tensor(SCALE_PERM, device=x.device)
+    g = x.reshape(-1, 32)  # [Np/32, 32]
+    if inverse:
+        out = torch.empty_like(g)
+        out[:, perm] = g
+        return out.reshape(-1)
+    return g[:, perm].reshape(-1)
+
+
+def _pad1d(x: torch.Tensor, np_: int) -> torch.Tensor:
+    if x.numel() > np_:
+        raise ValueError(f"{x.numel()} channels do not fit in Np={np_}")
+    out = torch.zeros(np_, dtype=x.dtype, device=x.device)
+    out[: x.numel()] = x
+    return out
+
+
+def pack_scales(scale_n: torch.Tensor, act_dtype: torch.dtype, np_: int) -> torch.Tensor:
+    """Per-channel scales -> the kernel's ``weight_scale`` (SPEC §7).
+
+    Args:
+        scale_n: float32 ``[N]`` (see :func:`broadcast_scales`).
+        act_dtype: torch.float16 or torch.bfloat16.
+        np_: padded N (a multiple of 64).
+
+    Returns:
+        ``act_dtype`` ``[1, Np]``: cast (round to nearest even), zero-padded, permuted, folded.
+        A scale too large to fold (> 255 in bf16, > 255.875 in fp16) becomes inf: callers
+        validate before packing.
+    """
+    factor = fold_factor(act_dtype)
+    s = _pad1d(scale_n.reshape(-1).to(torch.float32).to(act_dtype), np_)  # [Np] dt
+    s = _permute_groups(s)  # [Np] dt
+    return (s * factor).reshape(1, np_)  # exact: a power of two, in dt
+
+
+def unpack_scales(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_scales`: ``dt [1, Np]`` -> ``dt [N]`` (the cast scales, unfolded)."""
+    factor = fold_factor(packed.dtype)
+    s = _permute_groups(packed.reshape(-1), inverse=True)
+    return (s / factor)[:n].contiguous()
+
+
+def pack_bias(bias: torch.Tensor, act_dtype: torch.dtype, np_: int) -> torch.Tensor:
+    """Bias -> the kernel's ``bias`` (SPEC §8).
+
+    Args:
+        bias: any float dtype, ``[N]``.
+        act_dtype: torch.float16 or torch.bfloat16.
+        np_: padded N.
+
+    Returns:
+        ``act_dtype`` ``[Np]``: cast, zero-padded, permuted (no fold).
+    """
+    fold_factor(act_dtype)  # validates the dtype
+    return _permute_groups(_pad1d(bias.reshape(-1).to(act_dtype), np_))
+
+
+def unpack_bias(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bias`: ``dt [Np]`` -> ``dt [N]``."""
+    return _permute_groups(packed.reshape(-1), inverse=True)[:n].contiguous()
+
+
+def _f32_scalar(x: float | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32, device="cpu").reshape(())
+
+
+def requantize(
+    wck: torch.Tensor, s_shard: float | torch.Tensor, s_max: float | torch.Tensor
+) -> torch.Tensor:
+    """Re-express fp8 weights quantized with ``s_shard`` in the scale ``s_max`` (SPEC §4).
+
+    Mirrors vLLM's GPU path one rounding at a time, so CPU and CUDA give identical bytes::
+
+        s16 = fp16(s_shard); dq = fp16(fp8(w) * s16); x = fp32(dq * fp32(1 / s_max))
+        q = e4m3_rne(clamp(x, -448, 448)), NaN -> 448
+
+    Args:
+        wck: float8_e4m3fn or uint8 ``[...]`` (any shape).
+        s_shard, s_max: the shard's and the layer's float32 scales (scalars).
+
+    Returns:
+        uint8, same shape and device as ``wck``.
+    """
+    dev = wck.device
+    s16 = _f32_scalar(s_shard).to(torch.float16).to(torch.float32)  # exact fp16 value as fp32
+    inv = torch.reciprocal(_f32_scalar(s_max))  # correctly rounded 1/s_max, computed on CPU
+    w = _as_bytes(wck).view(torch.float8_e4m3fn).to(torch.float32)  # exact widening
+    dq = (w * s16.to(dev)).to(torch.float16)  # the fp32 product is exact; one RNE to fp16
+    x = dq.to(torch.float32) * inv.to(dev)  # one fp32 multiply by the reciprocal
+    x = torch.nan_to_num(x, nan=_FP8_MAX).clamp_(-_FP8_MAX, _FP8_MAX)  # fmax(-448, fmin(x, 448))
+    return x.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def requantize_shards(
+    wck: torch.Tensor, scales: Sequence[float] | torch.Tensor, widths: Sequence[int]
+) -> tuple[torch.Tensor, float]:
+    """Requantize each row-shard of a fused layer to the largest shard scale (SPEC §4).
+
+    Args:
+        wck: float8_e4m3fn or uint8 ``[N, K]``; shard ``i`` is the next ``widths[i]`` rows.
+        scales: float32 per-shard scales, ``len(widths)`` of them.
+        widths: rows per shard, summing to ``N``.
+
+    Returns:
+        (uint8 ``[N, K]``, ``s_max`` as a Python float holding the float32 value).
+    """
+    s = torch.as_tensor(scales, dtype=torch.float32, device="cpu").reshape(-1)
+    if s.numel() != len(widths) or sum(widths) != wck.shape[0]:
+        raise ValueError(
+            f"{s.numel()} scales / widths {list(widths)} do not match N={wck.shape[0]}"
+        )
+    s_max = s.max()
+    pieces = [
+        requantize(part, s[i], s_max)
+        for i, part in enumerate(torch.split(_as_bytes(wck), list(widths), dim=0))
+    ]
+    return torch.cat(pieces, dim=0), float(s_max)

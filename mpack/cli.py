@@ -1,0 +1,116 @@
+"""The ``mpack`` command line: one thin function per command, errors mapped in one place.
+
+Library code never prints; commands hand results to :mod:`mpack.ui`. Every ``MpackError``
+becomes one message (plus a hint) and its exit code (2 bad input, 1 internal); any other
+exception is a bug and exits 1. ``MPACK_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from mpack import __version__
+from mpack.errors import MpackError, UsageError
+
+app = typer.Typer(
+    name="mpack",
+    help="Marlin FP8 sidecars for compressed-tensors checkpoints: convert once, share zero-copy.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+
+
+def _version_cb(value: bool) -> None:
+    if value:
+        print(f"mpack {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version_cb, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Marlin FP8 sidecars for compressed-tensors checkpoints.
+
+    Examples:
+      mpack layout 4096 14336          # what a [N=4096, K=14336] layer becomes
+    """
+
+
+@app.command()
+def layout(
+    n: Annotated[
+        int, typer.Argument(help="Output channels N of the layer (rows of the checkpoint weight).")
+    ],
+    k: Annotated[int, typer.Argument(help="Input channels K (columns of the checkpoint weight).")],
+    act_dtype: Annotated[
+        str, typer.Option("--act-dtype", help="bfloat16 or float16.")
+    ] = "bfloat16",
+    json_out: JsonOpt = False,
+) -> None:
+    """Show what the Marlin FP8 kernel stores for one [N, K] fp8 linear layer.
+
+    Example: mpack layout 6144 4096
+    """
+    from mpack import ui
+    from mpack.convert.marlin import ACT_DTYPES, marlin_padded_nk
+
+    if act_dtype not in ACT_DTYPES:
+        raise UsageError(f"--act-dtype must be one of {', '.join(ACT_DTYPES)}, got {act_dtype!r}")
+    if n <= 0 or k <= 0 or k % 4:
+        raise UsageError(f"N and K must be positive and K a multiple of 4, got N={n}, K={k}")
+    np_, kp = marlin_padded_nk(n, k)
+    ui.emit_layout(n=n, k=k, np_=np_, kp=kp, act_dtype=act_dtype, as_json=json_out)
+
+
+def _print_error(exc: BaseException) -> None:
+    stream = sys.stderr
+    if isinstance(exc, MpackError):
+        print(f"error: {exc.message}", file=stream)
+        if exc.hint:
+            print(f"  hint: {exc.hint}", file=stream)
+    else:
+        print(f"internal error: {type(exc).__name__}: {exc}", file=stream)
+        print(
+            "  this is a bug in mpack; rerun with MPACK_DEBUG=1 and report the traceback",
+            file=stream,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mpack`` console script; returns (and exits with) the exit code."""
+    debug = os.environ.get("MPACK_DEBUG") == "1"
+    try:
+        # Standalone mode: typer/click handle --help and usage errors themselves (exit 2)
+        # and finish with SystemExit; what reaches the handlers below came from our code.
+        app(args=argv, prog_name="mpack")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except Exception as e:  # noqa: BLE001 - the one place that maps every error
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _print_error(e)
+        code = e.exit_code if isinstance(e, MpackError) else 1
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Every error mpack raises on purpose, and the one table that turns them into exit codes.
+
+An ``MpackError`` carries a message that names the file, layer and value at fault, and a
+``hint``: the next thing to do (often a command). The CLI prints both and exits with
+``exit_code``: 2 for bad input or usage (the user can fix it), 1 for an internal error.
+Anything that is *not* an ``MpackError`` is a bug in mpack and exits 1. Tracebacks are shown
+only with ``MPACK_DEBUG=1``.
+
+Subclasses also derive from the closest builtin, so library users can catch ``ValueError`` or
+``FileNotFoundError`` as they are used to.
+"""
+
+from __future__ import annotations
+
+
+class MpackError(Exception):
+    """Base class. ``exit_code`` 1 unless a subclass says the input is at fault."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- the user can fix these: exit code 2 -------------------------------------------------
+
+
+class UsageError(MpackError, ValueError):
+    """Options that contradict each other or are out of range."""
+
+    exit_code = 2
+
+
+class InputError(MpackError, ValueError):
+    """A source checkpoint or sidecar that mpack must not (or cannot) use as it is."""
+
+    exit_code = 2
+
+
+class SourceNotFoundError(InputError, FileNotFoundError):
+    """A directory, file, repo or revision that does not exist or cannot be reached."""
+
+
+class UnsupportedSchemeError(InputError):
+    """A quantization scheme, architecture or TP size outside what the Marlin FP8 path supports."""
+
+
+class CorruptFileError(InputError):
+    """A truncated or malformed safetensors/JSON file, or bytes that fail their checksum."""
+
+
+class OutputExistsError(InputError, FileExistsError):
+    """The output path holds something that is not the sidecar we would write."""
+
+
+class FormatVersionError(InputError):
+    """A sidecar written with a format version this mpack does not read."""
+
+
+class VerificationError(InputError):
+    """A sidecar whose bytes do not match its manifest or its source."""
+
+
+class DaemonError(MpackError, ConnectionError):
+    """No daemon where one was expected, one already running, or one that refused us."""
+
+    exit_code = 2
+
+
+class ProtocolError(MpackError, ConnectionError):
+    """A peer that broke the serve/attach protocol (bad size, version, schema)."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The process exit code for ``exc``: its ``exit_code`` for an ``MpackError``, else 1."""
+    if isinstance(exc, MpackError):
+        return exc.exit_code
+    return 1

@@ -1,0 +1,48 @@
+"""Shared test fixtures: where the golden data lives, and the `gpu` marker's skip rule."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _golden_dir() -> Path:
+    """../shared/golden beside the clone (CI and dev machines), or a carried copy on the GPU box."""
+    candidates = [
+        os.environ.get("MPACK_GOLDEN"),
+        REPO.parent / "shared" / "golden",
+        REPO / ".golden",
+    ]
+    for c in candidates:
+        if c and (Path(c) / "README.md").is_file():
+            return Path(c)
+    raise RuntimeError(
+        "golden data not found: expected ../shared/golden beside the repository "
+        "(or set MPACK_GOLDEN to its path)"
+    )
+
+
+@pytest.fixture(scope="session")
+def golden() -> Path:
+    return _golden_dir()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run `make test-gpu` on a GPU machine")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
