@@ -1,0 +1,419 @@
+"""The sidecar on disk: file names, the manifest, and 64-byte-aligned safetensors files.
+
+This module owns the sidecar format (docs/FORMAT.md): both ``mpack convert`` (writer) and
+``mpack.runtime`` (reader) go through it, and every on-disk name is a constant defined here.
+
+A sidecar is a directory::
+
+    mpack.json                      manifest: format, target, source provenance, file checksums
+    rank-{r:02d}-of-{T:02d}.safetensors   Marlin tensors of TP rank r (vLLM's fused names)
+    common.safetensors              pass-through tensors (embeddings, norms, lm_head), unchanged
+    config.json, generation_config.json, tokenizer files   copied from the source
+
+Each ``.safetensors`` file is a stock safetensors file whose data section starts at a multiple
+of 64 (the JSON header is padded with spaces) and whose tensors of a 64-multiple size come
+first, so each of those starts 64-byte aligned (Note [alignment]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from mpack import __version__
+from mpack.errors import CorruptFileError, FormatVersionError, InputError, SourceNotFoundError
+
+FORMAT = "mpack-sidecar"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "mpack.json"
+COMMON_NAME = "common.safetensors"
+ALIGN = 64
+KERNEL = "marlin-fp8"
+ENGINE = "vllm"
+ENGINE_VERSION = "0.33.0"
+PROFILES = ("w8a16", "w8a8-marlin")
+FUSIONS = ("vllm", "none")
+#: Source files copied into the sidecar verbatim when present.
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+#: Largest header we accept when reading a safetensors file (the format's own limit is 100 MB).
+MAX_HEADER = 100 * 1024 * 1024
+HASH_CHUNK = 8 * 1024 * 1024
+
+# safetensors dtype names <-> bytes per element
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def rank_file_name(rank: int, tp: int) -> str:
+    """``rank-{r:02d}-of-{T:02d}.safetensors``."""
+    return f"rank-{rank:02d}-of-{tp:02d}.safetensors"
+
+
+def regenerate_hint(source: str | None, out: str | os.PathLike | None) -> str:
+    """The command that rebuilds a sidecar (shown when one is unusable)."""
+    return f"mpack convert {source or '<source>'} -o {out or '<sidecar>'} --force"
+
+
+# --- hashing ---------------------------------------------------------------------------
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = HASH_CHUNK) -> str:
+    """Hex sha256 of a file, read in large sequential chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+# --- safetensors layout ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a file to write: safetensors dtype name and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor inside a safetensors file: absolute byte range ``[offset, offset + nbytes)``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class FileLayout:
+    """The complete byte layout of one safetensors file, known before any data is written.
+
+    Note [alignment]: the header is padded with spaces so the data section starts at a multiple
+    of ``ALIGN``; tensors whose size is a multiple of ``ALIGN`` are placed first (in the order
+    given), the rest after them (in the order given), so safetensors' no-gap rule holds and
+    every 64-multiple tensor starts 64-byte aligned.
+    """
+
+    header: bytes  # the 8-byte length prefix + JSON header, padded
+    entries: list[TensorEntry]  # in file order
+    size: int  # total file size in bytes
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    def entry(self, name: str) -> TensorEntry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    @classmethod
+    def plan(
+        cls, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
+    ) -> FileLayout:
+        specs = list(specs)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in one file")
+        ordered = [s for s in specs if s.nbytes % ALIGN == 0] + [
+            s for s in specs if s.nbytes % ALIGN
+        ]
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        rel = 0
+        for s in ordered:
+            header[s.name] = {
+                "dtype": s.dtype,
+                "shape": list(s.shape),
+                "data_offsets": [rel, rel + s.nbytes],
+            }
+            rel += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        pad = (-(8 + len(raw))) % ALIGN
+        raw += b" " * pad
+        head = struct.pack("<Q", len(raw)) + raw
+        start = len(head)
+        entries = []
+        for s in ordered:
+            a, b = header[s.name]["data_offsets"]
+            entries.append(TensorEntry(s.name, s.dtype, s.shape, start + a, b - a))
+        return cls(header=head, entries=entries, size=start + rel, metadata=dict(metadata or {}))
+
+
+def read_layout(path: str | os.PathLike) -> FileLayout:
+    """Parse and validate a safetensors file's header without reading tensor data.
+
+    Raises:
+        CorruptFileError: truncated file, bad header length or JSON, unknown dtype, offsets
+            that overlap, leave gaps, or run past the end of the file.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file")
+            (hlen,) = struct.unpack("<Q", prefix)
+            if hlen > MAX_HEADER or 8 + hlen > size:
+                raise CorruptFileError(
+                    f"{path}: header length {hlen} does not fit in a file of {size} bytes (truncated?)"
+                )
+            raw = f.read(hlen)
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"{path}: no such file") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except ValueError as e:
+        raise CorruptFileError(f"{path}: malformed safetensors header ({e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    start = 8 + hlen
+    entries: list[TensorEntry] = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (a, b) = (
+                info["dtype"],
+                tuple(int(d) for d in info["shape"]),
+                info["data_offsets"],
+            )
+            spec = TensorSpec(name, dtype, shape)
+            ok = dtype in DTYPE_SIZES and 0 <= a <= b and b - a == spec.nbytes
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
+        entries.append(TensorEntry(name, dtype, shape, start + a, b - a))
+    entries.sort(key=lambda e: e.offset)
+    pos = start
+    for e in entries:
+        if e.offset != pos:
+            raise CorruptFileError(
+                f"{path}: tensor {e.name!r} starts at byte {e.offset}, expected {pos}"
+            )
+        pos += e.nbytes
+    if pos != size:
+        what = "truncated" if pos > size else "has trailing bytes"
+        raise CorruptFileError(
+            f"{path}: file {what}: tensors end at byte {pos}, file has {size} bytes"
+        )
+    return FileLayout(header=b"", entries=entries, size=size, metadata=dict(meta))
+
+
+class HashingWriter:
+    """Writes one planned safetensors file front to back, hashing every byte as it goes.
+
+    Writes must come in file order (the planner guarantees it); each tensor's bytes may arrive
+    in several chunks. ``finish()`` checks that every planned byte was written, fsyncs, and
+    returns ``(size, sha256)``.
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: FileLayout) -> None:
+        self.path = Path(path)
+        self.layout = layout
+        self._f: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in finish()/close()
+        self._h = hashlib.sha256()
+        self._pos = 0
+        self._write(layout.header)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        self._f.write(mv)
+        self._h.update(mv)
+        self._pos += len(mv)
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        if offset != self._pos:
+            raise AssertionError(
+                f"{self.path.name}: write at {offset}, but the file is at {self._pos}"
+            )
+        self._write(data)
+
+    def finish(self) -> tuple[int, str]:
+        if self._pos != self.layout.size:
+            raise AssertionError(f"{self.path.name}: wrote {self._pos} of {self.layout.size} bytes")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return self._pos, self._h.hexdigest()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+# --- manifest ----------------------------------------------------------------------------
+
+
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    """The canonical encoding written to ``mpack.json`` (sorted keys, 2-space indent)."""
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def digest_of(manifest: Mapping[str, Any]) -> str:
+    """The manifest digest: sha256 of its canonical encoding (names a served sidecar)."""
+    return hashlib.sha256(manifest_bytes(manifest)).hexdigest()
+
+
+def new_manifest(*, target: Mapping[str, Any], source: Mapping[str, Any], model: Mapping[str, Any],
+                 layers: Mapping[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Assemble a manifest (SPEC §9 required keys plus mpack's own)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"mpack {__version__}",
+        "target": dict(target),
+        "source": dict(source),
+        "model": dict(model),
+        "layers": dict(layers),
+        "files": files,
+    }
+
+
+def target_of(*, profile: str, act_dtype: str, tp: int, fusion: str) -> dict[str, Any]:
+    return {
+        "kernel": KERNEL,
+        "engine": ENGINE,
+        "engine_version": ENGINE_VERSION,
+        "profile": profile,
+        "act_dtype": act_dtype,
+        "tp_size": tp,
+        "fusion": fusion,
+    }
+
+
+def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
+    """Validate a parsed manifest's shape and version; return it.
+
+    Raises:
+        FormatVersionError: a format version this mpack does not read (with the regenerate command).
+        CorruptFileError: not an mpack manifest, or required keys missing/mistyped.
+    """
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CorruptFileError(f"{where}: not an mpack sidecar manifest (format is not {FORMAT!r})")
+    src = m.get("source") if isinstance(m.get("source"), dict) else {}
+    if m.get("format_version") != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: sidecar format version {m.get('format_version')!r}, this mpack "
+            f"({__version__}) reads version {FORMAT_VERSION}",
+            hint="regenerate it: "
+            + regenerate_hint(src.get("repo") or src.get("path"), Path(where).parent),
+        )
+    required = {"target": dict, "source": dict, "files": list, "layers": dict, "model": dict}
+    for key, typ in required.items():
+        if not isinstance(m.get(key), typ):
+            raise CorruptFileError(
+                f"{where}: manifest key {key!r} is missing or not a {typ.__name__}"
+            )
+    t = m["target"]
+    for key in ("kernel", "engine", "engine_version", "profile", "act_dtype", "tp_size", "fusion"):
+        if key not in t:
+            raise CorruptFileError(f"{where}: manifest target lacks {key!r}")
+    for f in m["files"]:
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("size"), int)
+                and isinstance(f.get("sha256"), str)):  # fmt: skip
+            raise CorruptFileError(f"{where}: malformed files entry {f!r}")
+        if "/" in f["name"] or f["name"] in ("", ".", ".."):
+            raise CorruptFileError(f"{where}: file name {f['name']!r} is not a plain file name")
+    return m
+
+
+def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """Read and validate ``<sidecar>/mpack.json``; return ``(manifest, digest)``."""
+    path = Path(sidecar) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if not Path(sidecar).exists():
+            raise SourceNotFoundError(f"{sidecar}: no such sidecar directory") from None
+        raise InputError(
+            f"{sidecar}: no {MANIFEST_NAME}: not a finished mpack sidecar",
+            hint="create one with: mpack convert <source> -o " + str(sidecar),
+        ) from None
+    try:
+        m = json.loads(raw)
+    except ValueError as e:
+        raise CorruptFileError(f"{path}: malformed JSON ({e})") from None
+    check_manifest(m, path)
+    return m, digest_of(m)
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> str:
+    """Write ``mpack.json`` (fsynced) and return its digest."""
+    data = manifest_bytes(manifest)
+    path = Path(directory) / MANIFEST_NAME
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list[str]:
+    """Re-hash every file listed in the manifest; return one message per problem (empty = ok)."""
+    problems = []
+    for f in manifest["files"]:
+        p = Path(sidecar) / f["name"]
+        if not p.is_file():
+            problems.append(f"{f['name']}: missing")
+            continue
+        size = p.stat().st_size
+        if size != f["size"]:
+            problems.append(f"{f['name']}: size {size}, manifest says {f['size']}")
+            continue
+        digest = sha256_file(p)
+        if digest != f["sha256"]:
+            problems.append(
+                f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."
+            )
+    return problems
