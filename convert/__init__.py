@@ -1,0 +1,62 @@
+"""``mpack.convert``: compressed-tensors FP8 checkpoint -> Marlin sidecar, and its verification.
+
+``import mpack.convert`` is cheap: the pipeline (torch, compressed-tensors) loads on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["convert", "verify"]
+
+
+def convert(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    profile: str = "w8a16",
+    act_dtype: str | None = None,
+    tp: int = 1,
+    fuse: str = "vllm",
+    device: str = "auto",
+    passthrough: bool = True,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Write a Marlin FP8 sidecar for ``source`` at ``out`` and return its manifest.
+
+    Args:
+        source: a checkpoint directory, or a Hugging Face repo id (resolved with ``revision``).
+        out: the sidecar directory to create (atomically; see docs/FORMAT.md).
+        profile: ``"w8a16"`` (weight bytes unchanged) or ``"w8a8-marlin"`` (tensor-strategy
+            shards requantized to the max scale).
+        act_dtype: ``"bfloat16"`` / ``"float16"``; default: the checkpoint's dtype.
+        tp: tensor-parallel size; one rank file per rank.
+        fuse: ``"vllm"`` (qkv_proj / gate_up_proj) or ``"none"`` (checkpoint names, tp 1).
+        device: ``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
+        passthrough: also write ``common.safetensors`` (embeddings, norms, lm_head).
+        force: redo the work even if ``out`` is up to date, or replace another sidecar there.
+
+    Returns:
+        The manifest (``mpack.json``) as a dict. If ``out`` already held the same sidecar, it is
+        returned without any work.
+    """
+    from mpack.convert.pipeline import run_convert
+
+    return run_convert(
+        source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
+        device=device, passthrough=passthrough, force=force,
+    ).manifest  # fmt: skip
+
+
+def verify(
+    sidecar: str | os.PathLike, *, source: str | os.PathLike | None = None
+) -> dict[str, Any]:
+    """Check a sidecar's files against its manifest and (with a source) against the checkpoint.
+
+    Returns a report dict; raises ``VerificationError`` if anything does not match.
+    """
+    from mpack.convert.verify import run_verify
+
+    return run_verify(sidecar, source=source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -43,7 +44,10 @@ def _root(
     """Marlin FP8 sidecars for compressed-tensors checkpoints.
 
     Examples:
-      mpack layout 4096 14336          # what a [N=4096, K=14336] layer becomes
+      mpack convert ./fp8-checkpoint -o ./sidecar --tp 2     # pack once, offline
+      mpack inspect ./sidecar                               # what is in it
+      mpack verify ./sidecar                                # checksums + re-derivation
+      mpack layout 4096 14336                               # one [N, K] layer's layout
     """
 
 
@@ -71,6 +75,105 @@ def layout(
         raise UsageError(f"N and K must be positive and K a multiple of 4, got N={n}, K={k}")
     np_, kp = marlin_padded_nk(n, k)
     ui.emit_layout(n=n, k=k, np_=np_, kp=kp, act_dtype=act_dtype, as_json=json_out)
+
+
+Source = Annotated[
+    str, typer.Argument(help="Checkpoint directory, or Hugging Face repo id (org/name).")
+]
+Sidecar = Annotated[Path, typer.Argument(help="Sidecar directory (written by `mpack convert`).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+
+
+@app.command()
+def convert(
+    source: Source,
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Sidecar directory to write (created atomically).")
+    ],
+    revision: Annotated[
+        str | None, typer.Option(help="Hub branch, tag or commit (repo ids only).")
+    ] = None,
+    profile: Annotated[
+        str, typer.Option(help="w8a16 (weights unchanged) or w8a8-marlin (requantized).")
+    ] = "w8a16",
+    act_dtype: Annotated[
+        str | None,
+        typer.Option("--act-dtype", help="bfloat16 or float16 [default: the checkpoint's dtype]."),
+    ] = None,
+    tp: Annotated[
+        int, typer.Option("--tp", help="Tensor-parallel size: one rank file per rank.")
+    ] = 1,
+    fuse: Annotated[
+        str, typer.Option(help="vllm (qkv_proj, gate_up_proj) or none (checkpoint names, tp 1).")
+    ] = "vllm",
+    device: Annotated[
+        str, typer.Option(help="auto, cpu, cuda or cuda:<i> (identical bytes on each).")
+    ] = "auto",
+    no_passthrough: Annotated[
+        bool,
+        typer.Option(
+            "--no-passthrough", help="Leave out common.safetensors (embeddings, norms, lm_head)."
+        ),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Redo an up-to-date sidecar, or replace another.")
+    ] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Convert a compressed-tensors FP8 checkpoint into a Marlin FP8 sidecar.
+
+    Examples:
+      mpack convert RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8 -o llama8b-marlin --tp 2
+      mpack convert ./my-fp8-model -o out --profile w8a8-marlin --act-dtype float16 --json
+    """
+    from mpack import ui
+    from mpack.convert.pipeline import run_convert
+
+    if json_out and quiet:
+        raise UsageError("--json and --quiet contradict each other; pick one")
+    with ui.convert_progress(enabled=not (json_out or quiet)) as progress:
+        result = run_convert(
+            source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
+            device=device, passthrough=not no_passthrough, force=force, progress=progress,
+        )  # fmt: skip
+    ui.emit_convert(result, as_json=json_out, quiet=quiet)
+
+
+@app.command()
+def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
+    """Show a sidecar: target, source provenance, files, and every layer's shapes.
+
+    Example: mpack inspect llama8b-marlin
+    """
+    from mpack import ui
+    from mpack.sidecar import load_manifest
+
+    manifest, digest = load_manifest(sidecar)
+    ui.emit_inspect(sidecar, manifest, digest, as_json=json_out)
+
+
+@app.command()
+def verify(
+    sidecar: Sidecar,
+    source: Annotated[
+        str | None,
+        typer.Option(
+            help="Re-derive every tensor from this checkpoint [default: the recorded local path]."
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check every file's sha256, and re-derive every tensor from the source checkpoint.
+
+    Examples:
+      mpack verify llama8b-marlin
+      mpack verify llama8b-marlin --source RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8
+    """
+    from mpack import ui
+    from mpack.convert.verify import run_verify
+
+    ui.emit_verify(run_verify(sidecar, source=source), as_json=json_out)
 
 
 def _print_error(exc: BaseException) -> None:

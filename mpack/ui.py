@@ -6,6 +6,7 @@ them to the functions here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any
@@ -54,3 +55,129 @@ def emit_layout(*, n: int, k: int, np_: int, kp: int, act_dtype: str, as_json: b
     console.print(t)
     pad = f"padded to Np={np_}, Kp={kp}" if doc["padded"] else "no padding needed"
     console.print(f"{pad}; bias only if the checkpoint has one")
+
+
+class _Progress:
+    """A rich progress display fed by the pipeline's ``progress(stage, done, total)`` callback."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bytes = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), console=err_console, transient=False,
+        )  # fmt: skip
+        self._layers_cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+        self._tasks: dict[str, int] = {}
+        self._mofn = MofNCompleteColumn
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self._tasks:
+            label = "writing" if stage == "bytes" else "layers "
+            self._tasks[stage] = self._bytes.add_task(label, total=total)
+        self._bytes.update(self._tasks[stage], completed=done, total=total)
+
+
+@contextlib.contextmanager
+def convert_progress(enabled: bool):
+    """Yield a progress callback: a live display on a terminal, else nothing."""
+    if not enabled or not err_console.is_terminal:
+        yield None
+        return
+    p = _Progress()
+    with p._bytes:
+        yield p
+
+
+def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
+    m = result.manifest
+    files = {f["name"]: f["size"] for f in m["files"]}
+    if as_json:
+        print_json(
+            {
+                "out": str(result.out),
+                "up_to_date": result.up_to_date,
+                "manifest_digest": result.digest,
+                "target": m["target"],
+                "source": {k: v for k, v in m["source"].items() if k != "files"},
+                "files": files,
+                "bytes": sum(files.values()),
+                "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
+                "layers": len(m["layers"]),
+            }
+        )
+        return
+    if quiet:
+        return
+    if result.up_to_date:
+        console.print(
+            f"[green]up to date[/]: {result.out} already holds this sidecar (use --force to redo it)"
+        )
+        return
+    t = m["target"]
+    console.print(
+        f"[green]wrote[/] {result.out}: {len(m['layers'])} layers x {t['tp_size']} rank(s), "
+        f"{human_bytes(sum(files.values()))} in {result.seconds.get('total', 0):.2f} s "
+        f"({t['profile']}, {t['act_dtype']}, fusion {t['fusion']})"
+    )
+    console.print(f"manifest digest {result.digest}")
+
+
+def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool) -> None:
+    if as_json:
+        print_json({"sidecar": str(sidecar), "manifest_digest": digest, **m})
+        return
+    t, src = m["target"], m["source"]
+    origin = (
+        f"{src.get('repo')} @ {src.get('revision')}"
+        if src.get("kind") == "hub"
+        else src.get("path")
+    )
+    console.print(
+        f"[bold]{sidecar}[/]  format {m['format']} v{m['format_version']}, {m.get('created_by', '')}"
+    )
+    console.print(
+        f"target: {t['kernel']} for {t['engine']} {t['engine_version']}, profile {t['profile']}, "
+        f"{t['act_dtype']}, tp {t['tp_size']}, fusion {t['fusion']}"
+    )
+    console.print(f"source: {origin} ({len(src.get('files', []))} files)")
+    console.print(f"manifest digest: {digest}")
+    ft = Table(title="files")
+    for col in ("file", "size", "sha256"):
+        ft.add_column(col)
+    for f in m["files"]:
+        ft.add_row(f["name"], human_bytes(f["size"]), f["sha256"][:16] + "...")
+    console.print(ft)
+    lt = Table(title=f"layers (per rank; {t['tp_size']} rank(s))")
+    for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias"):
+        lt.add_column(col)
+    for name, ly in sorted(m["layers"].items(), key=lambda kv: kv[1].get("index", 0)):
+        lt.add_row(
+            name, f"{ly['n']} x {ly['k']}", f"{ly['np']} x {ly['kp']}",
+            ly["strategy"] + (" requant" if ly["requantized"] else ""), ly["parallel"], "yes" if ly["bias"] else "",
+        )  # fmt: skip
+    console.print(lt)
+
+
+def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        print_json({"ok": True, **report})
+        return
+    console.print(
+        f"[green]ok[/]: {report['files_checked']} files match the manifest (digest {report['digest'][:16]}...)"
+    )
+    if report["source_checked"]:
+        console.print(
+            f"[green]ok[/]: {report['tensors_compared']} tensors re-derived from {report['source']} are "
+            f"byte-identical; {report['layers_checked']} layers unpack to the source bytes"
+        )
+    else:
+        console.print("source not checked (no --source, and the manifest records no local path)")

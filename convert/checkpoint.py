@@ -1,0 +1,408 @@
+"""The compressed-tensors FP8 input: config, shards, quantized layers, and their validation.
+
+Reading is in two steps. :func:`open_checkpoint` parses ``config.json`` (the quantization
+config with compressed-tensors' own pydantic models), the shard index and every safetensors
+header — no tensor data. :func:`validate` then checks every quantized layer (scheme, scale
+values, shapes) before any heavy work, reading only the small scale tensors. Problems raise an
+``InputError`` naming the file, layer and value, with what to do.
+
+A quantized linear ``X`` is ``X.weight`` of dtype F8_E4M3 plus ``X.weight_scale`` (SPEC §1);
+the config's targets are used to cross-check, not to find layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpack.errors import CorruptFileError, SourceNotFoundError, UnsupportedSchemeError
+from mpack.sidecar import TensorEntry, read_layout
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+WEIGHT, SCALE, INPUT_SCALE, BIAS = "weight", "weight_scale", "input_scale", "bias"
+#: Parts of a quantized linear that the sidecar consumes (never passed through).
+LINEAR_PARTS = (WEIGHT, SCALE, INPUT_SCALE, BIAS, "weight_zero_point", "input_zero_point")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool,
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}  # fmt: skip
+
+FOLD_LIMITS = {"bfloat16": 255.0, "float16": 255.875}  # SPEC §1: larger scales fold to inf
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """A tensor in a checkpoint shard: ``file`` relative to the checkpoint root."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass
+class QuantLayer:
+    """One quantized linear of the checkpoint (module name without ``.weight``)."""
+
+    module: str
+    n: int
+    k: int
+    strategy: str  # "tensor" | "channel"
+    has_bias: bool
+
+
+@dataclass
+class Checkpoint:
+    """A compressed-tensors checkpoint directory, headers parsed, no tensor data read."""
+
+    root: Path
+    config: dict[str, Any]
+    qconfig: Any  # compressed_tensors.quantization.QuantizationConfig
+    files: list[str]  # safetensors shards, relative names
+    tensors: dict[str, SourceTensor]
+    layers: dict[str, QuantLayer] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str | None:
+        archs = self.config.get("architectures") or self.text_config.get("architectures") or []
+        return archs[0] if archs else None
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        return self.config.get("text_config") or self.config
+
+    @property
+    def dtype(self) -> str | None:
+        """The model dtype from config.json (``dtype`` or the older ``torch_dtype``)."""
+        tc = self.text_config
+        return (
+            tc.get("dtype")
+            or tc.get("torch_dtype")
+            or self.config.get("dtype")
+            or self.config.get("torch_dtype")
+        )
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Read one tensor (or a row range of it) from disk into a new CPU tensor.
+
+        Args:
+            name: checkpoint tensor name.
+            rows: optional ``(start, stop)`` along dim 0 (a contiguous byte range).
+
+        Returns:
+            The tensor in its stored dtype (fp8 as ``torch.float8_e4m3fn``).
+        """
+        t = self.tensors[name]
+        row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+        start, stop = (0, t.shape[0] if t.shape else 1) if rows is None else rows
+        offset, length = t.offset + start * row_bytes, (stop - start) * row_bytes
+        buf = bytearray(length)
+        path = self.root / t.file
+        with open(path, "rb", buffering=0) as f:
+            got, view = 0, memoryview(buf)
+            while got < length:
+                n = os.preadv(f.fileno(), [view[got:]], offset + got)
+                if n == 0:
+                    raise CorruptFileError(
+                        f"{path}: tensor {name!r} is truncated at byte {offset + got}"
+                    )
+                got += n
+        out = (
+            torch.frombuffer(buf, dtype=torch.uint8)
+            if length
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        shape = ((stop - start), *t.shape[1:]) if t.shape else ()
+        return out.view(TORCH_DTYPES[t.dtype]).reshape(shape)
+
+
+# --- quantization config ------------------------------------------------------------------
+
+
+def find_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """``quantization_config``, else ``text_config.quantization_config``, else ``compression_config``.
+
+    The old ``compression_config`` wrapped the quantization config one level down.
+    """
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    if qc is None and isinstance(config.get("compression_config"), dict):
+        cc = config["compression_config"]
+        qc = cc.get("quantization_config", cc)
+    return qc
+
+
+def _strip_unknown(obj: Any, model: Any) -> Any:
+    """Drop keys a pydantic model does not declare (older/newer serialisations add some)."""
+    if not isinstance(obj, dict):
+        return obj
+    return {k: v for k, v in obj.items() if k in model.model_fields}
+
+
+def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
+    """Parse with compressed-tensors' own ``QuantizationConfig`` (0.19 and 0.20 serialisations).
+
+    0.20 writes only the fields it uses; 0.19 also wrote defaults (``observer``,
+    ``observer_kwargs``, ``scale_dtype``, ...). Fields the installed models do not know are dropped
+    and parsing is retried, so either serialisation parses.
+    """
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from pydantic import ValidationError
+
+    if qc.get("quant_method") != "compressed-tensors":
+        raise UnsupportedSchemeError(
+            f"{where}: quant_method is {qc.get('quant_method')!r}, mpack reads compressed-tensors checkpoints",
+            hint="convert the model with llm-compressor (compressed-tensors FP8) first",
+        )
+    try:
+        return QuantizationConfig.model_validate(qc)
+    except ValidationError:
+        pass
+    groups = {}
+    for gname, g in (qc.get("config_groups") or {}).items():
+        if isinstance(g, dict):
+            g = _strip_unknown(g, QuantizationScheme)
+            for part in ("weights", "input_activations", "output_activations"):
+                if isinstance(g.get(part), dict):
+                    g[part] = _strip_unknown(g[part], QuantizationArgs)
+        groups[gname] = g
+    try:
+        return QuantizationConfig.model_validate({**qc, "config_groups": groups})
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise UnsupportedSchemeError(
+            f"{where}: quantization_config.{loc}: {first['msg']} (got {first.get('input')!r})"
+        ) from None
+
+
+def _scheme_for(module: str, qconfig: Any) -> Any | None:
+    """The config group whose targets match ``module`` (class targets like 'Linear' match all)."""
+    from compressed_tensors.utils.match import match_name
+
+    for scheme in qconfig.config_groups.values():
+        for target in scheme.targets:
+            is_class = not target.startswith("re:") and "." not in target and target[:1].isupper()
+            if is_class or match_name(module, target):
+                return scheme
+    return None
+
+
+def _ignored(module: str, qconfig: Any) -> bool:
+    from compressed_tensors.utils.match import match_name
+
+    return any(match_name(module, t) for t in (qconfig.ignore or []))
+
+
+# --- opening ------------------------------------------------------------------------------
+
+
+def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
+    """Parse config, quantization config, index and every shard header of ``root``.
+
+    Raises:
+        SourceNotFoundError, CorruptFileError, UnsupportedSchemeError: with the file at fault.
+    """
+    root = Path(root)
+    cfg_path = root / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise SourceNotFoundError(f"{root}: no {CONFIG_NAME}: not a Hugging Face model directory")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise CorruptFileError(f"{cfg_path}: malformed JSON ({e})") from None
+    qc = find_quant_config(config)
+    if not isinstance(qc, dict):
+        raise UnsupportedSchemeError(
+            f"{cfg_path}: no quantization_config: the checkpoint is not quantized",
+            hint="mpack converts compressed-tensors FP8 checkpoints (e.g. RedHatAI/*-FP8)",
+        )
+    qconfig = parse_quant_config(qc, cfg_path)
+
+    index_path = root / INDEX_NAME
+    weight_map: dict[str, str] | None = None
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise ValueError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptFileError(f"{index_path}: malformed index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE_NAME).is_file():
+        files = [SINGLE_NAME]
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise SourceNotFoundError(f"{root}: no safetensors files (and no {INDEX_NAME})")
+
+    tensors: dict[str, SourceTensor] = {}
+    for fname in files:
+        path = root / fname
+        if not path.is_file():
+            raise SourceNotFoundError(
+                f"{index_path}: lists shard {fname}, which does not exist in {root}"
+            )
+        layout = read_layout(path)
+        for e in layout.entries:
+            if e.name in tensors:
+                raise CorruptFileError(
+                    f"{path}: tensor {e.name!r} also appears in {tensors[e.name].file}"
+                )
+            tensors[e.name] = _source_tensor(e, fname)
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in tensors or tensors[name].file != fname:
+                found = tensors[name].file if name in tensors else "no shard"
+                raise CorruptFileError(
+                    f"{index_path}: maps {name!r} to {fname}, but it is in {found}"
+                )
+    return Checkpoint(root=root, config=config, qconfig=qconfig, files=files, tensors=tensors)
+
+
+def _source_tensor(e: TensorEntry, fname: str) -> SourceTensor:
+    return SourceTensor(e.name, fname, e.dtype, tuple(e.shape), e.offset, e.nbytes)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+def _where(ck: Checkpoint, name: str) -> str:
+    return f"{ck.root / ck.tensors[name].file}: {name}"
+
+
+def find_layers(ck: Checkpoint) -> dict[str, QuantLayer]:
+    """Every quantized linear, validated: scheme, dtype, scale shape. Fills ``ck.layers``."""
+    layers: dict[str, QuantLayer] = {}
+    for name, t in ck.tensors.items():
+        if not name.endswith("." + SCALE):
+            continue
+        module = name[: -len(SCALE) - 1]
+        wname = f"{module}.{WEIGHT}"
+        if wname not in ck.tensors:
+            raise UnsupportedSchemeError(
+                f"{_where(ck, name)}: has a weight_scale but no {wname} (packed int weights?)",
+                hint="mpack supports FP8 (float8_e4m3fn) weights only",
+            )
+        w = ck.tensors[wname]
+        if w.dtype != "F8_E4M3":
+            raise UnsupportedSchemeError(
+                f"{_where(ck, wname)}: weight dtype {w.dtype}, expected F8_E4M3 (int or non-8-bit weights)",
+                hint="mpack converts FP8 checkpoints (presets FP8 / FP8_DYNAMIC)",
+            )
+        layers[module] = _check_layer(ck, module, w, t)
+    for name, t in ck.tensors.items():
+        if (
+            name.endswith("." + WEIGHT)
+            and t.dtype == "F8_E4M3"
+            and name[: -len(WEIGHT) - 1] not in layers
+        ):
+            raise UnsupportedSchemeError(
+                f"{_where(ck, name)}: FP8 weight without a weight_scale",
+                hint="the checkpoint is incomplete; re-export it with llm-compressor",
+            )
+    if not layers:
+        raise UnsupportedSchemeError(
+            f"{ck.root}: no FP8 quantized layers (no F8_E4M3 weight with a weight_scale)"
+        )
+    ck.layers = layers
+    return layers
+
+
+def _check_layer(ck: Checkpoint, module: str, w: SourceTensor, s: SourceTensor) -> QuantLayer:
+    where = _where(ck, w.name)
+    if len(w.shape) != 2:
+        raise UnsupportedSchemeError(f"{where}: weight shape {list(w.shape)} is not 2-D")
+    n, k = w.shape
+    scheme = _scheme_for(module, ck.qconfig)
+    if scheme is None or scheme.weights is None:
+        raise UnsupportedSchemeError(
+            f"{where}: FP8 weight, but no quantization_config group targets {module}"
+        )
+    if _ignored(module, ck.qconfig):
+        raise UnsupportedSchemeError(
+            f"{where}: FP8 weight, but quantization_config.ignore lists {module}"
+        )
+    args = scheme.weights
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if str(getattr(args.type, "value", args.type)) != "float" or args.num_bits != 8:
+        raise UnsupportedSchemeError(
+            f"{where}: weight scheme {args.type} {args.num_bits}-bit; mpack packs 8-bit float (FP8) only"
+        )
+    if strategy not in ("tensor", "channel"):
+        raise UnsupportedSchemeError(
+            f"{where}: weight strategy {strategy!r} (group/block/tensor_group) is not supported by "
+            "vLLM's FP8 Marlin path for compressed-tensors",
+            hint="use a checkpoint quantized per tensor (preset FP8) or per channel (FP8_DYNAMIC)",
+        )
+    numel = math.prod(s.shape)
+    want = 1 if strategy == "tensor" else n
+    if numel != want or (strategy == "channel" and s.shape not in ((n, 1), (n,))):
+        raise UnsupportedSchemeError(
+            f"{_where(ck, s.name)}: scale shape {list(s.shape)} does not fit strategy {strategy!r} "
+            f"of a [{n}, {k}] weight (expected {want} value{'s' if want > 1 else ''})"
+        )
+    if s.dtype not in ("BF16", "F16", "F32"):
+        raise UnsupportedSchemeError(
+            f"{_where(ck, s.name)}: scale dtype {s.dtype}, expected BF16, F16 or F32"
+        )
+    if k % 4:
+        raise UnsupportedSchemeError(
+            f"{where}: K={k} is not a multiple of 4, which Marlin requires"
+        )
+    bname = f"{module}.{BIAS}"
+    if bname in ck.tensors and ck.tensors[bname].shape != (n,):
+        raise UnsupportedSchemeError(
+            f"{_where(ck, bname)}: bias shape {list(ck.tensors[bname].shape)}, expected [{n}]"
+        )
+    return QuantLayer(module=module, n=n, k=k, strategy=strategy, has_bias=bname in ck.tensors)
+
+
+def read_scale(ck: Checkpoint, module: str) -> torch.Tensor:
+    """A layer's scales as float32 ``[1]`` (tensor) or ``[N]`` (channel); exact cast."""
+    return ck.read(f"{module}.{SCALE}").reshape(-1).to(torch.float32)
+
+
+def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dtype: str) -> None:
+    """Reject NaN/inf/<=0 scales and scales that overflow when folded (SPEC §1, §7)."""
+    name = f"{module}.{SCALE}"
+    bad = ~torch.isfinite(scale) | (scale <= 0)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise UnsupportedSchemeError(
+            f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} (must be finite and > 0)",
+            hint="the checkpoint's scales are broken; re-quantize it",
+        )
+    limit = FOLD_LIMITS[act_dtype]
+    big = scale > limit
+    if big.any():
+        i = int(big.nonzero()[0])
+        raise UnsupportedSchemeError(
+            f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} and would become inf "
+            f"after Marlin's exponent fold in {act_dtype}",
+            hint="use --act-dtype float16 (limit 255.875) or a checkpoint with smaller scales",
+        )
+
+
+def passthrough_names(ck: Checkpoint) -> list[str]:
+    """Checkpoint tensors that are not part of a quantized linear, in name order."""
+    consumed = {f"{m}.{p}" for m in ck.layers for p in LINEAR_PARTS}
+    return sorted(n for n in ck.tensors if n not in consumed)

@@ -1,0 +1,480 @@
+"""The streaming convert pipeline: validate, plan, then read -> transform -> write, atomically.
+
+Order of work (ARCHITECTURE.md "Data flow"):
+
+1. resolve the source, parse every header, validate every layer (scales included) — any bad
+   input is reported here, before a byte is written;
+2. plan every output tensor (:mod:`mpack.convert.plan`);
+3. if OUT already holds this sidecar (same source files, same target), stop: up to date;
+4. stream one fused layer at a time through three stages on their own threads — read (from the
+   shards), transform (on the chosen device), write (at the planned offset, hashing as it goes)
+   — with at most a couple of layers in flight, so memory is bounded by a few layers;
+5. write the manifest last, into a hidden work directory next to OUT, and rename it into place.
+
+Note [atomic output]: nothing named OUT exists until the final rename; a killed run leaves only
+``.<OUT>.mpack-tmp-<pid>`` behind (no manifest at OUT), which the next run removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpack.convert import marlin
+from mpack.convert.checkpoint import (
+    BIAS,
+    Checkpoint,
+    check_scale_values,
+    find_layers,
+    open_checkpoint,
+    read_scale,
+)
+from mpack.convert.plan import OutLayer, Plan, make_plan
+from mpack.convert.source import (
+    ResolvedSource,
+    hash_sources,
+    provenance,
+    resolve_source,
+    source_files,
+)
+from mpack.errors import InputError, OutputExistsError, UnsupportedSchemeError, UsageError
+from mpack.sidecar import (
+    COMMON_NAME,
+    COPIED_FILES,
+    FUSIONS,
+    MANIFEST_NAME,
+    PROFILES,
+    HashingWriter,
+    fsync_dir,
+    load_manifest,
+    new_manifest,
+    rank_file_name,
+    sha256_file,
+    write_manifest,
+)
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
+COPY_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did: the manifest it wrote (or found), and how long each phase took."""
+
+    out: Path
+    manifest: dict[str, Any]
+    digest: str
+    up_to_date: bool
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_written: int = 0
+
+
+# --- options ------------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> CUDA when present, else CPU; ``cpu``; ``cuda`` / ``cuda:i``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:<i>, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:<i>, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--device cuda: no CUDA device here", hint="use --device cpu (identical bytes)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str) -> None:
+    if profile not in PROFILES:
+        raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    if act_dtype is not None and act_dtype not in marlin.ACT_DTYPES:
+        raise UsageError(f"--act-dtype must be bfloat16 or float16, got {act_dtype!r}")
+    if fuse not in FUSIONS:
+        raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
+    if tp < 1:
+        raise UsageError(f"--tp must be at least 1, got {tp}")
+    if fuse == "none" and tp != 1:
+        raise UsageError(
+            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
+        )
+
+
+def _act_dtype(ck: Checkpoint, requested: str | None) -> str:
+    if requested:
+        return requested
+    dt = ck.dtype
+    if dt in marlin.ACT_DTYPES:
+        return dt
+    raise UnsupportedSchemeError(
+        f"{ck.root / 'config.json'}: model dtype {dt!r} is not an activation dtype Marlin supports",
+        hint="pass --act-dtype bfloat16 or --act-dtype float16",
+    )
+
+
+# --- the per-layer transform (SPEC §3) ----------------------------------------------------
+
+
+@dataclass
+class Fused:
+    """One rank's layer before packing: what the Marlin tensors encode, in checkpoint terms."""
+
+    weight: torch.Tensor  # uint8 [N, K]: fused, sliced, and requantized when the layer is
+    scale: torch.Tensor  # float32 [N]: one scale per output channel
+    bias: torch.Tensor | None  # [N] in the checkpoint's dtype
+
+
+def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
+    """Fuse and slice the checkpoint pieces of ``layer`` (SPEC §3.1-§3.2, §6).
+
+    Args:
+        src: per checkpoint module, ``<module>.weight`` uint8 ``[N, K]``,
+            ``<module>.weight_scale`` float32 ``[1]`` or ``[N]``, and ``<module>.bias`` if any.
+    """
+    rows = [
+        src[f"{p.module}.weight"][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]]
+        for p in layer.pieces
+    ]
+    w = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()  # uint8 [N, K]
+    if layer.strategy == "channel":
+        scale_n = torch.cat(
+            [src[f"{p.module}.weight_scale"][p.rows[0] : p.rows[1]] for p in layer.pieces]
+        )
+    else:
+        shard_scales = torch.cat(
+            [src[f"{p.module}.weight_scale"] for p in layer.pieces]
+        )  # fp32 [S]
+        if layer.requant:
+            w, s_max = marlin.requantize_shards(w, shard_scales, layer.widths)
+            scale_n = marlin.broadcast_scales(torch.tensor([s_max], dtype=torch.float32), layer.n)
+        else:
+            scale_n = marlin.broadcast_scales(shard_scales, layer.n, layer.widths)
+    bias = None
+    if layer.has_bias:
+        bias = torch.cat([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+    return Fused(w, scale_n, bias)
+
+
+def transform(
+    layer: OutLayer, src: dict[str, torch.Tensor], act_dtype: str, device: torch.device
+) -> list[torch.Tensor]:
+    """One rank's Marlin tensors for ``layer``, on CPU, in the order of its tensor specs.
+
+    Returns:
+        ``[weight int32 [Kp/16, 4Np], weight_scale dt [1, Np], (bias dt [Np])]``.
+    """
+    dt = marlin.ACT_DTYPES[act_dtype]
+    f = fuse(layer, src)
+    out = [
+        marlin.pack_weight(f.weight, layer.np_, layer.kp),
+        marlin.pack_scales(f.scale.to(device), dt, layer.np_),
+    ]
+    if f.bias is not None:
+        out.append(marlin.pack_bias(f.bias.to(device), dt, layer.np_))
+    return [t.cpu() for t in out]
+
+
+def read_unit(
+    ck: Checkpoint, unit: list[OutLayer], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor the unit's layers need (weights as uint8), moved to ``device``."""
+    src: dict[str, torch.Tensor] = {}
+    for module in dict.fromkeys(p.module for p in unit[0].pieces):
+        w = ck.read(f"{module}.weight").view(torch.uint8)
+        src[f"{module}.weight"] = w.to(device, non_blocking=True) if device.type == "cuda" else w
+        src[f"{module}.weight_scale"] = read_scale(ck, module)
+        if unit[0].has_bias:
+            src[f"{module}.{BIAS}"] = ck.read(f"{module}.{BIAS}")
+    return src
+
+
+# --- validation of values -----------------------------------------------------------------
+
+
+def validate_values(ck: Checkpoint, plan: Plan) -> None:
+    """Scale values of every layer (SPEC §1), read before any heavy work."""
+    for module in ck.layers:
+        check_scale_values(ck, module, read_scale(ck, module), plan.act_dtype)
+
+
+# --- output directory ---------------------------------------------------------------------
+
+
+def _tmp_prefix(out: Path) -> str:
+    return f".{out.name}.mpack-tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_tmp(out: Path) -> None:
+    """Remove work directories of earlier runs for ``out`` whose process is gone."""
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.glob(_tmp_prefix(out) + "*"):
+        pid = p.name[len(_tmp_prefix(out)) :].split("-")[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def existing_state(out: Path, target: dict[str, Any], files: list[dict[str, Any]]) -> str:
+    """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``."""
+    if not out.exists():
+        return "absent"
+    if out.is_dir() and not any(out.iterdir()):
+        return "empty"
+    if not (out / MANIFEST_NAME).is_file():
+        return "foreign"
+    try:
+        m, _ = load_manifest(out)
+    except InputError:
+        return "other-sidecar"
+    same = m["target"] == target and m["source"].get("files") == files
+    intact = all(
+        (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"]
+        for f in m["files"]
+    )
+    return "same" if same and intact else "other-sidecar"
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first, then removed."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.with_name(f".{out.name}.mpack-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+def run_convert(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    profile: str = "w8a16",
+    act_dtype: str | None = None,
+    tp: int = 1,
+    fuse: str = "vllm",
+    device: str = "auto",
+    passthrough: bool = True,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar at ``out``.
+
+    See :func:`mpack.convert.convert` for the arguments. Raises an ``MpackError`` (exit code 2)
+    for bad input, before anything is written.
+    """
+    t0 = time.perf_counter()
+    seconds: dict[str, float] = {}
+    _check_options(profile, act_dtype, tp, fuse)
+    dev = resolve_device(device)
+    out = Path(out).expanduser().absolute()
+    src: ResolvedSource = resolve_source(str(source), revision)
+    if out == src.path or src.path in out.parents:
+        raise UsageError(
+            f"-o {out} lies inside the source checkpoint {src.path}; choose another output directory"
+        )
+    ck = open_checkpoint(src.path)
+    find_layers(ck)
+    plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp, fusion=fuse,
+                     passthrough=passthrough)  # fmt: skip
+    validate_values(ck, plan)
+    seconds["validate"] = time.perf_counter() - t0
+
+    names = source_files(src, ck.files)
+    hashes: list[dict[str, Any]] | Future | None = None
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash")
+    try:
+        if out.exists():
+            t = time.perf_counter()
+            hashes = hash_sources(src, names)
+            seconds["hash_sources"] = time.perf_counter() - t
+            state = existing_state(out, plan.target, hashes)
+            if state == "same" and not force:
+                m, digest = load_manifest(out)
+                return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
+            if state == "foreign" or (state == "other-sidecar" and not force):
+                what = (
+                    "a different sidecar"
+                    if state == "other-sidecar"
+                    else "files that are not an mpack sidecar"
+                )
+                raise OutputExistsError(
+                    f"{out} already holds {what}",
+                    hint="pass --force to replace it"
+                    if state == "other-sidecar"
+                    else "choose another -o directory, "
+                    "or remove it yourself (mpack does not delete what it did not write)",
+                )
+        else:
+            hashes = hasher.submit(hash_sources, src, names)  # overlaps the conversion
+        clean_stale_tmp(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f"{_tmp_prefix(out)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            written = _write_all(plan, tmp, dev, progress, seconds)
+            for name in names:
+                if name in _copied(src):
+                    shutil.copyfile(src.path / name, tmp / name)
+            files_src = hashes.result() if isinstance(hashes, Future) else hashes
+            file_records = [{"name": n, **written[n]} for n in sorted(written)]
+            for name in sorted(_copied(src) & set(names)):
+                p = tmp / name
+                file_records.append(
+                    {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)}
+                )
+            manifest = new_manifest(
+                target=plan.target,
+                source=provenance(src, files_src),
+                model={"architecture": ck.architecture, "config": _model_summary(ck)},
+                layers=plan.layers_manifest(),
+                files=sorted(file_records, key=lambda f: f["name"]),
+            )
+            digest = write_manifest(tmp, manifest)
+            fsync_dir(tmp)
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        hasher.shutdown(wait=True)
+    seconds["total"] = time.perf_counter() - t0
+    return ConvertResult(
+        out, manifest, digest, up_to_date=False, seconds=seconds, bytes_written=plan.total_bytes
+    )
+
+
+def _copied(src: ResolvedSource) -> set[str]:
+    return {n for n in COPIED_FILES if (src.path / n).is_file()}
+
+
+def _model_summary(ck: Checkpoint) -> dict[str, Any]:
+    c = ck.text_config
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
+    return {k: c[k] for k in keys if k in c} | {"dtype": ck.dtype}
+
+
+def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | None,
+               seconds: dict[str, float]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Stream every output file into ``tmp``; return ``{file: {size, sha256}}``."""
+    ck = plan.ckpt
+    writers = {name: HashingWriter(tmp / name, layout) for name, layout in plan.files.items()}
+    total, done = plan.total_bytes, 0
+    phase = {"read": 0.0, "transform": 0.0, "write": 0.0}
+
+    def bump(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("bytes", done, total)
+
+    try:
+        for w in writers.values():
+            bump(w.position)
+        if COMMON_NAME in writers:
+            t = time.perf_counter()
+            _copy_passthrough(ck, writers[COMMON_NAME], bump)
+            phase["write"] += time.perf_counter() - t
+
+        def timed_read(unit: list[OutLayer]) -> dict[str, torch.Tensor]:
+            t = time.perf_counter()
+            r = read_unit(ck, unit, dev)
+            phase["read"] += time.perf_counter() - t
+            return r
+
+        def timed_write(unit: list[OutLayer], outs: list[list[torch.Tensor]]) -> None:
+            t = time.perf_counter()
+            for layer, tensors in zip(unit, outs, strict=True):
+                w = writers[_rank_file(plan, layer.rank)]
+                for spec, tensor in zip(layer.tensor_specs(plan.act_dtype), tensors, strict=True):
+                    entry = w.layout.entry(spec.name)
+                    data = tensor.contiguous().view(torch.uint8).numpy()
+                    assert data.nbytes == entry.nbytes, spec.name
+                    w.write_at(entry.offset, data)
+                    bump(entry.nbytes)
+            phase["write"] += time.perf_counter() - t
+
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="mpack-read") as reader,
+            ThreadPoolExecutor(1, thread_name_prefix="mpack-write") as writer,
+        ):
+            nxt = reader.submit(timed_read, plan.units[0]) if plan.units else None
+            pending: Future | None = None
+            for i, unit in enumerate(plan.units):
+                src = nxt.result()
+                nxt = (
+                    reader.submit(timed_read, plan.units[i + 1])
+                    if i + 1 < len(plan.units)
+                    else None
+                )
+                t = time.perf_counter()
+                outs = [transform(layer, src, plan.act_dtype, dev) for layer in unit]
+                phase["transform"] += time.perf_counter() - t
+                del src
+                if pending is not None:
+                    pending.result()  # at most one unit waiting to be written
+                pending = writer.submit(timed_write, unit, outs)
+                if progress:
+                    progress("layers", i + 1, len(plan.units))
+            if pending is not None:
+                pending.result()
+        result = {}
+        for name, w in writers.items():
+            size, sha = w.finish()
+            result[name] = {"size": size, "sha256": sha}
+        seconds.update({f"{k}_busy": v for k, v in phase.items()})
+        return result
+    finally:
+        for w in writers.values():
+            w.close()
+
+
+def _rank_file(plan: Plan, rank: int) -> str:
+    return rank_file_name(rank, plan.tp)
+
+
+def _copy_passthrough(ck: Checkpoint, w: HashingWriter, bump: Callable[[int], None]) -> None:
+    """Copy pass-through tensors byte for byte, in file order, in bounded chunks."""
+    for entry in w.layout.entries:
+        t = ck.tensors[entry.name]
+        with open(ck.root / t.file, "rb", buffering=0) as f:
+            pos, end = t.offset, t.offset + t.nbytes
+            while pos < end:
+                chunk = os.pread(f.fileno(), min(COPY_CHUNK, end - pos), pos)
+                if not chunk:
+                    raise InputError(f"{ck.root / t.file}: tensor {t.name!r} is truncated")
+                w.write_at(entry.offset + (pos - t.offset), chunk)
+                bump(len(chunk))
+                pos += len(chunk)

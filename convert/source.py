@@ -1,0 +1,149 @@
+"""Where a checkpoint comes from: a local directory, or a Hub repo resolved to an exact commit.
+
+Hub sources go through ``huggingface_hub.snapshot_download`` (revision pinning, the HF cache,
+``HF_HUB_OFFLINE``, tokens), fetching only what a conversion needs. The manifest records the
+resolved commit (or the local path) and the size and sha256 of every source file used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpack.errors import SourceNotFoundError, UsageError
+from mpack.sidecar import COPIED_FILES, sha256_file
+
+#: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
+ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer*",
+    "*.model",
+    "merges.txt",
+    "vocab.*",
+    "*.jinja",
+]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A checkpoint on local disk, and how it was named."""
+
+    path: Path  # directory holding config.json and the shards
+    kind: str  # "local" | "hub"
+    repo: str | None = None  # Hub repo id
+    revision: str | None = None  # resolved commit sha (Hub)
+    requested: str | None = None  # the revision the user asked for
+
+    @property
+    def display(self) -> str:
+        return (
+            f"{self.repo}@{self.revision[:12]}"
+            if self.kind == "hub" and self.revision
+            else str(self.path)
+        )
+
+
+def resolve_source(source: str, revision: str | None = None) -> ResolvedSource:
+    """Resolve ``source`` (a directory, or a Hub repo id) to a local directory.
+
+    Raises:
+        SourceNotFoundError: no such directory, repo, revision, or (offline) nothing cached.
+        UsageError: ``--revision`` given with a local directory.
+    """
+    p = Path(source).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise SourceNotFoundError(
+                f"{source}: is a file; give the checkpoint directory (holding config.json)"
+            )
+        if revision:
+            raise UsageError(
+                f"--revision {revision} applies to Hub repos, but {source} is a local directory"
+            )
+        return ResolvedSource(path=p.resolve(), kind="local")
+    if source.startswith((".", "/", "~")) or not _REPO_ID.match(source):
+        raise SourceNotFoundError(f"{source}: no such directory (and not a Hugging Face repo id)")
+    return _snapshot(source, revision)
+
+
+def _snapshot(repo: str, revision: str | None) -> ResolvedSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    rev = f"@{revision}" if revision else ""
+    try:
+        path = Path(
+            snapshot_download(repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS)
+        )
+    except GatedRepoError:
+        raise SourceNotFoundError(
+            f"{repo}: the repo is gated",
+            hint="accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)",
+        ) from None
+    except RepositoryNotFoundError:
+        raise SourceNotFoundError(
+            f"{repo}: no such repo on the Hub (or it is private)",
+            hint="check the id, or log in with `hf auth login`",
+        ) from None
+    except RevisionNotFoundError:
+        raise SourceNotFoundError(
+            f"{repo}{rev}: no such revision", hint="give a branch, tag or commit sha"
+        ) from None
+    except LocalEntryNotFoundError:
+        raise SourceNotFoundError(
+            f"{repo}{rev}: not in the local Hugging Face cache and the Hub cannot be reached",
+            hint="download it once with network access (unset HF_HUB_OFFLINE), or pass a local directory",
+        ) from None
+    except OSError as e:  # network errors surface as requests/httpx OSErrors
+        raise SourceNotFoundError(f"{repo}{rev}: cannot download ({e})") from None
+    commit = path.name if _COMMIT.match(path.name) else None
+    return ResolvedSource(path=path, kind="hub", repo=repo, revision=commit, requested=revision)
+
+
+def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:
+    """The files a conversion uses: the shards, the index, and the copied config/tokenizer files."""
+    names = set(shards)
+    for extra in ("model.safetensors.index.json", *COPIED_FILES):
+        if (src.path / extra).is_file():
+            names.add(extra)
+    return sorted(names)
+
+
+def _file_record(root: Path, name: str) -> dict[str, Any]:
+    """``{name, size, sha256}``; in the HF cache an LFS blob is named by its sha256 already."""
+    p = root / name
+    size = p.stat().st_size
+    if p.is_symlink():
+        blob = Path(os.path.realpath(p))
+        if _SHA256.match(blob.name) and blob.parent.name == "blobs":
+            return {"name": name, "size": size, "sha256": blob.name}
+    return {"name": name, "size": size, "sha256": sha256_file(p)}
+
+
+def hash_sources(src: ResolvedSource, names: list[str], workers: int = 2) -> list[dict[str, Any]]:
+    """Size and sha256 of every source file used, in name order."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda n: _file_record(src.path, n), names))
+
+
+def provenance(src: ResolvedSource, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's ``source`` object."""
+    doc: dict[str, Any] = {"kind": src.kind, "files": files}
+    if src.kind == "hub":
+        doc.update(repo=src.repo, revision=src.revision, requested_revision=src.requested)
+    else:
+        doc.update(path=str(src.path))
+    return doc

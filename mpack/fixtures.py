@@ -1,0 +1,391 @@
+"""Tiny, real compressed-tensors FP8 checkpoints, generated offline (for tests, demo, benchmarks).
+
+A checkpoint is produced the way llm-compressor's ``oneshot`` produces one, without
+llm-compressor and without the Hugging Face Hub:
+
+1. a transformers model (Llama, Mistral, Qwen2 or Qwen3) built from a config, with random
+   weights from a fixed seed: linear weights and embeddings ``N(0, 0.02)``, norm weights
+   ``1 + N(0, 0.1)`` (not all ones, so pass-through bytes mean something), biases
+   ``N(0, 0.02)`` (non-zero);
+2. ``apply_quantization_config`` with a compressed-tensors preset (``FP8`` or ``FP8_DYNAMIC``)
+   on every ``Linear`` except ``lm_head``;
+3. min-max weight scales (``calculate_qparams`` of the weight's min and max, per tensor or per
+   output channel);
+4. ``FP8`` only: a calibration forward pass on random token ids; a forward pre-hook on each
+   quantized linear keeps the running min/max of its input (static min-max) and sets
+   ``input_scale`` from it before the layer's fake-quantized forward runs, as llm-compressor's
+   observers do;
+5. ``ModelCompressor.compress_model``, ``save_pretrained`` and ``update_config``.
+
+On disk, for every quantized linear ``X``: ``X.weight`` float8_e4m3fn ``[N, K]``,
+``X.weight_scale`` in the model dtype (``[1]`` for ``FP8``, ``[N, 1]`` for ``FP8_DYNAMIC``) and,
+for ``FP8`` only, ``X.input_scale`` in the model dtype ``[1]``. Embeddings, norms and
+``lm_head`` stay unquantized in the model dtype. ``config.json`` carries a
+``quantization_config`` (``quant_method`` ``compressed-tensors``, format ``float-quantized``).
+
+Usage: ``make_checkpoint(tmp_path / "ckpt")`` or ``python -m mpack.fixtures OUT [options]``.
+Import this module explicitly: it is not imported by ``import mpack`` and it imports torch,
+transformers and compressed-tensors lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ARCHS", "SCHEMES", "DTYPES", "make_checkpoint", "main"]
+
+#: arch name -> (transformers config class, causal LM class)
+ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+SCHEMES: tuple[str, ...] = ("FP8", "FP8_DYNAMIC")
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+_INDEX_NAME = "model.safetensors.index.json"
+_CALIB_BATCH = 2
+_CALIB_SEQ = 32
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    hidden: int = 256,
+    intermediate: int = 512,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab: int = 1000,
+    scheme: str = "FP8",
+    dtype: str = "bfloat16",
+    max_shard_size: str | int | None = None,
+    scale_in_other_shard: bool = False,
+    tie_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a random compressed-tensors FP8 checkpoint to ``out_dir`` and return its path.
+
+    Args:
+        out_dir: directory to write (created if missing). Gets ``config.json``,
+            ``generation_config.json`` and ``model.safetensors`` (or shards
+            ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``).
+        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` (q/k/v have a bias) or ``"qwen3"``
+            (q/k norms over ``head_dim``).
+        hidden, intermediate, layers, heads, kv_heads, vocab: model dimensions.
+        head_dim: per-head dimension; ``None`` means ``hidden // heads``. Qwen2 has no
+            ``head_dim`` setting, so there it must be ``None`` or ``hidden // heads``.
+        scheme: compressed-tensors preset: ``"FP8"`` (per-tensor weight scales ``[1]``, static
+            per-tensor ``input_scale`` ``[1]``) or ``"FP8_DYNAMIC"`` (per-channel weight scales
+            ``[N, 1]``, dynamic per-token activations, no ``input_scale``).
+        dtype: model dtype, ``"bfloat16"``, ``"float16"`` or ``"float32"``: the dtype of the
+            unquantized tensors and of every scale.
+        max_shard_size: passed to ``save_pretrained`` (e.g. ``"200KB"``) to write several shards.
+        scale_in_other_shard: after saving, move ``model.layers.0.self_attn.q_proj.weight_scale``
+            into another shard than its weight (needs a ``max_shard_size`` that gives at least
+            two shards); the index's ``weight_map`` is updated.
+        tie_embeddings: ``tie_word_embeddings`` (then no ``lm_head.weight`` is stored).
+        seed: seed of the weights and of the calibration tokens.
+
+    Same arguments give byte-identical safetensors files.
+    """
+    arch = arch.lower()
+    scheme = scheme.upper()
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None and hidden % heads:
+        raise ValueError(
+            f"hidden ({hidden}) must be a multiple of heads ({heads}) when head_dim is not given"
+        )
+    if arch == "qwen2" and head_dim not in (None, hidden // heads):
+        raise ValueError(
+            f"qwen2 derives head_dim from hidden // heads = {hidden // heads}, "
+            f"got head_dim={head_dim}"
+        )
+    if scale_in_other_shard and max_shard_size is None:
+        raise ValueError("scale_in_other_shard needs max_shard_size (at least two shards)")
+
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = getattr(torch, dtype)
+
+    config = _build_config(
+        arch,
+        hidden=hidden,
+        intermediate=intermediate,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim if head_dim is not None else hidden // heads,
+        vocab=vocab,
+        tie_embeddings=tie_embeddings,
+    )
+    threads = torch.get_num_threads()
+    # One thread: the calibration matmuls then reduce in the same order on every machine.
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            model = _build_model(arch, config, torch_dtype, seed)
+            _quantize(model, scheme, vocab, seed)
+            compressor = ModelCompressor.from_pretrained_model(model)
+            compressor.compress_model(model)
+    finally:
+        torch.set_num_threads(threads)
+
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **save_kwargs)
+    compressor.update_config(str(out))
+
+    if scale_in_other_shard:
+        _move_to_other_shard(out, "model.layers.0.self_attn.q_proj.weight_scale")
+    return out
+
+
+def _build_config(
+    arch: str,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    tie_embeddings: bool,
+) -> Any:
+    """The transformers config of ``arch`` with these dimensions (bos 1, eos 2, 512 positions)."""
+    import transformers
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch != "qwen2":
+        kwargs["head_dim"] = head_dim
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    return getattr(transformers, ARCHS[arch][0])(**kwargs)
+
+
+def _build_model(arch: str, config: Any, torch_dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A causal LM for ``config`` in ``torch_dtype``, every parameter drawn from ``seed``.
+
+    Parameters are drawn in float32 in ``named_parameters`` order and then cast: norm weights
+    ``1 + N(0, 0.1)``, biases and all other weights ``N(0, 0.02)``.
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, ARCHS[arch][1])(config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        values = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * values
+        else:
+            values = 0.02 * values
+        p.data = values
+    model = model.to(torch_dtype).eval()
+    model.config.dtype = torch_dtype
+    return model
+
+
+def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> None:
+    """Apply preset ``scheme`` to every Linear but ``lm_head``; set weight and input scales.
+
+    Weight scales are min-max (``calculate_qparams``) per tensor (``[1]``) or per output channel
+    (``[N, 1]``), in the model dtype. Static input scales (``FP8``) come from a calibration
+    forward pass over ``[2, 32]`` random token ids with quantization active: a pre-hook keeps the
+    running min/max of each layer's input and updates ``input_scale`` before the layer's
+    fake-quantized forward uses it.
+    """
+    import torch
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStrategy,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])},
+        ignore=["lm_head"],
+    )
+    apply_quantization_config(model, qconfig, show_progress=False)
+    quantized = [
+        (name, m) for name, m in model.named_modules() if hasattr(m, "quantization_scheme")
+    ]
+    if not quantized:
+        raise RuntimeError("apply_quantization_config matched no Linear layer")
+
+    for _, m in quantized:
+        args = m.quantization_scheme.weights
+        w = m.weight.data
+        if args.strategy == QuantizationStrategy.TENSOR:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        elif args.strategy == QuantizationStrategy.CHANNEL:
+            lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        else:
+            raise ValueError(f"weight strategy {args.strategy} is not supported here")
+        scale, zero_point = calculate_qparams(lo, hi, args)
+        m.weight_scale.data.copy_(scale)
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.copy_(zero_point)
+
+    input_args = quantized[0][1].quantization_scheme.input_activations
+    if input_args is None or input_args.dynamic:
+        return
+
+    running: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def make_hook(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0]
+            lo, hi = x.amin().reshape(1), x.amax().reshape(1)
+            if name in running:
+                lo = torch.minimum(lo, running[name][0])
+                hi = torch.maximum(hi, running[name][1])
+            running[name] = (lo, hi)
+            scale, zero_point = calculate_qparams(
+                lo, hi, module.quantization_scheme.input_activations
+            )
+            module.input_scale.data.copy_(scale)
+            if hasattr(module, "input_zero_point"):
+                module.input_zero_point.data.copy_(zero_point)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(name)) for name, m in quantized]
+    try:
+        gen = torch.Generator().manual_seed(seed + 1)
+        tokens = torch.randint(0, vocab, (_CALIB_BATCH, _CALIB_SEQ), generator=gen)
+        model(input_ids=tokens, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [name for name, _ in quantized if name not in running]
+    if missing:
+        raise RuntimeError(f"calibration did not reach {missing}")
+
+
+def _move_to_other_shard(out: Path, tensor_name: str) -> None:
+    """Move ``tensor_name`` out of the shard that holds its layer's weight.
+
+    Both shard files are rewritten with ``safetensors.torch.save_file`` (metadata
+    ``{"format": "pt"}``) and ``model.safetensors.index.json``'s ``weight_map`` is updated.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = out / _INDEX_NAME
+    if not index_path.is_file():
+        raise ValueError(
+            f"scale_in_other_shard needs a sharded checkpoint, but {out} has no {_INDEX_NAME}: "
+            "use a smaller max_shard_size"
+        )
+    index = json.loads(index_path.read_text())
+    weight_map: dict[str, str] = index["weight_map"]
+    weight_name = tensor_name.rsplit(".", 1)[0] + ".weight"
+    weight_file = weight_map[weight_name]
+    shards = sorted(set(weight_map.values()))
+    if len(shards) < 2:
+        raise ValueError(f"scale_in_other_shard needs two shards or more, got {shards}")
+    src = weight_map[tensor_name]
+    if src == weight_file:
+        dst = shards[(shards.index(src) + 1) % len(shards)]
+
+        def load(fname: str) -> dict[str, torch.Tensor]:
+            with safe_open(str(out / fname), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+
+        src_tensors, dst_tensors = load(src), load(dst)
+        dst_tensors[tensor_name] = src_tensors.pop(tensor_name)
+        save_file(src_tensors, str(out / src), metadata={"format": "pt"})
+        save_file(dst_tensors, str(out / dst), metadata={"format": "pt"})
+        weight_map[tensor_name] = dst
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    with safe_open(str(out / weight_map[tensor_name]), framework="pt") as f:
+        assert tensor_name in f.keys()
+    with safe_open(str(out / weight_file), framework="pt") as f:
+        assert tensor_name not in f.keys() and weight_name in f.keys()
+    assert weight_map[tensor_name] != weight_map[weight_name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mpack.fixtures OUT [options]``: write a checkpoint and print its path."""
+    p = argparse.ArgumentParser(
+        prog="python -m mpack.fixtures",
+        description="Write a tiny random compressed-tensors FP8 checkpoint (offline).",
+    )
+    p.add_argument("out", type=Path, help="output directory")
+    p.add_argument("--arch", default="llama", choices=sorted(ARCHS))
+    p.add_argument("--scheme", default="FP8", choices=list(SCHEMES))
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--max-shard-size", default=None, help='e.g. "200KB"')
+    p.add_argument("--scale-in-other-shard", action="store_true")
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    path = make_checkpoint(
+        a.out,
+        arch=a.arch,
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        layers=a.layers,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        vocab=a.vocab,
+        scheme=a.scheme,
+        dtype=a.dtype,
+        max_shard_size=a.max_shard_size,
+        scale_in_other_shard=a.scale_in_other_shard,
+        tie_embeddings=a.tie_embeddings,
+        seed=a.seed,
+    )
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
