@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from mpack.convert import marlin as m
+from reference import independent_unpack
 
 # Llama-3.1-8B linears as [N, K]: qkv, o, gate_up, down.
 LLAMA8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -24,28 +25,6 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def _rand_fp8_bytes(n: int, k: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
-
-
-def independent_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack by SPEC §5's *index form* (word -> (n, k) of each byte), not by the reshape.
-
-    Word c of row kt: nt=c//256, p=c%256, t=p>>3, w=(p>>1)&3, h=p&1,
-    n = 64nt + 16w + (t>>2) + 8h; byte j holds W[16kt + 2(t&3) + (0, 8, 1, 9)[j]][n].
-    """
-    kt_count, words = packed.shape
-    n_total, k_total = words // 4, kt_count * 16
-    by = packed.contiguous().view(torch.uint8).reshape(kt_count, words, 4)
-    c = torch.arange(words)
-    nt, p = c // 256, c % 256
-    t, w, h = p >> 3, (p >> 1) & 3, p & 1
-    n = 64 * nt + 16 * w + (t >> 2) + 8 * h  # [words]
-    koff = torch.tensor([0, 8, 1, 9])
-    kt = torch.arange(kt_count)
-    k = 16 * kt[:, None, None] + 2 * (t & 3)[None, :, None] + koff[None, None, :]  # [kt, words, 4]
-    out = torch.full((k_total, n_total), -1, dtype=torch.int16)
-    out[k, n[None, :, None].expand_as(k)] = by.to(torch.int16)
-    assert (out >= 0).all(), "some (k, n) was never written: the index form is not a bijection"
-    return out.to(torch.uint8).T.contiguous()  # [N, K]
 
 
 # --- SPEC §10 vectors -------------------------------------------------------------------
