@@ -205,7 +205,17 @@ def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
                 )
             members = want
         out.append((name, members))
-    return sorted(out, key=lambda g: _natural_key(g[0]))
+    return sorted(out, key=lambda g: _layer_order(g[0]))
+
+
+#: Within a decoder layer, outputs go in the order the forward pass uses them.
+_LEAF_ORDER = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
+
+
+def _layer_order(name: str) -> tuple[Any, ...]:
+    parent, _, leaf = name.rpartition(".")
+    block = parent.rpartition(".")[0] if leaf in _LEAF_ORDER else parent
+    return (_natural_key(block), _LEAF_ORDER.get(leaf, len(_LEAF_ORDER)), _natural_key(name))
 
 
 def _slices(
