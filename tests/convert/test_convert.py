@@ -31,11 +31,15 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.dtype == b.dtype
         and a.shape == b.shape
-        and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+        and torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
     )
 
 
-def check_sidecar_rules(out: Path, *, profile: str, act_dtype: str, tp: int, fusion: str = "vllm") -> dict:
+def check_sidecar_rules(
+    out: Path, *, profile: str, act_dtype: str, tp: int, fusion: str = "vllm"
+) -> dict:
     """SPEC §9: manifest keys and values, files, 64-byte alignment, stock safetensors readable."""
     m = json.loads((out / "mpack.json").read_text())
     assert m["format"] == "mpack-sidecar" and m["format_version"] == 1
@@ -82,7 +86,9 @@ def test_golden_case_cli(case_dir: Path, tmp_path: Path):
     out = tmp_path / "out"
     args = ["convert", str(case_dir / case["input"]), "-o", str(out), "--profile", case["profile"],
             "--act-dtype", case["act_dtype"], "--tp", str(case["tp"]), "--device", "cpu"]  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "mpack.cli", *args], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", *args], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(case["expected_files"])
     for name in case["expected_files"]:
@@ -104,10 +110,29 @@ MODELS = {
     "qwen3": dict(arch="qwen3", scheme="FP8", head_dim=32),
     "sharded": dict(arch="llama", scheme="FP8", max_shard_size="200KB", scale_in_other_shard=True),
     # SmolLM2-135M's dims, one layer: every fused layer needs padding in N
-    "smollm-padded": dict(arch="llama", scheme="FP8", hidden=576, intermediate=1536, heads=9, kv_heads=3,
-                          head_dim=64, layers=1, vocab=1024),  # fmt: skip
-    "smollm-padded-channel": dict(arch="llama", scheme="FP8_DYNAMIC", hidden=576, intermediate=1536, heads=9,
-                                  kv_heads=3, head_dim=64, layers=1, vocab=1024, dtype="float16"),  # fmt: skip
+    "smollm-padded": dict(
+        arch="llama",
+        scheme="FP8",
+        hidden=576,
+        intermediate=1536,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        layers=1,
+        vocab=1024,
+    ),  # fmt: skip
+    "smollm-padded-channel": dict(
+        arch="llama",
+        scheme="FP8_DYNAMIC",
+        hidden=576,
+        intermediate=1536,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        layers=1,
+        vocab=1024,
+        dtype="float16",
+    ),  # fmt: skip
 }
 
 
@@ -129,7 +154,11 @@ def _reference(ck: Path, *, profile: str, tp: int, rank: int) -> dict[str, dict]
     cfg = json.loads((ck / "config.json").read_text())
     src = _source(ck)
     H, Hkv, I = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    d = cfg["hidden_size"] // H if cfg["model_type"] == "qwen2" else (cfg.get("head_dim") or cfg["hidden_size"] // H)
+    d = (
+        cfg["hidden_size"] // H
+        if cfg["model_type"] == "qwen2"
+        else (cfg.get("head_dim") or cfg["hidden_size"] // H)
+    )
     nq = H // tp
     nkv, rep = (1, tp // Hkv) if tp >= Hkv else (Hkv // tp, 1)
     q_rows = slice(rank * nq * d, (rank + 1) * nq * d)
@@ -163,7 +192,10 @@ def _reference(ck: Path, *, profile: str, tp: int, rank: int) -> dict[str, dict]
                     biases.append(b[rows] if rows is not None else b)
             if shard_scale[0].numel() == 1 and profile == "w8a8-marlin":
                 s_max = torch.stack([s.reshape(()) for s in shard_scale]).max()
-                ws = [marlin.requantize(w, s.reshape(()), s_max) for w, s in zip(ws, shard_scale, strict=True)]
+                ws = [
+                    marlin.requantize(w, s.reshape(()), s_max)
+                    for w, s in zip(ws, shard_scale, strict=True)
+                ]
                 shard_scale = [s_max.reshape(1) for _ in ws]
             for w, s in zip(ws, shard_scale, strict=True):
                 scales.append(s.expand(w.shape[0]) if s.numel() == 1 else s)
@@ -189,7 +221,9 @@ def _check_against_reference(ck: Path, out: Path, *, profile: str, act_dtype: st
             full = independent_unpack(packed)
             assert torch.equal(full[:n, :k], exp["w"]), f"rank {rank}: {name} weight bytes"
             assert not full[n:].any() and not full[:, k:].any(), f"{name}: padding must be zero"
-            assert same_bytes(got[name + ".weight_scale"], expected_scale_row(exp["s"], dt, np_)), name
+            assert same_bytes(got[name + ".weight_scale"], expected_scale_row(exp["s"], dt, np_)), (
+                name
+            )
             if exp["b"] is not None:
                 assert same_bytes(got[name + ".bias"], expected_bias(exp["b"], dt, np_)), name
             else:
@@ -294,18 +328,31 @@ def test_cli_json_summary_and_inspect(models, tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["up_to_date"] is False and doc["target"]["tp_size"] == 2
-    assert set(doc["files"]) >= {"rank-00-of-02.safetensors", "rank-01-of-02.safetensors", "common.safetensors"}
+    assert set(doc["files"]) >= {
+        "rank-00-of-02.safetensors",
+        "rank-01-of-02.safetensors",
+        "common.safetensors",
+    }
     assert doc["manifest_digest"] and doc["bytes"] == sum(doc["files"].values())
     r = subprocess.run([sys.executable, "-m", "mpack.cli", "inspect", str(out)], capture_output=True, text=True,
                        env=env, timeout=120)  # fmt: skip
-    assert r.returncode == 0 and "model.layers.0.self_attn.qkv_proj" in r.stdout and doc["manifest_digest"] in r.stdout
+    assert (
+        r.returncode == 0
+        and "model.layers.0.self_attn.qkv_proj" in r.stdout
+        and doc["manifest_digest"] in r.stdout
+    )
     r = subprocess.run([sys.executable, "-m", "mpack.cli", "inspect", str(out), "--json"], capture_output=True,
                        text=True, timeout=120)  # fmt: skip
     assert json.loads(r.stdout)["target"]["tp_size"] == 2
     r = subprocess.run([sys.executable, "-m", "mpack.cli", "verify", str(out), "--json"], capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     rep = json.loads(r.stdout)
-    assert r.returncode == 0 and rep["ok"] and rep["source_checked"] and rep["layers_checked"] == 8 * 2 // 2 * 2
+    assert (
+        r.returncode == 0
+        and rep["ok"]
+        and rep["source_checked"]
+        and rep["layers_checked"] == 8 * 2 // 2 * 2
+    )
 
 
 # --- GPU: identical bytes --------------------------------------------------------------------
@@ -328,6 +375,10 @@ def test_gpu_golden_case(case_dir: Path, tmp_path: Path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, profile, act_dtype, tp", CONVERSIONS[::2], ids=lambda v: str(v))
 def test_gpu_and_cpu_sidecars_identical(models, tmp_path, model, profile, act_dtype, tp):
-    a = run_convert(models[model], tmp_path / "cpu", profile=profile, act_dtype=act_dtype, tp=tp, device="cpu")
-    b = run_convert(models[model], tmp_path / "gpu", profile=profile, act_dtype=act_dtype, tp=tp, device="cuda")
+    a = run_convert(
+        models[model], tmp_path / "cpu", profile=profile, act_dtype=act_dtype, tp=tp, device="cpu"
+    )
+    b = run_convert(
+        models[model], tmp_path / "gpu", profile=profile, act_dtype=act_dtype, tp=tp, device="cuda"
+    )
     assert a.manifest["files"] == b.manifest["files"]
