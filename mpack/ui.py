@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -58,42 +59,44 @@ def emit_layout(*, n: int, k: int, np_: int, kp: int, act_dtype: str, as_json: b
 
 
 class _Progress:
-    """A rich progress display fed by the pipeline's ``progress(stage, done, total)`` callback."""
+    """A rich progress display fed by the pipeline's ``progress(stage, done, total)`` callback.
+
+    Two rows: bytes written (with speed and ETA) and layers done.
+    """
 
     def __init__(self) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self._bytes = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=err_console, transient=False,
+        self.display = Progress(
+            TextColumn("{task.description:8}"), BarColumn(), TextColumn("{task.fields[detail]:>22}"),
+            TextColumn("{task.fields[rate]:>12}"), TimeRemainingColumn(), console=err_console,
         )  # fmt: skip
-        self._layers_cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-        self._tasks: dict[str, int] = {}
-        self._mofn = MofNCompleteColumn
+        self._tasks: dict[str, Any] = {}
+        self._t0 = time.perf_counter()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if stage not in self._tasks:
-            label = "writing" if stage == "bytes" else "layers "
-            self._tasks[stage] = self._bytes.add_task(label, total=total)
-        self._bytes.update(self._tasks[stage], completed=done, total=total)
+            label = "writing" if stage == "bytes" else "layers"
+            self._tasks[stage] = self.display.add_task(label, total=total, detail="", rate="")
+        rate = ""
+        if stage == "bytes":
+            detail = f"{human_bytes(done)} / {human_bytes(total)}"
+            rate = f"{human_bytes(int(done / max(time.perf_counter() - self._t0, 1e-6)))}/s"
+        else:
+            detail = f"{done} / {total}"
+        self.display.update(
+            self._tasks[stage], completed=done, total=total, detail=detail, rate=rate
+        )
 
 
 @contextlib.contextmanager
 def convert_progress(enabled: bool):
-    """Yield a progress callback: a live display on a terminal, else nothing."""
+    """Yield a progress callback: a live display on a terminal, else ``None``."""
     if not enabled or not err_console.is_terminal:
         yield None
         return
     p = _Progress()
-    with p._bytes:
+    with p.display:
         yield p
 
 
@@ -181,3 +184,55 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
         )
     else:
         console.print("source not checked (no --source, and the manifest records no local path)")
+
+
+# --- mpack serve / mpack status (runtime) ------------------------------------------------------
+
+
+def emit_ready(info: dict[str, Any]) -> None:
+    """The one ``READY key=value ...`` line ``mpack serve`` prints on stdout when it serves."""
+    keys = ("socket", "pid", "device", "backend", "bytes", "load_s", "rank", "digest")
+    print("READY " + " ".join(f"{k}={info[k]}" for k in keys if k in info), flush=True)
+
+
+def emit_event(event: dict[str, Any]) -> None:
+    """One log line on stderr per daemon event (attach, detach, refusals, bad requests)."""
+    import time
+
+    rest = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    print(f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip(), file=sys.stderr, flush=True)
+
+
+def _uptime(s: float) -> str:
+    s = int(s)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
+    if as_json:
+        print_json(docs)
+        return
+    live = [d for d in docs if d.get("state") == "serving"]
+    stale = [d for d in docs if d.get("state") != "serving"]
+    if not live:
+        console.print("no mpack daemon is serving")
+    else:
+        t = Table(title="mpack daemons")
+        for col in ("sidecar", "rank", "device", "memory", "clients (pid)", "uptime", "daemon pid"):
+            t.add_column(col)
+        for d in live:
+            pids = ", ".join(str(c["pid"]) for c in d["clients"]) or "-"
+            dev = d["device_label"] + (
+                f" ({d['device'][5:]})" if d["device"].startswith("cuda:") else ""
+            )
+            t.add_row(
+                d["sidecar"], f"{d['rank']}/{d['tp_size']}", dev, human_bytes(d["bytes"]),
+                f"{len(d['clients'])}: {pids}", _uptime(d["uptime_s"]), str(d["pid"]),
+            )  # fmt: skip
+        console.print(t)
+    for d in stale:
+        console.print(f"stale socket (its daemon died): {d['socket']}")
