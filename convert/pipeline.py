@@ -240,7 +240,7 @@ def clean_stale_tmp(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def existing_state(out: Path, target: dict[str, Any], files: list[dict[str, Any]]) -> str:
+def existing_state(out: Path, target: dict[str, Any], files: list[dict[str, Any]], common: bool) -> str:
     """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``."""
     if not out.exists():
         return "absent"
@@ -252,7 +252,8 @@ def existing_state(out: Path, target: dict[str, Any], files: list[dict[str, Any]
         m, _ = load_manifest(out)
     except InputError:
         return "other-sidecar"
-    same = m["target"] == target and m["source"].get("files") == files
+    has_common = any(f["name"] == COMMON_NAME for f in m["files"])
+    same = m["target"] == target and m["source"].get("files") == files and has_common == common
     intact = all(
         (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"]
         for f in m["files"]
@@ -319,7 +320,7 @@ def run_convert(
             t = time.perf_counter()
             hashes = hash_sources(src, names)
             seconds["hash_sources"] = time.perf_counter() - t
-            state = existing_state(out, plan.target, hashes)
+            state = existing_state(out, plan.target, hashes, common=COMMON_NAME in plan.files)
             if state == "same" and not force:
                 m, digest = load_manifest(out)
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
@@ -346,7 +347,7 @@ def run_convert(
             written = _write_all(plan, tmp, dev, progress, seconds)
             for name in names:
                 if name in _copied(src):
-                    shutil.copyfile(src.path / name, tmp / name)
+                    _copy_file(src.path / name, tmp / name)
             files_src = hashes.result() if isinstance(hashes, Future) else hashes
             file_records = [{"name": n, **written[n]} for n in sorted(written)]
             for name in sorted(_copied(src) & set(names)):
@@ -373,6 +374,12 @@ def run_convert(
     return ConvertResult(
         out, manifest, digest, up_to_date=False, seconds=seconds, bytes_written=plan.total_bytes
     )
+
+
+def _copy_file(a: Path, b: Path) -> None:
+    shutil.copyfile(a, b)
+    with open(b, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _copied(src: ResolvedSource) -> set[str]:
