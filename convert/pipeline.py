@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -240,7 +241,9 @@ def clean_stale_tmp(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def existing_state(out: Path, target: dict[str, Any], files: list[dict[str, Any]], common: bool) -> str:
+def existing_state(
+    out: Path, target: dict[str, Any], files: list[dict[str, Any]], common: bool
+) -> str:
     """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``."""
     if not out.exists():
         return "absent"
@@ -395,68 +398,77 @@ def _model_summary(ck: Checkpoint) -> dict[str, Any]:
 
 def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | None,
                seconds: dict[str, float]) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Stream every output file into ``tmp``; return ``{file: {size, sha256}}``."""
+    """Stream every output file into ``tmp``; return ``{file: {size, sha256}}``.
+
+    Threads: one reads unit i+1 while the caller transforms unit i and one writes unit i-1
+    (at most three units in memory); pass-through tensors are copied on a fourth, into their own
+    file. Each file hashes on its own thread too (HashingWriter).
+    """
     ck = plan.ckpt
     writers = {name: HashingWriter(tmp / name, layout) for name, layout in plan.files.items()}
-    total, done = plan.total_bytes, 0
-    phase = {"read": 0.0, "transform": 0.0, "write": 0.0}
+    total, done, lock = plan.total_bytes, 0, threading.Lock()
+    phase = {"read": 0.0, "transform": 0.0, "write": 0.0, "passthrough": 0.0}
 
     def bump(n: int) -> None:
         nonlocal done
-        done += n
-        if progress:
-            progress("bytes", done, total)
+        with lock:
+            done += n
+            if progress:
+                progress("bytes", done, total)
+
+    def timed(key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            phase[key] += time.perf_counter() - t
+
+    def write_unit(unit: list[OutLayer], outs: list[list[torch.Tensor]]) -> None:
+        for layer, tensors in zip(unit, outs, strict=True):
+            w = writers[rank_file_name(layer.rank, plan.tp)]
+            for spec, tensor in zip(layer.tensor_specs(plan.act_dtype), tensors, strict=True):
+                entry = w.layout.entry(spec.name)
+                data = tensor.contiguous().view(torch.uint8).numpy()
+                assert data.nbytes == entry.nbytes, spec.name
+                w.write_at(entry.offset, data)
+                bump(entry.nbytes)
+
+    def transform_unit(
+        unit: list[OutLayer], src: dict[str, torch.Tensor]
+    ) -> list[list[torch.Tensor]]:
+        return [transform(layer, src, plan.act_dtype, dev) for layer in unit]
 
     try:
         for w in writers.values():
             bump(w.position)
-        if COMMON_NAME in writers:
-            t = time.perf_counter()
-            _copy_passthrough(ck, writers[COMMON_NAME], bump)
-            phase["write"] += time.perf_counter() - t
-
-        def timed_read(unit: list[OutLayer]) -> dict[str, torch.Tensor]:
-            t = time.perf_counter()
-            r = read_unit(ck, unit, dev)
-            phase["read"] += time.perf_counter() - t
-            return r
-
-        def timed_write(unit: list[OutLayer], outs: list[list[torch.Tensor]]) -> None:
-            t = time.perf_counter()
-            for layer, tensors in zip(unit, outs, strict=True):
-                w = writers[_rank_file(plan, layer.rank)]
-                for spec, tensor in zip(layer.tensor_specs(plan.act_dtype), tensors, strict=True):
-                    entry = w.layout.entry(spec.name)
-                    data = tensor.contiguous().view(torch.uint8).numpy()
-                    assert data.nbytes == entry.nbytes, spec.name
-                    w.write_at(entry.offset, data)
-                    bump(entry.nbytes)
-            phase["write"] += time.perf_counter() - t
-
         with (
             ThreadPoolExecutor(1, thread_name_prefix="mpack-read") as reader,
             ThreadPoolExecutor(1, thread_name_prefix="mpack-write") as writer,
+            ThreadPoolExecutor(1, thread_name_prefix="mpack-copy") as copier,
         ):
-            nxt = reader.submit(timed_read, plan.units[0]) if plan.units else None
-            pending: Future | None = None
-            for i, unit in enumerate(plan.units):
-                src = nxt.result()
-                nxt = (
-                    reader.submit(timed_read, plan.units[i + 1])
-                    if i + 1 < len(plan.units)
-                    else None
+            copied = None
+            if COMMON_NAME in writers:
+                copied = copier.submit(
+                    timed, "passthrough", _copy_passthrough, ck, writers[COMMON_NAME], bump
                 )
-                t = time.perf_counter()
-                outs = [transform(layer, src, plan.act_dtype, dev) for layer in unit]
-                phase["transform"] += time.perf_counter() - t
+            units = plan.units
+            nxt = reader.submit(timed, "read", read_unit, ck, units[0], dev) if units else None
+            pending: Future | None = None
+            for i, unit in enumerate(units):
+                src = nxt.result()
+                if i + 1 < len(units):
+                    nxt = reader.submit(timed, "read", read_unit, ck, units[i + 1], dev)
+                outs = timed("transform", transform_unit, unit, src)
                 del src
                 if pending is not None:
                     pending.result()  # at most one unit waiting to be written
-                pending = writer.submit(timed_write, unit, outs)
+                pending = writer.submit(timed, "write", write_unit, unit, outs)
                 if progress:
-                    progress("layers", i + 1, len(plan.units))
+                    progress("layers", i + 1, len(units))
             if pending is not None:
                 pending.result()
+            if copied is not None:
+                copied.result()
         result = {}
         for name, w in writers.items():
             size, sha = w.finish()
@@ -466,10 +478,6 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
     finally:
         for w in writers.values():
             w.close()
-
-
-def _rank_file(plan: Plan, rank: int) -> str:
-    return rank_file_name(rank, plan.tp)
 
 
 def _copy_passthrough(ck: Checkpoint, w: HashingWriter, bump: Callable[[int], None]) -> None:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,44 +244,65 @@ class HashingWriter:
     """Writes one planned safetensors file front to back, hashing every byte as it goes.
 
     Writes must come in file order (the planner guarantees it); each tensor's bytes may arrive
-    in several chunks. ``finish()`` checks that every planned byte was written, fsyncs, and
-    returns ``(size, sha256)``.
+    in several chunks. The sha256 runs on its own thread, overlapping the caller's next write
+    (both release the GIL); at most ``HASH_QUEUE`` chunks wait for it. ``finish()`` checks that
+    every planned byte was written, fsyncs, and returns ``(size, sha256)``.
     """
+
+    HASH_QUEUE = 4
 
     def __init__(self, path: str | os.PathLike, layout: FileLayout) -> None:
         self.path = Path(path)
         self.layout = layout
-        self._f: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in finish()/close()
+        self._f: BinaryIO = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()
         self._h = hashlib.sha256()
+        self._q: queue.Queue[memoryview | None] = queue.Queue(self.HASH_QUEUE)
+        self._hasher = threading.Thread(
+            target=self._hash_loop, name=f"sha256-{self.path.name}", daemon=True
+        )
+        self._hasher.start()
         self._pos = 0
         self._write(layout.header)
 
-    def _write(self, data: bytes | memoryview) -> None:
+    def _hash_loop(self) -> None:
+        while (mv := self._q.get()) is not None:
+            self._h.update(mv)
+
+    def _write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
-        self._f.write(mv)
-        self._h.update(mv)
+        done = 0
+        while done < len(mv):
+            done += self._f.write(mv[done:])
+        self._q.put(mv)
         self._pos += len(mv)
 
     @property
     def position(self) -> int:
         return self._pos
 
-    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+    def write_at(self, offset: int, data: Any) -> None:
+        """Append ``data`` (bytes-like, e.g. a numpy array) at ``offset``, which must be the end."""
         if offset != self._pos:
             raise AssertionError(
                 f"{self.path.name}: write at {offset}, but the file is at {self._pos}"
             )
         self._write(data)
 
+    def _stop_hasher(self) -> None:
+        if self._hasher.is_alive():
+            self._q.put(None)
+            self._hasher.join()
+
     def finish(self) -> tuple[int, str]:
         if self._pos != self.layout.size:
             raise AssertionError(f"{self.path.name}: wrote {self._pos} of {self.layout.size} bytes")
-        self._f.flush()
+        self._stop_hasher()
         os.fsync(self._f.fileno())
         self._f.close()
         return self._pos, self._h.hexdigest()
 
     def close(self) -> None:
+        self._stop_hasher()
         if not self._f.closed:
             self._f.close()
 

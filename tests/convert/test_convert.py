@@ -153,7 +153,7 @@ def _reference(ck: Path, *, profile: str, tp: int, rank: int) -> dict[str, dict]
     """SPEC §6 in the test's own words: per output layer, fused rows, per-channel scales, bias."""
     cfg = json.loads((ck / "config.json").read_text())
     src = _source(ck)
-    H, Hkv, I = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    H, Hkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
     d = (
         cfg["hidden_size"] // H
         if cfg["model_type"] == "qwen2"
@@ -163,7 +163,7 @@ def _reference(ck: Path, *, profile: str, tp: int, rank: int) -> dict[str, dict]
     nkv, rep = (1, tp // Hkv) if tp >= Hkv else (Hkv // tp, 1)
     q_rows = slice(rank * nq * d, (rank + 1) * nq * d)
     kv_rows = slice((rank // rep) * nkv * d, (rank // rep + 1) * nkv * d)
-    gu_rows = slice(rank * I // tp, (rank + 1) * I // tp)
+    gu_rows = slice(rank * inter // tp, (rank + 1) * inter // tp)
     out = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."

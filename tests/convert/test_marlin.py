@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import independent_unpack
 from safetensors import safe_open
 
 from mpack.convert import marlin as m
-from reference import independent_unpack
 
 # Llama-3.1-8B linears as [N, K]: qkv, o, gate_up, down.
 LLAMA8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]

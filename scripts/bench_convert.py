@@ -1,0 +1,207 @@
+"""Benchmark `mpack convert` on a Llama-3.1-8B-shaped FP8 checkpoint against the I/O floor.
+
+The floor is measured in the same run, on the same disk: reading every source file with plain
+sequential I/O, and writing as many bytes as the sidecar has (fsynced), with the page cache
+dropped (cold, when this process may write /proc/sys/vm/drop_caches) and warm. A conversion
+that overlaps its streams well costs about max(read, write), not their sum.
+
+    python scripts/bench_convert.py [--workdir DIR] [--layers 32] [--json out.json] [--plot out.png]
+
+Prints the table of ratios last. Each convert runs in its own process (peak RSS from wait4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from synth_checkpoint import LLAMA_8B, write_checkpoint  # noqa: E402
+
+CHUNK = 16 * 1024 * 1024
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only); False when this machine does not let us."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_all(files: list[Path]) -> float:
+    t = time.perf_counter()
+    buf = bytearray(CHUNK)
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - t
+
+
+def write_bytes(path: Path, nbytes: int) -> float:
+    buf = os.urandom(CHUNK)
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(buf[: min(CHUNK, left)])
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return dt
+
+
+def peak_rss_run(src: Path, out: Path, device: str) -> tuple[float, int]:
+    """Wall time and peak RSS (bytes) of one convert, measured with wait4 on the child."""
+    cmd = [sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out), "--device", device,
+           "--json", "--force"]  # fmt: skip
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    stdout = p.stdout.read().decode()
+    if status:
+        raise SystemExit(f"convert failed: {p.stderr.read().decode()[-2000:]}")
+    doc = json.loads(stdout)
+    doc["wall"] = wall
+    return doc, ru.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/mpack-bench")
+    ap.add_argument("--layers", type=int, default=LLAMA_8B["layers"])
+    ap.add_argument(
+        "--small-layers", type=int, default=8, help="second model size, for the RSS check"
+    )
+    ap.add_argument("--devices", default="cuda,cpu")
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--plot")
+    a = ap.parse_args()
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / f"llama8b-fp8-{a.layers}l"
+    if not (src / "config.json").is_file():
+        t = time.perf_counter()
+        write_checkpoint(src, layers=a.layers)
+        print(f"generated {src} in {time.perf_counter() - t:.1f} s", flush=True)
+    files = sorted(src.glob("*.safetensors"))
+    src_bytes = sum(p.stat().st_size for p in files)
+
+    res: dict = {"source_bytes": src_bytes, "layers": a.layers, "runs": {}}
+    can_drop = drop_caches()
+    res["cold_cache"] = can_drop
+    res["floor"] = {
+        "read_cold": read_all(files) if can_drop else None,
+        "read_warm": read_all(files),
+    }
+    devices = [d for d in a.devices.split(",") if d]
+    for dev in devices:
+        for temp in ("cold", "warm") if can_drop else ("warm",):
+            if temp == "cold":
+                drop_caches()
+            else:
+                read_all(files)  # warm the page cache
+            doc, rss = peak_rss_run(src, work / f"out-{dev}", dev)
+            res["runs"][f"{dev}-{temp}"] = {"wall": doc["wall"], "seconds": doc["seconds"], "peak_rss": rss,
+                                            "bytes": doc["bytes"]}  # fmt: skip
+            print(
+                f"convert --device {dev} ({temp}): {doc['wall']:.2f} s, peak RSS {rss / 2**30:.2f} GiB",
+                flush=True,
+            )
+    out_bytes = next(iter(res["runs"].values()))["bytes"]
+    res["floor"]["write"] = write_bytes(work / "floor-write.bin", out_bytes)
+    res["sidecar_bytes"] = out_bytes
+    for k in ("cold", "warm"):
+        r = res["floor"].get(f"read_{k}")
+        if r is not None:
+            res["floor"][f"floor_{k}"] = max(r, res["floor"]["write"])
+            res["floor"][f"sum_{k}"] = r + res["floor"]["write"]
+
+    # peak RSS against model size: the same convert on a smaller model
+    small = work / f"llama8b-fp8-{a.small_layers}l"
+    if not (small / "config.json").is_file():
+        write_checkpoint(small, layers=a.small_layers)
+    _, rss_small = peak_rss_run(small, work / "out-small", devices[0])
+    res["rss_small_model"] = {"layers": a.small_layers, "peak_rss": rss_small}
+
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(res, indent=2))
+    if a.plot:
+        plot(res, a.plot)
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    f = res["floor"]
+    gb = res["source_bytes"] / 1e9
+    print(
+        f"\nsource {gb:.2f} GB, sidecar {res['sidecar_bytes'] / 1e9:.2f} GB, {res['layers']} layers"
+    )
+    print(f"floor: read cold {f.get('read_cold') or float('nan'):.2f} s, read warm {f['read_warm']:.2f} s, "
+          f"write {f['write']:.2f} s")  # fmt: skip
+    print(
+        f"{'run':<12}{'wall s':>9}{'x floor':>9}{'read':>8}{'xform':>8}{'write':>8}{'hash':>8}{'RSS GiB':>9}"
+    )
+    for name, r in res["runs"].items():
+        temp = name.rsplit("-", 1)[1]
+        floor = f.get(f"floor_{temp}") or f["floor_warm"]
+        s = r["seconds"]
+        print(
+            f"{name:<12}{r['wall']:>9.2f}{r['wall'] / floor:>9.2f}{s.get('read_busy', 0):>8.2f}"
+            f"{s.get('transform_busy', 0):>8.2f}{s.get('write_busy', 0):>8.2f}{s.get('hash_sources', 0):>8.2f}"
+            f"{r['peak_rss'] / 2**30:>9.2f}"
+        )
+    big = max(r["peak_rss"] for r in res["runs"].values())
+    small = res["rss_small_model"]
+    print(f"peak RSS: {res['layers']} layers {big / 2**30:.2f} GiB vs {small['layers']} layers "
+          f"{small['peak_rss'] / 2**30:.2f} GiB (ratio {big / small['peak_rss']:.2f})")  # fmt: skip
+    print("targets: convert <= 1.2 x floor on GPU, <= 1.5 x on CPU; RSS independent of model size")
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["runs"])
+    phases = ("read_busy", "transform_busy", "write_busy")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, n in enumerate(names):
+        s = res["runs"][n]["seconds"]
+        left = 0.0
+        for ph, color in zip(phases, ("tab:blue", "tab:orange", "tab:green"), strict=True):
+            ax.barh(
+                i, s.get(ph, 0), left=left, color=color, label=ph if i == 0 else None, alpha=0.8
+            )
+            left += s.get(ph, 0)
+        ax.plot(
+            [res["runs"][n]["wall"]], [i], "k|", markersize=20, label="wall" if i == 0 else None
+        )
+    f = res["floor"]
+    ax.axvline(
+        f.get("floor_cold") or f["floor_warm"], color="red", ls="--", label="I/O floor (cold)"
+    )
+    ax.axvline(f["floor_warm"], color="red", ls=":", label="I/O floor (warm)")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("seconds (phase busy time; phases overlap)")
+    ax.set_title(f"mpack convert, Llama-3.1-8B-shaped FP8 ({res['source_bytes'] / 1e9:.1f} GB)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
