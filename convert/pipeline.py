@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mpack.convert import marlin
+from mpack.convert import cuda_repack, marlin
 from mpack.convert.checkpoint import (
     BIAS,
     Checkpoint,
@@ -183,7 +183,7 @@ def transform(
     dt = marlin.ACT_DTYPES[act_dtype]
     f = fuse(layer, src)
     out = [
-        marlin.pack_weight(f.weight, layer.np_, layer.kp),
+        cuda_repack.pack_weight_fast(f.weight, layer.np_, layer.kp),
         marlin.pack_scales(f.scale.to(device), dt, layer.np_),
     ]
     if f.bias is not None:

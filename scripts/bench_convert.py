@@ -62,20 +62,39 @@ def write_bytes(path: Path, nbytes: int) -> float:
     return dt
 
 
-def peak_rss_run(src: Path, out: Path, device: str) -> tuple[float, int]:
-    """Wall time and peak RSS (bytes) of one convert, measured with wait4 on the child."""
+def _hwm(pid: int) -> int:
+    """The process's peak RSS so far (VmHWM), in bytes; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_run(src: Path, out: Path, device: str) -> tuple[dict, int]:
+    """One `mpack convert` in a fresh process: its --json summary (+ wall) and peak RSS (bytes).
+
+    The peak is read from /proc/<pid>/status while it runs (wait4's ru_maxrss would include the
+    forked parent's pages).
+    """
     cmd = [sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out), "--device", device,
            "--json", "--force"]  # fmt: skip
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(p.pid, 0)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while p.poll() is None:
+        peak = max(peak, _hwm(p.pid))
+        time.sleep(0.02)
     wall = time.perf_counter() - t
-    stdout = p.stdout.read().decode()
-    if status:
-        raise SystemExit(f"convert failed: {p.stderr.read().decode()[-2000:]}")
+    stdout, stderr = p.communicate()
+    if p.returncode:
+        raise SystemExit(f"convert failed ({p.returncode}): {stderr[-2000:]}")
     doc = json.loads(stdout)
     doc["wall"] = wall
-    return doc, ru.ru_maxrss * 1024
+    return doc, peak
 
 
 def main() -> None:

@@ -1,0 +1,458 @@
+"""The Marlin FP8 weight repack as one fused CUDA kernel, built on demand with NVRTC.
+
+``cuda/marlin_repack.cu`` turns checkpoint fp8 rows ``[N, K]`` into the Marlin int32 tiles
+``[Kp/16, 4*Np]`` (SPEC §3.3 padding and §5 repack) in a single pass over device memory: every
+input byte is read once and every output byte written once, where the torch-op path of
+:func:`mpack.convert.marlin.pack_weight` makes a padded copy and then a permuted copy.
+
+How it is built and run:
+
+* the source is compiled with NVRTC (``cuda.bindings.nvrtc``) for the device's architecture
+  (``sm_90`` on an H100/H200) into a cubin, cached in :func:`cache_dir` under a name keyed by
+  the source hash, the options, the architecture and the NVRTC version;
+* the cubin is loaded with ``cuModuleLoadData`` into the device's primary context (the one
+  torch uses) and launched with ``cuLaunchKernel`` on torch's current stream, so it is ordered
+  with the torch work around it like any torch op;
+* :func:`available` says whether all of that works here (it never raises, and checks the
+  kernel's bytes against the torch path once); :func:`pack_weight_fast` uses the kernel for CUDA
+  tensors when it is available and :func:`mpack.convert.marlin.pack_weight` otherwise.
+
+Importing this module imports neither cuda-bindings nor touches CUDA: both happen on the first
+call that needs them. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch path is used);
+``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; ``MPACK_CACHE_DIR``
+overrides the cache directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpack.convert import marlin
+from mpack.errors import MpackError
+
+__all__ = [
+    "CudaKernelError",
+    "available",
+    "cache_dir",
+    "compile_kernel",
+    "kernel_source_path",
+    "pack_weight_cuda",
+    "pack_weight_fast",
+    "unavailable_reason",
+]
+
+#: Entry points of marlin_repack.cu by global-load width in bytes (the .cu's header says when).
+KERNEL_NAMES: dict[int, str] = {
+    16: "marlin_repack_v16",
+    4: "marlin_repack_v4",
+    1: "marlin_repack_v1",
+}
+#: Launch shape; these must match MPACK_THREADS / MPACK_BLOCK_N / MPACK_BLOCK_K in the .cu.
+THREADS, BLOCK_N, BLOCK_K = 256, 128, 128
+_MAX_GRID_Y = 65535
+_NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+
+
+class CudaKernelError(MpackError, RuntimeError):
+    """NVRTC or the CUDA driver refused to build, load or launch the repack kernel."""
+
+
+_lock = threading.RLock()
+# device ordinal -> (CUmodule, {vec: CUfunction}); device ordinal -> (ok, reason); ordinal -> ctx
+_modules: dict[int, tuple[Any, dict[int, Any]]] = {}
+_probed: dict[int, tuple[bool, str | None]] = {}
+_contexts: dict[int, Any] = {}
+_last_reason: list[str | None] = [None]
+
+
+def kernel_source_path() -> Path:
+    """Where ``marlin_repack.cu`` is read from.
+
+    ``$MPACK_REPACK_SOURCE`` if set, else ``<package root>/cuda/marlin_repack.cu``: the
+    repository's ``cuda/`` in a source checkout or an editable install (an installed wheel has it
+    only if the packaging ships ``cuda/`` as ``mpack/cuda``).
+    """
+    env = os.environ.get("MPACK_REPACK_SOURCE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1] / "cuda" / "marlin_repack.cu"
+
+
+def cache_dir() -> Path:
+    """Compiled kernels live here: ``$MPACK_CACHE_DIR``, else ``~/.cache/mpack/kernels``."""
+    env = os.environ.get("MPACK_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mpack" / "kernels"
+
+
+# --- NVRTC -----------------------------------------------------------------------------------
+
+
+def _nvrtc_ok(result: Any, what: str) -> list[Any]:
+    """Unpack a cuda-bindings ``(nvrtcResult, *values)`` tuple; raise on an error."""
+    from cuda.bindings import nvrtc
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        name = nvrtc.nvrtcGetErrorString(err)[1] or b"?"
+        raise CudaKernelError(f"NVRTC call {what} failed: {name.decode()}")
+    return values
+
+
+def _program_log(prog: Any) -> str:
+    from cuda.bindings import nvrtc
+
+    try:
+        (size,) = _nvrtc_ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        buf = b" " * size
+        _nvrtc_ok(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        return buf.rstrip(b"\0").decode(errors="replace").strip()
+    except Exception:  # the log is a courtesy; the compile error is raised by the caller
+        return ""
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC library cuda-bindings loads; raises if there is none."""
+    from cuda.bindings import nvrtc
+
+    major, minor = _nvrtc_ok(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def _target(arch: str | int | tuple[int, int], ptx: bool) -> str:
+    """``sm_90`` / ``compute_90`` from ``"sm_90"``, ``"90"``, ``90`` or ``(9, 0)``."""
+    if isinstance(arch, tuple):
+        num = f"{arch[0]}{arch[1]}"
+    else:
+        num = str(arch).removeprefix("sm_").removeprefix("compute_")
+    if not num.rstrip("af").isdigit():
+        raise ValueError(f"not a GPU architecture: {arch!r}")
+    return f"{'compute' if ptx else 'sm'}_{num}"
+
+
+def compile_kernel(
+    arch: str | int | tuple[int, int] = "sm_90", *, ptx: bool = False, use_cache: bool = True
+) -> bytes:
+    """Compile ``marlin_repack.cu`` with NVRTC (needs no GPU).
+
+    Args:
+        arch: target architecture, e.g. ``"sm_90"`` or ``(9, 0)``.
+        ptx: return PTX for ``compute_XY`` (NUL-terminated) instead of a ``sm_XY`` cubin.
+        use_cache: read and write :func:`cache_dir` (an unwritable cache is skipped silently).
+
+    Returns:
+        The cubin (ELF) or PTX bytes, loadable with ``cuModuleLoadData``.
+
+    Raises:
+        CudaKernelError: the compile failed (the message carries NVRTC's log).
+        OSError: the source file is missing.
+    """
+    from cuda.bindings import nvrtc
+
+    src_path = kernel_source_path()
+    src = src_path.read_bytes()
+    target = _target(arch, ptx)
+    major, minor = nvrtc_version()
+    opts = [f"--gpu-architecture={target}".encode(), *(o.encode() for o in _NVRTC_OPTIONS)]
+    key = hashlib.sha256(src + b"\0" + b"\0".join(opts)).hexdigest()[:20]
+    cached = (
+        cache_dir()
+        / f"marlin_repack-{target}-nvrtc{major}.{minor}-{key}.{'ptx' if ptx else 'cubin'}"
+    )
+    if use_cache and cached.is_file():
+        return cached.read_bytes()
+
+    (prog,) = _nvrtc_ok(
+        nvrtc.nvrtcCreateProgram(src, src_path.name.encode(), 0, [], []), "nvrtcCreateProgram"
+    )
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaKernelError(
+                f"NVRTC {major}.{minor} could not compile {src_path} for {target}:\n"
+                f"{_program_log(prog)}"
+            )
+        if ptx:
+            (size,) = _nvrtc_ok(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            image = b" " * size
+            _nvrtc_ok(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+        else:
+            (size,) = _nvrtc_ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            image = b" " * size
+            _nvrtc_ok(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    if use_cache:
+        _write_atomically(cached, image)
+    return image
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Best effort: a concurrent reader sees the whole file or none; errors are ignored."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass
+
+
+# --- CUDA driver -----------------------------------------------------------------------------
+
+
+def _cu_ok(result: Any, what: str) -> Any:
+    """Unpack a cuda-bindings ``(CUresult, *values)`` tuple; raise on an error."""
+    from cuda.bindings import driver
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = driver.cuGetErrorName(err)[1] or b"?"
+        text = driver.cuGetErrorString(err)[1] or b""
+        raise CudaKernelError(f"CUDA driver call {what} failed: {name.decode()} ({text.decode()})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@contextmanager
+def _on_device(ordinal: int) -> Iterator[Any]:
+    """Make device ``ordinal``'s primary context (torch's) current for the driver calls inside."""
+    from cuda.bindings import driver
+
+    ctx = _contexts.get(ordinal)
+    if ctx is None:
+        _cu_ok(driver.cuInit(0), "cuInit")
+        dev = _cu_ok(driver.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+        ctx = _cu_ok(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _contexts[ordinal] = ctx  # retained for the life of the process, as torch does
+    _cu_ok(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        yield driver
+    finally:
+        driver.cuCtxPopCurrent()
+
+
+def _functions(ordinal: int) -> dict[int, Any]:
+    """The kernel's entry points on device ``ordinal``, compiled and loaded on first use."""
+    with _lock:
+        hit = _modules.get(ordinal)
+        if hit is None:
+            cc = torch.cuda.get_device_capability(ordinal)
+            image = compile_kernel(cc)
+            with _on_device(ordinal) as d:
+                module = _cu_ok(d.cuModuleLoadData(image), "cuModuleLoadData")
+                funcs = {
+                    vec: _cu_ok(d.cuModuleGetFunction(module, name.encode()), name)
+                    for vec, name in KERNEL_NAMES.items()
+                }
+            hit = _modules[ordinal] = (module, funcs)
+    return hit[1]
+
+
+def _load_width(ptr: int, ld: int, k: int) -> int:
+    """Widest global load (16, 4 or 1 bytes) that the base pointer, row stride and K allow."""
+    for vec in (16, 4):
+        if ptr % vec == 0 and ld % vec == 0 and k % vec == 0:
+            return vec
+    return 1
+
+
+def _launch(
+    func: Any,
+    ordinal: int,
+    src: int,
+    ld: int,
+    dst: int,
+    shape: tuple[int, int, int, int],
+    stream: int,
+) -> None:
+    """``cuLaunchKernel`` with the kernel's 7 parameters, packed by hand (any cuda-bindings)."""
+    n, k, np_, kp = shape
+    args = [
+        ctypes.c_void_p(src),
+        ctypes.c_longlong(ld),
+        ctypes.c_void_p(dst),
+        ctypes.c_int(n),
+        ctypes.c_int(k),
+        ctypes.c_int(np_),
+        ctypes.c_int(kp),
+    ]
+    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    grid_x, grid_y = -(-kp // BLOCK_K), -(-np_ // BLOCK_N)
+    with _on_device(ordinal) as d:
+        _cu_ok(
+            d.cuLaunchKernel(
+                func,
+                grid_x,
+                grid_y,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                d.CUstream(stream),
+                ctypes.addressof(params),
+                0,
+            ),
+            "cuLaunchKernel(marlin_repack)",
+        )
+
+
+# --- public API ------------------------------------------------------------------------------
+
+
+def _bytes_2d(wck: torch.Tensor) -> torch.Tensor:
+    if wck.dim() != 2:
+        raise ValueError(f"expected a 2-D [N, K] weight, got shape {tuple(wck.shape)}")
+    if wck.element_size() != 1:
+        raise TypeError(f"expected a 1-byte dtype (float8_e4m3fn/uint8), got {wck.dtype}")
+    return wck if wck.dtype == torch.uint8 else wck.view(torch.uint8)
+
+
+def pack_weight_cuda(
+    wck: torch.Tensor, np_: int | None = None, kp: int | None = None
+) -> torch.Tensor:
+    """Zero-pad to ``(Np, Kp)`` and repack in one kernel; same bytes as ``marlin.pack_weight``.
+
+    Args:
+        wck: float8_e4m3fn or uint8 ``[N, K]`` on a CUDA device. Rows may be strided (a column
+            slice ``w[:, a:b]`` is read in place); any other layout is copied to contiguous.
+        np_, kp: padded dims, ``np_ % 64 == 0``, ``kp % 16 == 0``, at least ``(N, K)``; default
+            :func:`mpack.convert.marlin.marlin_padded_nk` ``(N, K)``.
+
+    Returns:
+        int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, written on torch's current stream.
+
+    Raises:
+        ValueError / TypeError: bad device, shape, dims or dtype.
+        CudaKernelError: the kernel cannot be built, loaded or launched here.
+    """
+    if not wck.is_cuda:
+        raise ValueError(f"pack_weight_cuda needs a CUDA tensor, got one on {wck.device}")
+    w = _bytes_2d(wck)
+    n, k = w.shape
+    if np_ is None or kp is None:
+        np_, kp = marlin.marlin_padded_nk(n, k)
+    if np_ < n or kp < k:
+        raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
+    if np_ % 64 or kp % 16:
+        raise ValueError(f"padded dims need Np % 64 == 0 and Kp % 16 == 0, got ({np_}, {kp})")
+    if -(-np_ // BLOCK_N) > _MAX_GRID_Y or np_ >= 2**31 or kp >= 2**31:
+        raise ValueError(f"layer too large for the repack kernel's grid: ({np_}, {kp})")
+    if k > 1 and w.stride(1) != 1:
+        w = w.contiguous()
+    ordinal = w.device.index if w.device.index is not None else torch.cuda.current_device()
+    out = torch.empty((kp // 16, 4 * np_), dtype=torch.int32, device=w.device)
+    if out.numel() == 0:
+        return out
+    ld = w.stride(0) if n > 1 else max(k, 1)
+    vec = _load_width(w.data_ptr(), ld, k)
+    func = _functions(ordinal)[vec]
+    stream = torch.cuda.current_stream(w.device).cuda_stream
+    _launch(func, ordinal, w.data_ptr(), ld, out.data_ptr(), (n, k, np_, kp), stream)
+    return out
+
+
+def _probe(ordinal: int) -> tuple[bool, str | None]:
+    """Can the kernel run on device ``ordinal``, and does it give the torch path's bytes?"""
+    if os.environ.get("MPACK_NO_CUDA_KERNEL", "") not in ("", "0"):
+        return False, "turned off by MPACK_NO_CUDA_KERNEL"
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except ImportError as e:
+        return False, f"cuda-bindings is not importable ({e}): pip install 'mpack[cuda]'"
+    try:
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        _functions(ordinal)
+        # One small self-check per device (padding in N and K, both fast paths): a wrong byte
+        # here means a broken toolchain, and the torch path is used instead.
+        dev = torch.device("cuda", ordinal)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        for n, k in ((100, 240), (70, 132)):
+            w = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g).to(dev)
+            if not torch.equal(pack_weight_cuda(w), marlin.pack_weight(w)):
+                return False, f"self-check mismatch against the torch path at [N, K] = [{n}, {k}]"
+    except Exception as e:  # anything at all: available() never raises
+        return False, f"{type(e).__name__}: {e}"
+    return True, None
+
+
+def _ordinal(device: torch.device | int | None) -> int | None:
+    if device is None:
+        try:
+            return torch.cuda.current_device() if torch.cuda.is_available() else None
+        except Exception:
+            return None
+    if isinstance(device, int):
+        return device
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else 0
+
+
+def available(device: torch.device | int | None = None) -> bool:
+    """Whether the fused kernel works on ``device`` (default: the current CUDA device).
+
+    True only when cuda-bindings and NVRTC import, a CUDA device is present, the kernel compiles
+    and loads, and it matches the torch path on a small self-check. Cached per device; never
+    raises; :func:`unavailable_reason` says why not.
+    """
+    ordinal = _ordinal(device)
+    if ordinal is None:
+        _last_reason[0] = "no CUDA device"
+        return False
+    with _lock:
+        hit = _probed.get(ordinal)
+        if hit is None:
+            hit = _probed[ordinal] = _probe(ordinal)
+    _last_reason[0] = hit[1]
+    return hit[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why the last :func:`available` call said False (None after a True)."""
+    return _last_reason[0]
+
+
+def pack_weight_fast(
+    wck: torch.Tensor, np_: int | None = None, kp: int | None = None
+) -> torch.Tensor:
+    """:func:`pack_weight_cuda` for CUDA tensors when :func:`available`, else the torch path.
+
+    Args:
+        wck: float8_e4m3fn or uint8 ``[N, K]``, any device.
+        np_, kp: padded dims (default :func:`mpack.convert.marlin.marlin_padded_nk`).
+
+    Returns:
+        int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, identical bytes either way.
+    """
+    if wck.is_cuda and available(wck.device):
+        return pack_weight_cuda(wck, np_, kp)
+    return marlin.pack_weight(wck, np_, kp)
+
+
+def _reset() -> None:
+    """Forget probe results and loaded modules (tests); modules are not unloaded."""
+    with _lock:
+        _modules.clear()
+        _probed.clear()
+        _last_reason[0] = None
