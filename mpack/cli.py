@@ -176,6 +176,70 @@ def verify(
     ui.emit_verify(run_verify(sidecar, source=source), as_json=json_out)
 
 
+# --- mpack serve / mpack status (runtime; mpack/runtime/daemon.py, docs/RUNTIME.md) ---------
+
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+SocketOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket", help="Unix socket path (default: named from the sidecar, rank and device)."
+    ),
+]
+
+
+@app.command()
+def serve(
+    sidecar: Sidecar,
+    rank: Annotated[int, typer.Option("--rank", help="Tensor-parallel rank to serve.")] = 0,
+    device: DeviceOpt = "cpu",
+    socket: SocketOpt = None,
+) -> None:
+    """Load one rank of a sidecar once and share it read-only with local processes.
+
+    Checks every checksum while loading; prints a READY line once serving.
+    Stops cleanly on SIGTERM/SIGINT. Attach with mpack.runtime.attach(SIDECAR, rank=R, device=D).
+
+    Examples:
+      mpack serve llama8b-marlin --rank 0 --device cuda:0
+      mpack serve llama8b-marlin --device cpu
+    """
+    from mpack import ui
+    from mpack.runtime.daemon import serve as run_daemon
+
+    if rank < 0:
+        raise UsageError(f"--rank must be >= 0, got {rank}")
+    run_daemon(
+        sidecar, rank=rank, device=device, socket_path=socket, on_ready=ui.emit_ready,
+        on_event=ui.emit_event,
+    )  # fmt: skip
+
+
+@app.command()
+def status(
+    sidecar: Annotated[
+        Path | None,
+        typer.Argument(help="Only daemons serving this sidecar (default: all of this user's)."),
+    ] = None,
+    socket: SocketOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show the daemons serving sidecars: rank, device, memory, attached clients, uptime.
+
+    Examples:
+      mpack status
+      mpack status llama8b-marlin --json
+    """
+    from mpack import ui
+    from mpack.runtime.client import query_status
+
+    if sidecar is not None and socket is not None:
+        raise UsageError("give a SIDECAR or --socket, not both")
+    ui.emit_status(query_status(sidecar=sidecar, socket=socket), as_json=json_out)
+
+
+# --- end of mpack serve / mpack status ----------------------------------------------------------
+
+
 def _print_error(exc: BaseException) -> None:
     stream = sys.stderr
     if isinstance(exc, MpackError):

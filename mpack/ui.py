@@ -222,7 +222,8 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
         console.print("no mpack daemon is serving")
     else:
         t = Table(title="mpack daemons")
-        for col in ("sidecar", "rank", "device", "memory", "clients (pid)", "uptime", "daemon pid"):
+        t.add_column("sidecar", overflow="fold")
+        for col in ("rank", "device", "memory", "clients (pid)", "uptime", "daemon pid"):
             t.add_column(col)
         for d in live:
             pids = ", ".join(str(c["pid"]) for c in d["clients"]) or "-"

@@ -1,0 +1,57 @@
+"""mpack.runtime: load a sidecar rank once, share it read-only, zero-copy, across processes.
+
+    from mpack.runtime import attach, load
+
+    with attach("llama-marlin/", rank=0, device="cuda:0") as w:   # needs `mpack serve` running
+        w["model.layers.0.self_attn.qkv_proj.weight"]                # int32 [Kp/16, 4*Np], read-only
+
+    w = load("llama-marlin/", rank=0, device="cpu")                # a private copy, no daemon
+
+Modules: protocol (wire format, socket naming), layout (where each byte goes), loader (verified
+pipelined fill, ``load``), host (memfd backend), cuda_vmm (CUDA VMM backend, cuda-bindings
+imported lazily), daemon (``serve``), client (``attach``, status), weights (``SharedWeights``).
+Importing this package imports neither torch nor cuda-bindings and never initialises CUDA.
+The protocol and the lifecycle guarantees are specified in docs/RUNTIME.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpack.runtime.weights import SharedWeights
+
+__all__ = ["SharedWeights", "attach", "load", "serve"]
+
+
+def load(sidecar: Any, *, rank: int = 0, device: str = "cpu") -> SharedWeights:
+    """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``)."""
+    from mpack.runtime.loader import load as _load
+
+    return _load(sidecar, rank=rank, device=device)
+
+
+def attach(
+    sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None
+) -> SharedWeights:
+    """Zero-copy read-only views of a daemon's memory (see ``mpack.runtime.client.attach``)."""
+    from mpack.runtime.client import attach as _attach
+
+    return _attach(sidecar, rank=rank, device=device, socket=socket)
+
+
+def serve(
+    sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None, **kw: Any
+) -> None:
+    """Run the daemon in this process until SIGTERM/SIGINT (see ``mpack.runtime.daemon.serve``)."""
+    from mpack.runtime.daemon import serve as _serve
+
+    _serve(sidecar, rank=rank, device=device, socket_path=socket, **kw)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SharedWeights":
+        from mpack.runtime.weights import SharedWeights
+
+        return SharedWeights
+    raise AttributeError(name)

@@ -1,0 +1,243 @@
+"""CUDA backend (``--device cuda:N``): one VMM allocation per served rank, shared by POSIX fd.
+
+Uses the CUDA driver's virtual memory management API through cuda-bindings, imported lazily
+(``import mpack.runtime`` never loads it nor initialises CUDA). No torch.multiprocessing, no
+legacy cudaIpc handles (they cannot map read-only and die with the exporter).
+
+Note [read-only CUDA mapping]: the daemon creates the allocation with ``cuMemCreate``
+(requesting POSIX-fd handles), maps it read-write only to fill it, then unmaps it and keeps just
+the allocation handle and its exported fd. A client imports the fd
+(``cuMemImportFromShareableHandle``), reserves a VA range, maps it, releases the handle (the
+mapping keeps the memory) and grants its device ``CU_MEM_ACCESS_FLAGS_PROT_READ`` only. A kernel
+that writes there faults in the writer's context alone (that process's CUDA context is lost; no
+other process sees the fault) and copies into it are rejected. The torch tensor is built through
+``__cuda_array_interface__`` whose ``readonly`` flag stays False because torch rejects True: the
+driver, not the flag, enforces read-only. Imported memory stays valid after the exporting
+daemon dies; it is freed when the last handle and mapping anywhere are gone
+(Note [lifetime of a mapping] in weights.py).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from mpack.errors import MpackError, UsageError
+from mpack.runtime.loader import CudaDest, FillStats, fill
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpack.runtime.layout import Plan
+
+_state: dict[str, Any] = {"init": False, "ctx": {}}
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise UsageError(
+            "--device cuda needs the cuda-bindings package", hint="pip install 'mpack[cuda]'"
+        ) from None
+    return driver
+
+
+def _check(result: Any, what: str) -> Any:
+    """Unpack a cuda-bindings ``(CUresult, *values)`` tuple; raise on an error."""
+    d = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != d.CUresult.CUDA_SUCCESS:
+        name = d.cuGetErrorName(err)[1] or b"?"
+        text = d.cuGetErrorString(err)[1] or b""
+        raise MpackError(
+            f"CUDA driver call {what} failed: {name.decode()} ({text.decode()})",
+            hint="check the device (nvidia-smi), free memory and the driver version",
+        )
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _init() -> Any:
+    d = _driver()
+    if not _state["init"]:
+        _check(d.cuInit(0), "cuInit")
+        _state["init"] = True
+    return d
+
+
+@contextmanager
+def _on_device(ordinal: int) -> Iterator[Any]:
+    """Make the device's primary context (the one torch uses) current for driver calls."""
+    d = _init()
+    ctx = _state["ctx"].get(ordinal)
+    if ctx is None:
+        dev = _check(d.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+        ctx = _check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _state["ctx"][ordinal] = ctx  # retained for the life of the process
+    _check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        yield d
+    finally:
+        d.cuCtxPopCurrent()
+
+
+def device_uuid(ordinal: int) -> str:
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` of CUDA device ``ordinal`` (as nvidia-smi)."""
+    d = _init()
+    dev = _check(d.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    raw = _check(d.cuDeviceGetUuid(dev), "cuDeviceGetUuid").bytes
+    h = (raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _location(d: Any, ordinal: int) -> Any:
+    loc = d.CUmemLocation()
+    loc.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = ordinal
+    return loc
+
+
+def _posix_fd(d: Any) -> Any:
+    return d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+class DeviceMapping:
+    """A VA range of ``size`` bytes on device ``ordinal`` with an allocation mapped into it.
+
+    Exposes ``__cuda_array_interface__`` (uint8 [size]) so torch can view it without a copy;
+    torch keeps this object alive while any view exists. Unmapped by ``unmap()`` or when
+    collected.
+    """
+
+    def __init__(self, ptr: int, size: int, ordinal: int) -> None:
+        self.ptr, self.size, self.ordinal = ptr, size, ordinal
+        self._finalizer = weakref.finalize(self, _unmap, ptr, size, ordinal)
+        self._finalizer.atexit = False  # the process exit unmaps everything anyway
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        # readonly must be False: torch refuses True (Note [read-only CUDA mapping]).
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+                "strides": None}  # fmt: skip
+
+    def tensor(self) -> torch.Tensor:
+        """uint8 [size] on ``cuda:<ordinal>``, a view of this mapping."""
+        import torch
+
+        return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
+
+    def unmap(self) -> None:
+        self._finalizer()
+
+
+def _unmap(ptr: int, size: int, ordinal: int) -> None:
+    with _on_device(ordinal) as d:
+        d.cuMemUnmap(ptr, size)
+        d.cuMemAddressFree(ptr, size)
+
+
+def _map(d: Any, handle: Any, size: int, ordinal: int, *, writable: bool) -> DeviceMapping:
+    ptr = _check(d.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+    try:
+        _check(d.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+        try:
+            desc = d.CUmemAccessDesc()
+            desc.location = _location(d, ordinal)
+            flags = d.CUmemAccess_flags
+            desc.flags = (
+                flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                if writable
+                else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            )
+            _check(d.cuMemSetAccess(ptr, size, [desc], 1), "cuMemSetAccess")
+        except BaseException:
+            d.cuMemUnmap(ptr, size)
+            raise
+    except BaseException:
+        d.cuMemAddressFree(ptr, size)
+        raise
+    return DeviceMapping(int(ptr), size, ordinal)
+
+
+class DeviceExport:
+    """The daemon's side: a filled VMM allocation on device ``ordinal`` and its exported fd."""
+
+    backend = "cuda"
+
+    def __init__(self, ordinal: int, handle: Any, fd: int, size: int, stats: FillStats) -> None:
+        self.ordinal, self.handle, self.fd, self.size, self.stats = ordinal, handle, fd, size, stats
+
+    @classmethod
+    def create(cls, plan: Plan, ordinal: int) -> DeviceExport:
+        """Allocate (rounded up to the granularity), fill while verifying, export.
+
+        Raises what ``loader.fill`` raises, or ``MpackError`` for a failed driver call.
+        """
+        with _on_device(ordinal) as d:
+            prop = d.CUmemAllocationProp()
+            prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location = _location(d, ordinal)
+            prop.requestedHandleTypes = _posix_fd(d)
+            gran = _check(
+                d.cuMemGetAllocationGranularity(
+                    prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+            size = (plan.size + gran - 1) // gran * gran
+            handle = _check(d.cuMemCreate(size, prop, 0), f"cuMemCreate({size} bytes)")
+            fd = -1
+            try:
+                fd = int(
+                    _check(
+                        d.cuMemExportToShareableHandle(handle, _posix_fd(d), 0),
+                        "cuMemExportToShareableHandle",
+                    )
+                )
+                rw = _map(d, handle, size, ordinal, writable=True)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                d.cuMemRelease(handle)
+                raise
+        try:  # torch drives the copies, on the same primary context
+            stats = fill(plan, CudaDest(rw.tensor()))
+        except BaseException:
+            rw.unmap()
+            os.close(fd)
+            with _on_device(ordinal) as d:
+                d.cuMemRelease(handle)
+            raise
+        rw.unmap()  # the daemon keeps no mapping at all, only the handle and the fd
+        return cls(ordinal, handle, fd, size, stats)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            with _on_device(self.ordinal) as d:
+                d.cuMemRelease(self.handle)
+
+
+def map_readonly(fd: int, size: int, ordinal: int) -> torch.Tensor:
+    """Import an exported allocation and map it read-only: uint8 [size] on ``cuda:<ordinal>``.
+
+    The caller may close ``fd`` afterwards; the mapping lives as long as any view of the tensor.
+    """
+    import torch
+
+    torch.cuda.init()
+    with _on_device(ordinal) as d:
+        handle = _check(
+            d.cuMemImportFromShareableHandle(fd, _posix_fd(d)), "cuMemImportFromShareableHandle"
+        )
+        try:
+            mapping = _map(d, handle, size, ordinal, writable=False)
+        finally:
+            d.cuMemRelease(handle)  # the mapping holds the memory from here on
+    return mapping.tensor()

@@ -1,0 +1,461 @@
+"""``mpack serve``: load one rank once, then hand read-only mappings of it to local processes.
+
+One thread, one ``selectors`` loop, non-blocking sockets: no client can block the daemon by
+connecting and hanging, by sending half a frame, or by not reading its reply (each connection
+has ``HELLO_TIMEOUT_S`` to finish its request and take the reply). Every request is bounded
+and schema-checked before anything acts on it (protocol.py), and answered with an ``error``
+reply when it breaks a rule; only that connection is closed.
+
+Note [one daemon per (sidecar, rank, device)]: the daemon holds an exclusive ``flock`` on
+``<socket>.lock`` for its whole life; the kernel drops it when the process dies, however it
+dies. So while the lock is held any socket file is live, and when it can be taken any socket
+file left at the path is stale (a daemon killed with SIGKILL) and is replaced. A daemon that
+stops cleanly removes the socket and the lock file (after checking the path still names the
+file it locked, so a racing starter never ends up holding an unlinked lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import resource
+import selectors
+import signal
+import socket
+import stat
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpack import __version__
+from mpack.errors import DaemonError
+from mpack.runtime import protocol as P
+from mpack.runtime.layout import Plan, plan_rank, tensors_to_wire
+
+Callback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Served:
+    """What a daemon serves: one rank of one sidecar, in one exported allocation."""
+
+    plan: Plan
+    device: P.Device
+    export: Any  # host.HostExport | cuda_vmm.DeviceExport: .fd, .size, .backend, .stats, .close()
+    started: float = field(default_factory=time.time)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "sidecar": str(self.plan.sidecar.resolve()),
+            "digest": self.plan.digest,
+            "rank": self.plan.rank,
+            "tp_size": self.plan.tp_size,
+            "device": self.device.key,
+            "device_label": self.device.label,
+            "backend": self.export.backend,
+            "bytes": self.export.size,
+            "tensors": len(self.plan.tensors),
+            "load_s": round(self.export.stats.seconds, 3),
+        }
+
+
+class _Conn:
+    """One accepted connection: its peer, buffers, deadline and (once attached) lease start."""
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int, deadline: float) -> None:
+        self.sock, self.pid, self.uid = sock, pid, uid
+        self.inbuf = bytearray()
+        self.out = memoryview(b"")
+        self.out_fds: list[int] = []
+        self.deadline: float | None = deadline
+        self.answered = False  # one request per connection
+        self.close_after_send = False
+        self.lease_pending = False
+        self.lease_since: float | None = None
+
+
+class Daemon:
+    """The accept/serve loop over one ``Served`` allocation at ``path``.
+
+    ``owner_uid`` is the only uid allowed to connect (default: this process's own).
+    ``on_event`` receives ``{"event": ..., ...}`` dicts for the log (attach, detach, refusals).
+    """
+
+    def __init__(
+        self,
+        served: Served,
+        path: Path,
+        *,
+        owner_uid: int | None = None,
+        on_event: Callback | None = None,
+        hello_timeout: float = P.HELLO_TIMEOUT_S,
+    ) -> None:
+        self.served, self.path = served, path
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid
+        self.on_event = on_event or (lambda e: None)
+        self.hello_timeout = hello_timeout
+        self.conns: dict[int, _Conn] = {}
+        self.sel = selectors.DefaultSelector()
+        self._stop = False
+        self._listener: socket.socket | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def run(self, on_ready: Callback | None = None) -> None:
+        """Bind, print READY (through ``on_ready``), serve until SIGTERM/SIGINT, clean up."""
+        self._listener = _bind(self.path)
+        ino = os.lstat(self.path).st_ino
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        try:
+            self.sel.register(self._listener, selectors.EVENT_READ, "listen")
+            self.sel.register(wake_r, selectors.EVENT_READ, "wake")
+            if on_ready:
+                on_ready({"socket": str(self.path), "pid": os.getpid(), **self.served.status()})
+            while not self._stop:
+                for key, events in self.sel.select(self._timeout()):
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            os.read(wake_r, 512)
+                    else:
+                        self._serve_conn(key.data, events)
+                self._expire()
+        finally:
+            for conn in list(self.conns.values()):
+                self._drop(conn, None)
+            self.sel.close()
+            signal.set_wakeup_fd(old_wakeup)
+            for s, h in old.items():
+                signal.signal(s, h)
+            os.close(wake_r)
+            os.close(wake_w)
+            self._listener.close()
+            _unlink_if_ours(self.path, ino)
+            self.on_event({"event": "stopped", "pid": os.getpid()})
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop = True
+
+    # --- connections ----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: keep serving the ones we have
+                self.on_event({"event": "accept-failed", "error": e.strerror})
+                return
+            sock.setblocking(False)
+            try:
+                pid, uid, _ = P.peer_credentials(sock)
+            except OSError:
+                sock.close()
+                continue
+            if uid != self.owner_uid:
+                self.on_event({"event": "refused", "pid": pid, "uid": uid})
+                _send_and_close(
+                    sock, P.REFUSED, f"uid {uid} may not use a daemon of uid {self.owner_uid}"
+                )
+                continue
+            if len(self.conns) >= P.MAX_CONNECTIONS:
+                self.on_event({"event": "busy", "pid": pid})
+                _send_and_close(sock, P.BUSY, f"daemon has {len(self.conns)} connections open")
+                continue
+            conn = _Conn(sock, pid, uid, time.monotonic() + self.hello_timeout)
+            self.conns[sock.fileno()] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _serve_conn(self, conn: _Conn, events: int) -> None:
+        try:
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                self._on_readable(conn)
+        except Exception as e:  # noqa: BLE001 - a bug must cost one connection, not the daemon
+            self.on_event({"event": "internal-error", "pid": conn.pid, "error": repr(e)[:300]})
+            self._drop(conn, None)
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)  # plain recv: fds a peer sends us are discarded
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn, None)
+            return
+        if not data:
+            self._drop(conn, None)
+            return
+        if conn.answered:  # a lease (or a connection awaiting its reply) must stay quiet
+            self._drop(conn, "sent data after its request")
+            return
+        conn.inbuf += data
+        try:
+            msg = P.take_message(conn.inbuf, P.MAX_REQUEST_BYTES)
+            if msg is None:
+                return
+            P.check_request(msg)
+        except P.WireError as e:
+            self._reply_error(conn, e.code, str(e))
+            return
+        conn.answered = True
+        if msg["type"] == P.STATUS:
+            self._send(conn, {"type": P.STATUS, **self.status()})
+            conn.close_after_send = True
+        else:
+            self._attach(conn, msg)
+
+    def _attach(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        s = self.served
+        want = (s.plan.digest, s.plan.rank, s.device.key)
+        got = (msg["digest"], msg["rank"], msg["device"])
+        if got != want:
+            self._reply_error(
+                conn,
+                P.MISMATCH,
+                f"this daemon serves digest {want[0][:16]}... rank {want[1]} on {want[2]}; "
+                f"asked for digest {got[0][:16]}... rank {got[1]} on {got[2][:64]}",
+            )
+            return
+        reply = {
+            "type": P.ATTACHED,
+            "digest": s.plan.digest,
+            "rank": s.plan.rank,
+            "device": s.device.key,
+            "backend": s.export.backend,
+            "size": s.export.size,
+            "data_size": s.plan.size,
+            "tensors": tensors_to_wire(s.plan.tensors),
+        }
+        conn.lease_pending = True
+        self._send(conn, reply, [s.export.fd])
+
+    def _reply_error(self, conn: _Conn, code: str, message: str) -> None:
+        self.on_event({"event": "bad-request", "pid": conn.pid, "code": code, "message": message})
+        conn.answered = True
+        conn.close_after_send = True
+        self._send(conn, P.error_message(code, message))
+
+    def _send(self, conn: _Conn, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        conn.out = memoryview(P.encode(msg))
+        conn.out_fds = list(fds or [])
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            while conn.out:
+                if conn.out_fds:  # the fds ride on the first byte of the reply
+                    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", conn.out_fds))]
+                    n = conn.sock.sendmsg([conn.out], anc)
+                    conn.out_fds = []
+                else:
+                    n = conn.sock.send(conn.out)
+                conn.out = conn.out[n:]
+        except (BlockingIOError, InterruptedError):
+            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            return
+        except OSError:
+            self._drop(conn, None)
+            return
+        if conn.close_after_send:
+            self._drop(conn, None)
+            return
+        self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        if conn.lease_pending:
+            conn.lease_pending = False
+            conn.lease_since = time.time()
+            conn.deadline = None
+            self.on_event({"event": "attached", "pid": conn.pid, "clients": self._n_clients()})
+
+    def _drop(self, conn: _Conn, reason: str | None) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        self.sel.unregister(conn.sock)
+        del self.conns[fd]
+        conn.sock.close()
+        if conn.lease_since is not None:
+            self.on_event({"event": "detached", "pid": conn.pid, "clients": self._n_clients()})
+        elif reason:
+            self.on_event({"event": "dropped", "pid": conn.pid, "reason": reason})
+
+    def _timeout(self) -> float:
+        deadlines = [c.deadline for c in self.conns.values() if c.deadline is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else 3600.0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in list(self.conns.values()):
+            if conn.deadline is not None and conn.deadline <= now:
+                why = f"no complete request and reply within {self.hello_timeout:g} s"
+                if not conn.answered:
+                    with contextlib.suppress(OSError):
+                        conn.sock.send(P.encode(P.error_message(P.TIMEOUT, why)))
+                self._drop(conn, why)
+
+    def _n_clients(self) -> int:
+        return sum(c.lease_since is not None for c in self.conns.values())
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        clients = [
+            {"pid": c.pid, "attached_s": round(now - c.lease_since, 3)}
+            for c in self.conns.values()
+            if c.lease_since is not None
+        ]
+        return {
+            **self.served.status(),
+            "socket": str(self.path),
+            "pid": os.getpid(),
+            "uptime_s": round(now - self.served.started, 3),
+            "mpack_version": __version__,
+            "protocol": P.PROTOCOL_VERSION,
+            "clients": sorted(clients, key=lambda c: c["pid"]),
+        }
+
+
+def _send_and_close(sock: socket.socket, code: str, message: str) -> None:
+    with contextlib.suppress(OSError):
+        sock.send(P.encode(P.error_message(code, message)))
+    sock.close()
+
+
+# --- socket file and lock ----------------------------------------------------------------------
+
+
+def _bind(path: Path) -> socket.socket:
+    """A listening, non-blocking socket at ``path`` with mode 0600 (replacing a stale one)."""
+    P.check_socket_path(path)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise DaemonError(
+                f"{path} exists and is not a socket", hint="remove it or pick another --socket"
+            )
+        os.unlink(path)  # stale: Note [one daemon per (sidecar, rank, device)]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError as e:
+        sock.close()
+        raise DaemonError(f"cannot listen on {path}: {e.strerror}") from None
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _unlink_if_ours(path: Path, ino: int) -> None:
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == ino:
+            os.unlink(path)
+
+
+class _Lock:
+    """An exclusive flock on ``<socket>.lock`` (Note [one daemon per (sidecar, rank, device)])."""
+
+    def __init__(self, socket_path: Path, what: str) -> None:
+        self.path = socket_path.with_name(socket_path.name + P.LOCK_SUFFIX)
+        self.what = what
+        self.fd = -1
+
+    def __enter__(self) -> _Lock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                raise DaemonError(
+                    f"another daemon (pid {holder}) already serves {self.what}",
+                    hint=f"attach to it, check it with `mpack status`, or stop it (kill {holder})",
+                ) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self.fd = fd
+                return self
+            os.close(fd)  # a stopping daemon unlinked it under us: try again
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        os.close(self.fd)
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def serve(
+    sidecar: str | os.PathLike,
+    *,
+    rank: int = 0,
+    device: str = "cpu",
+    socket_path: str | os.PathLike | None = None,
+    on_ready: Callback | None = None,
+    on_event: Callback | None = None,
+) -> None:
+    """Serve one rank of ``sidecar`` until SIGTERM/SIGINT (the ``mpack serve`` command).
+
+    Order: manifest and headers checked (format version, rank) -> socket path -> lock -> fill
+    while verifying checksums -> listen -> ``on_ready`` -> serve. Any failure before listening
+    raises (nothing is served and no socket is left behind).
+
+    Raises:
+        FormatVersionError, CorruptFileError, VerificationError: an unusable sidecar.
+        UsageError: a bad rank or device.
+        DaemonError: another daemon serves the same thing, or the socket cannot be made.
+    """
+    plan = plan_rank(sidecar, rank)
+    dev = P.resolve_device(device)
+    if socket_path is None:
+        path = P.socket_path(plan.digest, rank, dev.key, create=True)
+    else:
+        path = Path(socket_path).absolute()
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    P.check_socket_path(path)
+    _raise_fd_limit()
+    what = f"{sidecar} rank {rank} on {dev.label} ({path})"
+    with _Lock(path, what):
+        if dev.kind == "cpu":
+            from mpack.runtime.host import HostExport
+
+            export: Any = HostExport.create(plan, f"{plan.digest[:16]}-r{rank}")
+        else:
+            from mpack.runtime.cuda_vmm import DeviceExport
+
+            assert dev.ordinal is not None
+            export = DeviceExport.create(plan, dev.ordinal)
+        try:
+            Daemon(Served(plan, dev, export), path, on_event=on_event).run(on_ready)
+        finally:
+            export.close()
+
+
+def _raise_fd_limit() -> None:
+    """Each attached client holds one connection: allow as many as the hard limit does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,0 +1,213 @@
+"""Fill an allocation from the sidecar files: large sequential reads, hashed as they stream.
+
+Note [the fill pipeline]: each file is read front to back in ``CHUNK``-byte pieces into a ring
+of ``DEPTH`` slots. A slot is either the destination itself (host memory: read straight into
+the memfd mapping or tensor, no staging copy) or a pinned host buffer whose bytes then go to the
+GPU by an asynchronous copy on a side stream. One worker thread hashes each piece in order
+while the next is being read (``readinto`` and ``hashlib`` both release the GIL), so disk,
+hashing and H2D copies overlap. A slot is reused only after its hash and its copy finished.
+At the end of each file its sha256 must equal the manifest's, and its first bytes must equal
+the header that was parsed when planning (so the layout describes exactly the bytes loaded);
+otherwise the load fails and nothing is served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from mpack.errors import CorruptFileError, UsageError, VerificationError
+from mpack.runtime.layout import Plan, Region, plan_rank
+from mpack.runtime.protocol import parse_device
+from mpack.sidecar import regenerate_hint
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpack.runtime.weights import SharedWeights
+
+CHUNK = 16 * 1024 * 1024
+DEPTH = 4
+
+
+class Destination(Protocol):
+    """Where the fill writes. Slot ``i`` of the ring is reused only after ``wait(i)``."""
+
+    def slot(self, i: int, offset: int, n: int) -> memoryview: ...
+    def submit(self, i: int, offset: int, n: int) -> None: ...
+    def wait(self, i: int) -> None: ...
+    def finish(self) -> None: ...
+
+
+class HostDest:
+    """Writable host memory (a memfd mapping or a CPU tensor's buffer): read straight into it."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf.cast("B") if buf.format != "B" else buf
+
+    def slot(self, i: int, offset: int, n: int) -> memoryview:
+        return self.buf[offset : offset + n]
+
+    def submit(self, i: int, offset: int, n: int) -> None:
+        pass
+
+    def wait(self, i: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class CudaDest:
+    """A uint8 CUDA tensor, filled through ``depth`` pinned staging buffers and async copies."""
+
+    def __init__(self, dst: torch.Tensor, *, depth: int = DEPTH, chunk: int = CHUNK) -> None:
+        import torch
+
+        self.torch = torch
+        self.dst = dst  # uint8 [size] on a CUDA device
+        self.stream = torch.cuda.Stream(device=dst.device)
+        self.pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.views = [memoryview(p.numpy()) for p in self.pinned]
+        self.events: list[torch.cuda.Event | None] = [None] * depth
+
+    def slot(self, i: int, offset: int, n: int) -> memoryview:
+        return self.views[i][:n]
+
+    def submit(self, i: int, offset: int, n: int) -> None:
+        with self.torch.cuda.stream(self.stream):
+            self.dst[offset : offset + n].copy_(self.pinned[i][:n], non_blocking=True)
+            ev = self.torch.cuda.Event()
+            ev.record(self.stream)
+        self.events[i] = ev
+
+    def wait(self, i: int) -> None:
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+        for v in self.views:
+            v.release()
+
+
+@dataclass(frozen=True)
+class FillStats:
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def _read_full(f, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH) -> FillStats:
+    """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
+
+    Raises:
+        VerificationError: a file whose sha256 differs from the manifest.
+        CorruptFileError: a file that changed size or header since it was planned.
+    """
+    t0 = time.perf_counter()
+    src = plan.manifest["source"]
+    hint = "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), plan.sidecar)
+    pending: list[Future | None] = [None] * depth
+    k = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash") as hasher:
+        for r in plan.regions:
+            h = hashlib.sha256()
+            k = _fill_region(r, dest, h, hasher, pending, k, chunk, depth)
+            for i, p in enumerate(pending):  # the file's last pieces
+                if p is not None:
+                    p.result()
+                    pending[i] = None
+            got = h.hexdigest()
+            if got != r.sha256:
+                raise VerificationError(
+                    f"{r.path}: sha256 {got[:16]}... does not match the manifest "
+                    f"({r.sha256[:16]}...): the file is damaged or was modified; refusing to serve it",
+                    hint=hint,
+                )
+    dest.finish()
+    return FillStats(plan.size, time.perf_counter() - t0)
+
+
+def _fill_region(
+    r: Region,
+    dest: Destination,
+    h: hashlib._Hash,
+    hasher: ThreadPoolExecutor,
+    pending: list[Future | None],
+    k: int,
+    chunk: int,
+    depth: int,
+) -> int:
+    with open(r.path, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pos = 0
+        while pos < r.size:
+            n = min(chunk, r.size - pos)
+            i = k % depth
+            if pending[i] is not None:
+                pending[i].result()
+            dest.wait(i)
+            view = dest.slot(i, r.offset + pos, n)
+            if _read_full(f, view) != n:
+                raise CorruptFileError(f"{r.path}: file became shorter while loading")
+            if pos < len(r.head) and view[: len(r.head) - pos] != r.head[pos : pos + n]:
+                raise CorruptFileError(f"{r.path}: header changed while loading")
+            dest.submit(i, r.offset + pos, n)
+            pending[i] = hasher.submit(h.update, view)
+            pos += n
+            k += 1
+        if f.read(1):
+            raise CorruptFileError(f"{r.path}: file grew while loading")
+    return k
+
+
+def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> SharedWeights:
+    """A private, writable copy of one rank of a sidecar (no daemon), verified while it loads.
+
+    Returns a ``SharedWeights`` whose tensors are views into one uint8 buffer of the rank's
+    bytes on ``device`` (``cpu``, ``cuda`` or ``cuda:N``).
+    """
+    import torch
+
+    from mpack.runtime.weights import SharedWeights, build_views
+
+    if type(rank) is not int:
+        raise UsageError(f"rank must be an int, got {rank!r}")
+    kind, ordinal = parse_device(device)
+    plan = plan_rank(sidecar, rank)
+    if kind == "cpu":
+        buf = torch.empty(plan.size, dtype=torch.uint8)
+        fill(plan, HostDest(memoryview(buf.numpy())))
+        label = "cpu"
+    else:
+        label = f"cuda:{ordinal}"
+        buf = torch.empty(plan.size, dtype=torch.uint8, device=label)
+        fill(plan, CudaDest(buf))
+    return SharedWeights(
+        build_views(buf, plan.tensors),
+        manifest=plan.manifest,
+        digest=plan.digest,
+        rank=rank,
+        device=label,
+        backend="private",
+        nbytes=plan.size,
+    )

@@ -1,0 +1,277 @@
+"""The serve/attach wire protocol, and where its socket lives (docs/RUNTIME.md "Protocol").
+
+Every message, in both directions, is one frame::
+
+    b"MPAK"  u32 little-endian N  N bytes of UTF-8 JSON (an object)
+
+with ``"v": PROTOCOL_VERSION`` and a ``"type"`` in every object. A connection carries exactly one
+request and its reply; an ``attach`` connection then stays open as the *lease* (the daemon lists
+its peer as an attached client until it closes). The reply to ``attach`` carries one file
+descriptor (SCM_RIGHTS) attached to its first byte. Nothing is pickled; requests are capped at
+``MAX_REQUEST_BYTES`` and checked against a schema before the daemon acts on them.
+
+The socket is named from what it serves, so ``serve`` and ``attach`` find each other from the
+sidecar, rank and device alone: ``<runtime dir>/<digest[:16]>-r<rank>-<device key>.sock`` in a
+per-user 0700 directory (``$XDG_RUNTIME_DIR/mpack``, else ``/tmp/mpack-$UID``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpack.errors import DaemonError, ProtocolError, UsageError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"MPAK"
+HEADER = struct.Struct("<4sI")  # magic, payload length
+MAX_REQUEST_BYTES = 64 * 1024  # what the daemon accepts: requests are a few hundred bytes
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # what a client accepts: the layout of a large model
+MAX_FDS = 4  # ancillary slots a client reads (one is used)
+HELLO_TIMEOUT_S = 5.0  # a connection must deliver its request (and take its reply) within this
+CLIENT_TIMEOUT_S = 30.0  # how long a client waits for the daemon's reply
+MAX_CONNECTIONS = 4096  # open connections (leases included) one daemon keeps
+SOCKET_SUFFIX = ".sock"
+LOCK_SUFFIX = ".lock"
+RUNTIME_SUBDIR = "mpack"
+
+# Message types: requests (client -> daemon) and replies (daemon -> client).
+ATTACH = "attach"
+STATUS = "status"
+ATTACHED = "attached"
+ERROR = "error"
+REQUESTS = (ATTACH, STATUS)
+
+# Error codes carried by an "error" reply.
+BAD_MESSAGE = "bad-message"  # not a frame, not JSON, or fails the schema
+TOO_LARGE = "too-large"  # a length prefix over MAX_REQUEST_BYTES
+VERSION = "version"  # another protocol version
+UNKNOWN_TYPE = "unknown-type"  # a "type" the daemon does not know
+MISMATCH = "mismatch"  # asks for another sidecar digest, rank or device
+REFUSED = "refused"  # peer uid is not the daemon's
+BUSY = "busy"  # MAX_CONNECTIONS reached
+TIMEOUT = "timeout"  # no complete request within HELLO_TIMEOUT_S
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class WireError(ProtocolError):
+    """A frame or message that breaks the protocol; ``code`` is one of the error codes above."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- frames ------------------------------------------------------------------------------------
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """One frame: header + compact JSON of ``msg`` (which gets ``"v"`` if it lacks one)."""
+    body = json.dumps({"v": PROTOCOL_VERSION, **msg}, separators=(",", ":")).encode()
+    return HEADER.pack(MAGIC, len(body)) + body
+
+
+def error_message(code: str, message: str) -> dict[str, Any]:
+    return {"type": ERROR, "code": code, "message": message}
+
+
+def frame_length(buf: bytes | bytearray, cap: int) -> int | None:
+    """The payload length announced by the header at the start of ``buf`` (None: need more).
+
+    Raises:
+        WireError: bad magic (``bad-message``), or a length of 0 or over ``cap`` (``too-large``).
+    """
+    if len(buf) < HEADER.size:
+        return None
+    magic, n = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise WireError(BAD_MESSAGE, f"not an mpack frame (starts with {bytes(buf[:4])!r})")
+    if n == 0:
+        raise WireError(BAD_MESSAGE, "empty message")
+    if n > cap:
+        raise WireError(TOO_LARGE, f"message of {n} bytes exceeds the limit of {cap} bytes")
+    return n
+
+
+def take_message(buf: bytearray, cap: int) -> dict[str, Any] | None:
+    """Remove one complete frame from the front of ``buf`` and decode it (None: incomplete)."""
+    n = frame_length(buf, cap)
+    if n is None or len(buf) < HEADER.size + n:
+        return None
+    payload = bytes(buf[HEADER.size : HEADER.size + n])
+    del buf[: HEADER.size + n]
+    return decode(payload)
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    """Parse one message body: a JSON object with our version and a string ``type``."""
+    try:
+        msg = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise WireError(BAD_MESSAGE, f"message is not UTF-8 JSON ({type(e).__name__})") from None
+    if not isinstance(msg, dict):
+        raise WireError(BAD_MESSAGE, f"message is a JSON {type(msg).__name__}, not an object")
+    v = msg.get("v")
+    if type(v) is not int:
+        raise WireError(BAD_MESSAGE, 'message lacks an integer "v" (protocol version)')
+    if v != PROTOCOL_VERSION:
+        raise WireError(VERSION, f"protocol version {v}; this mpack speaks {PROTOCOL_VERSION}")
+    if not isinstance(msg.get("type"), str):
+        raise WireError(BAD_MESSAGE, 'message lacks a string "type"')
+    return msg
+
+
+def check_request(msg: dict[str, Any]) -> dict[str, Any]:
+    """Schema of a request (``attach`` or ``status``); return it unchanged."""
+    kind = msg["type"]
+    if kind not in REQUESTS:
+        raise WireError(UNKNOWN_TYPE, f"unknown message type {kind[:40]!r}")
+    if kind == ATTACH:
+        digest, rank, device = msg.get("digest"), msg.get("rank"), msg.get("device")
+        if not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+            raise WireError(BAD_MESSAGE, 'attach needs "digest": 64 lowercase hex digits')
+        if type(rank) is not int or rank < 0:
+            raise WireError(BAD_MESSAGE, 'attach needs "rank": a non-negative integer')
+        if not (isinstance(device, str) and 0 < len(device) <= 128):
+            raise WireError(BAD_MESSAGE, 'attach needs "device": a string like "cpu"')
+    return msg
+
+
+# --- blocking client side ----------------------------------------------------------------------
+
+
+def send_message(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(encode(msg))
+
+
+def recv_message(
+    sock: socket.socket, cap: int = MAX_REPLY_BYTES
+) -> tuple[dict[str, Any], list[int]]:
+    """Read exactly one frame (and any fds sent with it) from a blocking socket.
+
+    The caller owns (and must close) the returned fds, also when it then raises.
+    """
+    buf = bytearray()
+    fds: list[int] = []
+    try:
+        need = HEADER.size
+        while len(buf) < need:
+            data, got, flags, _ = socket.recv_fds(sock, min(need - len(buf), 1 << 20), MAX_FDS)
+            fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise WireError(BAD_MESSAGE, "too many file descriptors in one message")
+            if not data:
+                raise WireError(BAD_MESSAGE, f"connection closed after {len(buf)} bytes")
+            buf += data
+            if need == HEADER.size and len(buf) >= HEADER.size:
+                need = HEADER.size + (frame_length(buf, cap) or 0)
+        return decode(bytes(buf[HEADER.size :])), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+# --- devices -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a rank is served. ``key`` names the socket and is compared on attach: ``cpu``, or
+    ``cuda:GPU-<uuid>`` so that processes with different CUDA_VISIBLE_DEVICES agree."""
+
+    kind: str  # "cpu" | "cuda"
+    ordinal: int | None  # CUDA device ordinal in this process; None for cpu
+    key: str
+
+    @property
+    def label(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.ordinal}"
+
+
+def parse_device(spec: str) -> tuple[str, int | None]:
+    """``"cpu"`` -> ("cpu", None); ``"cuda"`` / ``"cuda:N"`` -> ("cuda", N). Touches no driver."""
+    s = str(spec).strip().lower()
+    if s == "cpu":
+        return "cpu", None
+    m = re.fullmatch(r"cuda(?::(\d+))?", s)
+    if not m:
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {spec!r}")
+    return "cuda", int(m.group(1) or 0)
+
+
+def resolve_device(spec: str) -> Device:
+    """Parse ``spec`` and, for CUDA, ask the driver for the GPU's UUID (initialises the driver)."""
+    kind, ordinal = parse_device(spec)
+    if kind == "cpu":
+        return Device("cpu", None, "cpu")
+    from mpack.runtime import cuda_vmm
+
+    assert ordinal is not None
+    return Device("cuda", ordinal, "cuda:" + cuda_vmm.device_uuid(ordinal))
+
+
+# --- rendezvous --------------------------------------------------------------------------------
+
+
+def runtime_dir(*, create: bool = False) -> Path:
+    """The per-user socket directory: ``$XDG_RUNTIME_DIR/mpack``, else ``/tmp/mpack-$UID``.
+
+    Raises:
+        DaemonError: the directory exists but is not a 0700 directory owned by this user (someone
+            else could then swap sockets under us).
+    """
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        d = Path(base) / RUNTIME_SUBDIR
+    else:
+        d = Path(f"/tmp/mpack-{os.getuid()}")
+    if create:
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=0o700)
+    if os.path.lexists(d):
+        check_private_dir(d)
+    return d
+
+
+def check_private_dir(d: Path) -> None:
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise DaemonError(
+            f"refusing to use {d}: it must be a directory owned by uid {os.getuid()} with mode "
+            f"0700 (it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)})",
+            hint=f"remove {d}, or set XDG_RUNTIME_DIR to a private directory",
+        )
+
+
+def socket_name(digest: str, rank: int, device_key: str) -> str:
+    return f"{digest[:16]}-r{rank}-{device_key.replace(':', '-')}{SOCKET_SUFFIX}"
+
+
+def socket_path(digest: str, rank: int, device_key: str, *, create: bool = False) -> Path:
+    """Where the daemon serving (digest, rank, device) listens."""
+    return runtime_dir(create=create) / socket_name(digest, rank, device_key)
+
+
+def check_socket_path(path: Path) -> None:
+    if len(os.fsencode(path)) > 107:  # sun_path is 108 bytes with the NUL
+        raise DaemonError(
+            f"socket path {path} is longer than 107 bytes",
+            hint="pass a shorter one with --socket (or set XDG_RUNTIME_DIR)",
+        )

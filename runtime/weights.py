@@ -1,0 +1,126 @@
+"""``SharedWeights``: the tensors of one served rank, as views into one allocation.
+
+Note [lifetime of a mapping]: every tensor is a view of one uint8 base tensor that owns the
+mapping (a read-only ``mmap`` of the daemon's memfd, or a read-only CUDA VMM mapping of its
+exported allocation; see host.py and cuda_vmm.py). The mapping is released when the last view
+of it is garbage-collected, never earlier, so a tensor the caller still holds can never point
+at unmapped memory. ``close()`` ends the lease with the daemon and drops every reference this
+object holds; once the caller drops its own views too, the mapping goes. A process that dies
+releases it with its address space. The physical memory lives while *any* holder is left: the
+daemon's handle, or a client's mapping. So mappings stay valid when the daemon dies, and the
+memory is freed when the daemon and every client are gone.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from mpack.sidecar import DTYPE_SIZES
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpack.sidecar import TensorEntry
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    import torch
+
+    return {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+        "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+    }[name]  # fmt: skip
+
+
+def build_views(base: torch.Tensor, tensors: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Views of ``base`` (uint8 [size], any device) by byte offset: no data is copied, except
+    for Note [unaligned tail tensors].
+
+    Note [unaligned tail tensors]: a torch view of another dtype must start at a multiple of
+    its element size. Every 64-multiple-sized tensor of a sidecar is 64-aligned (docs/FORMAT.md),
+    but the odd-sized tail of ``common.safetensors`` MAY start anywhere; such a tensor (a few
+    bytes: a norm, a scalar) becomes a private copy instead of a view.
+    """
+    out = {}
+    for e in tensors:
+        raw = base[e.offset : e.offset + e.nbytes]  # uint8 [nbytes]
+        if e.offset % DTYPE_SIZES[e.dtype]:
+            raw = raw.clone()  # Note [unaligned tail tensors]
+        out[e.name] = raw.view(torch_dtype(e.dtype)).view(e.shape)  # dtype [*shape]
+    return out
+
+
+class SharedWeights(Mapping[str, "torch.Tensor"]):
+    """Every tensor of one rank of a sidecar (the rank file's and the pass-through ones).
+
+    A ``Mapping[str, torch.Tensor]``; also ``manifest`` (the sidecar's mpack.json), ``digest``,
+    ``rank``, ``device`` (``cpu`` or ``cuda:N``), ``backend`` (``private`` for :func:`load`,
+    ``host`` or ``cuda`` for :func:`attach`) and ``nbytes`` (bytes of the allocation).
+    Attached tensors are read-only: a write fails in the writing process only. Use ``close()``
+    or a ``with`` block; see Note [lifetime of a mapping].
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        manifest: dict[str, Any],
+        digest: str,
+        rank: int,
+        device: str,
+        backend: str,
+        nbytes: int,
+        lease: socket.socket | None = None,
+    ) -> None:
+        self._tensors: dict[str, torch.Tensor] | None = tensors
+        self.manifest = manifest
+        self.digest = digest
+        self.rank = rank
+        self.device = device
+        self.backend = backend
+        self.nbytes = nbytes
+        self._lease = lease
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            raise ValueError("these SharedWeights are closed")
+        return self._tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._live()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    @property
+    def closed(self) -> bool:
+        return self._tensors is None
+
+    def close(self) -> None:
+        """End the lease and drop this object's references (Note [lifetime of a mapping])."""
+        self._tensors = None
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+
+    def __enter__(self) -> SharedWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self)} tensors"
+        return (
+            f"SharedWeights(rank={self.rank}, device={self.device!r}, backend={self.backend!r}, "
+            f"{state}, {self.nbytes} bytes, digest={self.digest[:12]})"
+        )
