@@ -261,7 +261,13 @@ def check_private_dir(d: Path) -> None:
 
 
 def socket_name(digest: str, rank: int, device_key: str) -> str:
-    return f"{digest[:16]}-r{rank}-{device_key.replace(':', '-')}{SOCKET_SUFFIX}"
+    """``<digest[:16]>-r<rank>-<dev>.sock``; ``dev`` is ``cpu`` or ``gpu-`` + the GPU UUID's first
+    12 hex digits (short enough that deep runtime directories stay under sun_path's 107 bytes)."""
+    if device_key.startswith("cuda:GPU-"):
+        dev = "gpu-" + device_key[len("cuda:GPU-") :].replace("-", "")[:12]
+    else:
+        dev = device_key.replace(":", "-")
+    return f"{digest[:16]}-r{rank}-{dev}{SOCKET_SUFFIX}"
 
 
 def socket_path(digest: str, rank: int, device_key: str, *, create: bool = False) -> Path:

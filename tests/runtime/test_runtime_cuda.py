@@ -58,7 +58,12 @@ def test_export_import_read_only_and_freed(plan):
     # (writes are tried in separate processes: a faulting kernel ends its CUDA context)
     export.close()  # the daemon's handle goes; the mapping still holds the memory
     assert views["model.norm.weight"].cpu().numel() > 0
+    torch.cuda.synchronize()
+    free_mapped = torch.cuda.mem_get_info(0)[0]
+    assert free_mapped <= free0 - export.size + 8 * 2**20, "the mapping should still hold the memory"
     del base, views
     gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.mem_get_info(0)[0] >= free0 - 8 * 2**20
+    # compared with the moment before the last mapping went (the first CUDA calls may grow the
+    # context's own memory, which is not ours to account for)
+    assert torch.cuda.mem_get_info(0)[0] >= free_mapped + export.size - 8 * 2**20

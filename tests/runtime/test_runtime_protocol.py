@@ -114,7 +114,7 @@ def test_device_parsing():
 def test_socket_names_come_from_digest_rank_and_device(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     path = P.socket_path("ab" * 32, 3, "cuda:GPU-1234", create=True)
-    assert path == tmp_path / "mpack" / f"{'ab' * 8}-r3-cuda-GPU-1234.sock"
+    assert path == tmp_path / "mpack" / f"{'ab' * 8}-r3-gpu-1234.sock"
     assert (path.parent.stat().st_mode & 0o777) == 0o700
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert P.runtime_dir() == Path(f"/tmp/mpack-{os.getuid()}")
