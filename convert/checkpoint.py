@@ -398,7 +398,11 @@ def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dty
         raise UnsupportedSchemeError(
             f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} and would become inf "
             f"after Marlin's exponent fold in {act_dtype}",
-            hint="use --act-dtype float16 (limit 255.875) or a checkpoint with smaller scales",
+            hint=(
+                "use --act-dtype float16 (limit 255.875) or a checkpoint with smaller scales"
+                if act_dtype == "bfloat16"
+                else "this checkpoint's scales are too large for Marlin; re-quantize it with smaller scales"
+            ),
         )
 
 

@@ -303,7 +303,7 @@ def run_convert(
     _check_options(profile, act_dtype, tp, fuse)
     dev = resolve_device(device)
     out = Path(out).expanduser().absolute()
-    src: ResolvedSource = resolve_source(str(source), revision)
+    src: ResolvedSource = resolve_source(str(source), revision, show_progress=progress is not None)
     if out == src.path or src.path in out.parents:
         raise UsageError(
             f"-o {out} lies inside the source checkpoint {src.path}; choose another output directory"

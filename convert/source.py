@@ -7,8 +7,10 @@ resolved commit (or the local path) and the size and sha256 of every source file
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +53,9 @@ class ResolvedSource:
         )
 
 
-def resolve_source(source: str, revision: str | None = None) -> ResolvedSource:
+def resolve_source(
+    source: str, revision: str | None = None, *, show_progress: bool = False
+) -> ResolvedSource:
     """Resolve ``source`` (a directory, or a Hub repo id) to a local directory.
 
     Raises:
@@ -71,10 +75,29 @@ def resolve_source(source: str, revision: str | None = None) -> ResolvedSource:
         return ResolvedSource(path=p.resolve(), kind="local")
     if source.startswith((".", "/", "~")) or not _REPO_ID.match(source):
         raise SourceNotFoundError(f"{source}: no such directory (and not a Hugging Face repo id)")
-    return _snapshot(source, revision)
+    return _snapshot(source, revision, show_progress)
 
 
-def _snapshot(repo: str, revision: str | None) -> ResolvedSource:
+@contextlib.contextmanager
+def _hub_progress(show: bool) -> Iterator[None]:
+    """huggingface_hub's own progress bars only when mpack shows progress (not --json/--quiet)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    was_disabled = are_progress_bars_disabled()
+    if not show:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not show and not was_disabled:
+            enable_progress_bars()
+
+
+def _snapshot(repo: str, revision: str | None, show_progress: bool) -> ResolvedSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -83,11 +106,22 @@ def _snapshot(repo: str, revision: str | None) -> ResolvedSource:
         RevisionNotFoundError,
     )
 
+    try:
+        from huggingface_hub.errors import IncompleteSnapshotError
+    except ImportError:  # older huggingface_hub: reported as LocalEntryNotFoundError below
+        IncompleteSnapshotError = ()  # noqa: N806
+
     rev = f"@{revision}" if revision else ""
     try:
-        path = Path(
-            snapshot_download(repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS)
-        )
+        with _hub_progress(show_progress):
+            path = Path(
+                snapshot_download(repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS)
+            )
+    except IncompleteSnapshotError as e:
+        raise SourceNotFoundError(
+            f"{repo}{rev}: the cached snapshot is incomplete ({e})",
+            hint="download it again with network access (unset HF_HUB_OFFLINE), or pass a local directory",
+        ) from None
     except GatedRepoError:
         raise SourceNotFoundError(
             f"{repo}: the repo is gated",

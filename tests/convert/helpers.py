@@ -1,0 +1,242 @@
+"""Shared helpers of the convert CLI tests: run `mpack` in subprocesses, mutate real checkpoints.
+
+Every CLI run is a real ``sys.executable -m mpack.cli ...`` subprocess. A run costs ~3 s of
+imports (torch, compressed-tensors), so modules start their runs early through :class:`CliPool`
+and let them overlap; each test then waits for its own run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+Proc = subprocess.CompletedProcess
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+# --- running the CLI ------------------------------------------------------------------------
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CLI run: no debug tracebacks, no Hub token, the Hub offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MPACK_DEBUG", "HF_TOKEN")}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
+    env.update(extra or {})
+    return env
+
+
+def cli(*args: str | os.PathLike, env: dict[str, str] | None = None, timeout: float = 180) -> Proc:
+    """Run ``python -m mpack.cli ARGS`` to completion and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "mpack.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=cli_env(env),
+        timeout=timeout,
+    )
+
+
+def cli_popen(*args: str | os.PathLike, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m mpack.cli ARGS`` without waiting (output captured to pipes)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpack.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(env),
+    )
+
+
+class CliPool:
+    """Runs CLI subprocesses in the background, a few at a time, so a module's runs overlap."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        n = workers or min(8, (os.cpu_count() or 2) + 1)
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="mpack-cli")
+
+    def submit(self, *args: str | os.PathLike, env: dict[str, str] | None = None) -> Future[Proc]:
+        """Queue one run; ``.result()`` gives its ``CompletedProcess``."""
+        return self._pool.submit(cli, *args, env=env)
+
+    def then(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Queue any callable (e.g. a run that needs files prepared by an earlier run)."""
+        return self._pool.submit(fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def selected_params(request: pytest.FixtureRequest, argname: str) -> list[Any]:
+    """Values of parameter ``argname`` of this module's tests that were collected (honours -k)."""
+    out = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if (
+            item.module is request.module
+            and callspec
+            and argname in callspec.params
+            and callspec.params[argname] not in out
+        ):
+            out.append(callspec.params[argname])
+    return out
+
+
+def explain(r: Proc) -> str:
+    """A failure message showing a run's exit code and output."""
+    return f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+
+
+def tmp_dirs(out: Path) -> list[Path]:
+    """Hidden work directories ``.<OUT name>.mpack-tmp-*`` next to ``out``."""
+    return sorted(out.parent.glob(f".{out.name}.mpack-tmp-*"))
+
+
+def assert_refused(r: Proc, out: Path, *expect: str, exists: bool = False) -> None:
+    """Exit 2, one clean message holding every ``expect`` substring, no output and no work dir."""
+    assert r.returncode == 2, explain(r)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: "), r.stderr
+    for s in expect:
+        assert s in r.stderr, f"{s!r} not in stderr:\n{r.stderr}"
+    if not exists:
+        assert not out.exists(), f"{out} exists after a refused run"
+    assert tmp_dirs(out) == [], f"work dirs left behind: {tmp_dirs(out)}"
+
+
+def manifest(sidecar: Path) -> dict[str, Any]:
+    """The parsed ``mpack.json`` of ``sidecar``."""
+    return json.loads((sidecar / "mpack.json").read_text())
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (relative path -> bytes), to show nothing was touched."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """XOR one byte of ``path`` with 0xFF, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def st_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header (with ``__metadata__``) and where its data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def tensor_range(path: Path, name: str) -> tuple[int, int]:
+    """Absolute byte range ``[start, end)`` of tensor ``name`` in safetensors file ``path``."""
+    header, start = st_header(path)
+    a, b = header[name]["data_offsets"]
+    return start + a, start + b
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def edit_config(ck: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``fn`` to ``ck/config.json`` in place."""
+    path = ck / "config.json"
+    cfg = json.loads(path.read_text())
+    fn(cfg)
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def weight_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The weights args of the (single) config group of a fixture's quantization_config."""
+    (group,) = cfg["quantization_config"]["config_groups"].values()
+    return group["weights"]
+
+
+def shard_of(ck: Path, name: str) -> str:
+    """The shard file holding tensor ``name`` (through the index when there is one)."""
+    if (ck / INDEX).is_file():
+        return json.loads((ck / INDEX).read_text())["weight_map"][name]
+    return SINGLE
+
+
+def rewrite_shard(ck: Path, shard: str, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Load every tensor of one shard, let ``fn`` change the dict, save it back (others kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(ck / shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+    fn(tensors)
+    save_file(tensors, str(ck / shard), metadata={"format": "pt"})
+
+
+def read_tensor(ck: Path, name: str) -> Any:
+    """Tensor ``name`` of checkpoint ``ck``, from whichever shard holds it."""
+    from safetensors import safe_open
+
+    with safe_open(str(ck / shard_of(ck, name)), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def set_tensors(ck: Path, tensors: dict[str, Any], drop: Iterable[str] = ()) -> None:
+    """Replace or add tensors (new ones go to the shard of the first replaced one), drop others.
+
+    The index's ``weight_map`` is kept in step when there is one.
+    """
+    drop = list(drop)
+    anchor = next((n for n in [*tensors, *drop] if _has(ck, n)), None)
+    assert anchor is not None, "set_tensors needs one existing tensor to place new ones next to"
+    shard = shard_of(ck, anchor)
+    touched = {shard_of(ck, n) for n in drop} | {shard}
+
+    for fname in touched:
+
+        def change(d: dict[str, Any], fname: str = fname) -> None:
+            for n in drop:
+                d.pop(n, None)
+            if fname == shard:
+                d.update(tensors)
+
+        rewrite_shard(ck, fname, change)
+    if (ck / INDEX).is_file():
+        index = json.loads((ck / INDEX).read_text())
+        for n in drop:
+            index["weight_map"].pop(n, None)
+        for n in tensors:
+            index["weight_map"][n] = shard
+        (ck / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _has(ck: Path, name: str) -> bool:
+    """Whether checkpoint ``ck`` holds tensor ``name``."""
+    from safetensors import safe_open
+
+    if (ck / INDEX).is_file():
+        return name in json.loads((ck / INDEX).read_text())["weight_map"]
+    with safe_open(str(ck / SINGLE), framework="pt") as f:
+        return name in f.keys()  # noqa: SIM118 - not a dict
