@@ -23,5 +23,8 @@ mpack verify "$OUT/tiny-llama-marlin-tp2"
 echo; echo "== 5. run it again: nothing to do"
 mpack convert "$OUT/tiny-llama-fp8" -o "$OUT/tiny-llama-marlin-tp2" --tp 2
 
-echo; echo "== 6. the layout itself: pack a built-in example layer and unpack it"
+echo; echo "== 6. serve it (host memory) and attach from two processes, zero-copy and read-only"
+COLUMNS=${COLUMNS:-120} "$PY" scripts/demo_runtime.py "$OUT/tiny-llama-marlin-tp2" --rank 0
+
+echo; echo "== 7. the layout itself: pack a built-in example layer and unpack it"
 "$PY" scripts/demo_layer.py
