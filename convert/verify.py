@@ -179,5 +179,6 @@ def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLay
             compared += 1
             if not _same(_read(sidecar / COMMON_NAME, layouts[COMMON_NAME], name), ck.read(name)):
                 problems.append(f"{COMMON_NAME}: {name} differs from the source bytes")
-    return {"source_checked": True, "source": src.display, "layers_checked": len(plan.units) * plan.tp,
+    return {"source_checked": True, "source": src.display,
+        "source_path": str(src.path), "layers_checked": len(plan.units) * plan.tp,
             "tensors_compared": compared}  # fmt: skip

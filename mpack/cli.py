@@ -162,6 +162,17 @@ def verify(
             help="Re-derive every tensor from this checkpoint [default: the recorded local path]."
         ),
     ] = None,
+    forward: Annotated[
+        bool,
+        typer.Option(
+            "--forward",
+            help="Also run token ids through the model from the sidecar and from the source (transformers) "
+            "and compare greedy tokens and logits.",
+        ),
+    ] = False,
+    device: Annotated[
+        str, typer.Option("--device", help="cpu, cuda or cuda:N, for --forward.")
+    ] = "cpu",
     json_out: JsonOpt = False,
 ) -> None:
     """Check every file's sha256, and re-derive every tensor from the source checkpoint.
@@ -169,11 +180,25 @@ def verify(
     Examples:
       mpack verify llama8b-marlin
       mpack verify llama8b-marlin --source RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8
+      mpack verify tiny-marlin --source ./tiny-fp8 --forward
     """
     from mpack import ui
     from mpack.convert.verify import run_verify
+    from mpack.errors import VerificationError
 
-    ui.emit_verify(run_verify(sidecar, source=source), as_json=json_out)
+    report = run_verify(sidecar, source=source)
+    if forward:
+        if not report["source_checked"]:
+            raise UsageError("--forward needs the source checkpoint: pass --source")
+        from mpack.runtime.equivalence import forward_check
+
+        report["forward"] = forward_check(sidecar, report["source_path"], device=device)
+    ui.emit_verify(report, as_json=json_out)
+    if forward and not report["forward"]["ok"]:
+        raise VerificationError(
+            f"{sidecar}: model outputs from the sidecar differ from the reference beyond the tolerance",
+            hint="see the table above; docs/EQUIVALENCE.md explains the tolerance",
+        )
 
 
 # --- mpack serve / mpack status (runtime; mpack/runtime/daemon.py, docs/RUNTIME.md) ---------

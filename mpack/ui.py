@@ -171,8 +171,9 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
 
 
 def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
+    fwd = report.get("forward")
     if as_json:
-        print_json({"ok": True, **report})
+        print_json({"ok": fwd["ok"] if fwd else True, **report})
         return
     console.print(
         f"[green]ok[/]: {report['files_checked']} files match the manifest (digest {report['digest'][:16]}...)"
@@ -184,6 +185,28 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
         )
     else:
         console.print("source not checked (no --source, and the manifest records no local path)")
+    if fwd:
+        t = Table(
+            title=f"forward: sidecar vs transformers reference ({fwd['device']}, tp {fwd['tp']})"
+        )
+        for col in (
+            "compute",
+            "greedy tokens",
+            "max |logit diff|",
+            "tolerance",
+            "decisive steps agree",
+        ):
+            t.add_column(col)
+        for r in fwd["runs"]:
+            same = "identical" if r["tokens_identical"] else "differ"
+            t.add_row(r["dtype"], same, f"{r['max_logit_diff']:.3g}", f"{r['tolerance']:.3g}",
+                      f"{r['decisive_steps_agree']} ({r['decisive_steps']})")  # fmt: skip
+        console.print(t)
+        first = fwd["runs"][0]
+        console.print(f"greedy next tokens (reference): {[row[:8] for row in first['ref_tokens']]}")
+        console.print(
+            "[green]ok[/]: model outputs match" if fwd["ok"] else "[red]outputs differ[/]"
+        )
 
 
 # --- mpack serve / mpack status (runtime) ------------------------------------------------------

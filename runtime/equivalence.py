@@ -1,0 +1,188 @@
+"""Model-output equivalence: the sidecar path against the original checkpoint, end to end.
+
+The **reference** is the original checkpoint run by transformers, with compressed-tensors
+decompressing the FP8 weights and its activation fake-quantization switched off (Marlin is
+weight-only, so the kernel never quantizes activations). For the ``w8a8-marlin`` profile the
+reference's fused shards carry the weights requantized to the max shard scale (SPEC §4), which is
+what vLLM itself computes from the same checkpoint on that path.
+
+The **sidecar path** is :func:`mpack.runtime.model.build_model` on the sidecar's tensors, every
+linear layer computed by the reference Marlin FP8 linear from the packed bytes.
+
+Note [equivalence tolerance]: run in float32, both sides compute the same products of exactly
+dequantized weights (fp8 x scale is exact in fp32) and differ only in summation order, so their
+logits agree to ~1e-6 and greedy decoding must give identical tokens. Run in the activation
+dtype, every layer's activations are rounded to bf16/fp16 at different points on the two sides;
+with unit roundoff ``u`` (2^-9 bf16, 2^-11 fp16) the logits may differ by a few ``u`` per layer
+relative to their size, so we allow ``ATOL_UNITS * u * max|logit|`` and compare greedy choices
+only where the reference's top-2 margin exceeds twice that bound (elsewhere either token is a
+correct rounding of a near-tie).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ATOL_UNITS = 16
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-9, "float16": 2.0**-11, "float32": 2.0**-24}
+FP32_TOL = 1e-4  # relative to max |logit|; the observed gap is ~1e-6
+
+
+def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: Any) -> Any:
+    """The original checkpoint as transformers runs it, weight-only (see the module docstring).
+
+    compressed-tensors keeps each quantized linear's fp8 ``weight`` and ``weight_scale`` and
+    dequantizes them in its forward; for ``w8a8-marlin`` both are replaced by the requantized
+    bytes and the max scale.
+    """
+    import torch
+    from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+    model.apply(disable_quantization)
+    if manifest["target"]["profile"] == "w8a8-marlin":
+        from compressed_tensors.offload import update_offload_parameter
+        from safetensors import safe_open
+
+        from mpack.convert.marlin import requantize
+
+        tensors = _checkpoint_index(Path(source))
+        with torch.no_grad():
+            for ly in manifest["layers"].values():
+                if not ly["requantized"]:
+                    continue
+                mods = [s["module"] for s in ly["shards"]]
+                raw = {}
+                for mod in mods:
+                    for part in ("weight", "weight_scale"):
+                        with safe_open(str(tensors[f"{mod}.{part}"]), framework="pt") as f:
+                            raw[f"{mod}.{part}"] = f.get_tensor(f"{mod}.{part}")
+                s_max = torch.stack(
+                    [raw[f"{m}.weight_scale"].float().reshape(()) for m in mods]
+                ).max()
+                for mod in mods:  # compressed-tensors dequantizes weight x weight_scale on the fly
+                    module = model.get_submodule(mod)
+                    q = requantize(
+                        raw[f"{mod}.weight"], raw[f"{mod}.weight_scale"].float().reshape(()), s_max
+                    )
+                    update_offload_parameter(module, "weight", q.view(torch.float8_e4m3fn))
+                    scale = module.weight_scale
+                    update_offload_parameter(
+                        module, "weight_scale", s_max.to(scale.dtype).expand_as(scale).clone()
+                    )
+    return model
+
+
+def _checkpoint_index(root: Path) -> dict[str, Path]:
+    idx = root / "model.safetensors.index.json"
+    if idx.is_file():
+        return {k: root / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    out = {}
+    for p in sorted(root.glob("*.safetensors")):
+        with safe_open(str(p), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), p))  # noqa: SIM118 - safe_open is not a dict
+    return out
+
+
+def teacher_forced_logits(model: Any, input_ids: Any, tokens: Any) -> Any:
+    """float32 ``[B, steps, V]``: the model's next-token logits along ``input_ids`` + ``tokens``."""
+    import torch
+
+    seq = torch.cat([input_ids, tokens], dim=1)
+    with torch.no_grad():
+        return model(seq[:, :-1], use_cache=False).logits[:, input_ids.shape[1] - 1 :].float()
+
+
+def score(
+    ref_tokens: Any, ref_logits: Any, our_tokens: Any, our_tf_logits: Any, dtype_name: str
+) -> dict[str, Any]:
+    """Our run against the reference's (Note [equivalence tolerance]).
+
+    Args:
+        ref_tokens: int64 ``[B, steps]`` reference greedy tokens; ref_logits: float32
+            ``[B, steps, V]`` its logits; our_tokens: our free-running greedy tokens;
+            our_tf_logits: our logits along the reference's tokens (teacher forcing).
+    """
+    import torch
+
+    diff = (our_tf_logits - ref_logits).abs().max().item()
+    scale = ref_logits.abs().max().item()
+    tol = (FP32_TOL if dtype_name == "float32" else ATOL_UNITS * UNIT_ROUNDOFF[dtype_name]) * scale
+    top2 = ref_logits.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) > 2 * tol
+    agree = (our_tf_logits.argmax(-1) == ref_tokens) | ~decisive
+    return {
+        "dtype": dtype_name,
+        "ref_tokens": ref_tokens.tolist(),
+        "our_tokens": our_tokens.tolist(),
+        "tokens_identical": bool(torch.equal(ref_tokens.cpu(), our_tokens.cpu())),
+        "max_logit_diff": diff,
+        "max_abs_logit": scale,
+        "tolerance": tol,
+        "logits_close": diff <= tol,
+        "decisive_steps": int(decisive.sum()),
+        "decisive_steps_agree": bool(agree.all()),
+    }
+
+
+def compare(ours: Any, ref: Any, input_ids: Any, steps: int, dtype_name: str) -> dict[str, Any]:
+    """Greedy-decode both; score ours against the reference (free-running and teacher-forced)."""
+    from mpack.runtime.model import greedy_generate
+
+    ref_tokens, ref_logits = greedy_generate(ref, input_ids, steps)
+    our_tokens, _ = greedy_generate(ours, input_ids, steps)
+    tf = teacher_forced_logits(ours, input_ids, ref_tokens)
+    return score(ref_tokens, ref_logits, our_tokens, tf, dtype_name)
+
+
+def forward_check(
+    sidecar: str | os.PathLike,
+    source: str | os.PathLike,
+    *,
+    device: str = "cpu",
+    prompts: int = 2,
+    prompt_len: int = 8,
+    steps: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run random prompts through the sidecar (all ranks, :func:`mpack.runtime.load`) and the
+    reference, in float32 and in the activation dtype; see Note [equivalence tolerance]."""
+    import torch
+
+    from mpack.runtime.loader import load
+    from mpack.runtime.model import build_model
+    from mpack.sidecar import load_manifest
+
+    manifest, _ = load_manifest(sidecar)
+    tp = manifest["target"]["tp_size"]
+    ranks = [load(sidecar, rank=r, device=device) for r in range(tp)]
+    vocab = int(json.loads((Path(sidecar) / "config.json").read_text()).get("vocab_size", 1000))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (prompts, prompt_len), generator=g).to(device)
+    act = manifest["target"]["act_dtype"]
+    report: dict[str, Any] = {
+        "sidecar": str(sidecar),
+        "source": str(source),
+        "device": device,
+        "tp": tp,
+        "runs": [],
+    }
+    for name in ("float32", act):
+        dt = getattr(torch, name)
+        ours = build_model(ranks, sidecar, dtype=dt)
+        ref = reference_model(source, manifest, dt).to(device)
+        report["runs"].append(compare(ours, ref, ids, steps, name))
+    fp32, low = report["runs"]
+    report["ok"] = (
+        fp32["tokens_identical"]
+        and fp32["logits_close"]
+        and low["logits_close"]
+        and low["decisive_steps_agree"]
+    )
+    return report

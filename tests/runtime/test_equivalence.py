@@ -1,0 +1,182 @@
+"""Model-output equivalence, end to end, the way an engine would use a sidecar: converted,
+served by a daemon, attached from two separate processes, each running the model on the
+attached bytes. The reference is transformers on the original checkpoint
+(runtime/equivalence.py, Note [equivalence tolerance] for the tolerances)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rt_helpers import DaemonProc, child_env
+
+from mpack.convert.pipeline import run_convert
+from mpack.fixtures import make_checkpoint
+from mpack.runtime.equivalence import FP32_TOL, reference_model, score
+from mpack.runtime.model import greedy_generate
+
+HERE = Path(__file__).resolve().parent
+CLIENT = HERE / "equivalence_client.py"
+STEPS, PROMPTS, PROMPT_LEN = 16, 2, 8
+SMOL = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=1, vocab=1024)
+
+MODELS = {
+    "llama-tensor-bf16": dict(arch="llama", scheme="FP8"),
+    "llama-channel-fp16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
+    "qwen2-bias-tensor-bf16": dict(arch="qwen2", scheme="FP8"),
+    "qwen2-bias-channel-fp16": dict(arch="qwen2", scheme="FP8_DYNAMIC", dtype="float16"),
+    "padded-tensor-bf16": dict(arch="llama", scheme="FP8", **SMOL),
+    "padded-channel-fp16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16", **SMOL),
+}
+CASES = [  # (model, profile, tp)
+    ("llama-tensor-bf16", "w8a16", 1),
+    ("llama-tensor-bf16", "w8a8-marlin", 1),
+    ("llama-channel-fp16", "w8a16", 1),
+    ("qwen2-bias-tensor-bf16", "w8a16", 1),
+    ("qwen2-bias-tensor-bf16", "w8a8-marlin", 1),
+    ("qwen2-bias-channel-fp16", "w8a8-marlin", 1),
+    ("padded-tensor-bf16", "w8a16", 1),
+    ("padded-channel-fp16", "w8a16", 1),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eq-ckpts")
+    return {name: make_checkpoint(root / name, **kw) for name, kw in MODELS.items()}
+
+
+def _reference(ck: Path, manifest: dict, device: str) -> tuple[torch.Tensor, dict]:
+    """Random prompts and, per compute dtype, the reference's greedy tokens and logits."""
+    act = manifest["target"]["act_dtype"]
+    vocab = manifest["model"]["config"]["vocab_size"]
+    ids = torch.randint(0, vocab, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    refs = {}
+    for name in ("float32", act):
+        model = reference_model(ck, manifest, getattr(torch, name)).to(device)
+        tokens, logits = greedy_generate(model, ids.to(device), STEPS)
+        refs[name] = (tokens.cpu(), logits.cpu())
+    return ids, refs
+
+
+def _serve_and_attach(
+    sidecar: Path, tp: int, device: str, ids: torch.Tensor, refs: dict, work: Path
+) -> list[dict]:
+    """One daemon per rank; two client processes attach all ranks and run the model."""
+    env = child_env(work / "xdg")
+    (work / "xdg").mkdir(mode=0o700, exist_ok=True)
+    daemons = [DaemonProc(sidecar, device, env, work, "--rank", str(r)) for r in range(tp)]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        prompts = work / "prompts.pt"
+        torch.save({"input_ids": ids, "tokens": {k: v[0] for k, v in refs.items()}}, prompts)
+        outs = [work / f"client{i}.pt" for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(CLIENT), str(sidecar), str(tp), device, str(prompts), str(o)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for o in outs
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+        for d in daemons:
+            assert d.alive(), "the daemon must keep serving"
+        return [torch.load(o) for o in outs]
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def _check(results: list[dict], refs: dict) -> None:
+    assert results[0]["pid"] != results[1]["pid"]
+    for res in results:
+        for name, (ref_tokens, ref_logits) in refs.items():
+            r = res[name]
+            s = score(ref_tokens, ref_logits, r["tokens"], r["tf_logits"], name)
+            assert r["zero_copy"], f"{name}: the model must read the attached memory, not a copy"
+            assert s["logits_close"], (
+                f"{name}: max |logit diff| {s['max_logit_diff']:.3g} > {s['tolerance']:.3g}"
+            )
+            assert s["decisive_steps_agree"], f"{name}: a greedy choice with a clear margin differs"
+            if name == "float32":
+                assert s["tokens_identical"], (
+                    f"greedy tokens differ: {s['our_tokens']} vs {s['ref_tokens']}"
+                )
+    # the two processes computed the same thing from the same bytes
+    for name in refs:
+        assert torch.equal(results[0][name]["tokens"], results[1][name]["tokens"])
+        assert torch.equal(results[0][name]["tf_logits"], results[1][name]["tf_logits"])
+
+
+def _run_case(checkpoints, tmp_path, model, profile, tp, device) -> tuple[list[dict], dict]:
+    ck = checkpoints[model]
+    sidecar = tmp_path / "sidecar"
+    manifest = run_convert(ck, sidecar, profile=profile, tp=tp, device="cpu").manifest
+    ids, refs = _reference(ck, manifest, "cpu" if device == "cpu" else device)
+    results = _serve_and_attach(sidecar, tp, device, ids, refs, tmp_path)
+    _check(results, refs)
+    return results, refs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, profile, tp", CASES, ids=lambda v: str(v))
+def test_served_model_matches_reference(checkpoints, tmp_path, model, profile, tp):
+    _run_case(checkpoints, tmp_path, model, profile, tp, "cpu")
+
+
+@pytest.mark.slow
+def test_tp2_two_daemons_match_tp1(checkpoints, tmp_path):
+    """Rank 0 and rank 1 served by two daemons; the combined forward equals the TP 1 one."""
+    tp2, refs = _run_case(
+        checkpoints, tmp_path / "tp2", "qwen2-bias-tensor-bf16", "w8a16", 2, "cpu"
+    )
+    tp1, _ = _run_case(checkpoints, tmp_path / "tp1", "qwen2-bias-tensor-bf16", "w8a16", 1, "cpu")
+    a, b = tp2[0]["float32"], tp1[0]["float32"]
+    assert torch.equal(a["tokens"], b["tokens"])
+    scale = refs["float32"][1].abs().max().item()
+    assert (a["tf_logits"] - b["tf_logits"]).abs().max().item() <= FP32_TOL * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "model, profile, tp",
+    [("llama-tensor-bf16", "w8a16", 1), ("qwen2-bias-channel-fp16", "w8a8-marlin", 1),
+     ("padded-tensor-bf16", "w8a16", 1), ("qwen2-bias-tensor-bf16", "w8a16", 2)],
+    ids=lambda v: str(v),
+)  # fmt: skip
+def test_gpu_served_model_matches_reference(checkpoints, tmp_path, model, profile, tp):
+    _run_case(checkpoints, tmp_path, model, profile, tp, "cuda:0")
+
+
+def test_reference_linear_equals_dense_on_8b_shapes():
+    """marlin_linear == x @ dequant(W)^T + b in fp32, on random layers of the Llama-3.1-8B shapes."""
+    from mpack.convert import marlin
+    from mpack.convert.linear import marlin_linear
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        w8 = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+        w8[(w8 & 0x7F) == 0x7F] = 0  # no NaN codes
+        scale = torch.rand(n, generator=g) * 1e-3 + 1e-5
+        bias = torch.randn(n, generator=g)
+        np_, kp = marlin.marlin_padded_nk(n, k)
+        packed = marlin.pack_weight(w8, np_, kp)
+        s = marlin.pack_scales(scale, torch.bfloat16, np_)
+        b = marlin.pack_bias(bias, torch.bfloat16, np_)
+        x = torch.randn(3, k, generator=g)
+        dense = w8.view(torch.float8_e4m3fn).float() * scale.to(torch.bfloat16).float()[:, None]
+        want = x @ dense.T + bias.to(torch.bfloat16).float()
+        got = marlin_linear(x, packed, s, b, n=n, k=k, out_dtype=torch.float32)
+        # the same fp32 products, summed in another order: |err| <= K * 2^-24 * sum|x w|
+        bound = k * 2.0**-24 * (x.abs() @ dense.abs().T) + 1e-6
+        assert ((got - want).abs() <= bound).all(), (n, k)
+        assert got.to(torch.bfloat16).dtype == marlin_linear(x, packed, s, b, n=n, k=k).dtype
