@@ -173,9 +173,8 @@ def build_model(
         model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
     FusedColumn, ShardOutput, RowParallel = _nn_modules()
 
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    kv = cfg.num_key_value_heads
     rep = tp // kv if tp >= kv else 1
-    replaced: set[str] = set()
     for name, ly in m["layers"].items():
         parent, _, leaf = name.rpartition(".")
         parts = [
@@ -197,15 +196,13 @@ def build_model(
             fused = FusedColumn(parts, widths, keep, dt)
             for j, sub in enumerate(_COLUMN[leaf]):
                 model.get_submodule(parent)._modules[sub] = ShardOutput(fused, j)
-                replaced.add(f"{parent}.{sub}")
         elif leaf in _ROW:
             model.get_submodule(parent)._modules[leaf] = RowParallel(parts, dt)
-            replaced.add(name)
         else:
             raise UnsupportedSchemeError(f"{sidecar}: layer {name} is not a Llama-family linear")
 
     common = ranks[0]
-    for pname, p in list(model.named_parameters()):
+    for pname, _ in list(model.named_parameters()):
         if pname in common:
             t = common[pname]
             _set_param(model, pname, t if t.dtype == dt else t.to(dt))

@@ -60,7 +60,9 @@ def test_export_import_read_only_and_freed(plan):
     assert views["model.norm.weight"].cpu().numel() > 0
     torch.cuda.synchronize()
     free_mapped = torch.cuda.mem_get_info(0)[0]
-    assert free_mapped <= free0 - export.size + 8 * 2**20, "the mapping should still hold the memory"
+    assert free_mapped <= free0 - export.size + 8 * 2**20, (
+        "the mapping should still hold the memory"
+    )
     del base, views
     gc.collect()
     torch.cuda.synchronize()
