@@ -44,8 +44,15 @@ format: $(DEPS)
 demo: $(DEPS)
 	PY=$(PY) bash scripts/demo.sh
 
+BENCH_OUT ?= bench-out
+BENCH_WORK ?= /tmp/mpack-bench
+
+# On a GPU machine: every benchmark, its JSON in $(BENCH_OUT)/, the plot in docs/.
 bench: $(DEPS)
-	$(PY) scripts/bench_repack.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) scripts/bench_repack.py --json $(BENCH_OUT)/repack.json
+	$(PY) scripts/bench_convert.py --workdir $(BENCH_WORK) --json $(BENCH_OUT)/convert.json --plot docs/bench_convert.png
+	$(PY) scripts/bench_runtime.py --sidecar $(BENCH_WORK)/out-cuda --json $(BENCH_OUT)/runtime.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache
