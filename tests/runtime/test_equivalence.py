@@ -5,8 +5,10 @@ attached bytes. The reference is transformers on the original checkpoint
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,8 +68,8 @@ def _serve_and_attach(
     sidecar: Path, tp: int, device: str, ids: torch.Tensor, refs: dict, work: Path
 ) -> list[dict]:
     """One daemon per rank; two client processes attach all ranks and run the model."""
-    env = child_env(work / "xdg")
-    (work / "xdg").mkdir(mode=0o700, exist_ok=True)
+    xdg = Path(tempfile.mkdtemp(prefix="mpk-", dir="/tmp"))  # short: sockets live under it
+    env = child_env(xdg)
     daemons = [DaemonProc(sidecar, device, env, work, "--rank", str(r)) for r in range(tp)]
     try:
         for d in daemons:
@@ -94,6 +96,7 @@ def _serve_and_attach(
     finally:
         for d in daemons:
             d.stop()
+        shutil.rmtree(xdg, ignore_errors=True)
 
 
 def _check(results: list[dict], refs: dict) -> None:
