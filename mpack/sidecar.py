@@ -24,6 +24,7 @@ import queue
 import struct
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -56,6 +57,8 @@ COPIED_FILES = (
 #: Largest header we accept when reading a safetensors file (the format's own limit is 100 MB).
 MAX_HEADER = 100 * 1024 * 1024
 HASH_CHUNK = 8 * 1024 * 1024
+#: Files also carry the sha256 of every CHUNK_BYTES piece (Note [chunk digests]).
+CHUNK_BYTES = 64 * 1024 * 1024
 
 # safetensors dtype names <-> bytes per element
 DTYPE_SIZES = {
@@ -88,6 +91,39 @@ def sha256_file(path: str | os.PathLike, chunk: int = HASH_CHUNK) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def chunk_digests(
+    path: str | os.PathLike, chunk: int = CHUNK_BYTES, workers: int | None = None
+) -> list[str]:
+    """sha256 of every ``chunk``-byte piece of a file (the last may be shorter), in parallel.
+
+    Note [chunk digests]: one sha256 stream runs at ~1.2 GB/s on a server core, slower than an
+    NVMe disk, so a loader that checks only the whole-file sha256 is hash-bound. The manifest
+    therefore also lists per-chunk digests, which a loader checks on many threads as the bytes
+    stream in. The whole-file sha256 stays (stock tools, ``mpack verify``).
+    """
+
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+
+    def one(i: int) -> str:
+        h = hashlib.sha256()
+        pos, end = i * chunk, min((i + 1) * chunk, size)
+        while pos < end:
+            data = os.pread(fd, min(HASH_CHUNK, end - pos), pos)
+            if not data:
+                raise CorruptFileError(f"{path}: file shrank while hashing")
+            h.update(data)
+            pos += len(data)
+        return h.hexdigest()
+
+    try:
+        n = max(1, -(-size // chunk))
+        with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
+            return list(pool.map(one, range(n)))
+    finally:
+        os.close(fd)
 
 
 # --- safetensors layout ------------------------------------------------------------------
@@ -378,6 +414,12 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
         if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("size"), int)
                 and isinstance(f.get("sha256"), str)):  # fmt: skip
             raise CorruptFileError(f"{where}: malformed files entry {f!r}")
+        ch = f.get("chunks")
+        if ch is not None and not (
+            isinstance(ch, dict) and isinstance(ch.get("bytes"), int) and ch["bytes"] > 0
+            and isinstance(ch.get("sha256"), list) and len(ch["sha256"]) == max(1, -(-f["size"] // ch["bytes"]))
+        ):  # fmt: skip
+            raise CorruptFileError(f"{where}: malformed chunks of {f['name']!r}")
         if "/" in f["name"] or f["name"] in ("", ".", ".."):
             raise CorruptFileError(f"{where}: file name {f['name']!r} is not a plain file name")
     return m

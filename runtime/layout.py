@@ -45,6 +45,8 @@ class Region:
     size: int
     sha256: str  # from the manifest
     head: bytes  # the file's first 8 + header-length bytes, as parsed when planning
+    chunk_bytes: int = 0  # > 0: the manifest lists per-chunk sha256 (Note [chunk digests])
+    chunk_sha256: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,18 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
                 f"{path}: {layout.size} bytes, the manifest says {listed[name]['size']}", hint=hint
             )
         offset = _align(offset, REGION_ALIGN)
+        chunks = listed[name].get("chunks") or {}
         regions.append(
-            Region(name, path, offset, layout.size, listed[name]["sha256"], _read_head(path))
+            Region(
+                name,
+                path,
+                offset,
+                layout.size,
+                listed[name]["sha256"],
+                _read_head(path),
+                chunks.get("bytes", 0),
+                tuple(chunks.get("sha256", ())),
+            )  # fmt: skip
         )
         for e in layout.entries:
             if e.name in seen:

@@ -3,12 +3,14 @@
 Note [the fill pipeline]: each file is read front to back in ``CHUNK``-byte pieces into a ring
 of ``DEPTH`` slots. A slot is either the destination itself (host memory: read straight into
 the memfd mapping or tensor, no staging copy) or a pinned host buffer whose bytes then go to the
-GPU by an asynchronous copy on a side stream. One worker thread hashes each piece in order
-while the next is being read (``readinto`` and ``hashlib`` both release the GIL), so disk,
-hashing and H2D copies overlap. A slot is reused only after its hash and its copy finished.
-At the end of each file its sha256 must equal the manifest's, and its first bytes must equal
-the header that was parsed when planning (so the layout describes exactly the bytes loaded);
-otherwise the load fails and nothing is served.
+GPU by an asynchronous copy on a side stream. While the next piece is read, earlier pieces are
+checked: when the manifest lists per-chunk digests (Note [chunk digests] in mpack/sidecar.py),
+each piece's sha256 runs on a pool of ``HASH_WORKERS`` threads; otherwise one thread feeds the
+whole-file sha256 in order. ``readinto`` and ``hashlib`` release the GIL, so disk, hashing and
+H2D copies overlap. A slot is reused only after its hash and its copy finished. Every digest
+must match the manifest, and each file's first bytes must equal the header that was parsed when
+planning (so the layout describes exactly the bytes loaded); otherwise the load fails and
+nothing is served.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ if TYPE_CHECKING:
 
     from mpack.runtime.weights import SharedWeights
 
-CHUNK = 16 * 1024 * 1024
-DEPTH = 4
+CHUNK = 64 * 1024 * 1024  # = mpack.sidecar.CHUNK_BYTES, so chunk digests line up with reads
+HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
+DEPTH = HASH_WORKERS + 2  # ring slots: every hash worker busy while the next piece is read
 
 
 class Destination(Protocol):
@@ -116,11 +119,19 @@ def _read_full(f, view: memoryview) -> int:
     return got
 
 
+def _chunk_digest(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
 def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH) -> FillStats:
     """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
 
+    A file whose manifest entry lists per-chunk digests (Note [chunk digests] in mpack/sidecar.py)
+    is read in those chunks and each is checked on a pool of ``HASH_WORKERS`` threads; otherwise
+    the whole-file sha256 is computed in order on one thread.
+
     Raises:
-        VerificationError: a file whose sha256 differs from the manifest.
+        VerificationError: a file (or chunk) whose sha256 differs from the manifest.
         CorruptFileError: a file that changed size or header since it was planned.
     """
     t0 = time.perf_counter()
@@ -128,14 +139,34 @@ def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPT
     hint = "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), plan.sidecar)
     pending: list[Future | None] = [None] * depth
     k = 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash") as hasher:
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash") as ordered,
+        ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="mpack-chunk") as pool,
+    ):
         for r in plan.regions:
+            chunked = bool(r.chunk_sha256) and r.chunk_bytes <= chunk
             h = hashlib.sha256()
-            k = _fill_region(r, dest, h, hasher, pending, k, chunk, depth)
+            k, digests = _fill_region(r, dest, h, pool if chunked else ordered, chunked, pending, k,
+                                      r.chunk_bytes if chunked else chunk, depth)  # fmt: skip
             for i, p in enumerate(pending):  # the file's last pieces
                 if p is not None:
                     p.result()
                     pending[i] = None
+            if chunked:
+                bad = [
+                    j
+                    for j, (d, want) in enumerate(zip(digests, r.chunk_sha256, strict=True))
+                    if d.result() != want
+                ]
+                if bad:
+                    lo = bad[0] * r.chunk_bytes
+                    raise VerificationError(
+                        f"{r.path}: bytes {lo}..{lo + r.chunk_bytes} do not match the manifest's chunk sha256 "
+                        f"({len(bad)} of {len(digests)} chunks differ): the file is damaged or was modified; "
+                        "refusing to serve it",
+                        hint=hint,
+                    )
+                continue
             got = h.hexdigest()
             if got != r.sha256:
                 raise VerificationError(
@@ -152,11 +183,13 @@ def _fill_region(
     dest: Destination,
     h: hashlib._Hash,
     hasher: ThreadPoolExecutor,
+    chunked: bool,
     pending: list[Future | None],
     k: int,
     chunk: int,
     depth: int,
-) -> int:
+) -> tuple[int, list[Future]]:
+    digests: list[Future] = []
     with open(r.path, "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pos = 0
@@ -172,12 +205,16 @@ def _fill_region(
             if pos < len(r.head) and view[: len(r.head) - pos] != r.head[pos : pos + n]:
                 raise CorruptFileError(f"{r.path}: header changed while loading")
             dest.submit(i, r.offset + pos, n)
-            pending[i] = hasher.submit(h.update, view)
+            if chunked:
+                pending[i] = hasher.submit(_chunk_digest, view)
+                digests.append(pending[i])
+            else:
+                pending[i] = hasher.submit(h.update, view)
             pos += n
             k += 1
         if f.read(1):
             raise CorruptFileError(f"{r.path}: file grew while loading")
-    return k
+    return k, digests
 
 
 def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> SharedWeights:

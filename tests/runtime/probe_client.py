@@ -90,6 +90,10 @@ def main() -> int:
         torch.cuda.init()
         torch.empty(1, device=a.device)  # create the context before measuring
         free0 = torch.cuda.mem_get_info(a.device)[0]
+    # import what attach() imports first, so the anon RSS delta measures the attach, not imports
+    import mpack.runtime.client  # noqa: F401
+    import mpack.runtime.weights  # noqa: F401
+
     anon0 = rss_anon()
     t0 = time.perf_counter()
     try:

@@ -158,3 +158,54 @@ def test_load_to_cuda_gives_the_same_bytes(sidecar):
     with load(sidecar, rank=1, device="cuda:0") as w:
         assert w["model.norm.weight"].device.type == "cuda"
         _check_equal(w, sidecar, 1)
+
+
+# --- per-chunk digests (Note [chunk digests]) ------------------------------------------------
+
+
+def _with_chunks(src: Path, dst: Path, chunk: int) -> dict:
+    """A copy of a sidecar whose manifest lists ``chunk``-byte digests for its safetensors files."""
+    import shutil
+
+    from mpack.sidecar import MANIFEST_NAME, chunk_digests
+
+    shutil.copytree(src, dst)
+    m = json.loads((dst / MANIFEST_NAME).read_text())
+    for f in m["files"]:
+        if f["name"].endswith(".safetensors"):
+            f["chunks"] = {"bytes": chunk, "sha256": chunk_digests(dst / f["name"], chunk)}
+    write_manifest(dst, m)
+    return m
+
+
+def test_chunk_digests_match_whole_file_bytes(sidecar, tmp_path):
+    import hashlib
+
+    from mpack.sidecar import chunk_digests
+
+    path = sidecar / rank_file_name(0, 2)
+    data = path.read_bytes()
+    want = [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
+    assert chunk_digests(path, 1000, workers=3) == want
+
+
+def test_chunked_load_gives_the_bytes_and_catches_a_flip(sidecar, tmp_path):
+    chunked = tmp_path / "chunked"
+    m = _with_chunks(sidecar, chunked, 4096)
+    w = load(chunked, rank=1)
+    for name, data in expected_tensors(chunked, 1).items():
+        assert _bytes(w[name]) == data, name
+    # flip a byte in the third chunk, and make the whole-file sha256 agree, so that only the
+    # chunk digests can notice
+    import hashlib
+
+    path = chunked / rank_file_name(1, 2)
+    raw = bytearray(path.read_bytes())
+    raw[2 * 4096 + 100] ^= 0x40
+    path.write_bytes(raw)
+    for f in m["files"]:
+        if f["name"] == path.name:
+            f["sha256"] = hashlib.sha256(raw).hexdigest()
+    write_manifest(chunked, m)
+    with pytest.raises(VerificationError, match=r"bytes 8192\.\.12288 .*chunk sha256"):
+        load(chunked, rank=1)
