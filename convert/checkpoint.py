@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,24 +110,41 @@ class Checkpoint:
         row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
         start, stop = (0, t.shape[0] if t.shape else 1) if rows is None else rows
         offset, length = t.offset + start * row_bytes, (stop - start) * row_bytes
-        buf = bytearray(length)
+        out = torch.empty(length, dtype=torch.uint8)  # no zero-fill: every byte is read below
         path = self.root / t.file
-        with open(path, "rb", buffering=0) as f:
-            got, view = 0, memoryview(buf)
-            while got < length:
-                n = os.preadv(f.fileno(), [view[got:]], offset + got)
-                if n == 0:
-                    raise CorruptFileError(
-                        f"{path}: tensor {name!r} is truncated at byte {offset + got}"
-                    )
-                got += n
-        out = (
-            torch.frombuffer(buf, dtype=torch.uint8)
-            if length
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        if length:
+            view = memoryview(out.numpy())
+            with open(path, "rb", buffering=0) as f:
+                pieces = [(a, min(a + READ_PIECE, length)) for a in range(0, length, READ_PIECE)]
+                if len(pieces) == 1:
+                    _pread_into(f.fileno(), view, offset, path, name)
+                else:  # several preads in flight: page-cache copies on several cores, deeper disk queue
+                    for fut in [_read_pool().submit(_pread_into, f.fileno(), view[a:b], offset + a, path, name)
+                                for a, b in pieces]:  # fmt: skip
+                        fut.result()
         shape = ((stop - start), *t.shape[1:]) if t.shape else ()
         return out.view(TORCH_DTYPES[t.dtype]).reshape(shape)
+
+
+READ_PIECE = 16 * 1024 * 1024
+READ_WORKERS = 4
+_READ_POOL: ThreadPoolExecutor | None = None
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    global _READ_POOL
+    if _READ_POOL is None:
+        _READ_POOL = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="mpack-pread")
+    return _READ_POOL
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise CorruptFileError(f"{path}: tensor {name!r} is truncated at byte {offset + got}")
+        got += n
 
 
 # --- quantization config ------------------------------------------------------------------

@@ -42,6 +42,7 @@ from mpack.convert.checkpoint import (
 from mpack.convert.plan import OutLayer, Plan, make_plan
 from mpack.convert.source import (
     ResolvedSource,
+    candidate_files,
     hash_sources,
     provenance,
     resolve_source,
@@ -310,22 +311,30 @@ def run_convert(
         raise UsageError(
             f"-o {out} lies inside the source checkpoint {src.path}; choose another output directory"
         )
-    ck = open_checkpoint(src.path)
-    find_layers(ck)
-    plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp, fusion=fuse,
-                     passthrough=passthrough)  # fmt: skip
-    validate_values(ck, plan)
-    seconds["validate"] = time.perf_counter() - t0
-
-    names = source_files(src, ck.files)
-    hashes: list[dict[str, Any]] | Future | None = None
+    # Source hashing starts now, on its own threads: it overlaps validation (mostly imports) and
+    # the conversion, and warms the page cache for the reads. A failed run stops it.
+    stop = threading.Event()
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash")
+    early = hasher.submit(hash_sources, src, candidate_files(src), 2, stop)
     try:
+        ck = open_checkpoint(src.path)
+        find_layers(ck)
+        plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp, fusion=fuse,
+                         passthrough=passthrough)  # fmt: skip
+        validate_values(ck, plan)
+        seconds["validate"] = time.perf_counter() - t0
+        names = source_files(src, ck.files)
+
+        def source_hashes() -> list[dict[str, Any]]:
+            got = {r["name"]: r for r in early.result()}
+            return [got[n] if n in got else hash_sources(src, [n])[0] for n in names]
+
         if out.exists():
             t = time.perf_counter()
-            hashes = hash_sources(src, names)
+            state = existing_state(
+                out, plan.target, source_hashes(), common=COMMON_NAME in plan.files
+            )
             seconds["hash_sources"] = time.perf_counter() - t
-            state = existing_state(out, plan.target, hashes, common=COMMON_NAME in plan.files)
             if state == "same" and not force:
                 m, digest = load_manifest(out)
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
@@ -339,23 +348,23 @@ def run_convert(
                     f"{out} already holds {what}",
                     hint="pass --force to replace it"
                     if state == "other-sidecar"
-                    else "choose another -o directory, "
-                    "or remove it yourself (mpack does not delete what it did not write)",
+                    else "choose another -o directory, or remove it yourself (mpack does not delete what it "
+                    "did not write)",
                 )
-        else:
-            hashes = hasher.submit(hash_sources, src, names)  # overlaps the conversion
         clean_stale_tmp(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f"{_tmp_prefix(out)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             written = _write_all(plan, tmp, dev, progress, seconds)
-            for name in names:
-                if name in _copied(src):
-                    _copy_file(src.path / name, tmp / name)
-            files_src = hashes.result() if isinstance(hashes, Future) else hashes
+            copied = sorted(_copied(src) & set(names))
+            for name in copied:
+                _copy_file(src.path / name, tmp / name)
+            t = time.perf_counter()
+            files_src = source_hashes()
+            seconds["wait_source_hashes"] = time.perf_counter() - t
             file_records = [{"name": n, **written[n]} for n in sorted(written)]
-            for name in sorted(_copied(src) & set(names)):
+            for name in copied:
                 p = tmp / name
                 file_records.append(
                     {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)}
@@ -373,6 +382,9 @@ def run_convert(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    except BaseException:
+        stop.set()
+        raise
     finally:
         hasher.shutdown(wait=True)
     seconds["total"] = time.perf_counter() - t0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:
     return sorted(names)
 
 
-def _file_record(root: Path, name: str) -> dict[str, Any]:
+def _file_record(root: Path, name: str, stop: threading.Event | None = None) -> dict[str, Any]:
     """``{name, size, sha256}``; in the HF cache an LFS blob is named by its sha256 already."""
     p = root / name
     size = p.stat().st_size
@@ -164,13 +165,22 @@ def _file_record(root: Path, name: str) -> dict[str, Any]:
         blob = Path(os.path.realpath(p))
         if _SHA256.match(blob.name) and blob.parent.name == "blobs":
             return {"name": name, "size": size, "sha256": blob.name}
-    return {"name": name, "size": size, "sha256": sha256_file(p)}
+    return {"name": name, "size": size, "sha256": sha256_file(p, stop=stop)}
 
 
-def hash_sources(src: ResolvedSource, names: list[str], workers: int = 2) -> list[dict[str, Any]]:
-    """Size and sha256 of every source file used, in name order."""
+def hash_sources(
+    src: ResolvedSource, names: list[str], workers: int = 2, stop: threading.Event | None = None
+) -> list[dict[str, Any]]:
+    """Size and sha256 of every source file used, in name order (``stop`` aborts it)."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda n: _file_record(src.path, n), names))
+        return list(pool.map(lambda n: _file_record(src.path, n, stop), names))
+
+
+def candidate_files(src: ResolvedSource) -> list[str]:
+    """What :func:`source_files` will most likely return, known before any header is parsed:
+    lets hashing (and with it the page cache) start while the checkpoint is still validated."""
+    shards = [p.name for p in src.path.glob("*.safetensors")]
+    return source_files(src, shards)
 
 
 def provenance(src: ResolvedSource, files: list[dict[str, Any]]) -> dict[str, Any]:

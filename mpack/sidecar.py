@@ -82,13 +82,21 @@ def regenerate_hint(source: str | None, out: str | os.PathLike | None) -> str:
 # --- hashing ---------------------------------------------------------------------------
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = HASH_CHUNK) -> str:
-    """Hex sha256 of a file, read in large sequential chunks."""
+class HashCancelled(Exception):
+    """A hash stopped early because its ``stop`` event was set (the run it served failed)."""
+
+
+def sha256_file(
+    path: str | os.PathLike, chunk: int = HASH_CHUNK, stop: threading.Event | None = None
+) -> str:
+    """Hex sha256 of a file, read in large sequential chunks; ``stop`` aborts it between chunks."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(chunk)
         view = memoryview(buf)
         while n := f.readinto(buf):
+            if stop is not None and stop.is_set():
+                raise HashCancelled(str(path))
             h.update(view[:n])
     return h.hexdigest()
 
