@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from safetensors import safe_open
 
 #: SPEC §7.4, written out again here on purpose.
 PERM32 = [0, 1, 8, 9, 16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27,
@@ -48,3 +52,16 @@ def expected_bias(bias: torch.Tensor, dt: torch.dtype, np_: int) -> torch.Tensor
     b = torch.zeros(np_, dtype=dt)
     b[: bias.numel()] = bias.to(dt)
     return torch.stack([b[32 * g + PERM32[m]] for g in range(np_ // 32) for m in range(32)])
+
+
+def load_vectors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A golden vectors file: its tensors and its ``__metadata__["index"]`` (JSON)."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(meta.get("index", "{}"))  # noqa: SIM118
+
+
+def rand_bytes(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random fp8 bytes (NaN codes included: the repack only moves bytes), uint8 [N, K]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)

@@ -103,6 +103,7 @@ def test_golden_case_cli(case_dir: Path, tmp_path: Path):
 
 # --- real tiny checkpoints against an independent reference -------------------------------
 
+SMOL = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=1, vocab=1024)
 MODELS = {
     "llama-tensor": dict(arch="llama", scheme="FP8"),
     "llama-channel": dict(arch="llama", scheme="FP8_DYNAMIC"),
@@ -110,29 +111,8 @@ MODELS = {
     "qwen3": dict(arch="qwen3", scheme="FP8", head_dim=32),
     "sharded": dict(arch="llama", scheme="FP8", max_shard_size="200KB", scale_in_other_shard=True),
     # SmolLM2-135M's dims, one layer: every fused layer needs padding in N
-    "smollm-padded": dict(
-        arch="llama",
-        scheme="FP8",
-        hidden=576,
-        intermediate=1536,
-        heads=9,
-        kv_heads=3,
-        head_dim=64,
-        layers=1,
-        vocab=1024,
-    ),  # fmt: skip
-    "smollm-padded-channel": dict(
-        arch="llama",
-        scheme="FP8_DYNAMIC",
-        hidden=576,
-        intermediate=1536,
-        heads=9,
-        kv_heads=3,
-        head_dim=64,
-        layers=1,
-        vocab=1024,
-        dtype="float16",
-    ),  # fmt: skip
+    "smollm-padded": dict(arch="llama", scheme="FP8", **SMOL),
+    "smollm-padded-channel": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16", **SMOL),
 }
 
 

@@ -7,7 +7,6 @@ import, and (where cuda-bindings finds NVRTC) an NVRTC compile of the kernel for
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from reference import load_vectors, rand_bytes
 
 from mpack.convert import cuda_repack as cr
 from mpack.convert import marlin as m
@@ -30,17 +29,6 @@ LLAMA8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # q
 PADDED_SHAPES = [(64, 64), (96, 192), (960, 576), (200, 300), (1, 4), (130, 132)]
 
 
-def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(meta.get("index", "{}"))
-
-
-def _rand_bytes(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
-
-
 # --- anywhere ----------------------------------------------------------------------------------
 
 
@@ -49,11 +37,11 @@ def test_fast_path_on_cpu_is_the_torch_path(golden):
     assert isinstance(ok, bool)
     if not torch.cuda.is_available():
         assert ok is False and cr.unavailable_reason()
-    t, index = _load(golden / "vectors" / "layers.safetensors")
+    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     for lid in index:
         assert torch.equal(cr.pack_weight_fast(t[f"{lid}.wck"]), t[f"{lid}.packed"]), lid
     for n, k in PADDED_SHAPES:
-        w = _rand_bytes(n, k, seed=n + k)
+        w = rand_bytes(n, k, seed=n + k)
         assert torch.equal(cr.pack_weight_fast(w), m.pack_weight(w)), (n, k)
         np_, kp = m.marlin_padded_nk(n, k)
         assert torch.equal(
@@ -64,7 +52,7 @@ def test_fast_path_on_cpu_is_the_torch_path(golden):
 
 def test_pack_weight_cuda_rejects_cpu_tensors():
     with pytest.raises(ValueError, match="CUDA tensor"):
-        cr.pack_weight_cuda(_rand_bytes(64, 128))
+        cr.pack_weight_cuda(rand_bytes(64, 128))
 
 
 def test_import_is_lean():
@@ -145,7 +133,7 @@ def _check(w: torch.Tensor, np_: int | None = None, kp: int | None = None) -> No
 
 @pytest.mark.gpu
 def test_gpu_golden_layers(golden, kernel):
-    t, index = _load(golden / "vectors" / "layers.safetensors")
+    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     assert index
     for lid, info in index.items():
         wck = t[f"{lid}.wck"].cuda()
@@ -158,7 +146,7 @@ def test_gpu_golden_layers(golden, kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", PADDED_SHAPES + [(64, 16), (1000, 1000), (320, 528)])
 def test_gpu_padded_random_shapes(n, k, kernel):
-    w = _rand_bytes(n, k, seed=7 * n + k).cuda()
+    w = rand_bytes(n, k, seed=7 * n + k).cuda()
     _check(w)
     _check(w.view(torch.float8_e4m3fn))
     np_, kp = m.marlin_padded_nk(n, k)
@@ -178,7 +166,7 @@ def test_gpu_llama8b_shapes(n, k, kernel):
 
 @pytest.mark.gpu
 def test_gpu_views_strided_misaligned_and_transposed(kernel):
-    base = _rand_bytes(300, 1040, seed=3).cuda()
+    base = rand_bytes(300, 1040, seed=3).cuda()
     _check(base[:, 16 : 16 + 512])  # column slice: row stride 1040, 16-byte loads in place
     _check(base[:, 4 : 4 + 512])  # base 4 bytes off: 4-byte loads
     _check(base[:, 1 : 1 + 512])  # base 1 byte off: byte loads
@@ -201,7 +189,7 @@ def test_gpu_writes_every_output_word(kernel):
 
 @pytest.mark.gpu
 def test_gpu_runs_on_the_current_stream(kernel):
-    w = _rand_bytes(960, 576, seed=11)
+    w = rand_bytes(960, 576, seed=11)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         wd = w.to("cuda", non_blocking=False)
@@ -212,7 +200,7 @@ def test_gpu_runs_on_the_current_stream(kernel):
 
 @pytest.mark.gpu
 def test_gpu_fast_path_uses_the_kernel(kernel, monkeypatch):
-    w = _rand_bytes(130, 132, seed=5).cuda()
+    w = rand_bytes(130, 132, seed=5).cuda()
     expect = m.pack_weight(w.cpu())
 
     def torch_path_called(*a, **kw):
@@ -224,7 +212,7 @@ def test_gpu_fast_path_uses_the_kernel(kernel, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_rejects_bad_arguments(kernel):
-    w = _rand_bytes(96, 192).cuda()
+    w = rand_bytes(96, 192).cuda()
     with pytest.raises(ValueError, match="smaller than the layer"):
         cr.pack_weight_cuda(w, 64, 192)
     with pytest.raises(ValueError, match="Np % 64"):

@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from reference import independent_unpack
-from safetensors import safe_open
+from reference import independent_unpack, load_vectors, rand_bytes
 
 from mpack.convert import marlin as m
 
 # Llama-3.1-8B linears as [N, K]: qkv, o, gate_up, down.
 LLAMA8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-
-
-def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(meta.get("index", "{}"))
-
-
-def _rand_fp8_bytes(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
 
 
 # --- SPEC §10 vectors -------------------------------------------------------------------
@@ -114,7 +99,7 @@ def test_spec_vector_requant_single_shard_and_nan():
 
 
 def test_golden_layers(golden):
-    t, index = _load(golden / "vectors" / "layers.safetensors")
+    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     assert index, "layers.safetensors has no index"
     for lid, info in index.items():
         wck, expect = t[f"{lid}.wck"], t[f"{lid}.packed"]
@@ -128,7 +113,7 @@ def test_golden_layers(golden):
 
 
 def test_golden_scales_and_bias(golden):
-    t, index = _load(golden / "vectors" / "scales.safetensors")
+    t, index = load_vectors(golden / "vectors" / "scales.safetensors")
     assert index
     for sid, info in index.items():
         for name, dt in m.ACT_DTYPES.items():
@@ -147,7 +132,7 @@ def test_golden_scales_and_bias(golden):
 
 
 def test_golden_requant(golden):
-    t, _ = _load(golden / "vectors" / "requant.safetensors")
+    t, _ = load_vectors(golden / "vectors" / "requant.safetensors")
     codes, s_shard, s_max, expect = t["codes"], t["s_shard"], t["s_max"], t["expected"]
     assert codes.tolist() == list(range(256))
     for p in range(s_shard.numel()):
@@ -160,7 +145,7 @@ def test_golden_requant(golden):
 
 def test_golden_shard_scales_broadcast(golden):
     """The per-shard golden entry is what broadcast_scales makes from three shard scalars."""
-    t, _ = _load(golden / "vectors" / "scales.safetensors")
+    t, _ = load_vectors(golden / "vectors" / "scales.safetensors")
     s = torch.tensor([0.002, 0.004, 0.001], dtype=torch.float32)
     assert torch.equal(
         m.broadcast_scales(s, 256, [128, 64, 64]), t["shards_q128_k64_v64.scale_f32"]
@@ -176,7 +161,7 @@ def test_golden_shard_scales_broadcast(golden):
      (576, 1536), (1, 4), (130, 132), (1000, 256)],
 )  # fmt: skip
 def test_round_trip_and_independent_unpack(n, k):
-    w = _rand_fp8_bytes(n, k, seed=n * 7919 + k)
+    w = rand_bytes(n, k, seed=n * 7919 + k)
     np_, kp = m.marlin_padded_nk(n, k)
     packed = m.pack_weight(w.view(torch.float8_e4m3fn))
     assert packed.dtype == torch.int32 and packed.shape == (kp // 16, 4 * np_)
@@ -188,7 +173,7 @@ def test_round_trip_and_independent_unpack(n, k):
 
 @pytest.mark.parametrize("n, k", LLAMA8B_SHAPES)
 def test_round_trip_llama8b_shapes(n, k):
-    w = _rand_fp8_bytes(n, k, seed=1)
+    w = rand_bytes(n, k, seed=1)
     assert m.marlin_padded_nk(n, k) == (n, k)
     packed = m.pack_weight(w)
     assert packed.shape == (k // 16, 4 * n)
@@ -211,13 +196,13 @@ def test_padding_rule():
 
 def test_separability_along_n_and_k():
     a, b, c = (
-        _rand_fp8_bytes(64, 256, 1),
-        _rand_fp8_bytes(192, 256, 2),
-        _rand_fp8_bytes(128, 256, 3),
+        rand_bytes(64, 256, 1),
+        rand_bytes(192, 256, 2),
+        rand_bytes(128, 256, 3),
     )
     fused = m.repack(torch.cat([a, b, c]))
     assert torch.equal(fused, torch.cat([m.repack(a), m.repack(b), m.repack(c)], dim=1))
-    w = _rand_fp8_bytes(128, 256, 4)
+    w = rand_bytes(128, 256, 4)
     full = m.repack(w)
     assert torch.equal(m.repack(w[:, 48:112].contiguous()), full[3:7])
 
@@ -271,18 +256,18 @@ def test_rejects_bad_inputs():
 
 @pytest.mark.gpu
 def test_gpu_matches_cpu_golden(golden):
-    t, index = _load(golden / "vectors" / "layers.safetensors")
+    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     for lid in index:
         got = m.pack_weight(t[f"{lid}.wck"].cuda())
         assert got.is_cuda and torch.equal(got.cpu(), t[f"{lid}.packed"]), lid
-    t, index = _load(golden / "vectors" / "scales.safetensors")
+    t, index = load_vectors(golden / "vectors" / "scales.safetensors")
     for sid, info in index.items():
         for name, dt in m.ACT_DTYPES.items():
             src = t[f"{sid}.bias_f32" if sid.startswith("bias") else f"{sid}.scale_f32"].cuda()
             fn = m.pack_bias if sid.startswith("bias") else m.pack_scales
             got = fn(src, dt, info["Np"]).cpu()
             assert torch.equal(got.view(torch.int16), t[f"{sid}.{name}"].view(torch.int16)), sid
-    t, _ = _load(golden / "vectors" / "requant.safetensors")
+    t, _ = load_vectors(golden / "vectors" / "requant.safetensors")
     codes = t["codes"].cuda()
     for p in range(t["s_shard"].numel()):
         got = m.requantize(codes, t["s_shard"][p], t["s_max"][p]).cpu()
@@ -292,7 +277,7 @@ def test_gpu_matches_cpu_golden(golden):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(200, 300), (960, 576), *LLAMA8B_SHAPES])
 def test_gpu_matches_cpu_random(n, k):
-    w = _rand_fp8_bytes(n, k, seed=5)
+    w = rand_bytes(n, k, seed=5)
     cpu = m.pack_weight(w)
     gpu = m.pack_weight(w.cuda())
     assert torch.equal(gpu.cpu(), cpu)
