@@ -183,3 +183,35 @@ def test_reference_linear_equals_dense_on_8b_shapes():
         bound = k * 2.0**-24 * (x.abs() @ dense.abs().T) + 1e-6
         assert ((got - want).abs() <= bound).all(), (n, k)
         assert got.to(torch.bfloat16).dtype == marlin_linear(x, packed, s, b, n=n, k=k).dtype
+
+
+@pytest.mark.slow
+def test_verify_forward_cli(checkpoints, tmp_path):
+    """`mpack verify --forward`: greedy tokens and logit differences, as JSON for CI."""
+    import json
+
+    sidecar = tmp_path / "s"
+    run_convert(checkpoints["qwen2-bias-tensor-bf16"], sidecar, tp=2, device="cpu")
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "verify", str(sidecar), "--forward", "--json"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    fwd = doc["forward"]
+    assert doc["ok"] and fwd["ok"] and fwd["tp"] == 2
+    fp32, low = fwd["runs"]
+    assert fp32["dtype"] == "float32" and fp32["tokens_identical"]
+    assert len(fp32["ref_tokens"]) == 2 and len(fp32["ref_tokens"][0]) == 16
+    assert low["dtype"] == "bfloat16" and low["max_logit_diff"] <= low["tolerance"]
+
+
+def test_verify_forward_with_a_missing_source_is_exit_2(checkpoints, tmp_path):
+    sidecar = tmp_path / "s"
+    run_convert(checkpoints["llama-tensor-bf16"], sidecar, device="cpu")
+    missing = tmp_path / "no-such-checkpoint"
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "verify", str(sidecar), "--forward", "--source", str(missing)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "no-such-checkpoint" in r.stderr and "Traceback" not in r.stderr
