@@ -357,7 +357,7 @@ def run_convert(
         tmp.mkdir()
         try:
             written = _write_all(plan, tmp, dev, progress, seconds)
-            copied = sorted(_copied(src) & set(names))
+            copied = [n for n in names if n in COPIED_FILES]
             for name in copied:
                 _copy_file(src.path / name, tmp / name)
             t = time.perf_counter()
@@ -397,10 +397,6 @@ def _copy_file(a: Path, b: Path) -> None:
     shutil.copyfile(a, b)
     with open(b, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _copied(src: ResolvedSource) -> set[str]:
-    return {n for n in COPIED_FILES if (src.path / n).is_file()}
 
 
 def _model_summary(ck: Checkpoint) -> dict[str, Any]:

@@ -46,48 +46,29 @@ def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: 
     model.apply(disable_quantization)
     if manifest["target"]["profile"] == "w8a8-marlin":
         from compressed_tensors.offload import update_offload_parameter
-        from safetensors import safe_open
 
-        from mpack.convert.marlin import requantize
+        from mpack.convert.checkpoint import open_checkpoint, read_scale
+        from mpack.convert.marlin import requantize_shards
 
-        tensors = _checkpoint_index(Path(source))
+        ck = open_checkpoint(source)
         with torch.no_grad():
             for ly in manifest["layers"].values():
                 if not ly["requantized"]:
                     continue
                 mods = [s["module"] for s in ly["shards"]]
-                raw = {}
-                for mod in mods:
-                    for part in ("weight", "weight_scale"):
-                        with safe_open(str(tensors[f"{mod}.{part}"]), framework="pt") as f:
-                            raw[f"{mod}.{part}"] = f.get_tensor(f"{mod}.{part}")
-                s_max = torch.stack(
-                    [raw[f"{m}.weight_scale"].float().reshape(()) for m in mods]
-                ).max()
-                for mod in mods:  # compressed-tensors dequantizes weight x weight_scale on the fly
+                w = torch.cat([ck.read(f"{m}.weight") for m in mods])  # fp8 [N, K], every shard
+                q, s_max = requantize_shards(w, torch.cat([read_scale(ck, m) for m in mods]),
+                                             [ck.tensors[f"{m}.weight"].shape[0] for m in mods])  # fmt: skip
+                rows = q.split([ck.tensors[f"{m}.weight"].shape[0] for m in mods])
+                for mod, qm in zip(
+                    mods, rows, strict=True
+                ):  # compressed-tensors dequantizes on the fly
                     module = model.get_submodule(mod)
-                    q = requantize(
-                        raw[f"{mod}.weight"], raw[f"{mod}.weight_scale"].float().reshape(()), s_max
-                    )
-                    update_offload_parameter(module, "weight", q.view(torch.float8_e4m3fn))
+                    update_offload_parameter(module, "weight", qm.view(torch.float8_e4m3fn))
                     scale = module.weight_scale
-                    update_offload_parameter(
-                        module, "weight_scale", s_max.to(scale.dtype).expand_as(scale).clone()
-                    )
+                    full = torch.full_like(scale, s_max, dtype=torch.float32).to(scale.dtype)
+                    update_offload_parameter(module, "weight_scale", full)
     return model
-
-
-def _checkpoint_index(root: Path) -> dict[str, Path]:
-    idx = root / "model.safetensors.index.json"
-    if idx.is_file():
-        return {k: root / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out = {}
-    for p in sorted(root.glob("*.safetensors")):
-        with safe_open(str(p), framework="pt") as f:
-            out.update(dict.fromkeys(f.keys(), p))  # noqa: SIM118 - safe_open is not a dict
-    return out
 
 
 def teacher_forced_logits(model: Any, input_ids: Any, tokens: Any) -> Any:

@@ -109,7 +109,8 @@ class FillStats:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def _read_full(f, view: memoryview) -> int:
+def read_full(f, view: memoryview) -> int:
+    """``readinto`` until ``view`` is full or the file ends; the number of bytes read."""
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])
@@ -200,7 +201,7 @@ def _fill_region(
                 pending[i].result()
             dest.wait(i)
             view = dest.slot(i, r.offset + pos, n)
-            if _read_full(f, view) != n:
+            if read_full(f, view) != n:
                 raise CorruptFileError(f"{r.path}: file became shorter while loading")
             if pos < len(r.head) and view[: len(r.head) - pos] != r.head[pos : pos + n]:
                 raise CorruptFileError(f"{r.path}: header changed while loading")

@@ -23,20 +23,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from benchutil import drop_caches  # noqa: E402
 from synth_checkpoint import LLAMA_8B, write_checkpoint  # noqa: E402
 
 CHUNK = 16 * 1024 * 1024
-
-
-def drop_caches() -> bool:
-    """Drop the page cache (root only); False when this machine does not let us."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def read_all(files: list[Path]) -> float:

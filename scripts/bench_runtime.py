@@ -67,6 +67,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchutil import drop_caches  # noqa: E402
+
+from mpack.runtime.loader import read_full  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = Path(__file__).resolve()
 MiB = 1024 * 1024
@@ -83,17 +89,6 @@ class BenchError(Exception):
 
 
 # --- page cache ----------------------------------------------------------------------------------
-
-
-def drop_caches() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only); False when not allowed."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def resident_fraction(files: list[Path]) -> float | None:
@@ -158,16 +153,6 @@ def ensure_warm(files: list[Path]) -> float | None:
                 while f.readinto(buf):
                     pass
     return frac
-
-
-def read_full(f: Any, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
 
 
 # --- workers (this script run with --_worker KIND; JSON lines on stdout) -------------------------
