@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from mpack.errors import CorruptFileError, SourceNotFoundError, UnsupportedSchemeError
+from mpack.errors import (
+    CorruptFileError,
+    MpackError,
+    SourceNotFoundError,
+    UnsupportedSchemeError,
+)
 from mpack.sidecar import TensorEntry, read_layout
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -107,23 +112,50 @@ class Checkpoint:
             The tensor in its stored dtype (fp8 as ``torch.float8_e4m3fn``).
         """
         t = self.tensors[name]
-        row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
         start, stop = (0, t.shape[0] if t.shape else 1) if rows is None else rows
-        offset, length = t.offset + start * row_bytes, (stop - start) * row_bytes
-        out = torch.empty(length, dtype=torch.uint8)  # no zero-fill: every byte is read below
-        path = self.root / t.file
-        if length:
-            view = memoryview(out.numpy())
-            with open(path, "rb", buffering=0) as f:
-                pieces = [(a, min(a + READ_PIECE, length)) for a in range(0, length, READ_PIECE)]
-                if len(pieces) == 1:
-                    _pread_into(f.fileno(), view, offset, path, name)
-                else:  # several preads in flight: page-cache copies on several cores, deeper disk queue
-                    for fut in [_read_pool().submit(_pread_into, f.fileno(), view[a:b], offset + a, path, name)
-                                for a, b in pieces]:  # fmt: skip
-                        fut.result()
+        out = torch.empty(self.nbytes(name, rows), dtype=torch.uint8)  # no zero-fill
+        self.read_into(name, memoryview(out.numpy()), rows)
         shape = ((stop - start), *t.shape[1:]) if t.shape else ()
         return out.view(TORCH_DTYPES[t.dtype]).reshape(shape)
+
+    def nbytes(self, name: str, rows: tuple[int, int] | None = None) -> int:
+        """Bytes of tensor ``name`` (or of its row range ``rows``)."""
+        return self._span(name, rows)[1]
+
+    def _span(self, name: str, rows: tuple[int, int] | None) -> tuple[int, int]:
+        t = self.tensors[name]
+        if rows is None:
+            return t.offset, t.nbytes
+        row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+        return t.offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+
+    def read_into(
+        self, name: str, out: memoryview, rows: tuple[int, int] | None = None, skip: int = 0
+    ) -> None:
+        """Read the bytes of ``name`` (or its rows), from byte ``skip`` on, into ``out``.
+
+        ``out`` (any writable buffer, e.g. pinned host memory) receives the next ``len(out)``
+        bytes; several ``pread``s run at once for large reads (page-cache copies on several
+        cores, a deeper disk queue). Raises ``CorruptFileError`` if the file is truncated.
+        """
+        offset, length = self._span(name, rows)
+        view = memoryview(out).cast("B")
+        if skip + len(view) > length:
+            raise ValueError(f"{name}: {len(view)} bytes from {skip} pass the end ({length})")
+        offset += skip
+        length = len(view)
+        t = self.tensors[name]
+        path = self.root / t.file
+        if not length:
+            return
+        with open(path, "rb", buffering=0) as f:
+            pieces = [(a, min(a + READ_PIECE, length)) for a in range(0, length, READ_PIECE)]
+            if len(pieces) == 1:
+                _pread_into(f.fileno(), view, offset, path, name)
+            else:
+                for fut in [_read_pool().submit(_pread_into, f.fileno(), view[a:b], offset + a, path, name)
+                            for a, b in pieces]:  # fmt: skip
+                    fut.result()
 
 
 READ_PIECE = 16 * 1024 * 1024
@@ -233,8 +265,13 @@ def _ignored(module: str, qconfig: Any) -> bool:
 # --- opening ------------------------------------------------------------------------------
 
 
-def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoint:
     """Parse config, quantization config, index and every shard header of ``root``.
+
+    Args:
+        scheme: parse the quantization config with compressed-tensors (``ck.qconfig``). False
+            leaves ``ck.qconfig`` None: the caller checks the scheme separately, with
+            :class:`SchemeCheck` (Note [scheme check in a child]).
 
     Raises:
         SourceNotFoundError, CorruptFileError, UnsupportedSchemeError: with the file at fault.
@@ -253,7 +290,7 @@ def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
             f"{cfg_path}: no quantization_config: the checkpoint is not quantized",
             hint="mpack converts compressed-tensors FP8 checkpoints (e.g. RedHatAI/*-FP8)",
         )
-    qconfig = parse_quant_config(qc, cfg_path)
+    qconfig = parse_quant_config(qc, cfg_path) if scheme else None
 
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None
@@ -350,27 +387,10 @@ def _check_layer(ck: Checkpoint, module: str, w: SourceTensor, s: SourceTensor) 
     if len(w.shape) != 2:
         raise UnsupportedSchemeError(f"{where}: weight shape {list(w.shape)} is not 2-D")
     n, k = w.shape
-    scheme = _scheme_for(module, ck.qconfig)
-    if scheme is None or scheme.weights is None:
-        raise UnsupportedSchemeError(
-            f"{where}: FP8 weight, but no quantization_config group targets {module}"
-        )
-    if _ignored(module, ck.qconfig):
-        raise UnsupportedSchemeError(
-            f"{where}: FP8 weight, but quantization_config.ignore lists {module}"
-        )
-    args = scheme.weights
-    strategy = str(getattr(args.strategy, "value", args.strategy))
-    if str(getattr(args.type, "value", args.type)) != "float" or args.num_bits != 8:
-        raise UnsupportedSchemeError(
-            f"{where}: weight scheme {args.type} {args.num_bits}-bit; mpack packs 8-bit float (FP8) only"
-        )
-    if strategy not in ("tensor", "channel"):
-        raise UnsupportedSchemeError(
-            f"{where}: weight strategy {strategy!r} (group/block/tensor_group) is not supported by "
-            "vLLM's FP8 Marlin path for compressed-tensors",
-            hint="use a checkpoint quantized per tensor (preset FP8) or per channel (FP8_DYNAMIC)",
-        )
+    if ck.qconfig is None:  # structural check only: the strategy follows from the scale's shape
+        strategy = "tensor" if math.prod(s.shape) == 1 else "channel"
+    else:
+        strategy = _check_scheme(ck, module, where)
     numel = math.prod(s.shape)
     want = 1 if strategy == "tensor" else n
     if numel != want or (strategy == "channel" and s.shape not in ((n, 1), (n,))):
@@ -392,6 +412,32 @@ def _check_layer(ck: Checkpoint, module: str, w: SourceTensor, s: SourceTensor) 
             f"{_where(ck, bname)}: bias shape {list(ck.tensors[bname].shape)}, expected [{n}]"
         )
     return QuantLayer(module=module, n=n, k=k, strategy=strategy, has_bias=bname in ck.tensors)
+
+
+def _check_scheme(ck: Checkpoint, module: str, where: str) -> str:
+    """The weight strategy the quantization config gives ``module``, checked for Marlin FP8."""
+    scheme = _scheme_for(module, ck.qconfig)
+    if scheme is None or scheme.weights is None:
+        raise UnsupportedSchemeError(
+            f"{where}: FP8 weight, but no quantization_config group targets {module}"
+        )
+    if _ignored(module, ck.qconfig):
+        raise UnsupportedSchemeError(
+            f"{where}: FP8 weight, but quantization_config.ignore lists {module}"
+        )
+    args = scheme.weights
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if str(getattr(args.type, "value", args.type)) != "float" or args.num_bits != 8:
+        raise UnsupportedSchemeError(
+            f"{where}: weight scheme {args.type} {args.num_bits}-bit; mpack packs 8-bit float (FP8) only"
+        )
+    if strategy not in ("tensor", "channel"):
+        raise UnsupportedSchemeError(
+            f"{where}: weight strategy {strategy!r} (group/block/tensor_group) is not supported by "
+            "vLLM's FP8 Marlin path for compressed-tensors",
+            hint="use a checkpoint quantized per tensor (preset FP8) or per channel (FP8_DYNAMIC)",
+        )
+    return strategy
 
 
 def read_scale(ck: Checkpoint, module: str) -> torch.Tensor:
@@ -428,3 +474,114 @@ def passthrough_names(ck: Checkpoint) -> list[str]:
     """Checkpoint tensors that are not part of a quantized linear, in name order."""
     consumed = {f"{m}.{p}" for m in ck.layers for p in LINEAR_PARTS}
     return sorted(n for n in ck.tensors if n not in consumed)
+
+
+# --- the scheme check, overlapped ---------------------------------------------------------
+
+# Note [scheme check in a child]: compressed-tensors imports transformers (and with it
+# torch.distributed, sympy, torch._dynamo): 2.4 s on a laptop-class core, 8.5 s on the H200 host,
+# longer than streaming an 8B model. Nothing in the plan needs it: which tensors form a
+# quantized linear, and its strategy, follow from the safetensors headers (an F8_E4M3 weight
+# with a weight_scale of one value or N values). The config is the cross-check. So `mpack
+# convert` plans from the headers (``open_checkpoint(scheme=False)``) and runs the full check
+# (``open_checkpoint`` + ``find_layers``, with compressed-tensors' own models) in a forked child
+# that imports it on another core while the parent streams. The parent waits for the child's
+# verdict before anything becomes visible: a failed check removes the work directory, and its
+# error is the same, word for word, as the inline check's. Where compressed-tensors is already
+# imported (a library caller, the tests) or fork is unavailable, the check runs inline.
+
+
+class SchemeCheck:
+    """The full validation of ``root`` (scheme included), possibly running in a child process.
+
+    :meth:`result` returns ``{module: (strategy, n, k, has_bias)}`` or raises the check's
+    ``MpackError``; :meth:`cancel` stops a child that is no longer needed.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, background: bool | None = None) -> None:
+        import sys
+
+        self.root = Path(root)
+        self._verdict: tuple[str, Any] | None = None
+        self._proc: Any = None
+        self._conn: Any = None
+        if background is None:
+            background = (
+                "compressed_tensors" not in sys.modules
+                and hasattr(os, "fork")
+                and os.environ.get("MPACK_SCHEME_CHECK", "") != "inline"
+            )
+        if background:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("fork")
+            recv, send = ctx.Pipe(duplex=False)
+            self._proc = ctx.Process(
+                target=_scheme_child, args=(str(self.root), send), name="mpack-scheme-check",
+                daemon=True,
+            )  # fmt: skip
+            self._proc.start()
+            send.close()
+            self._conn = recv
+
+    @property
+    def in_child(self) -> bool:
+        return self._proc is not None
+
+    def result(self) -> dict[str, tuple[str, int, int, bool]]:
+        if self._verdict is None:
+            if self._proc is None:
+                self._verdict = _scheme_verdict(self.root)
+            else:
+                try:
+                    self._verdict = self._conn.recv()
+                except (EOFError, OSError):
+                    self._proc.join()
+                    self._verdict = (
+                        "crash",
+                        f"the check process died (exit code {self._proc.exitcode})",
+                    )
+                finally:
+                    self._conn.close()
+                self._proc.join()
+        kind, payload = self._verdict
+        if kind == "ok":
+            return payload
+        if kind == "error":
+            module, qualname, message, hint = payload
+            import importlib
+
+            cls = getattr(importlib.import_module(module), qualname, None)
+            if not (isinstance(cls, type) and issubclass(cls, MpackError)):
+                cls = MpackError
+            raise cls(message, hint=hint)
+        raise MpackError(f"validating {self.root} failed unexpectedly: {payload}")
+
+    def cancel(self) -> None:
+        if self._proc is not None and self._verdict is None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+            self._verdict = ("crash", "cancelled")
+
+
+def layer_summary(layers: dict[str, QuantLayer]) -> dict[str, tuple[str, int, int, bool]]:
+    return {m: (q.strategy, q.n, q.k, q.has_bias) for m, q in layers.items()}
+
+
+def _scheme_verdict(root: Path) -> tuple[str, Any]:
+    try:
+        ck = open_checkpoint(root)
+        return "ok", layer_summary(find_layers(ck))
+    except MpackError as e:
+        return "error", (type(e).__module__, type(e).__qualname__, e.message, e.hint)
+    except Exception as e:  # a bug: reported by the parent as an internal error
+        return "crash", f"{type(e).__name__}: {e}"
+
+
+def _scheme_child(root: str, conn: Any) -> None:
+    try:
+        conn.send(_scheme_verdict(Path(root)))
+    finally:
+        conn.close()

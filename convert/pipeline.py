@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,10 @@ from mpack.convert import cuda_repack, marlin
 from mpack.convert.checkpoint import (
     BIAS,
     Checkpoint,
+    SchemeCheck,
     check_scale_values,
     find_layers,
+    layer_summary,
     open_checkpoint,
     read_scale,
 )
@@ -48,26 +50,31 @@ from mpack.convert.source import (
     resolve_source,
     source_files,
 )
-from mpack.errors import InputError, OutputExistsError, UnsupportedSchemeError, UsageError
+from mpack.convert.stream import Streamer
+from mpack.errors import (
+    InputError,
+    MpackError,
+    OutputExistsError,
+    UnsupportedSchemeError,
+    UsageError,
+)
 from mpack.sidecar import (
-    CHUNK_BYTES,
     COMMON_NAME,
     COPIED_FILES,
     FUSIONS,
     MANIFEST_NAME,
     PROFILES,
     HashingWriter,
-    chunk_digests,
     fsync_dir,
     load_manifest,
     new_manifest,
-    rank_file_name,
     sha256_file,
     write_manifest,
 )
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
-COPY_CHUNK = 64 * 1024 * 1024
+COPY_CHUNK = 16 * 1024 * 1024
+COPY_BUFFERS = 6
 
 
 @dataclass
@@ -178,30 +185,32 @@ def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
 def transform(
     layer: OutLayer, src: dict[str, torch.Tensor], act_dtype: str, device: torch.device
 ) -> list[torch.Tensor]:
-    """One rank's Marlin tensors for ``layer``, on CPU, in the order of its tensor specs.
+    """One rank's Marlin tensors for ``layer``, in the order of its tensor specs.
+
+    The weight is packed where ``src``'s weights are (the fused kernel on CUDA); the scales and
+    bias, a few KB, are computed on the host where they were read. ``device`` is kept for
+    callers that pass it; the bytes are the same on every device.
 
     Returns:
         ``[weight int32 [Kp/16, 4Np], weight_scale dt [1, Np], (bias dt [Np])]``.
     """
+    del device
     dt = marlin.ACT_DTYPES[act_dtype]
     f = fuse(layer, src)
     out = [
         cuda_repack.pack_weight_fast(f.weight, layer.np_, layer.kp),
-        marlin.pack_scales(f.scale.to(device), dt, layer.np_),
+        marlin.pack_scales(f.scale.cpu(), dt, layer.np_),
     ]
     if f.bias is not None:
-        out.append(marlin.pack_bias(f.bias.to(device), dt, layer.np_))
-    return [t.cpu() for t in out]
+        out.append(marlin.pack_bias(f.bias.cpu(), dt, layer.np_))
+    return out
 
 
-def read_unit(
-    ck: Checkpoint, unit: list[OutLayer], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor the unit's layers need (weights as uint8), moved to ``device``."""
+def read_unit(ck: Checkpoint, unit: list[OutLayer]) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor the unit's layers need (weights as uint8), on the CPU."""
     src: dict[str, torch.Tensor] = {}
     for module in dict.fromkeys(p.module for p in unit[0].pieces):
-        w = ck.read(f"{module}.weight").view(torch.uint8)
-        src[f"{module}.weight"] = w.to(device, non_blocking=True) if device.type == "cuda" else w
+        src[f"{module}.weight"] = ck.read(f"{module}.weight").view(torch.uint8)
         src[f"{module}.weight_scale"] = read_scale(ck, module)
         if unit[0].has_bias:
             src[f"{module}.{BIAS}"] = ck.read(f"{module}.{BIAS}")
@@ -311,17 +320,25 @@ def run_convert(
         raise UsageError(
             f"-o {out} lies inside the source checkpoint {src.path}; choose another output directory"
         )
-    # Source hashing starts now, on its own threads: it overlaps validation (mostly imports) and
-    # the conversion, and warms the page cache for the reads. A failed run stops it.
+    # The compressed-tensors check may run in a forked child while this process plans from the
+    # headers and streams (Note [scheme check in a child]); it is forked before any thread starts.
+    check = SchemeCheck(src.path)
+    # Source hashing starts now, on its own threads: it overlaps validation and the conversion,
+    # and warms the page cache for the reads. A failed run stops it.
     stop = threading.Event()
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash")
     early = hasher.submit(hash_sources, src, candidate_files(src), 2, stop)
     try:
-        ck = open_checkpoint(src.path)
-        find_layers(ck)
-        plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp, fusion=fuse,
-                         passthrough=passthrough)  # fmt: skip
-        validate_values(ck, plan)
+        try:
+            ck = open_checkpoint(src.path, scheme=not check.in_child)
+            find_layers(ck)
+            plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp,
+                             fusion=fuse, passthrough=passthrough)  # fmt: skip
+            validate_values(ck, plan)
+        except MpackError:
+            if check.in_child:
+                check.result()  # its error first: the same order as the inline check
+            raise
         seconds["validate"] = time.perf_counter() - t0
         names = source_files(src, ck.files)
 
@@ -336,6 +353,7 @@ def run_convert(
             )
             seconds["hash_sources"] = time.perf_counter() - t
             if state == "same" and not force:
+                check.cancel()  # these very files were checked when this sidecar was written
                 m, digest = load_manifest(out)
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
             if state == "foreign" or (state == "other-sidecar" and not force):
@@ -363,6 +381,9 @@ def run_convert(
             t = time.perf_counter()
             files_src = source_hashes()
             seconds["wait_source_hashes"] = time.perf_counter() - t
+            t = time.perf_counter()
+            _agree(check, ck)
+            seconds["wait_scheme_check"] = time.perf_counter() - t
             file_records = [{"name": n, **written[n]} for n in sorted(written)]
             for name in copied:
                 p = tmp / name
@@ -386,11 +407,24 @@ def run_convert(
         stop.set()
         raise
     finally:
+        check.cancel()
         hasher.shutdown(wait=True)
     seconds["total"] = time.perf_counter() - t0
     return ConvertResult(
         out, manifest, digest, up_to_date=False, seconds=seconds, bytes_written=plan.total_bytes
     )
+
+
+def _agree(check: SchemeCheck, ck: Checkpoint) -> None:
+    """The full check's verdict (raises its error); with a child, it must agree with the plan."""
+    layers = check.result()
+    if check.in_child and layers != layer_summary(ck.layers):
+        diff = sorted(m for m in set(layers) | set(ck.layers)
+                      if layers.get(m) != layer_summary(ck.layers).get(m))  # fmt: skip
+        raise MpackError(
+            f"{ck.root}: the quantization config and the tensor headers disagree on {diff[:3]}",
+            hint="run again with MPACK_SCHEME_CHECK=inline, and please report this",
+        )
 
 
 def _copy_file(a: Path, b: Path) -> None:
@@ -408,16 +442,17 @@ def _model_summary(ck: Checkpoint) -> dict[str, Any]:
 
 def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | None,
                seconds: dict[str, float]) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Stream every output file into ``tmp``; return ``{file: {size, sha256}}``.
+    """Stream every output file into ``tmp``; return ``{file: {size, sha256, chunks}}``.
 
-    Threads: one reads unit i+1 while the caller transforms unit i and one writes unit i-1
-    (at most three units in memory); pass-through tensors are copied on a fourth, into their own
-    file. Each file hashes on its own thread too (HashingWriter).
+    The Marlin layers go through :class:`mpack.convert.stream.Streamer` (read, transform and
+    write on their own threads, pinned staging rings on CUDA); pass-through tensors are copied
+    on another thread, into their own file, at the same time. Each file hashes as it is written
+    (:class:`mpack.sidecar.HashingWriter`).
     """
     ck = plan.ckpt
     writers = {name: HashingWriter(tmp / name, layout) for name, layout in plan.files.items()}
     total, done, lock = plan.total_bytes, 0, threading.Lock()
-    phase = {"read": 0.0, "transform": 0.0, "write": 0.0, "passthrough": 0.0}
+    phase: dict[str, float] = {}
 
     def bump(n: int) -> None:
         nonlocal done
@@ -426,68 +461,43 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
             if progress:
                 progress("bytes", done, total)
 
-    def timed(key: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def on_unit(i: int) -> None:
+        if progress:
+            progress("layers", i, len(plan.units))
+
+    def passthrough() -> None:
         t = time.perf_counter()
         try:
-            return fn(*args)
+            _copy_passthrough(ck, writers[COMMON_NAME], bump)
         finally:
-            phase[key] += time.perf_counter() - t
-
-    def write_unit(unit: list[OutLayer], outs: list[list[torch.Tensor]]) -> None:
-        for layer, tensors in zip(unit, outs, strict=True):
-            w = writers[rank_file_name(layer.rank, plan.tp)]
-            for spec, tensor in zip(layer.tensor_specs(plan.act_dtype), tensors, strict=True):
-                entry = w.layout.entry(spec.name)
-                data = tensor.contiguous().view(torch.uint8).numpy()
-                assert data.nbytes == entry.nbytes, spec.name
-                w.write_at(entry.offset, data)
-                bump(entry.nbytes)
-
-    def transform_unit(
-        unit: list[OutLayer], src: dict[str, torch.Tensor]
-    ) -> list[list[torch.Tensor]]:
-        return [transform(layer, src, plan.act_dtype, dev) for layer in unit]
+            phase["passthrough_busy"] = time.perf_counter() - t
 
     try:
         for w in writers.values():
             bump(w.position)
-        with (
-            ThreadPoolExecutor(1, thread_name_prefix="mpack-read") as reader,
-            ThreadPoolExecutor(1, thread_name_prefix="mpack-write") as writer,
-            ThreadPoolExecutor(1, thread_name_prefix="mpack-copy") as copier,
-        ):
-            copied = None
-            if COMMON_NAME in writers:
-                copied = copier.submit(
-                    timed, "passthrough", _copy_passthrough, ck, writers[COMMON_NAME], bump
-                )
-            units = plan.units
-            nxt = reader.submit(timed, "read", read_unit, ck, units[0], dev) if units else None
-            pending: Future | None = None
-            for i, unit in enumerate(units):
-                src = nxt.result()
-                if i + 1 < len(units):
-                    nxt = reader.submit(timed, "read", read_unit, ck, units[i + 1], dev)
-                outs = timed("transform", transform_unit, unit, src)
-                del src
-                if pending is not None:
-                    pending.result()  # at most one unit waiting to be written
-                pending = writer.submit(timed, "write", write_unit, unit, outs)
-                if progress:
-                    progress("layers", i + 1, len(units))
-            if pending is not None:
-                pending.result()
+        streamer = Streamer(
+            plan, writers, dev, lambda layer, src: transform(layer, src, plan.act_dtype, dev),
+            bump, on_unit,
+        )  # fmt: skip
+        with ThreadPoolExecutor(1, thread_name_prefix="mpack-copy") as copier:
+            copied = copier.submit(passthrough) if COMMON_NAME in writers else None
+            try:
+                streamer.run()
+            except BaseException:
+                if copied is not None:
+                    copied.cancel()
+                raise
             if copied is not None:
                 copied.result()
+        t = time.perf_counter()
         result = {}
         for name, w in writers.items():
             size, sha = w.finish()
-            result[name] = {"size": size, "sha256": sha}
-        t = time.perf_counter()
-        for name in writers:  # re-read from the page cache, many threads (Note [chunk digests])
-            result[name]["chunks"] = {"bytes": CHUNK_BYTES, "sha256": chunk_digests(tmp / name)}
-        phase["chunk_digests"] = time.perf_counter() - t
-        seconds.update({f"{k}_busy": v for k, v in phase.items()})
+            result[name] = {"size": size, "sha256": sha,
+                            "chunks": {"bytes": w.chunk_bytes, "sha256": w.chunks}}  # fmt: skip
+        phase["finish"] = time.perf_counter() - t
+        phase.update({f"{k}_busy": v for k, v in streamer.busy.items()})
+        seconds.update(phase)
         return result
     finally:
         for w in writers.values():
@@ -495,15 +505,21 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
 
 
 def _copy_passthrough(ck: Checkpoint, w: HashingWriter, bump: Callable[[int], None]) -> None:
-    """Copy pass-through tensors byte for byte, in file order, in bounded chunks."""
+    """Copy pass-through tensors byte for byte, in file order, through a few reused buffers."""
+    bufs = [bytearray(COPY_CHUNK) for _ in range(COPY_BUFFERS)]
+    fences: list[threading.Event | None] = [None] * COPY_BUFFERS
+    i = 0
     for entry in w.layout.entries:
         t = ck.tensors[entry.name]
-        with open(ck.root / t.file, "rb", buffering=0) as f:
-            pos, end = t.offset, t.offset + t.nbytes
-            while pos < end:
-                chunk = os.pread(f.fileno(), min(COPY_CHUNK, end - pos), pos)
-                if not chunk:
-                    raise InputError(f"{ck.root / t.file}: tensor {t.name!r} is truncated")
-                w.write_at(entry.offset + (pos - t.offset), chunk)
-                bump(len(chunk))
-                pos += len(chunk)
+        pos, end = 0, t.nbytes
+        while pos < end:
+            if fences[i] is not None:
+                fences[i].wait()  # the hasher is done with this buffer
+            n = min(COPY_CHUNK, end - pos)
+            view = memoryview(bufs[i])[:n]
+            ck.read_into(entry.name, view, None, pos)
+            w.write_at(entry.offset + pos, view)
+            fences[i] = w.fence()
+            bump(n)
+            pos += n
+            i = (i + 1) % COPY_BUFFERS

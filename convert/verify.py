@@ -142,7 +142,7 @@ def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLay
     cpu = torch.device("cpu")
     compared = 0
     for unit in plan.units:
-        data = read_unit(ck, unit, cpu)
+        data = read_unit(ck, unit)
         for layer in unit:
             fname = rank_file_name(layer.rank, plan.tp)
             path, layout = sidecar / fname, layouts[fname]

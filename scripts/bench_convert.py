@@ -65,13 +65,18 @@ def _hwm(pid: int) -> int:
 
 
 def peak_rss_run(src: Path, out: Path, device: str) -> tuple[dict, int]:
-    """One `mpack convert` in a fresh process: its --json summary (+ wall) and peak RSS (bytes).
+    """One `mpack convert` in a fresh process: its --json summary (+ wall) and peak RSS (bytes)."""
+    cmd = [sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out), "--device", device,
+           "--json", "--force"]  # fmt: skip
+    return _run(cmd)
+
+
+def _run(cmd: list[str], wall_from_doc: bool = False) -> tuple[dict, int]:
+    """Run ``cmd``, which prints one JSON document; return it (with ``wall``) and the peak RSS.
 
     The peak is read from /proc/<pid>/status while it runs (wait4's ru_maxrss would include the
     forked parent's pages).
     """
-    cmd = [sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out), "--device", device,
-           "--json", "--force"]  # fmt: skip
     t = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
@@ -83,8 +88,31 @@ def peak_rss_run(src: Path, out: Path, device: str) -> tuple[dict, int]:
     if p.returncode:
         raise SystemExit(f"convert failed ({p.returncode}): {stderr[-2000:]}")
     doc = json.loads(stdout)
-    doc["wall"] = wall
+    if not wall_from_doc:
+        doc["wall"] = wall
     return doc, peak
+
+
+LIBRARY_RUN = r"""
+import json, sys, time
+import torch, compressed_tensors  # a long-lived caller (a service, a notebook) has these loaded
+from mpack.convert import cuda_repack
+from mpack.convert.pipeline import resolve_device, run_convert
+src, out, device = sys.argv[1:4]
+dev = resolve_device(device)
+if dev.type == "cuda":  # CUDA context and the repack kernel ready, as in a warm service
+    torch.empty(1, device=dev)
+    cuda_repack.available(dev)
+t = time.perf_counter()
+r = run_convert(src, out, device=device, force=True)
+wall = time.perf_counter() - t
+print(json.dumps({"wall": wall, "seconds": r.seconds, "bytes": r.bytes_written}))
+"""
+
+
+def library_run(src: Path, out: Path, device: str) -> tuple[dict, int]:
+    """``run_convert`` timed inside a process that already imported torch and compressed-tensors."""
+    return _run([sys.executable, "-c", LIBRARY_RUN, str(src), str(out), device], wall_from_doc=True)
 
 
 def main() -> None:
@@ -115,20 +143,21 @@ def main() -> None:
         "read_cold": read_all(files) if can_drop else None,
         "read_warm": read_all(files),
     }
+    res["imports"] = import_times()
     devices = [d for d in a.devices.split(",") if d]
     for dev in devices:
-        for temp in ("cold", "warm") if can_drop else ("warm",):
-            if temp == "cold":
-                drop_caches()
-            else:
-                read_all(files)  # warm the page cache
-            doc, rss = peak_rss_run(src, work / f"out-{dev}", dev)
-            res["runs"][f"{dev}-{temp}"] = {"wall": doc["wall"], "seconds": doc["seconds"], "peak_rss": rss,
-                                            "bytes": doc["bytes"]}  # fmt: skip
-            print(
-                f"convert --device {dev} ({temp}): {doc['wall']:.2f} s, peak RSS {rss / 2**30:.2f} GiB",
-                flush=True,
-            )
+        for kind in ("cli", "library"):
+            for temp in ("cold", "warm") if can_drop else ("warm",):
+                if temp == "cold":
+                    drop_caches()
+                else:
+                    read_all(files)  # warm the page cache
+                run = peak_rss_run if kind == "cli" else library_run
+                doc, rss = run(src, work / f"out-{dev}", dev)
+                name = f"{dev}-{kind}-{temp}"
+                res["runs"][name] = {"wall": doc["wall"], "seconds": doc["seconds"], "peak_rss": rss,
+                                     "bytes": doc["bytes"]}  # fmt: skip
+                print(f"{name}: {doc['wall']:.2f} s, peak RSS {rss / 2**30:.2f} GiB", flush=True)
     out_bytes = next(iter(res["runs"].values()))["bytes"]
     res["floor"]["write"] = write_bytes(work / "floor-write.bin", out_bytes)
     res["sidecar_bytes"] = out_bytes
@@ -152,6 +181,16 @@ def main() -> None:
     print_table(res)
 
 
+def import_times() -> dict[str, float]:
+    """Seconds a fresh interpreter takes to import torch, then compressed-tensors (warm files)."""
+    code = ("import time; t = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+            "import compressed_tensors; t2 = time.perf_counter(); print(t1 - t, t2 - t1)")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)  # warm the files
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    torch_s, ct_s = (float(x) for x in out.stdout.split())
+    return {"torch": torch_s, "compressed_tensors": ct_s}
+
+
 def print_table(res: dict) -> None:
     f = res["floor"]
     gb = res["source_bytes"] / 1e9
@@ -160,52 +199,68 @@ def print_table(res: dict) -> None:
     )
     print(f"floor: read cold {f.get('read_cold') or float('nan'):.2f} s, read warm {f['read_warm']:.2f} s, "
           f"write {f['write']:.2f} s")  # fmt: skip
+    imp = res["imports"]
+    print(f"imports in a fresh interpreter: torch {imp['torch']:.2f} s, "
+          f"compressed-tensors {imp['compressed_tensors']:.2f} s")  # fmt: skip
     print(
-        f"{'run':<12}{'wall s':>9}{'x floor':>9}{'read':>8}{'xform':>8}{'write':>8}{'hash':>8}{'RSS GiB':>9}"
+        "wall: the whole process (cli) or the run_convert call (library); total: run_convert's own"
     )
+    print(f"{'run':<18}{'wall s':>8}{'x floor':>8}{'total':>7}{'x floor':>8}{'valid.':>7}{'read':>6}"
+          f"{'xform':>6}{'write':>6}{'finish':>7}{'ct wait':>8}{'RSS GiB':>8}")  # fmt: skip
     for name, r in res["runs"].items():
         temp = name.rsplit("-", 1)[1]
         floor = f.get(f"floor_{temp}") or f["floor_warm"]
         s = r["seconds"]
         print(
-            f"{name:<12}{r['wall']:>9.2f}{r['wall'] / floor:>9.2f}{s.get('read_busy', 0):>8.2f}"
-            f"{s.get('transform_busy', 0):>8.2f}{s.get('write_busy', 0):>8.2f}{s.get('hash_sources', 0):>8.2f}"
-            f"{r['peak_rss'] / 2**30:>9.2f}"
+            f"{name:<18}{r['wall']:>8.2f}{r['wall'] / floor:>8.2f}{s['total']:>7.2f}{s['total'] / floor:>8.2f}"
+            f"{s.get('validate', 0):>7.2f}{s.get('read_busy', 0):>6.2f}{s.get('transform_busy', 0):>6.2f}"
+            f"{s.get('write_busy', 0):>6.2f}{s.get('finish', 0):>7.2f}{s.get('wait_scheme_check', 0):>8.2f}"
+            f"{r['peak_rss'] / 2**30:>8.2f}"
         )
-    big = max(r["peak_rss"] for r in res["runs"].values())
+    big = max(r["peak_rss"] for n, r in res["runs"].items() if "-cli-" in n)
     small = res["rss_small_model"]
-    print(f"peak RSS: {res['layers']} layers {big / 2**30:.2f} GiB vs {small['layers']} layers "
+    print(f"peak RSS (cli): {res['layers']} layers {big / 2**30:.2f} GiB vs {small['layers']} layers "
           f"{small['peak_rss'] / 2**30:.2f} GiB (ratio {big / small['peak_rss']:.2f})")  # fmt: skip
     print("targets: convert <= 1.2 x floor on GPU, <= 1.5 x on CPU; RSS independent of model size")
 
 
 def plot(res: dict, path: str) -> None:
+    """One bar per run: its timeline (start-up, validate, stream, finish) against the floor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(res["runs"])
-    phases = ("read_busy", "transform_busy", "write_busy")
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 2))
+    colors = {"start-up (imports, CUDA)": "tab:gray", "validate + plan": "tab:purple",
+              "stream (read/transform/write)": "tab:blue", "finish (fsync tail)": "tab:green",
+              "wait for the scheme check": "tab:red"}  # fmt: skip
     for i, n in enumerate(names):
-        s = res["runs"][n]["seconds"]
-        left = 0.0
-        for ph, color in zip(phases, ("tab:blue", "tab:orange", "tab:green"), strict=True):
-            ax.barh(
-                i, s.get(ph, 0), left=left, color=color, label=ph if i == 0 else None, alpha=0.8
-            )
-            left += s.get(ph, 0)
-        ax.plot(
-            [res["runs"][n]["wall"]], [i], "k|", markersize=20, label="wall" if i == 0 else None
+        r = res["runs"][n]
+        s = r["seconds"]
+        parts = {
+            "start-up (imports, CUDA)": r["wall"] - s["total"] if "-cli-" in n else 0.0,
+            "validate + plan": s.get("validate", 0.0),
+            "finish (fsync tail)": s.get("finish", 0.0),
+            "wait for the scheme check": s.get("wait_scheme_check", 0.0),
+        }
+        parts["stream (read/transform/write)"] = max(
+            0.0, s["total"] - sum(list(parts.values())[1:])
         )
+        left = 0.0
+        for label in colors:
+            ax.barh(
+                i, parts[label], left=left, color=colors[label], label=label if i == 0 else None
+            )
+            left += parts[label]
     f = res["floor"]
-    ax.axvline(
-        f.get("floor_cold") or f["floor_warm"], color="red", ls="--", label="I/O floor (cold)"
-    )
+    if f.get("floor_cold"):
+        ax.axvline(f["floor_cold"], color="red", ls="--", label="I/O floor (cold)")
     ax.axvline(f["floor_warm"], color="red", ls=":", label="I/O floor (warm)")
     ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds (phase busy time; phases overlap)")
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
     ax.set_title(f"mpack convert, Llama-3.1-8B-shaped FP8 ({res['source_bytes'] / 1e9:.1f} GB)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

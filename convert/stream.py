@@ -1,0 +1,304 @@
+"""The streaming part of ``convert``: read -> transform -> write, overlapped, in bounded memory.
+
+Three stages run at once, each on its own thread, with bounded queues between them:
+
+- **read** (``mpack-read``): the checkpoint bytes of unit i+1, i+2, ... (a unit is one fused
+  layer on every rank). On CUDA they are read straight into a ring of pinned host pieces and
+  copied to the GPU on a copy stream (``cudaMemcpyAsync`` from pinned memory, no staging copy
+  inside the driver); on CPU into plain tensors.
+- **transform** (the caller's thread): fuse, requantize, repack, scales, bias for unit i. On
+  CUDA the weight goes through the fused kernel on a compute stream, and the result goes back
+  into a second ring of pinned pieces with asynchronous copies; the small scale and bias
+  tensors are computed on the host, where they already are.
+- **write** (``mpack-write``): waits for each piece's copy event, appends it to its file
+  (:class:`mpack.sidecar.HashingWriter`, which hashes and starts the disk writeback behind it),
+  and hands the piece back to the ring once the hasher is done with it.
+
+Note [staging rings]: every buffer on the host side of the GPU is a fixed piece of pinned
+memory (``PIECE`` bytes, ``IN_PIECES`` + ``OUT_PIECES`` of them: 256 MiB in all). Fresh
+pageable buffers cost a page fault per 4 KiB, and pageable copies go through the driver's own
+bounce buffer at a fraction of the link's speed; a reused pinned ring costs neither, and bounds
+memory whatever the layer size. A piece is reused only after whatever read it last (a copy
+event, the writer's hasher) has finished: :class:`Ring` waits on those before handing it out.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mpack.convert.checkpoint import Checkpoint, _read_pool, read_scale
+from mpack.convert.plan import OutLayer, Plan
+from mpack.sidecar import HashingWriter, rank_file_name
+
+PIECE = 16 * 1024 * 1024
+IN_PIECES = 8
+OUT_PIECES = 8
+UNITS_AHEAD = 3  # units read (and on the GPU) before the transform needs them
+WRITE_QUEUE = 16  # CPU path: result tensors waiting for the writer
+
+Transform = Callable[[OutLayer, dict[str, torch.Tensor]], list[torch.Tensor]]
+
+
+class Aborted(Exception):
+    """Another stage failed; this one stops (the first error is the one reported)."""
+
+
+@dataclass
+class Slot:
+    buf: torch.Tensor  # pinned uint8 [PIECE]
+    waits: list[Any] = field(default_factory=list)  # torch.cuda.Event | threading.Event
+
+
+class Ring:
+    """Fixed pinned pieces, handed out only once their last user is done (Note [staging rings])."""
+
+    def __init__(self, count: int, piece: int, abort: threading.Event) -> None:
+        self.piece = piece
+        self._free: queue.Queue[Slot] = queue.Queue()
+        self._abort = abort
+        for _ in range(count):
+            self._free.put(Slot(torch.empty(piece, dtype=torch.uint8, pin_memory=True)))
+
+    def acquire(self) -> Slot:
+        while True:
+            try:
+                slot = self._free.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._abort.is_set():
+                    raise Aborted from None
+        for w in slot.waits:
+            if isinstance(w, threading.Event):
+                while not w.wait(0.1):
+                    if self._abort.is_set():
+                        raise Aborted
+            else:
+                w.synchronize()
+        slot.waits = []
+        return slot
+
+    def release(self, slot: Slot, *waits: Any) -> None:
+        slot.waits = list(waits)
+        self._free.put(slot)
+
+
+def _put(q: queue.Queue, item: Any, abort: threading.Event) -> None:
+    while True:
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            if abort.is_set():
+                raise Aborted from None
+
+
+def _get(q: queue.Queue, abort: threading.Event) -> Any:
+    while True:
+        try:
+            return q.get(timeout=0.1)
+        except queue.Empty:
+            if abort.is_set():
+                raise Aborted from None
+
+
+@dataclass
+class WriteItem:
+    writer: HashingWriter
+    offset: int
+    data: Any  # bytes-like
+    nbytes: int
+    slot: Slot | None = None
+    ready: Any = None  # torch.cuda.Event to wait for before reading ``data``
+
+
+class Streamer:
+    """Runs the three stages over ``plan.units`` into ``writers`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        writers: dict[str, HashingWriter],
+        device: torch.device,
+        transform: Transform,
+        on_written: Callable[[int], None],
+        on_unit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.plan, self.writers, self.dev = plan, writers, device
+        self.transform, self.on_written, self.on_unit = transform, on_written, on_unit
+        self.abort = threading.Event()
+        self.busy = {
+            "read": 0.0,
+            "transform": 0.0,
+            "write": 0.0,
+            "read_wait": 0.0,
+            "write_wait": 0.0,
+        }
+        self.cuda = device.type == "cuda"
+        self._units: queue.Queue = queue.Queue(UNITS_AHEAD)
+        self._writes: queue.Queue = queue.Queue(0 if self.cuda else WRITE_QUEUE)
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.compute_stream = torch.cuda.Stream(device)
+            self.in_ring = Ring(IN_PIECES, PIECE, self.abort)
+            self.out_ring = Ring(OUT_PIECES, PIECE, self.abort)
+
+    # --- read ---------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        ck = self.plan.ckpt
+        try:
+            for unit in self.plan.units:
+                t = time.perf_counter()
+                src, ready = self._read_unit(ck, unit)
+                self.busy["read"] += time.perf_counter() - t
+                _put(self._units, (unit, src, ready), self.abort)
+            _put(self._units, None, self.abort)
+        except BaseException:
+            self.abort.set()
+            raise
+
+    def _read_unit(
+        self, ck: Checkpoint, unit: list[OutLayer]
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        src: dict[str, torch.Tensor] = {}
+        for module in dict.fromkeys(p.module for p in unit[0].pieces):
+            wname = f"{module}.weight"
+            shape = ck.tensors[wname].shape
+            if self.cuda:
+                src[wname] = self._upload(ck, wname).view(shape)
+            else:
+                src[wname] = ck.read(wname).view(torch.uint8)
+            src[f"{module}.weight_scale"] = read_scale(ck, module)
+            if unit[0].has_bias:
+                src[f"{module}.bias"] = ck.read(f"{module}.bias")
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return src, ready
+
+    def _upload(self, ck: Checkpoint, name: str) -> torch.Tensor:
+        """Disk -> pinned pieces (several preads at once) -> GPU, on the copy stream."""
+        nbytes = ck.nbytes(name)
+        with torch.cuda.stream(self.copy_stream):
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+        spans = [(a, min(a + PIECE, nbytes)) for a in range(0, nbytes, PIECE)]
+        batch = 4
+        for i in range(0, len(spans), batch):
+            group = spans[i : i + batch]
+            slots = [self.in_ring.acquire() for _ in group]
+            futs = [
+                _read_pool().submit(ck.read_into, name, memoryview(s.buf.numpy())[: b - a], None, a)
+                for s, (a, b) in zip(slots, group, strict=True)
+            ]
+            for f in futs:
+                f.result()
+            with torch.cuda.stream(self.copy_stream):
+                for s, (a, b) in zip(slots, group, strict=True):
+                    dev[a:b].copy_(s.buf[: b - a], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self.copy_stream)
+                    self.in_ring.release(s, ev)
+        return dev
+
+    # --- write --------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                t = time.perf_counter()
+                item = _get(self._writes, self.abort)
+                if item is None:
+                    return
+                if item.ready is not None:
+                    item.ready.synchronize()
+                t1 = time.perf_counter()
+                self.busy["write_wait"] += t1 - t
+                item.writer.write_at(item.offset, item.data)
+                if item.slot is not None:
+                    self.out_ring.release(item.slot, item.writer.fence())
+                self.busy["write"] += time.perf_counter() - t1
+                self.on_written(item.nbytes)
+        except BaseException:
+            self.abort.set()
+            raise
+
+    def _emit(self, layer: OutLayer, outs: list[torch.Tensor]) -> None:
+        """Queue a layer's tensors for the writer; device tensors go through the out ring."""
+        w = self.writers[rank_file_name(layer.rank, self.plan.tp)]
+        for spec, tensor in zip(layer.tensor_specs(self.plan.act_dtype), outs, strict=True):
+            entry = w.layout.entry(spec.name)
+            flat = tensor.contiguous().view(torch.uint8).reshape(-1)
+            assert flat.numel() == entry.nbytes, spec.name
+            if not flat.is_cuda:
+                item = WriteItem(w, entry.offset, flat.numpy(), entry.nbytes)
+                _put(self._writes, item, self.abort)
+                continue
+            for a in range(0, entry.nbytes, PIECE):
+                b = min(a + PIECE, entry.nbytes)
+                slot = self.out_ring.acquire()
+                slot.buf[: b - a].copy_(flat[a:b], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.compute_stream)
+                view = memoryview(slot.buf.numpy())[: b - a]
+                _put(
+                    self._writes, WriteItem(w, entry.offset + a, view, b - a, slot, ev), self.abort
+                )
+
+    # --- the run ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        with ThreadPoolExecutor(2, thread_name_prefix="mpack-stream") as pool:
+            reader = pool.submit(self._read_loop)
+            writer = pool.submit(self._write_loop)
+            try:
+                for i, (unit, src, ready) in enumerate(self._incoming()):
+                    t = time.perf_counter()
+                    self._transform_unit(unit, src, ready)
+                    del src
+                    self.busy["transform"] += time.perf_counter() - t
+                    if self.on_unit:
+                        self.on_unit(i + 1)
+                _put(self._writes, None, self.abort)
+            except BaseException:
+                self.abort.set()
+                # the first failure wins: a stage's own error over the Aborted it caused here
+                for f in (reader, writer):
+                    e = f.exception()
+                    if e is not None and not isinstance(e, Aborted):
+                        raise e from None
+                raise
+            for f in (reader, writer):
+                f.result()
+
+    def _incoming(self) -> Iterator[tuple[list[OutLayer], dict[str, torch.Tensor], Any]]:
+        while True:
+            t = time.perf_counter()
+            item = _get(self._units, self.abort)
+            self.busy["read_wait"] += time.perf_counter() - t
+            if item is None:
+                return
+            yield item
+
+    def _transform_unit(
+        self, unit: list[OutLayer], src: dict[str, torch.Tensor], ready: Any
+    ) -> None:
+        if not self.cuda:
+            for layer in unit:
+                self._emit(layer, self.transform(layer, src))
+            return
+        with torch.cuda.stream(self.compute_stream):
+            self.compute_stream.wait_event(ready)
+            for t in src.values():
+                if t.is_cuda:
+                    t.record_stream(self.compute_stream)
+            for layer in unit:
+                self._emit(layer, self.transform(layer, src))

@@ -1,0 +1,254 @@
+"""The streaming machinery of `convert`: the hashing writer, the scheme check, stage failures.
+
+Real files, real threads, a real forked child (the scheme check), real checkpoints from
+``make_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+
+from helpers import edit_config, weight_args  # noqa: E402
+
+from mpack.convert.checkpoint import (  # noqa: E402
+    SchemeCheck,
+    find_layers,
+    layer_summary,
+    open_checkpoint,
+)
+from mpack.convert.plan import make_plan  # noqa: E402
+from mpack.convert.stream import Streamer  # noqa: E402
+from mpack.errors import CorruptFileError, UnsupportedSchemeError  # noqa: E402
+from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack.sidecar import FileLayout, HashingWriter, TensorSpec, chunk_digests  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stream") / "ck"
+    make_checkpoint(root)
+    return root
+
+
+# --- HashingWriter -----------------------------------------------------------------------
+
+
+def _layout(nbytes: int) -> FileLayout:
+    return FileLayout.plan([TensorSpec("t", "U8", (nbytes,))], {})
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
+def test_writer_chunk_digests_and_sha_match_the_file(tmp_path: Path, chunk: int) -> None:
+    """Chunk digests computed while writing = digests of the finished file, any chunk size."""
+    n = 300_001
+    layout = _layout(n)
+    data = random.Random(chunk).randbytes(n)
+    path = tmp_path / "f.safetensors"
+    w = HashingWriter(path, layout, chunk_bytes=chunk)
+    w.FLUSH_BYTES = 10_000  # many write-behind requests on a small file
+    off, entry = 0, layout.entry("t")
+    rng = random.Random(1)
+    while off < n:
+        step = min(rng.randint(1, 50_000), n - off)
+        w.write_at(entry.offset + off, data[off : off + step])
+        off += step
+    size, sha = w.finish()
+    body = path.read_bytes()
+    assert size == len(body) == layout.size
+    assert body[entry.offset :] == data
+    assert sha == hashlib.sha256(body).hexdigest()
+    assert w.chunks == chunk_digests(path, chunk)
+    assert len(w.chunks) == -(-size // chunk)
+
+
+def test_writer_fence_lets_a_buffer_be_reused(tmp_path: Path) -> None:
+    """A buffer rewritten right after its fence is set never leaks into the whole-file hash."""
+    piece, count = 1 << 20, 24
+    layout = _layout(piece * count)
+    path = tmp_path / "f.safetensors"
+    w = HashingWriter(path, layout, chunk_bytes=None)
+    bufs = [bytearray(piece) for _ in range(2)]
+    fences: list[threading.Event | None] = [None, None]
+    want = bytearray()
+    for i in range(count):
+        j = i % 2
+        if fences[j] is not None:
+            assert fences[j].wait(30)
+        bufs[j][:] = bytes([i]) * piece
+        want += bufs[j]
+        w.write_at(layout.entry("t").offset + i * piece, memoryview(bufs[j]))
+        fences[j] = w.fence()
+    size, sha = w.finish()
+    assert path.read_bytes()[layout.entry("t").offset :] == want
+    assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert w.chunks == []
+
+
+def test_writer_refuses_out_of_order_and_short_files(tmp_path: Path) -> None:
+    layout = _layout(100)
+    w = HashingWriter(tmp_path / "f", layout)
+    with pytest.raises(AssertionError, match="write at"):
+        w.write_at(layout.entry("t").offset + 1, b"x")
+    w.write_at(layout.entry("t").offset, b"x" * 50)
+    with pytest.raises(AssertionError, match="wrote"):
+        w.finish()
+    w.close()
+
+
+# --- the scheme check in a child ---------------------------------------------------------
+
+
+def test_scheme_check_child_agrees_with_inline(ckpt: Path) -> None:
+    inline = SchemeCheck(ckpt, background=False)
+    child = SchemeCheck(ckpt, background=True)
+    assert child.in_child and not inline.in_child
+    got = child.result()
+    assert got == inline.result()
+    # the structural plan (no compressed-tensors) finds the same layers and strategies
+    ck = open_checkpoint(ckpt, scheme=False)
+    assert ck.qconfig is None
+    assert layer_summary(find_layers(ck)) == got
+    assert child._proc.exitcode == 0
+
+
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (
+            lambda c: weight_args(c).update(strategy="group", group_size=128),
+            "weight strategy 'group'",
+        ),
+        (lambda c: weight_args(c).update(num_bits=4, type="int"), "8-bit float (FP8) only"),
+        (lambda c: c["quantization_config"].update(ignore=["re:.*up_proj"]), "ignore lists"),
+        (lambda c: c["quantization_config"].update(quant_method="awq"), "quant_method is 'awq'"),
+    ],
+    ids=["group", "int4", "ignored", "not-ct"],
+)
+def test_scheme_check_child_reports_the_inline_error(
+    ckpt: Path, tmp_path: Path, edit, expect
+) -> None:
+    """A config the structural plan accepts but compressed-tensors' models reject: the child
+    reports the inline check's error class and message, word for word."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    edit_config(bad, edit)
+    layer_summary(find_layers(open_checkpoint(bad, scheme=False)))  # structurally fine
+    with pytest.raises(UnsupportedSchemeError) as inline:
+        SchemeCheck(bad, background=False).result()
+    with pytest.raises(UnsupportedSchemeError) as child:
+        SchemeCheck(bad, background=True).result()
+    assert str(child.value) == str(inline.value)
+    assert child.value.hint == inline.value.hint
+    assert expect in str(child.value)
+
+
+def test_scheme_check_cancel_kills_the_child(ckpt: Path) -> None:
+    c = SchemeCheck(ckpt, background=True)
+    c.cancel()
+    assert not c._proc.is_alive()
+    with pytest.raises(Exception, match="cancelled"):
+        c.result()
+
+
+# --- stage failures ----------------------------------------------------------------------
+
+
+def _plan(ckpt: Path):
+    ck = open_checkpoint(ckpt)
+    find_layers(ck)
+    return make_plan(ck, profile="w8a16", act_dtype="bfloat16", tp=1, fusion="vllm")
+
+
+def _writers(plan, tmp: Path) -> dict[str, HashingWriter]:
+    return {n: HashingWriter(tmp / n, lay) for n, lay in plan.files.items() if n.startswith("rank")}
+
+
+def test_streamer_transform_error_stops_every_stage(ckpt: Path, tmp_path: Path) -> None:
+    plan = _plan(ckpt)
+    writers = _writers(plan, tmp_path)
+    calls = []
+
+    def boom(layer, src):
+        calls.append(layer.name)
+        if len(calls) == 3:
+            raise RuntimeError("transform failed on purpose")
+        from mpack.convert.pipeline import transform
+
+        return transform(layer, src, plan.act_dtype, torch.device("cpu"))
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="on purpose"):
+        Streamer(plan, writers, torch.device("cpu"), boom, lambda n: None).run()
+    for w in writers.values():
+        w.close()
+    assert len(calls) == 3
+    assert threading.active_count() <= before  # reader and writer threads are gone
+
+
+def test_streamer_read_error_is_the_one_reported(ckpt: Path, tmp_path: Path) -> None:
+    """A shard truncated after planning: the reader's CorruptFileError, not a secondary error."""
+    import shutil
+
+    src = tmp_path / "ck"
+    shutil.copytree(ckpt, src)
+    plan = _plan(src)
+    weights = [plan.ckpt.tensors[f"{p.module}.weight"] for u in plan.units for p in u[0].pieces]
+    last = max(weights, key=lambda t: t.offset)
+    assert last.offset > min(t.offset for t in weights)  # earlier units read fine
+    os.truncate(src / last.file, last.offset + 1)  # that weight loses all but one byte
+    writers = _writers(plan, tmp_path)
+    from mpack.convert.pipeline import transform
+
+    def xf(layer, s):
+        return transform(layer, s, plan.act_dtype, torch.device("cpu"))
+
+    with pytest.raises(CorruptFileError, match="truncated"):
+        Streamer(plan, writers, torch.device("cpu"), xf, lambda n: None).run()
+    for w in writers.values():
+        w.close()
+
+
+# --- small pieces, tight rings: the same bytes --------------------------------------------
+
+
+def test_passthrough_copy_through_small_reused_buffers(
+    ckpt: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Pass-through tensors copied 4 KiB at a time through two reused buffers (each reuse waits
+    for the hasher): the same sidecar as with the defaults."""
+    from mpack.convert import pipeline
+
+    a = pipeline.run_convert(ckpt, tmp_path / "a", device="cpu")
+    monkeypatch.setattr(pipeline, "COPY_CHUNK", 4096)
+    monkeypatch.setattr(pipeline, "COPY_BUFFERS", 2)
+    b = pipeline.run_convert(ckpt, tmp_path / "b", device="cpu")
+    assert a.manifest["files"] == b.manifest["files"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("piece, count", [(4096, 2), (65536, 3)])
+def test_gpu_small_pieces_and_tight_rings_give_the_cpu_bytes(
+    ckpt: Path, tmp_path: Path, monkeypatch, piece: int, count: int
+) -> None:
+    """Every layer split over many pinned pieces, rings of 2-3 pieces (every piece reused many
+    times, each reuse waiting on a copy event or the hasher), TP 2: the CPU path's bytes."""
+    from mpack.convert import pipeline, stream
+
+    a = pipeline.run_convert(ckpt, tmp_path / "cpu", device="cpu", tp=2)
+    monkeypatch.setattr(stream, "PIECE", piece)
+    monkeypatch.setattr(stream, "IN_PIECES", count)
+    monkeypatch.setattr(stream, "OUT_PIECES", count)
+    b = pipeline.run_convert(ckpt, tmp_path / "gpu", device="cuda", tp=2)
+    assert a.manifest["files"] == b.manifest["files"]
+    assert b.seconds["read_busy"] > 0 and b.seconds["write_busy"] > 0
