@@ -254,9 +254,17 @@ def clean_stale_tmp(out: Path) -> None:
 
 
 def existing_state(
-    out: Path, target: dict[str, Any], files: list[dict[str, Any]], common: bool
+    out: Path,
+    target: dict[str, Any],
+    files: Callable[[], list[dict[str, Any]]] | None,
+    common: bool,
 ) -> str:
-    """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``."""
+    """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``.
+
+    ``files`` gives the source's file records (it may wait for their hashes); None: the caller
+    replaces any sidecar anyway (``--force``), so an mpack sidecar is reported as
+    ``other-sidecar`` without hashing the source.
+    """
     if not out.exists():
         return "absent"
     if out.is_dir() and not any(out.iterdir()):
@@ -267,8 +275,10 @@ def existing_state(
         m, _ = load_manifest(out)
     except InputError:
         return "other-sidecar"
+    if files is None:
+        return "other-sidecar"
     has_common = any(f["name"] == COMMON_NAME for f in m["files"])
-    same = m["target"] == target and m["source"].get("files") == files and has_common == common
+    same = m["target"] == target and has_common == common and m["source"].get("files") == files()
     intact = all(
         (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"]
         for f in m["files"]
@@ -349,7 +359,7 @@ def run_convert(
         if out.exists():
             t = time.perf_counter()
             state = existing_state(
-                out, plan.target, source_hashes(), common=COMMON_NAME in plan.files
+                out, plan.target, None if force else source_hashes, common=COMMON_NAME in plan.files
             )
             seconds["hash_sources"] = time.perf_counter() - t
             if state == "same" and not force:
