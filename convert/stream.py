@@ -41,6 +41,8 @@ from mpack.sidecar import HashingWriter, rank_file_name
 PIECE = 16 * 1024 * 1024
 IN_PIECES = 8
 OUT_PIECES = 8
+READS_AT_ONCE = 4  # pinned pieces filled by parallel preads before their copies are queued
+STALL_S = 300.0  # a stage that waits this long for a buffer reports a stall instead of hanging
 UNITS_AHEAD = 3  # units read (and on the GPU) before the transform needs them
 WRITE_QUEUE = 16  # CPU path: result tensors waiting for the writer
 
@@ -61,13 +63,14 @@ class Ring:
     """Fixed pinned pieces, handed out only once their last user is done (Note [staging rings])."""
 
     def __init__(self, count: int, piece: int, abort: threading.Event) -> None:
-        self.piece = piece
+        self.piece, self.count = piece, count
         self._free: queue.Queue[Slot] = queue.Queue()
         self._abort = abort
         for _ in range(count):
             self._free.put(Slot(torch.empty(piece, dtype=torch.uint8, pin_memory=True)))
 
     def acquire(self) -> Slot:
+        start = time.monotonic()
         while True:
             try:
                 slot = self._free.get(timeout=0.1)
@@ -75,6 +78,10 @@ class Ring:
             except queue.Empty:
                 if self._abort.is_set():
                     raise Aborted from None
+                if time.monotonic() - start > STALL_S:
+                    raise RuntimeError(
+                        f"convert stalled: no staging buffer freed in {STALL_S:.0f} s"
+                    ) from None
         for w in slot.waits:
             if isinstance(w, threading.Event):
                 while not w.wait(0.1):
@@ -191,7 +198,7 @@ class Streamer:
         with torch.cuda.stream(self.copy_stream):
             dev = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
         spans = [(a, min(a + PIECE, nbytes)) for a in range(0, nbytes, PIECE)]
-        batch = 4
+        batch = max(1, min(READS_AT_ONCE, self.in_ring.count // 2))  # never more than the ring
         for i in range(0, len(spans), batch):
             group = spans[i : i + batch]
             slots = [self.in_ring.acquire() for _ in group]
