@@ -59,12 +59,14 @@ from mpack.errors import (
     UsageError,
 )
 from mpack.sidecar import (
+    CHUNK_BYTES,
     COMMON_NAME,
     COPIED_FILES,
     FUSIONS,
     MANIFEST_NAME,
     PROFILES,
     HashingWriter,
+    chunk_digests,
     fsync_dir,
     load_manifest,
     new_manifest,
@@ -398,8 +400,9 @@ def run_convert(
             for name in copied:
                 p = tmp / name
                 file_records.append(
-                    {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)}
-                )
+                    {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p),
+                     "chunks": {"bytes": CHUNK_BYTES, "sha256": chunk_digests(p)}}
+                )  # fmt: skip
             manifest = new_manifest(
                 target=plan.target,
                 source=provenance(src, files_src),
@@ -460,7 +463,8 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
     (:class:`mpack.sidecar.HashingWriter`).
     """
     ck = plan.ckpt
-    writers = {name: HashingWriter(tmp / name, layout) for name, layout in plan.files.items()}
+    writers = {name: HashingWriter(tmp / name, layout, whole_file=False)
+               for name, layout in plan.files.items()}  # fmt: skip
     total, done, lock = plan.total_bytes, 0, threading.Lock()
     phase: dict[str, float] = {}
 
@@ -502,9 +506,8 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
         t = time.perf_counter()
         result = {}
         for name, w in writers.items():
-            size, sha = w.finish()
-            result[name] = {"size": size, "sha256": sha,
-                            "chunks": {"bytes": w.chunk_bytes, "sha256": w.chunks}}  # fmt: skip
+            size, _ = w.finish()  # chunk digests only (FORMAT.md, format version 2)
+            result[name] = {"size": size, "chunks": {"bytes": w.chunk_bytes, "sha256": w.chunks}}
         phase["finish"] = time.perf_counter() - t
         phase.update({f"{k}_busy": v for k, v in streamer.busy.items()})
         seconds.update(phase)

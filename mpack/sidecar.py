@@ -33,7 +33,10 @@ from mpack import __version__
 from mpack.errors import CorruptFileError, FormatVersionError, InputError, SourceNotFoundError
 
 FORMAT = "mpack-sidecar"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this mpack reads: 1 listed a whole-file sha256 for every file; 2 may omit it where
+#: the file carries chunk digests (Note [chunk digests]).
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "mpack.json"
 COMMON_NAME = "common.safetensors"
 ALIGN = 64
@@ -287,6 +290,8 @@ class HashingWriter:
 
     ``finish()`` checks that every planned byte was written, fsyncs, and returns
     ``(size, sha256)``; ``chunks`` then holds the chunk digests (``chunk_bytes=None``: none).
+    With ``whole_file=False`` there is no whole-file sha256 (``finish`` returns None for it):
+    one sha256 stream is slower than the disk, and the chunk digests alone cover every byte.
     """
 
     HASH_QUEUE = 4
@@ -297,18 +302,20 @@ class HashingWriter:
         path: str | os.PathLike,
         layout: FileLayout,
         chunk_bytes: int | None = CHUNK_BYTES,
+        whole_file: bool = True,
     ) -> None:
         self.path = Path(path)
         self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.chunks: list[str] = []
         self._f: BinaryIO = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()
-        self._h = hashlib.sha256()
+        self._h = hashlib.sha256() if whole_file else None
         self._q: queue.Queue[Any] = queue.Queue(self.HASH_QUEUE)
         self._hasher = threading.Thread(
             target=self._hash_loop, name=f"sha256-{self.path.name}", daemon=True
         )
-        self._hasher.start()
+        if whole_file:
+            self._hasher.start()
         self._pos = 0
         self._flushed = 0
         self._chunk_futs: list[Future[str]] = []
@@ -327,7 +334,8 @@ class HashingWriter:
         done = 0
         while done < len(mv):
             done += self._f.write(mv[done:])
-        self._q.put(mv)
+        if self._h is not None:
+            self._q.put(mv)
         self._pos += len(mv)
         if self._pos - self._flushed >= self.FLUSH_BYTES:
             self._flush_behind()
@@ -377,7 +385,7 @@ class HashingWriter:
             self._q.put(None)
             self._hasher.join()
 
-    def finish(self) -> tuple[int, str]:
+    def finish(self) -> tuple[int, str | None]:
         if self._pos != self.layout.size:
             raise AssertionError(f"{self.path.name}: wrote {self._pos} of {self.layout.size} bytes")
         if self.chunk_bytes and (
@@ -390,7 +398,7 @@ class HashingWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         self.chunks = [f.result() for f in self._chunk_futs]
-        return self._pos, self._h.hexdigest()
+        return self._pos, self._h.hexdigest() if self._h is not None else None
 
     def close(self) -> None:
         self._stop_hasher()
@@ -507,10 +515,13 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CorruptFileError(f"{where}: not an mpack sidecar manifest (format is not {FORMAT!r})")
     src = m.get("source") if isinstance(m.get("source"), dict) else {}
-    if m.get("format_version") != FORMAT_VERSION:
+    if m.get("format_version") not in READABLE_VERSIONS or isinstance(
+        m.get("format_version"), bool
+    ):
         raise FormatVersionError(
             f"{where}: sidecar format version {m.get('format_version')!r}, this mpack "
-            f"({__version__}) reads version {FORMAT_VERSION}",
+            f"({__version__}) reads version{'s' if len(READABLE_VERSIONS) > 1 else ''} "
+            f"{', '.join(map(str, READABLE_VERSIONS))}",
             hint="regenerate it: "
             + regenerate_hint(src.get("repo") or src.get("path"), Path(where).parent),
         )
@@ -525,8 +536,11 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
         if key not in t:
             raise CorruptFileError(f"{where}: manifest target lacks {key!r}")
     for f in m["files"]:
-        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("size"), int)
-                and isinstance(f.get("sha256"), str)):  # fmt: skip
+        sha_ok = isinstance(f, dict) and (
+            isinstance(f.get("sha256"), str)
+            or ("sha256" not in f and m["format_version"] >= 2 and "chunks" in f)
+        )  # version 2: a file may carry only its chunk digests
+        if not (sha_ok and isinstance(f.get("name"), str) and isinstance(f.get("size"), int)):
             raise CorruptFileError(f"{where}: malformed files entry {f!r}")
         ch = f.get("chunks")
         if ch is not None and not (
@@ -590,9 +604,21 @@ def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list
         if size != f["size"]:
             problems.append(f"{f['name']}: size {size}, manifest says {f['size']}")
             continue
-        digest = sha256_file(p)
-        if digest != f["sha256"]:
-            problems.append(
-                f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."
-            )
+        if "sha256" in f:
+            digest = sha256_file(p)
+            if digest != f["sha256"]:
+                problems.append(
+                    f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."
+                )
+                continue
+        ch = f.get("chunks")
+        if ch:
+            got = chunk_digests(p, ch["bytes"])
+            bad = [i for i, (a, b) in enumerate(zip(got, ch["sha256"], strict=True)) if a != b]
+            if bad:
+                lo = bad[0] * ch["bytes"]
+                problems.append(
+                    f"{f['name']}: sha256 of bytes {lo}..{lo + ch['bytes']} is {got[bad[0]][:16]}..., "
+                    f"manifest says {ch['sha256'][bad[0]][:16]}... ({len(bad)} of {len(got)} chunks differ)"
+                )
     return problems

@@ -154,10 +154,17 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
     console.print(f"source: {origin} ({len(src.get('files', []))} files)")
     console.print(f"manifest digest: {digest}")
     ft = Table(title="files")
-    for col in ("file", "size", "sha256"):
+    for col in ("file", "size", "sha256", "chunk digests"):
         ft.add_column(col)
     for f in m["files"]:
-        ft.add_row(f["name"], human_bytes(f["size"]), f["sha256"][:16] + "...")
+        sha = f["sha256"][:16] + "..." if "sha256" in f else "-"
+        n = len(f["chunks"]["sha256"]) if f.get("chunks") else 0
+        ft.add_row(
+            f["name"],
+            human_bytes(f["size"]),
+            sha,
+            f"{n} x {human_bytes(f['chunks']['bytes'])}" if n else "-",
+        )
     console.print(ft)
     lt = Table(title=f"layers (per rank; {t['tp_size']} rank(s))")
     for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias"):

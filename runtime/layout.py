@@ -43,7 +43,7 @@ class Region:
     path: Path
     offset: int
     size: int
-    sha256: str  # from the manifest
+    sha256: str | None  # from the manifest (format version 2: absent where chunks are listed)
     head: bytes  # the file's first 8 + header-length bytes, as parsed when planning
     chunk_bytes: int = 0  # > 0: the manifest lists per-chunk sha256 (Note [chunk digests])
     chunk_sha256: tuple[str, ...] = ()
@@ -131,7 +131,7 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
                 path,
                 offset,
                 layout.size,
-                listed[name]["sha256"],
+                listed[name].get("sha256"),
                 _read_head(path),
                 chunks.get("bytes", 0),
                 tuple(chunks.get("sha256", ())),

@@ -145,7 +145,7 @@ def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPT
         ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="mpack-chunk") as pool,
     ):
         for r in plan.regions:
-            chunked = bool(r.chunk_sha256) and r.chunk_bytes <= chunk
+            chunked = bool(r.chunk_sha256)
             h = hashlib.sha256()
             k, digests = _fill_region(r, dest, h, pool if chunked else ordered, chunked, pending, k,
                                       r.chunk_bytes if chunked else chunk, depth)  # fmt: skip

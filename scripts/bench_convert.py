@@ -123,6 +123,9 @@ def main() -> None:
         "--small-layers", type=int, default=8, help="second model size, for the RSS check"
     )
     ap.add_argument("--devices", default="cuda,cpu")
+    ap.add_argument(
+        "--library-temps", default="cold,warm", help="page-cache states of the library runs"
+    )
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
     a = ap.parse_args()
@@ -147,7 +150,8 @@ def main() -> None:
     devices = [d for d in a.devices.split(",") if d]
     for dev in devices:
         for kind in ("cli", "library"):
-            for temp in ("cold", "warm") if can_drop else ("warm",):
+            temps = ("cold", "warm") if kind == "cli" else tuple(a.library_temps.split(","))
+            for temp in temps if can_drop else ("warm",):
                 if temp == "cold":
                     drop_caches()
                 else:
@@ -158,6 +162,8 @@ def main() -> None:
                 res["runs"][name] = {"wall": doc["wall"], "seconds": doc["seconds"], "peak_rss": rss,
                                      "bytes": doc["bytes"]}  # fmt: skip
                 print(f"{name}: {doc['wall']:.2f} s, peak RSS {rss / 2**30:.2f} GiB", flush=True)
+                if a.json_out:  # what has run so far survives an interrupted benchmark
+                    Path(a.json_out).write_text(json.dumps(res, indent=2))
     out_bytes = next(iter(res["runs"].values()))["bytes"]
     res["floor"]["write"] = write_bytes(work / "floor-write.bin", out_bytes)
     res["sidecar_bytes"] = out_bytes

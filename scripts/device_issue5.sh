@@ -16,7 +16,7 @@ quick="tests/convert/test_stream.py tests/convert/test_convert.py"
 timeout "${QUICK_S:-120}" python3 -P -m pytest -q -p no:cacheprovider -m gpu -x $quick 2>&1 | tee "$OUT/quick.log"
 if [ "${PIPESTATUS[0]}" -eq 0 ] && [ "${BENCH_S:-420}" -gt 0 ]; then
   timeout "${BENCH_S:-420}" python3 scripts/bench_convert.py --workdir /tmp/mpack-bench \
-    --small-layers "${SMALL_LAYERS:-4}" --devices "${DEVICES:-cuda,cpu}" \
+    --small-layers "${SMALL_LAYERS:-8}" --devices "${DEVICES:-cuda,cpu}" --library-temps "${LIBRARY_TEMPS:-cold,warm}" \
     --json "$OUT/convert.json" --plot "$OUT/bench_convert.png" 2>&1 | tee "$OUT/bench.log"
 fi
 [ "${SUITE_S:-200}" -gt 0 ] && timeout "${SUITE_S:-200}" make test-gpu SYSTEM_PYTHON="python3 -P" \

@@ -106,7 +106,7 @@ def test_hub_source_matches_the_schema(sidecars: dict[str, Path], validator) -> 
 
 def test_schema_rejects_bad_manifests(sidecars: dict[str, Path], validator) -> None:
     m = _manifest(next(iter(sidecars.values())))
-    bad_version = {**m, "format_version": "1"}
+    bad_version = {**m, "format_version": "2"}
     no_files = {k: v for k, v in m.items() if k != "files"}
     bad_profile = copy.deepcopy(m)
     bad_profile["target"]["profile"] = "w4a16"
@@ -139,7 +139,7 @@ def test_digest_is_sha256_of_the_manifest_bytes(sidecars: dict[str, Path]) -> No
 def test_header_metadata_is_as_documented(sidecars: dict[str, Path]) -> None:
     for sidecar in sidecars.values():
         t = _manifest(sidecar)["target"]
-        base = {"format": "mpack-sidecar", "format_version": "1", "tp_size": str(t["tp_size"]),
+        base = {"format": "mpack-sidecar", "format_version": "2", "tp_size": str(t["tp_size"]),
                 "profile": t["profile"], "act_dtype": t["act_dtype"]}  # fmt: skip
         for r in range(t["tp_size"]):
             meta = read_layout(sidecar / rank_file_name(r, t["tp_size"])).metadata
@@ -181,7 +181,7 @@ def test_reader_refuses_other_versions_and_bad_bytes(
     old = tmp_path / "old"
     shutil.copytree(src, old)
     m = _manifest(old)
-    (old / MANIFEST_NAME).write_text(json.dumps({**m, "format_version": 2}))
+    (old / MANIFEST_NAME).write_text(json.dumps({**m, "format_version": 99}))
     with pytest.raises(ValueError, match=r"mpack convert <source> -o .* --force"):
         read_sidecar(old)
     with pytest.raises(FormatVersionError) as e:

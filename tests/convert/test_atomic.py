@@ -76,10 +76,15 @@ def stats(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 def patch_manifest_sha(sidecar: Path, name: str) -> None:
-    """Make mpack.json's sha256 (and size) of ``name`` match the file as it is now."""
+    """Make mpack.json's digests (and size) of ``name`` match the file as it is now."""
+    from mpack.sidecar import chunk_digests
+
     m = manifest(sidecar)
     (entry,) = [f for f in m["files"] if f["name"] == name]
-    entry.update(sha256=sha256(sidecar / name), size=(sidecar / name).stat().st_size)
+    entry.update(size=(sidecar / name).stat().st_size)
+    if "sha256" in entry:
+        entry.update(sha256=sha256(sidecar / name))
+    entry["chunks"]["sha256"] = chunk_digests(sidecar / name, entry["chunks"]["bytes"])
     (sidecar / "mpack.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
 
 

@@ -42,7 +42,7 @@ def check_sidecar_rules(
 ) -> dict:
     """SPEC §9: manifest keys and values, files, 64-byte alignment, stock safetensors readable."""
     m = json.loads((out / "mpack.json").read_text())
-    assert m["format"] == "mpack-sidecar" and m["format_version"] == 1
+    assert m["format"] == "mpack-sidecar" and m["format_version"] == 2
     assert m["target"] == {
         "kernel": "marlin-fp8", "engine": "vllm", "engine_version": "0.33.0", "profile": profile,
         "act_dtype": act_dtype, "tp_size": tp, "fusion": fusion,
