@@ -6,9 +6,12 @@ Order of work (ARCHITECTURE.md "Data flow"):
    input is reported here, before a byte is written;
 2. plan every output tensor (:mod:`mpack.convert.plan`);
 3. if OUT already holds this sidecar (same source files, same target), stop: up to date;
-4. stream one fused layer at a time through three stages on their own threads — read (from the
-   shards), transform (on the chosen device), write (at the planned offset, hashing as it goes)
-   — with at most a couple of layers in flight, so memory is bounded by a few layers;
+4. stream the fused layers through three stages on their own threads — read (from the shards,
+   on CUDA into pinned staging rings and on to the GPU on a copy stream), transform (on the chosen
+   device), write (at the planned offset, chunk digests and disk writeback behind it) — with a
+   few units in flight (:mod:`mpack.convert.stream`), so memory is bounded whatever the model;
+   with compressed-tensors not yet imported, its check of the config runs meanwhile in a forked
+   child, and its verdict is awaited before anything becomes visible;
 5. write the manifest last, into a hidden work directory next to OUT, and rename it into place.
 
 Note [atomic output]: nothing named OUT exists until the final rename; a killed run leaves only

@@ -110,9 +110,10 @@ def chunk_digests(
     """sha256 of every ``chunk``-byte piece of a file (the last may be shorter), in parallel.
 
     Note [chunk digests]: one sha256 stream runs at ~1.2 GB/s on a server core, slower than an
-    NVMe disk, so a loader that checks only the whole-file sha256 is hash-bound. The manifest
-    therefore also lists per-chunk digests, which a loader checks on many threads as the bytes
-    stream in. The whole-file sha256 stays (stock tools, ``mpack verify``).
+    NVMe disk, so a loader that checks only the whole-file sha256 is hash-bound, and so is a
+    writer that computes one. The manifest therefore lists per-chunk digests, which the writer
+    computes and a loader checks on many threads as the bytes stream. Since format version 2 the
+    safetensors files carry only these; the small copied files also keep a whole-file sha256.
     """
 
     size = os.path.getsize(path)
