@@ -28,7 +28,7 @@ from mpack.errors import (
     SourceNotFoundError,
     UnsupportedSchemeError,
 )
-from mpack.sidecar import TensorEntry, read_layout
+from mpack.sidecar import TensorEntry, read_layout, torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -38,11 +38,6 @@ WEIGHT, SCALE, INPUT_SCALE, BIAS = "weight", "weight_scale", "input_scale", "bia
 #: Parts of a quantized linear that the sidecar consumes (never passed through).
 LINEAR_PARTS = (WEIGHT, SCALE, INPUT_SCALE, BIAS, "weight_zero_point", "input_zero_point")
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool,
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-}  # fmt: skip
 
 FOLD_LIMITS = {"bfloat16": 255.0, "float16": 255.875}  # SPEC §1: larger scales fold to inf
 
@@ -101,61 +96,47 @@ class Checkpoint:
             or self.config.get("torch_dtype")
         )
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Read one tensor (or a row range of it) from disk into a new CPU tensor.
-
-        Args:
-            name: checkpoint tensor name.
-            rows: optional ``(start, stop)`` along dim 0 (a contiguous byte range).
-
-        Returns:
-            The tensor in its stored dtype (fp8 as ``torch.float8_e4m3fn``).
-        """
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor from disk into a new CPU tensor, in its stored dtype (fp8 as
+        ``torch.float8_e4m3fn``)."""
         t = self.tensors[name]
-        start, stop = (0, t.shape[0] if t.shape else 1) if rows is None else rows
-        out = torch.empty(self.nbytes(name, rows), dtype=torch.uint8)  # no zero-fill
-        self.read_into(name, memoryview(out.numpy()), rows)
-        shape = ((stop - start), *t.shape[1:]) if t.shape else ()
-        return out.view(TORCH_DTYPES[t.dtype]).reshape(shape)
+        out = torch.empty(t.nbytes, dtype=torch.uint8)  # no zero-fill: every byte is read below
+        self.read_into(name, memoryview(out.numpy()))
+        return out.view(torch_dtype(t.dtype)).reshape(t.shape)
 
-    def nbytes(self, name: str, rows: tuple[int, int] | None = None) -> int:
-        """Bytes of tensor ``name`` (or of its row range ``rows``)."""
-        return self._span(name, rows)[1]
+    def read_into(self, name: str, out: memoryview, skip: int = 0) -> None:
+        """Read the next ``len(out)`` bytes of tensor ``name``, from its byte ``skip`` on, into
+        ``out`` (any writable buffer, e.g. pinned host memory)."""
+        self.read_pieces(name, [(out, skip)])
 
-    def _span(self, name: str, rows: tuple[int, int] | None) -> tuple[int, int]:
-        t = self.tensors[name]
-        if rows is None:
-            return t.offset, t.nbytes
-        row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
-        return t.offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+    def read_pieces(self, name: str, pieces: list[tuple[memoryview, int]]) -> None:
+        """Fill each ``(buffer, skip)`` with tensor ``name``'s bytes from ``skip`` on.
 
-    def read_into(
-        self, name: str, out: memoryview, rows: tuple[int, int] | None = None, skip: int = 0
-    ) -> None:
-        """Read the bytes of ``name`` (or its rows), from byte ``skip`` on, into ``out``.
-
-        ``out`` (any writable buffer, e.g. pinned host memory) receives the next ``len(out)``
-        bytes; several ``pread``s run at once for large reads (page-cache copies on several
-        cores, a deeper disk queue). Raises ``CorruptFileError`` if the file is truncated.
+        Large reads are split into ``READ_PIECE`` preads that run at once on a small pool
+        (page-cache copies on several cores, a deeper disk queue); the split happens here only,
+        so callers never nest pool work. Raises ``CorruptFileError`` if the file is truncated.
         """
-        offset, length = self._span(name, rows)
-        view = memoryview(out).cast("B")
-        if skip + len(view) > length:
-            raise ValueError(f"{name}: {len(view)} bytes from {skip} pass the end ({length})")
-        offset += skip
-        length = len(view)
         t = self.tensors[name]
         path = self.root / t.file
-        if not length:
+        jobs = []
+        for out, skip in pieces:
+            view = memoryview(out).cast("B")
+            if skip + len(view) > t.nbytes:
+                raise ValueError(f"{name}: {len(view)} bytes from {skip} pass the end ({t.nbytes})")
+            jobs += [
+                (view[a : a + READ_PIECE], t.offset + skip + a)
+                for a in range(0, len(view), READ_PIECE)
+            ]
+        if not jobs:
             return
         with open(path, "rb", buffering=0) as f:
-            pieces = [(a, min(a + READ_PIECE, length)) for a in range(0, length, READ_PIECE)]
-            if len(pieces) == 1:
-                _pread_into(f.fileno(), view, offset, path, name)
-            else:
-                for fut in [_read_pool().submit(_pread_into, f.fileno(), view[a:b], offset + a, path, name)
-                            for a, b in pieces]:  # fmt: skip
-                    fut.result()
+            if len(jobs) == 1:
+                _pread_into(f.fileno(), *jobs[0], path, name)
+                return
+            for fut in [
+                _read_pool().submit(_pread_into, f.fileno(), v, off, path, name) for v, off in jobs
+            ]:
+                fut.result()
 
 
 READ_PIECE = 16 * 1024 * 1024

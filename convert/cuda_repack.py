@@ -322,9 +322,7 @@ def _launch(
 def _bytes_2d(wck: torch.Tensor) -> torch.Tensor:
     if wck.dim() != 2:
         raise ValueError(f"expected a 2-D [N, K] weight, got shape {tuple(wck.shape)}")
-    if wck.element_size() != 1:
-        raise TypeError(f"expected a 1-byte dtype (float8_e4m3fn/uint8), got {wck.dtype}")
-    return wck if wck.dtype == torch.uint8 else wck.view(torch.uint8)
+    return marlin._as_bytes(wck)
 
 
 def pack_weight_cuda(
@@ -448,11 +446,3 @@ def pack_weight_fast(
     if wck.is_cuda and available(wck.device):
         return pack_weight_cuda(wck, np_, kp)
     return marlin.pack_weight(wck, np_, kp)
-
-
-def _reset() -> None:
-    """Forget probe results and loaded modules (tests); modules are not unloaded."""
-    with _lock:
-        _modules.clear()
-        _probed.clear()
-        _last_reason[0] = None

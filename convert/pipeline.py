@@ -20,6 +20,7 @@ Note [atomic output]: nothing named OUT exists until the final rename; a killed 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -187,21 +188,16 @@ def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
     return Fused(w, scale_n, bias)
 
 
-def transform(
-    layer: OutLayer, src: dict[str, torch.Tensor], act_dtype: str, device: torch.device
-) -> list[torch.Tensor]:
-    """One rank's Marlin tensors for ``layer``, in the order of its tensor specs.
+def pack(layer: OutLayer, f: Fused, act_dtype: str) -> list[torch.Tensor]:
+    """One rank's Marlin tensors for a fused layer, in the order of its tensor specs.
 
-    The weight is packed where ``src``'s weights are (the fused kernel on CUDA); the scales and
-    bias, a few KB, are computed on the host where they were read. ``device`` is kept for
-    callers that pass it; the bytes are the same on every device.
+    The weight is packed where it is (the fused kernel on CUDA); the scales and bias, a few KB,
+    are computed on the host. The bytes are the same on every device.
 
     Returns:
         ``[weight int32 [Kp/16, 4Np], weight_scale dt [1, Np], (bias dt [Np])]``.
     """
-    del device
     dt = marlin.ACT_DTYPES[act_dtype]
-    f = fuse(layer, src)
     out = [
         cuda_repack.pack_weight_fast(f.weight, layer.np_, layer.kp),
         marlin.pack_scales(f.scale.cpu(), dt, layer.np_),
@@ -211,15 +207,9 @@ def transform(
     return out
 
 
-def read_unit(ck: Checkpoint, unit: list[OutLayer]) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor the unit's layers need (weights as uint8), on the CPU."""
-    src: dict[str, torch.Tensor] = {}
-    for module in dict.fromkeys(p.module for p in unit[0].pieces):
-        src[f"{module}.weight"] = ck.read(f"{module}.weight").view(torch.uint8)
-        src[f"{module}.weight_scale"] = read_scale(ck, module)
-        if unit[0].has_bias:
-            src[f"{module}.{BIAS}"] = ck.read(f"{module}.{BIAS}")
-    return src
+def transform(layer: OutLayer, src: dict[str, torch.Tensor], act_dtype: str) -> list[torch.Tensor]:
+    """:func:`fuse` then :func:`pack`: the checkpoint pieces of ``layer`` -> its Marlin tensors."""
+    return pack(layer, fuse(layer, src), act_dtype)
 
 
 # --- validation of values -----------------------------------------------------------------
@@ -357,6 +347,7 @@ def run_convert(
         seconds["validate"] = time.perf_counter() - t0
         names = source_files(src, ck.files)
 
+        @functools.cache
         def source_hashes() -> list[dict[str, Any]]:
             got = {r["name"]: r for r in early.result()}
             return [got[n] if n in got else hash_sources(src, [n])[0] for n in names]
@@ -368,7 +359,6 @@ def run_convert(
             )
             seconds["hash_sources"] = time.perf_counter() - t
             if state == "same" and not force:
-                check.cancel()  # these very files were checked when this sidecar was written
                 m, digest = load_manifest(out)
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
             if state == "foreign" or (state == "other-sidecar" and not force):
@@ -397,15 +387,16 @@ def run_convert(
             files_src = source_hashes()
             seconds["wait_source_hashes"] = time.perf_counter() - t
             t = time.perf_counter()
-            _agree(check, ck)
+            if check.in_child:  # inline, the first open_checkpoint already ran the full check
+                _agree(check, ck)
             seconds["wait_scheme_check"] = time.perf_counter() - t
             file_records = [{"name": n, **written[n]} for n in sorted(written)]
             for name in copied:
                 p = tmp / name
-                file_records.append(
-                    {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p),
-                     "chunks": {"bytes": CHUNK_BYTES, "sha256": chunk_digests(p)}}
-                )  # fmt: skip
+                size, sha = p.stat().st_size, sha256_file(p)
+                chunks = [sha] if size <= CHUNK_BYTES else chunk_digests(p)  # one chunk = the file
+                file_records.append({"name": name, "size": size, "sha256": sha,
+                                     "chunks": {"bytes": CHUNK_BYTES, "sha256": chunks}})  # fmt: skip
             manifest = new_manifest(
                 target=plan.target,
                 source=provenance(src, files_src),
@@ -432,11 +423,10 @@ def run_convert(
 
 
 def _agree(check: SchemeCheck, ck: Checkpoint) -> None:
-    """The full check's verdict (raises its error); with a child, it must agree with the plan."""
-    layers = check.result()
-    if check.in_child and layers != layer_summary(ck.layers):
-        diff = sorted(m for m in set(layers) | set(ck.layers)
-                      if layers.get(m) != layer_summary(ck.layers).get(m))  # fmt: skip
+    """The child's verdict (raises its error); its layers must be those planned from headers."""
+    layers, planned = check.result(), layer_summary(ck.layers)
+    if layers != planned:
+        diff = sorted(m for m in set(layers) | set(planned) if layers.get(m) != planned.get(m))
         raise MpackError(
             f"{ck.root}: the quantization config and the tensor headers disagree on {diff[:3]}",
             hint="run again with MPACK_SCHEME_CHECK=inline, and please report this",
@@ -493,9 +483,13 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
         for w in writers.values():
             bump(w.position)
         streamer = Streamer(
-            plan, writers, dev, lambda layer, src: transform(layer, src, plan.act_dtype, dev),
-            bump, on_unit,
-        )  # fmt: skip
+            plan,
+            writers,
+            dev,
+            functools.partial(transform, act_dtype=plan.act_dtype),
+            bump,
+            on_unit,
+        )
         with ThreadPoolExecutor(1, thread_name_prefix="mpack-copy") as copier:
             copied = copier.submit(passthrough) if COMMON_NAME in writers else None
             try:
@@ -512,7 +506,9 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
             size, _ = w.finish()  # chunk digests only (FORMAT.md, format version 2)
             result[name] = {"size": size, "chunks": {"bytes": w.chunk_bytes, "sha256": w.chunks}}
         phase["finish"] = time.perf_counter() - t
-        phase.update({f"{k}_busy": v for k, v in streamer.busy.items()})
+        phase.update(
+            {k if k.endswith("_wait") else f"{k}_busy": v for k, v in streamer.busy.items()}
+        )
         seconds.update(phase)
         return result
     finally:
@@ -533,7 +529,7 @@ def _copy_passthrough(ck: Checkpoint, w: HashingWriter, bump: Callable[[int], No
                 fences[i].wait()  # the hasher is done with this buffer
             n = min(COPY_CHUNK, end - pos)
             view = memoryview(bufs[i])[:n]
-            ck.read_into(entry.name, view, None, pos)
+            ck.read_into(entry.name, view, pos)
             w.write_at(entry.offset + pos, view)
             fences[i] = w.fence()
             bump(n)

@@ -20,6 +20,7 @@ from mpack.sidecar import (
     FileLayout,
     TensorSpec,
     rank_file_name,
+    target_of,
 )
 
 #: Architectures whose fusion and TP rules mpack knows (vLLM's Llama family).
@@ -89,8 +90,6 @@ class Plan:
 
     @property
     def target(self) -> dict[str, Any]:
-        from mpack.sidecar import target_of
-
         return target_of(
             profile=self.profile, act_dtype=self.act_dtype, tp=self.tp, fusion=self.fusion
         )

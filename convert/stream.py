@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mpack.convert.checkpoint import Checkpoint, _read_pool, read_scale
+from mpack.convert.checkpoint import BIAS, Checkpoint, read_scale
 from mpack.convert.plan import OutLayer, Plan
 from mpack.sidecar import HashingWriter, rank_file_name
 
@@ -63,7 +63,7 @@ class Ring:
     """Fixed pinned pieces, handed out only once their last user is done (Note [staging rings])."""
 
     def __init__(self, count: int, piece: int, abort: threading.Event) -> None:
-        self.piece, self.count = piece, count
+        self.count = count
         self._free: queue.Queue[Slot] = queue.Queue()
         self._abort = abort
         for _ in range(count):
@@ -120,10 +120,26 @@ def _get(q: queue.Queue, abort: threading.Event) -> Any:
 class WriteItem:
     writer: HashingWriter
     offset: int
-    data: Any  # bytes-like
-    nbytes: int
+    data: Any  # bytes-like (a numpy array or a memoryview: both have ``nbytes``)
     slot: Slot | None = None
     ready: Any = None  # torch.cuda.Event to wait for before reading ``data``
+
+
+def read_unit(
+    ck: Checkpoint,
+    unit: list[OutLayer],
+    read_weight: Callable[[str], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor the unit's layers need: weights as uint8 ``[N, K]`` (read by
+    ``read_weight``, default: into CPU memory), scales as float32, biases as stored."""
+    src: dict[str, torch.Tensor] = {}
+    for module in dict.fromkeys(p.module for p in unit[0].pieces):
+        wname = f"{module}.weight"
+        src[wname] = (read_weight or ck.read)(wname).view(torch.uint8)
+        src[f"{module}.weight_scale"] = read_scale(ck, module)
+        if unit[0].has_bias:
+            src[f"{module}.{BIAS}"] = ck.read(f"{module}.{BIAS}")
+    return src
 
 
 class Streamer:
@@ -175,26 +191,16 @@ class Streamer:
     def _read_unit(
         self, ck: Checkpoint, unit: list[OutLayer]
     ) -> tuple[dict[str, torch.Tensor], Any]:
-        src: dict[str, torch.Tensor] = {}
-        for module in dict.fromkeys(p.module for p in unit[0].pieces):
-            wname = f"{module}.weight"
-            shape = ck.tensors[wname].shape
-            if self.cuda:
-                src[wname] = self._upload(ck, wname).view(shape)
-            else:
-                src[wname] = ck.read(wname).view(torch.uint8)
-            src[f"{module}.weight_scale"] = read_scale(ck, module)
-            if unit[0].has_bias:
-                src[f"{module}.bias"] = ck.read(f"{module}.bias")
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
+        if not self.cuda:
+            return read_unit(ck, unit), None
+        src = read_unit(ck, unit, lambda name: self._upload(ck, name).view(ck.tensors[name].shape))
+        ready = torch.cuda.Event()
+        ready.record(self.copy_stream)
         return src, ready
 
     def _upload(self, ck: Checkpoint, name: str) -> torch.Tensor:
         """Disk -> pinned pieces (several preads at once) -> GPU, on the copy stream."""
-        nbytes = ck.nbytes(name)
+        nbytes = ck.tensors[name].nbytes
         with torch.cuda.stream(self.copy_stream):
             dev = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
         spans = [(a, min(a + PIECE, nbytes)) for a in range(0, nbytes, PIECE)]
@@ -202,12 +208,8 @@ class Streamer:
         for i in range(0, len(spans), batch):
             group = spans[i : i + batch]
             slots = [self.in_ring.acquire() for _ in group]
-            futs = [
-                _read_pool().submit(ck.read_into, name, memoryview(s.buf.numpy())[: b - a], None, a)
-                for s, (a, b) in zip(slots, group, strict=True)
-            ]
-            for f in futs:
-                f.result()
+            ck.read_pieces(name, [(memoryview(s.buf.numpy())[: b - a], a)
+                                  for s, (a, b) in zip(slots, group, strict=True)])  # fmt: skip
             with torch.cuda.stream(self.copy_stream):
                 for s, (a, b) in zip(slots, group, strict=True):
                     dev[a:b].copy_(s.buf[: b - a], non_blocking=True)
@@ -233,7 +235,7 @@ class Streamer:
                 if item.slot is not None:
                     self.out_ring.release(item.slot, item.writer.fence())
                 self.busy["write"] += time.perf_counter() - t1
-                self.on_written(item.nbytes)
+                self.on_written(item.data.nbytes)
         except BaseException:
             self.abort.set()
             raise
@@ -246,7 +248,7 @@ class Streamer:
             flat = tensor.contiguous().view(torch.uint8).reshape(-1)
             assert flat.numel() == entry.nbytes, spec.name
             if not flat.is_cuda:
-                item = WriteItem(w, entry.offset, flat.numpy(), entry.nbytes)
+                item = WriteItem(w, entry.offset, flat.numpy())
                 _put(self._writes, item, self.abort)
                 continue
             for a in range(0, entry.nbytes, PIECE):
@@ -256,9 +258,7 @@ class Streamer:
                 ev = torch.cuda.Event()
                 ev.record(self.compute_stream)
                 view = memoryview(slot.buf.numpy())[: b - a]
-                _put(
-                    self._writes, WriteItem(w, entry.offset + a, view, b - a, slot, ev), self.abort
-                )
+                _put(self._writes, WriteItem(w, entry.offset + a, view, slot, ev), self.abort)
 
     # --- the run ------------------------------------------------------------------------
 

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from mpack.convert import marlin
-from mpack.convert.checkpoint import TORCH_DTYPES, find_layers, open_checkpoint
-from mpack.convert.pipeline import fuse, read_unit, transform
+from mpack.convert.checkpoint import find_layers, open_checkpoint
+from mpack.convert.pipeline import fuse, pack
 from mpack.convert.plan import ACT_DTYPE_ST, make_plan
 from mpack.convert.source import hash_sources, resolve_source
+from mpack.convert.stream import read_unit
 from mpack.errors import InputError, VerificationError
 from mpack.sidecar import (
     COMMON_NAME,
@@ -33,6 +34,8 @@ from mpack.sidecar import (
     load_manifest,
     rank_file_name,
     read_layout,
+    regenerate_hint_of,
+    torch_dtype,
 )
 
 MAX_LISTED = 20
@@ -54,7 +57,7 @@ def _read(path: Path, layout: FileLayout, name: str) -> torch.Tensor:
     with open(path, "rb", buffering=0) as f:
         data = bytearray(os.pread(f.fileno(), e.nbytes, e.offset))
     t = torch.frombuffer(data, dtype=torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
-    return t.view(TORCH_DTYPES[e.dtype]).reshape(e.shape)
+    return t.view(torch_dtype(e.dtype)).reshape(e.shape)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -117,7 +120,7 @@ def run_verify(
         )
         raise VerificationError(
             f"{sidecar}: {len(problems)} problem(s):\n  " + "\n  ".join(listed),
-            hint="regenerate it: mpack convert <source> -o " + str(sidecar) + " --force",
+            hint=regenerate_hint_of(m, sidecar),
         )
     return report
 
@@ -139,36 +142,34 @@ def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLay
     plan = make_plan(ck, profile=t["profile"], act_dtype=t["act_dtype"], tp=t["tp_size"], fusion=t["fusion"],
                      passthrough=COMMON_NAME in layouts)  # fmt: skip
     dt = marlin.ACT_DTYPES[t["act_dtype"]]
-    cpu = torch.device("cpu")
     compared = 0
     for unit in plan.units:
         data = read_unit(ck, unit)
         for layer in unit:
             fname = rank_file_name(layer.rank, plan.tp)
             path, layout = sidecar / fname, layouts[fname]
-            want = transform(layer, data, t["act_dtype"], cpu)
-            for spec, w in zip(layer.tensor_specs(t["act_dtype"]), want, strict=True):
+            fused = fuse(layer, data)
+            specs = layer.tensor_specs(t["act_dtype"])
+            got = [_read(path, layout, spec.name) for spec in specs]
+            for spec, g, w in zip(specs, got, pack(layer, fused, t["act_dtype"]), strict=True):
                 compared += 1
-                if not _same(_read(path, layout, spec.name), w):
+                if not _same(g, w):
                     problems.append(
                         f"{fname}: {spec.name} differs from the tensor re-derived from the source"
                     )
-            fused = fuse(layer, data)
-            got_w = _read(path, layout, f"{layer.name}.weight")
-            if not _same(marlin.unpack_weight(got_w, layer.n, layer.k), fused.weight):
+            if not _same(marlin.unpack_weight(got[0], layer.n, layer.k), fused.weight):
                 what = "requantized" if layer.requant else "checkpoint"
                 problems.append(f"{fname}: {layer.name}.weight does not unpack to the {what} bytes")
-            got_s = _read(path, layout, f"{layer.name}.weight_scale")
-            if not _same(marlin.unpack_scales(got_s, layer.n), fused.scale.to(dt)):
+            if not _same(marlin.unpack_scales(got[1], layer.n), fused.scale.to(dt)):
                 problems.append(
                     f"{fname}: {layer.name}.weight_scale does not unpack to the checkpoint scales"
                 )
-            if fused.bias is not None:
-                got_b = _read(path, layout, f"{layer.name}.bias")
-                if not _same(marlin.unpack_bias(got_b, layer.n), fused.bias.to(dt)):
-                    problems.append(
-                        f"{fname}: {layer.name}.bias does not unpack to the checkpoint bias"
-                    )
+            if fused.bias is not None and not _same(
+                marlin.unpack_bias(got[2], layer.n), fused.bias.to(dt)
+            ):
+                problems.append(
+                    f"{fname}: {layer.name}.bias does not unpack to the checkpoint bias"
+                )
     if COMMON_NAME in layouts:
         names = {e.name for e in layouts[COMMON_NAME].entries}
         if names != set(plan.passthrough):

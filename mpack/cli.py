@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from mpack import __version__
-from mpack.errors import MpackError, UsageError
+from mpack.errors import MpackError, UsageError, VerificationError
 
 app = typer.Typer(
     name="mpack",
@@ -184,7 +184,6 @@ def verify(
     """
     from mpack import ui
     from mpack.convert.verify import run_verify
-    from mpack.errors import VerificationError
 
     report = run_verify(sidecar, source=source)
     if forward:

@@ -17,6 +17,7 @@ first, so each of those starts 64-byte aligned (Note [alignment]).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -72,6 +73,24 @@ DTYPE_SIZES = {
 }  # fmt: skip
 
 
+def torch_dtype(name: str) -> Any:
+    """The ``torch.dtype`` of a safetensors dtype name (torch is imported on first use)."""
+    return _torch_dtypes()[name]
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    return {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+        "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+    }  # fmt: skip
+
+
 def rank_file_name(rank: int, tp: int) -> str:
     """``rank-{r:02d}-of-{T:02d}.safetensors``."""
     return f"rank-{rank:02d}-of-{tp:02d}.safetensors"
@@ -80,6 +99,12 @@ def rank_file_name(rank: int, tp: int) -> str:
 def regenerate_hint(source: str | None, out: str | os.PathLike | None) -> str:
     """The command that rebuilds a sidecar (shown when one is unusable)."""
     return f"mpack convert {source or '<source>'} -o {out or '<sidecar>'} --force"
+
+
+def regenerate_hint_of(manifest: Mapping[str, Any], sidecar: str | os.PathLike) -> str:
+    """``regenerate it: <command>`` for a sidecar, its source taken from the manifest."""
+    src = manifest.get("source") if isinstance(manifest.get("source"), Mapping) else {}
+    return "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), sidecar)
 
 
 # --- hashing ---------------------------------------------------------------------------
@@ -273,7 +298,7 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
         raise CorruptFileError(
             f"{path}: file {what}: tensors end at byte {pos}, file has {size} bytes"
         )
-    return FileLayout(header=b"", entries=entries, size=size, metadata=dict(meta))
+    return FileLayout(header=prefix + raw, entries=entries, size=size, metadata=dict(meta))
 
 
 class HashingWriter:
@@ -515,7 +540,6 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
     """
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CorruptFileError(f"{where}: not an mpack sidecar manifest (format is not {FORMAT!r})")
-    src = m.get("source") if isinstance(m.get("source"), dict) else {}
     if m.get("format_version") not in READABLE_VERSIONS or isinstance(
         m.get("format_version"), bool
     ):
@@ -523,8 +547,7 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
             f"{where}: sidecar format version {m.get('format_version')!r}, this mpack "
             f"({__version__}) reads version{'s' if len(READABLE_VERSIONS) > 1 else ''} "
             f"{', '.join(map(str, READABLE_VERSIONS))}",
-            hint="regenerate it: "
-            + regenerate_hint(src.get("repo") or src.get("path"), Path(where).parent),
+            hint=regenerate_hint_of(m, Path(where).parent),
         )
     required = {"target": dict, "source": dict, "files": list, "layers": dict, "model": dict}
     for key, typ in required.items():
@@ -605,21 +628,20 @@ def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list
         if size != f["size"]:
             problems.append(f"{f['name']}: size {size}, manifest says {f['size']}")
             continue
-        if "sha256" in f:
-            digest = sha256_file(p)
-            if digest != f["sha256"]:
-                problems.append(
-                    f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."
-                )
-                continue
         ch = f.get("chunks")
-        if ch:
+        if ch:  # the chunk digests cover every byte; the loader checks the same
             got = chunk_digests(p, ch["bytes"])
             bad = [i for i, (a, b) in enumerate(zip(got, ch["sha256"], strict=True)) if a != b]
             if bad:
                 lo = bad[0] * ch["bytes"]
                 problems.append(
-                    f"{f['name']}: sha256 of bytes {lo}..{lo + ch['bytes']} is {got[bad[0]][:16]}..., "
+                    f"{f['name']}: sha256 of bytes {lo}..{min(lo + ch['bytes'], size)} is {got[bad[0]][:16]}..., "
                     f"manifest says {ch['sha256'][bad[0]][:16]}... ({len(bad)} of {len(got)} chunks differ)"
+                )
+        else:
+            digest = sha256_file(p)
+            if digest != f["sha256"]:
+                problems.append(
+                    f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."
                 )
     return problems

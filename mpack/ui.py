@@ -227,8 +227,6 @@ def emit_ready(info: dict[str, Any]) -> None:
 
 def emit_event(event: dict[str, Any]) -> None:
     """One log line on stderr per daemon event (attach, detach, refusals, bad requests)."""
-    import time
-
     rest = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip(), file=sys.stderr, flush=True)

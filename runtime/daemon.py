@@ -67,8 +67,8 @@ class Served:
 class _Conn:
     """One accepted connection: its peer, buffers, deadline and (once attached) lease start."""
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int, deadline: float) -> None:
-        self.sock, self.pid, self.uid = sock, pid, uid
+    def __init__(self, sock: socket.socket, pid: int, deadline: float) -> None:
+        self.sock, self.pid = sock, pid
         self.inbuf = bytearray()
         self.out = memoryview(b"")
         self.out_fds: list[int] = []
@@ -102,6 +102,7 @@ class Daemon:
         self.conns: dict[int, _Conn] = {}
         self.sel = selectors.DefaultSelector()
         self._stop = False
+        self._attached: bytes | None = None  # the encoded ATTACHED reply
         self._listener: socket.socket | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class Daemon:
                 self.on_event({"event": "busy", "pid": pid})
                 _send_and_close(sock, P.BUSY, f"daemon has {len(self.conns)} connections open")
                 continue
-            conn = _Conn(sock, pid, uid, time.monotonic() + self.hello_timeout)
+            conn = _Conn(sock, pid, time.monotonic() + self.hello_timeout)
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -228,18 +229,19 @@ class Daemon:
                 f"asked for digest {got[0][:16]}... rank {got[1]} on {got[2][:64]}",
             )
             return
-        reply = {
-            "type": P.ATTACHED,
-            "digest": s.plan.digest,
-            "rank": s.plan.rank,
-            "device": s.device.key,
-            "backend": s.export.backend,
-            "size": s.export.size,
-            "data_size": s.plan.size,
-            "tensors": tensors_to_wire(s.plan.tensors),
-        }
+        if self._attached is None:  # the same reply for every client: encoded once
+            self._attached = P.encode({
+                "type": P.ATTACHED,
+                "digest": s.plan.digest,
+                "rank": s.plan.rank,
+                "device": s.device.key,
+                "backend": s.export.backend,
+                "size": s.export.size,
+                "data_size": s.plan.size,
+                "tensors": tensors_to_wire(s.plan.tensors),
+            })  # fmt: skip
         conn.lease_pending = True
-        self._send(conn, reply, [s.export.fd])
+        self._send(conn, self._attached, [s.export.fd])
 
     def _reply_error(self, conn: _Conn, code: str, message: str) -> None:
         self.on_event({"event": "bad-request", "pid": conn.pid, "code": code, "message": message})
@@ -247,8 +249,8 @@ class Daemon:
         conn.close_after_send = True
         self._send(conn, P.error_message(code, message))
 
-    def _send(self, conn: _Conn, msg: dict[str, Any], fds: list[int] | None = None) -> None:
-        conn.out = memoryview(P.encode(msg))
+    def _send(self, conn: _Conn, msg: dict[str, Any] | bytes, fds: list[int] | None = None) -> None:
+        conn.out = memoryview(msg if isinstance(msg, bytes) else P.encode(msg))
         conn.out_fds = list(fds or [])
         self._flush(conn)
 

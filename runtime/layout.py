@@ -7,14 +7,13 @@ multiple of ``REGION_ALIGN``)::
     [align(S0), align(S0)+S1)  common.safetensors   (only if the manifest lists it)
 
 so a tensor is the view ``[region offset + its file offset, + nbytes)``. Copying whole files
-keeps the fill one sequential read per file, and the sha256 of each region equals the
-manifest's checksum of the file.
+keeps the fill one sequential read per file, checked chunk by chunk against the manifest's
+digests of the file.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,12 @@ from mpack.errors import CorruptFileError, ProtocolError, UsageError, Verificati
 from mpack.sidecar import (
     COMMON_NAME,
     DTYPE_SIZES,
-    MAX_HEADER,
     TensorEntry,
     TensorSpec,
     load_manifest,
     rank_file_name,
     read_layout,
-    regenerate_hint,
+    regenerate_hint_of,
 )
 
 REGION_ALIGN = 4096
@@ -43,10 +41,16 @@ class Region:
     path: Path
     offset: int
     size: int
-    sha256: str | None  # from the manifest (format version 2: absent where chunks are listed)
     head: bytes  # the file's first 8 + header-length bytes, as parsed when planning
-    chunk_bytes: int = 0  # > 0: the manifest lists per-chunk sha256 (Note [chunk digests])
-    chunk_sha256: tuple[str, ...] = ()
+    chunk_bytes: int  # the file's sha256 digests, one per chunk (Note [chunk digests])
+    chunk_sha256: tuple[str, ...]
+
+
+def _chunks(entry: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """A files entry's digests as chunks; a version-1 entry without them is one whole-file chunk."""
+    if entry.get("chunks"):
+        return entry["chunks"]["bytes"], tuple(entry["chunks"]["sha256"])
+    return max(entry["size"], 1), (entry["sha256"],)
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,6 @@ class Plan:
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def _read_head(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        (n,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (0,)
-        return prefix + f.read(min(n, MAX_HEADER))
 
 
 def check_rank(manifest: dict[str, Any], rank: int) -> int:
@@ -108,8 +105,7 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
     tp = check_rank(manifest, rank)
     listed = {f["name"]: f for f in manifest["files"]}
     names = [rank_file_name(rank, tp)] + ([COMMON_NAME] if COMMON_NAME in listed else [])
-    src = manifest["source"]
-    hint = "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), sidecar)
+    hint = regenerate_hint_of(manifest, sidecar)
     regions: list[Region] = []
     tensors: list[TensorEntry] = []
     seen: dict[str, str] = {}
@@ -124,18 +120,8 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
                 f"{path}: {layout.size} bytes, the manifest says {listed[name]['size']}", hint=hint
             )
         offset = _align(offset, REGION_ALIGN)
-        chunks = listed[name].get("chunks") or {}
         regions.append(
-            Region(
-                name,
-                path,
-                offset,
-                layout.size,
-                listed[name].get("sha256"),
-                _read_head(path),
-                chunks.get("bytes", 0),
-                tuple(chunks.get("sha256", ())),
-            )  # fmt: skip
+            Region(name, path, offset, layout.size, layout.header, *_chunks(listed[name]))
         )
         for e in layout.entries:
             if e.name in seen:

@@ -4,9 +4,9 @@ Note [the fill pipeline]: each file is read front to back in ``CHUNK``-byte piec
 of ``DEPTH`` slots. A slot is either the destination itself (host memory: read straight into
 the memfd mapping or tensor, no staging copy) or a pinned host buffer whose bytes then go to the
 GPU by an asynchronous copy on a side stream. While the next piece is read, earlier pieces are
-checked: when the manifest lists per-chunk digests (Note [chunk digests] in mpack/sidecar.py),
-each piece's sha256 runs on a pool of ``HASH_WORKERS`` threads; otherwise one thread feeds the
-whole-file sha256 in order. ``readinto`` and ``hashlib`` release the GIL, so disk, hashing and
+checked against the manifest's per-chunk digests (Note [chunk digests] in mpack/sidecar.py): a
+chunk read in one piece is hashed on a pool of ``HASH_WORKERS`` threads, a longer one (a
+version-1 file, which lists only its whole-file sha256: one chunk) piece by piece on one thread. ``readinto`` and ``hashlib`` release the GIL, so disk, hashing and
 H2D copies overlap. A slot is reused only after its hash and its copy finished. Every digest
 must match the manifest, and each file's first bytes must equal the header that was parsed when
 planning (so the layout describes exactly the bytes loaded); otherwise the load fails and
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Protocol
 from mpack.errors import CorruptFileError, UsageError, VerificationError
 from mpack.runtime.layout import Plan, Region, plan_rank
 from mpack.runtime.protocol import parse_device
-from mpack.sidecar import regenerate_hint
+from mpack.sidecar import CHUNK_BYTES, regenerate_hint_of
 
 if TYPE_CHECKING:
     import torch
 
     from mpack.runtime.weights import SharedWeights
 
-CHUNK = 64 * 1024 * 1024  # = mpack.sidecar.CHUNK_BYTES, so chunk digests line up with reads
+CHUNK = CHUNK_BYTES  # read size: one piece per manifest chunk digest
 HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 DEPTH = HASH_WORKERS + 2  # ring slots: every hash worker busy while the next piece is read
 
@@ -127,75 +127,66 @@ def _chunk_digest(view: memoryview) -> str:
 def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH) -> FillStats:
     """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
 
-    A file whose manifest entry lists per-chunk digests (Note [chunk digests] in mpack/sidecar.py)
-    is read in those chunks and each is checked on a pool of ``HASH_WORKERS`` threads; otherwise
-    the whole-file sha256 is computed in order on one thread.
+    Every file is checked chunk by chunk against the manifest (``Region.chunk_sha256``; a
+    version-1 file without chunk digests is one chunk with its whole-file sha256). A chunk that
+    fits in one ``chunk``-byte read is hashed on a pool of ``HASH_WORKERS`` threads; a larger one
+    is hashed piece by piece, in order, on one thread.
 
     Raises:
-        VerificationError: a file (or chunk) whose sha256 differs from the manifest.
+        VerificationError: a chunk whose sha256 differs from the manifest.
         CorruptFileError: a file that changed size or header since it was planned.
     """
     t0 = time.perf_counter()
-    src = plan.manifest["source"]
-    hint = "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), plan.sidecar)
     pending: list[Future | None] = [None] * depth
     k = 0
-    with (
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash") as ordered,
-        ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="mpack-chunk") as pool,
-    ):
-        for r in plan.regions:
-            chunked = bool(r.chunk_sha256)
-            h = hashlib.sha256()
-            k, digests = _fill_region(r, dest, h, pool if chunked else ordered, chunked, pending, k,
-                                      r.chunk_bytes if chunked else chunk, depth)  # fmt: skip
-            for i, p in enumerate(pending):  # the file's last pieces
-                if p is not None:
-                    p.result()
-                    pending[i] = None
-            if chunked:
+    try:
+        with (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash") as ordered,
+            ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="mpack-chunk") as pool,
+        ):
+            for r in plan.regions:
+                k, digests = _fill_region(r, dest, pool, ordered, pending, k, chunk, depth)
+                for i, p in enumerate(pending):  # the file's last pieces
+                    if p is not None:
+                        p.result()
+                        pending[i] = None
+                got = [d.result() for d in digests] or [hashlib.sha256().hexdigest()]
                 bad = [
-                    j
-                    for j, (d, want) in enumerate(zip(digests, r.chunk_sha256, strict=True))
-                    if d.result() != want
+                    j for j, (g, w) in enumerate(zip(got, r.chunk_sha256, strict=True)) if g != w
                 ]
                 if bad:
                     lo = bad[0] * r.chunk_bytes
                     raise VerificationError(
-                        f"{r.path}: bytes {lo}..{lo + r.chunk_bytes} do not match the manifest's chunk sha256 "
-                        f"({len(bad)} of {len(digests)} chunks differ): the file is damaged or was modified; "
-                        "refusing to serve it",
-                        hint=hint,
+                        f"{r.path}: sha256 of bytes {lo}..{min(lo + r.chunk_bytes, r.size)} does not match "
+                        f"the manifest's chunk sha256 ({len(bad)} of {len(got)} chunks differ): the file is "
+                        "damaged or was modified; refusing to serve it",
+                        hint=regenerate_hint_of(plan.manifest, plan.sidecar),
                     )
-                continue
-            got = h.hexdigest()
-            if got != r.sha256:
-                raise VerificationError(
-                    f"{r.path}: sha256 {got[:16]}... does not match the manifest "
-                    f"({r.sha256[:16]}...): the file is damaged or was modified; refusing to serve it",
-                    hint=hint,
-                )
-    dest.finish()
+    finally:
+        dest.finish()  # also on failure: no copy may still be writing into memory about to go
     return FillStats(plan.size, time.perf_counter() - t0)
 
 
 def _fill_region(
     r: Region,
     dest: Destination,
-    h: hashlib._Hash,
-    hasher: ThreadPoolExecutor,
-    chunked: bool,
+    pool: ThreadPoolExecutor,
+    ordered: ThreadPoolExecutor,
     pending: list[Future | None],
     k: int,
     chunk: int,
     depth: int,
 ) -> tuple[int, list[Future]]:
+    """Read ``r`` in pieces that never cross a chunk boundary; one digest future per chunk."""
     digests: list[Future] = []
+    h = None  # the current chunk's hash when it spans several pieces
     with open(r.path, "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pos = 0
         while pos < r.size:
-            n = min(chunk, r.size - pos)
+            in_chunk = pos % r.chunk_bytes
+            chunk_left = min(r.chunk_bytes - in_chunk, r.size - pos)
+            n = min(chunk, chunk_left)
             i = k % depth
             if pending[i] is not None:
                 pending[i].result()
@@ -206,11 +197,15 @@ def _fill_region(
             if pos < len(r.head) and view[: len(r.head) - pos] != r.head[pos : pos + n]:
                 raise CorruptFileError(f"{r.path}: header changed while loading")
             dest.submit(i, r.offset + pos, n)
-            if chunked:
-                pending[i] = hasher.submit(_chunk_digest, view)
+            if in_chunk == 0 and n == chunk_left:  # the whole chunk in one piece: any thread
+                pending[i] = pool.submit(_chunk_digest, view)
                 digests.append(pending[i])
-            else:
-                pending[i] = hasher.submit(h.update, view)
+            else:  # pieces of one chunk: in order, on the one ordered thread
+                if in_chunk == 0:
+                    h = hashlib.sha256()
+                pending[i] = ordered.submit(h.update, view)
+                if n == chunk_left:
+                    digests.append(ordered.submit(h.hexdigest))
             pos += n
             k += 1
         if f.read(1):

@@ -17,25 +17,12 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from mpack.sidecar import DTYPE_SIZES
+from mpack.sidecar import DTYPE_SIZES, torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
     from mpack.sidecar import TensorEntry
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name."""
-    import torch
-
-    return {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
-        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-        "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
-        "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
-        "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
-    }[name]  # fmt: skip
 
 
 def build_views(base: torch.Tensor, tensors: list[TensorEntry]) -> dict[str, torch.Tensor]:

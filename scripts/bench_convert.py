@@ -23,24 +23,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchutil import drop_caches  # noqa: E402
+from benchutil import drop_caches, proc_status_bytes, read_files  # noqa: E402
 from synth_checkpoint import LLAMA_8B, write_checkpoint  # noqa: E402
 
 CHUNK = 16 * 1024 * 1024
 
 
-def read_all(files: list[Path]) -> float:
-    t = time.perf_counter()
-    buf = bytearray(CHUNK)
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    return time.perf_counter() - t
-
-
 def write_bytes(path: Path, nbytes: int) -> float:
-    buf = os.urandom(CHUNK)
+    buf = memoryview(os.urandom(CHUNK))  # slices of a memoryview copy nothing
     t = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
         left = nbytes
@@ -50,18 +40,6 @@ def write_bytes(path: Path, nbytes: int) -> float:
     dt = time.perf_counter() - t
     path.unlink()
     return dt
-
-
-def _hwm(pid: int) -> int:
-    """The process's peak RSS so far (VmHWM), in bytes; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def peak_rss_run(src: Path, out: Path, device: str) -> tuple[dict, int]:
@@ -81,7 +59,7 @@ def _run(cmd: list[str], wall_from_doc: bool = False) -> tuple[dict, int]:
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
     while p.poll() is None:
-        peak = max(peak, _hwm(p.pid))
+        peak = max(peak, proc_status_bytes(p.pid, ("VmHWM:",)))
         time.sleep(0.02)
     wall = time.perf_counter() - t
     stdout, stderr = p.communicate()
@@ -143,8 +121,8 @@ def main() -> None:
     can_drop = drop_caches()
     res["cold_cache"] = can_drop
     res["floor"] = {
-        "read_cold": read_all(files) if can_drop else None,
-        "read_warm": read_all(files),
+        "read_cold": read_files(files) if can_drop else None,
+        "read_warm": read_files(files),
     }
     res["imports"] = import_times()
     devices = [d for d in a.devices.split(",") if d]
@@ -155,7 +133,7 @@ def main() -> None:
                 if temp == "cold":
                     drop_caches()
                 else:
-                    read_all(files)  # warm the page cache
+                    read_files(files)  # warm the page cache
                 run = peak_rss_run if kind == "cli" else library_run
                 doc, rss = run(src, work / f"out-{dev}", dev)
                 name = f"{dev}-{kind}-{temp}"

@@ -69,7 +69,7 @@ from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchutil import drop_caches  # noqa: E402
+from benchutil import drop_caches, proc_status_bytes, read_files  # noqa: E402
 
 from mpack.runtime.loader import read_full  # noqa: E402
 
@@ -77,7 +77,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = Path(__file__).resolve()
 MiB = 1024 * 1024
 GB = 1e9
-DEPTH = 4  # ring slots, as runtime/loader.py
+DEPTH = 4  # the floor's ring slots (the loader's own ring is deeper: loader.DEPTH)
 LLAMA_8B_LAYERS, LLAMA_8B_VOCAB = 32, 128256  # scripts/synth_checkpoint.py's defaults
 READY_TIMEOUT_S = 900.0  # a cold 8B load from a slow disk, after a cold torch import
 CLIENT_TIMEOUT_S = 300.0  # 8 processes importing torch and initialising CUDA at once
@@ -147,11 +147,7 @@ def ensure_warm(files: list[Path]) -> float | None:
     """Read the files once unless (nearly) all of them are cached; the residency before."""
     frac = resident_fraction(files)
     if frac is None or frac < 0.99:
-        buf = bytearray(16 * MiB)
-        for p in files:
-            with open(p, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
+        read_files(files)
     return frac
 
 
@@ -661,18 +657,10 @@ def host_memory() -> int:
         try:
             pgrp = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[2])
             if pgrp in groups:
-                total += rss_anon(int(d), ("RssAnon:", "VmPTE:"))
+                total += proc_status_bytes(int(d), ("RssAnon:", "VmPTE:"))
         except (OSError, IndexError, ValueError):
             continue
     return total
-
-
-def rss_anon(pid: int, keys: tuple[str, ...] = ("RssAnon:",)) -> int:
-    n = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(keys):
-            n += int(line.split()[1]) * 1024
-    return n
 
 
 def mem_summary(m0: int, one: int, idle: int, att: int, n: int, copy: int, own: int | None) -> dict:
@@ -716,7 +704,7 @@ def section_floor(c: Ctx) -> dict[str, Any]:
           f"{min(f['read_warm']):.2f} s ({gbps(b, min(f['read_warm']))}); per chunk (warm, s): "
           + ", ".join(f"{k} MiB {min(v):.2f}" for k, v in f["copy_warm"].items()))  # fmt: skip
     print(f"  sha256, one thread: {f['sha256_gbps']:.2f} GB/s ({b / GB / f['sha256_gbps']:.2f} s "
-          "for these bytes: serve hashes on one thread while it reads)")  # fmt: skip
+          "for these bytes as one stream; serve hashes 64 MiB chunks on several threads)")  # fmt: skip
     return f
 
 
@@ -787,7 +775,7 @@ def section_attach(c: Ctx, m0: int) -> dict[str, Any]:
     try:
         out["daemon_bytes"] = ready["bytes"]
         m_one = c.mem()
-        own = None if c.cuda else rss_anon(d.proc.pid, ("RssAnon:", "VmPTE:"))
+        own = None if c.cuda else proc_status_bytes(d.proc.pid, ("RssAnon:", "VmPTE:"))
         counts = [int(x) for x in c.args.clients.split(",")]
         for n in counts:
             kids = _clients(c, n)
@@ -843,7 +831,7 @@ def section_torch_mp(c: Ctx, m0: int) -> dict[str, Any]:
     try:
         out.update(p.read_json("loaded", 1800))
         m_one = c.mem()
-        own = None if c.cuda else rss_anon(p.proc.pid, ("RssAnon:", "VmPTE:"))
+        own = None if c.cuda else proc_status_bytes(p.proc.pid, ("RssAnon:", "VmPTE:"))
         counts = [int(x) for x in c.args.clients.split(",")]
         for n in counts:
             p.send(f"round {n}")

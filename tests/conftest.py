@@ -26,6 +26,15 @@ def _golden_dir() -> Path:
     )
 
 
+def flip_byte(path: Path, offset: int, mask: int = 0xFF) -> None:
+    """XOR one byte of ``path`` with ``mask``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 @pytest.fixture(scope="session")
 def golden() -> Path:
     return _golden_dir()

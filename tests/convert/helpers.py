@@ -137,15 +137,6 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     }
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    """XOR one byte of ``path`` with 0xFF, in place."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def st_header(path: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's JSON header (with ``__metadata__``) and where its data starts."""
     with open(path, "rb") as f:

@@ -21,13 +21,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
+from conftest import flip_byte  # noqa: E402
 from helpers import (  # noqa: E402
     CliPool,
     assert_refused,
     cli,
     cli_popen,
     explain,
-    flip_byte,
     manifest,
     selected_params,
     sha256,
@@ -77,7 +77,7 @@ def stats(directory: Path) -> dict[str, tuple[int, int]]:
 
 def patch_manifest_sha(sidecar: Path, name: str) -> None:
     """Make mpack.json's digests (and size) of ``name`` match the file as it is now."""
-    from mpack.sidecar import chunk_digests
+    from mpack.sidecar import chunk_digests, write_manifest
 
     m = manifest(sidecar)
     (entry,) = [f for f in m["files"] if f["name"] == name]
@@ -85,7 +85,7 @@ def patch_manifest_sha(sidecar: Path, name: str) -> None:
     if "sha256" in entry:
         entry.update(sha256=sha256(sidecar / name))
     entry["chunks"]["sha256"] = chunk_digests(sidecar / name, entry["chunks"]["bytes"])
-    (sidecar / "mpack.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    write_manifest(sidecar, m)
 
 
 # --- a killed run ---------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_streamer_transform_error_stops_every_stage(ckpt: Path, tmp_path: Path) 
             raise RuntimeError("transform failed on purpose")
         from mpack.convert.pipeline import transform
 
-        return transform(layer, src, plan.act_dtype, torch.device("cpu"))
+        return transform(layer, src, plan.act_dtype)
 
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="on purpose"):
@@ -211,7 +211,7 @@ def test_streamer_read_error_is_the_one_reported(ckpt: Path, tmp_path: Path) -> 
     from mpack.convert.pipeline import transform
 
     def xf(layer, s):
-        return transform(layer, s, plan.act_dtype, torch.device("cpu"))
+        return transform(layer, s, plan.act_dtype)
 
     with pytest.raises(CorruptFileError, match="truncated"):
         Streamer(plan, writers, torch.device("cpu"), xf, lambda n: None).run()

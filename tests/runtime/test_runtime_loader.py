@@ -209,3 +209,21 @@ def test_chunked_load_gives_the_bytes_and_catches_a_flip(sidecar, tmp_path):
     write_manifest(chunked, m)
     with pytest.raises(VerificationError, match=r"bytes 8192\.\.12288 .*chunk sha256"):
         load(chunked, rank=1)
+
+
+def test_chunks_larger_than_the_read_piece_are_hashed_in_order(sidecar, tmp_path):
+    """Chunk digests of 8 KiB read in 1 KiB pieces (a chunk spans several ring slots): the bytes
+    load, and a flip in the second chunk is named by that chunk's byte range."""
+    chunked = tmp_path / "big-chunks"
+    _with_chunks(sidecar, chunked, 8192)
+    plan = plan_rank(chunked, 1)
+    buf = torch.empty(plan.size, dtype=torch.uint8)
+    fill(plan, HostDest(memoryview(buf.numpy())), chunk=1024, depth=3)
+    for r in plan.regions:
+        assert bytes(buf[r.offset : r.offset + r.size].numpy()) == r.path.read_bytes(), r.name
+    flip = chunked / rank_file_name(1, 2)
+    raw = bytearray(flip.read_bytes())
+    raw[8192 + 3000] ^= 0x01
+    flip.write_bytes(raw)
+    with pytest.raises(VerificationError, match=r"bytes 8192\.\.16384 .*chunk sha256"):
+        fill(plan_rank(chunked, 1), HostDest(memoryview(buf.numpy())), chunk=1024, depth=3)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import flip_byte
 from rt_helpers import (
     DaemonProc,
     Probe,
@@ -430,14 +431,6 @@ def test_peer_uid_check_seam(world, tmp_path):
 # --- corrupted sidecars ----------------------------------------------------------------------
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 CORRUPTIONS = ["data byte", "header byte", "common byte", "truncated", "format version"]
 
 
@@ -450,13 +443,13 @@ def test_a_corrupted_sidecar_is_refused(world, kind):
     prefix = load_manifest(sc)[1][:16]
     rank_file = sc / "rank-00-of-01.safetensors"
     if kind == "data byte":
-        _flip(rank_file, rank_file.stat().st_size // 2)
+        flip_byte(rank_file, rank_file.stat().st_size // 2, 0x01)
         expect = ["rank-00-of-01.safetensors", "sha256", "does not match", "refusing to serve"]
     elif kind == "header byte":
-        _flip(rank_file, 12)  # inside the JSON header
+        flip_byte(rank_file, 12, 0x01)  # inside the JSON header
         expect = ["rank-00-of-01.safetensors"]
     elif kind == "common byte":
-        _flip(sc / "common.safetensors", (sc / "common.safetensors").stat().st_size - 1)
+        flip_byte(sc / "common.safetensors", (sc / "common.safetensors").stat().st_size - 1, 0x01)
         expect = ["common.safetensors", "does not match"]
     elif kind == "truncated":
         os.truncate(rank_file, rank_file.stat().st_size - 1)
