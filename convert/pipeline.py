@@ -38,7 +38,6 @@ from mpack.convert import cuda_repack, marlin
 from mpack.convert.checkpoint import (
     BIAS,
     Checkpoint,
-    SchemeCheck,
     check_scale_values,
     find_layers,
     layer_summary,
@@ -46,15 +45,18 @@ from mpack.convert.checkpoint import (
     read_scale,
 )
 from mpack.convert.plan import OutLayer, Plan, make_plan
+from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
     candidate_files,
     hash_sources,
     provenance,
+    record_forms,
     resolve_source,
     source_files,
 )
 from mpack.convert.stream import Streamer
+from mpack.convert.timeline import Timeline
 from mpack.errors import (
     InputError,
     MpackError,
@@ -93,6 +95,7 @@ class ConvertResult:
     up_to_date: bool
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_written: int = 0
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
 
 
 # --- options ------------------------------------------------------------------------------
@@ -251,14 +254,14 @@ def clean_stale_tmp(out: Path) -> None:
 def existing_state(
     out: Path,
     target: dict[str, Any],
-    files: Callable[[], list[dict[str, Any]]] | None,
+    files: Callable[..., list[dict[str, Any]]] | None,
     common: bool,
 ) -> str:
     """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``.
 
-    ``files`` gives the source's file records (it may wait for their hashes); None: the caller
-    replaces any sidecar anyway (``--force``), so an mpack sidecar is reported as
-    ``other-sidecar`` without hashing the source.
+    ``files(forms=None)`` gives the source's file records (it may wait for their hashes; ``forms``
+    as in :func:`hash_sources`); None: the caller replaces any sidecar anyway (``--force``), so
+    an mpack sidecar is reported as ``other-sidecar`` without hashing the source.
     """
     if not out.exists():
         return "absent"
@@ -273,7 +276,15 @@ def existing_state(
     if files is None:
         return "other-sidecar"
     has_common = any(f["name"] == COMMON_NAME for f in m["files"])
-    same = m["target"] == target and has_common == common and m["source"].get("files") == files()
+    recorded = m["source"].get("files")
+    now = files()
+    if (
+        recorded != now
+        and isinstance(recorded, list)
+        and record_forms(recorded) != record_forms(now)
+    ):
+        now = files(record_forms(recorded))  # written by an mpack that recorded other digests
+    same = m["target"] == target and has_common == common and recorded == now
     intact = all(
         (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"]
         for f in m["files"]
@@ -309,13 +320,17 @@ def run_convert(
     passthrough: bool = True,
     force: bool = False,
     progress: Progress | None = None,
+    scheme_check: SchemeCheck | None = None,
 ) -> ConvertResult:
     """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar at ``out``.
 
     See :func:`mpack.convert.convert` for the arguments. Raises an ``MpackError`` (exit code 2)
-    for bad input, before anything is written.
+    for bad input, before anything is written. ``scheme_check``: the check of this source,
+    already started by the caller (the CLI forks it before importing torch); it is used when its
+    directory is the resolved source, and cancelled otherwise.
     """
     t0 = time.perf_counter()
+    tl = Timeline(t0)
     seconds: dict[str, float] = {}
     _check_options(profile, act_dtype, tp, fuse)
     dev = resolve_device(device)
@@ -327,12 +342,16 @@ def run_convert(
         )
     # The compressed-tensors check may run in a forked child while this process plans from the
     # headers and streams (Note [scheme check in a child]); it is forked before any thread starts.
-    check = SchemeCheck(src.path)
+    check = scheme_check
+    if check is None or check.root.resolve() != src.path.resolve():
+        if check is not None:
+            check.cancel()
+        check = SchemeCheck(src.path)
     # Source hashing starts now, on its own threads: it overlaps validation and the conversion,
     # and warms the page cache for the reads. A failed run stops it.
     stop = threading.Event()
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash")
-    early = hasher.submit(hash_sources, src, candidate_files(src), 2, stop)
+    early = hasher.submit(hash_sources, src, candidate_files(src), stop=stop, timeline=tl)
     try:
         try:
             ck = open_checkpoint(src.path, scheme=not check.in_child)
@@ -345,12 +364,16 @@ def run_convert(
                 check.result()  # its error first: the same order as the inline check
             raise
         seconds["validate"] = time.perf_counter() - t0
+        tl.add("main", "validate", t0, time.perf_counter())
         names = source_files(src, ck.files)
 
         @functools.cache
-        def source_hashes() -> list[dict[str, Any]]:
+        def early_hashes() -> list[dict[str, Any]]:
             got = {r["name"]: r for r in early.result()}
             return [got[n] if n in got else hash_sources(src, [n])[0] for n in names]
+
+        def source_hashes(forms: dict[str, str] | None = None) -> list[dict[str, Any]]:
+            return early_hashes() if forms is None else hash_sources(src, names, forms=forms)
 
         if out.exists():
             t = time.perf_counter()
@@ -379,17 +402,21 @@ def run_convert(
         tmp = out.parent / f"{_tmp_prefix(out)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            written = _write_all(plan, tmp, dev, progress, seconds)
+            written = _write_all(plan, tmp, dev, progress, seconds, tl)
             copied = [n for n in names if n in COPIED_FILES]
-            for name in copied:
-                _copy_file(src.path / name, tmp / name)
+            with tl.span("main", "copy-files"):
+                for name in copied:
+                    _copy_file(src.path / name, tmp / name)
             t = time.perf_counter()
-            files_src = source_hashes()
+            files_src = early_hashes()
             seconds["wait_source_hashes"] = time.perf_counter() - t
+            tl.add("main", "wait-source-hashes", t, time.perf_counter())
             t = time.perf_counter()
             if check.in_child:  # inline, the first open_checkpoint already ran the full check
                 _agree(check, ck)
             seconds["wait_scheme_check"] = time.perf_counter() - t
+            tl.add("main", "wait-scheme-check", t, time.perf_counter())
+            t = time.perf_counter()
             file_records = [{"name": n, **written[n]} for n in sorted(written)]
             for name in copied:
                 p = tmp / name
@@ -406,7 +433,9 @@ def run_convert(
             )
             digest = write_manifest(tmp, manifest)
             fsync_dir(tmp)
-            _swap_into_place(tmp, out)
+            t = tl.add("main", "manifest", t, time.perf_counter())
+            with tl.span("main", "swap"):
+                _swap_into_place(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -417,9 +446,8 @@ def run_convert(
         check.cancel()
         hasher.shutdown(wait=True)
     seconds["total"] = time.perf_counter() - t0
-    return ConvertResult(
-        out, manifest, digest, up_to_date=False, seconds=seconds, bytes_written=plan.total_bytes
-    )
+    return ConvertResult(out, manifest, digest, up_to_date=False, seconds=seconds,
+                         bytes_written=plan.total_bytes, timeline=tl.spans())  # fmt: skip
 
 
 def _agree(check: SchemeCheck, ck: Checkpoint) -> None:
@@ -447,7 +475,7 @@ def _model_summary(ck: Checkpoint) -> dict[str, Any]:
 
 
 def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | None,
-               seconds: dict[str, float]) -> dict[str, dict[str, Any]]:  # fmt: skip
+               seconds: dict[str, float], tl: Timeline) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Stream every output file into ``tmp``; return ``{file: {size, sha256, chunks}}``.
 
     The Marlin layers go through :class:`mpack.convert.stream.Streamer` (read, transform and
@@ -456,6 +484,7 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
     (:class:`mpack.sidecar.HashingWriter`).
     """
     ck = plan.ckpt
+    t_setup = time.perf_counter()
     writers = {name: HashingWriter(tmp / name, layout, whole_file=False)
                for name, layout in plan.files.items()}  # fmt: skip
     total, done, lock = plan.total_bytes, 0, threading.Lock()
@@ -475,7 +504,7 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
     def passthrough() -> None:
         t = time.perf_counter()
         try:
-            _copy_passthrough(ck, writers[COMMON_NAME], bump)
+            _copy_passthrough(ck, writers[COMMON_NAME], bump, tl)
         finally:
             phase["passthrough_busy"] = time.perf_counter() - t
 
@@ -489,7 +518,9 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
             functools.partial(transform, act_dtype=plan.act_dtype),
             bump,
             on_unit,
+            tl,
         )
+        t = tl.add("main", "setup", t_setup, time.perf_counter())
         with ThreadPoolExecutor(1, thread_name_prefix="mpack-copy") as copier:
             copied = copier.submit(passthrough) if COMMON_NAME in writers else None
             try:
@@ -500,12 +531,13 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
                 raise
             if copied is not None:
                 copied.result()
-        t = time.perf_counter()
+        t = tl.add("main", "stream", t, time.perf_counter())
         result = {}
         for name, w in writers.items():
             size, _ = w.finish()  # chunk digests only (FORMAT.md, format version 2)
             result[name] = {"size": size, "chunks": {"bytes": w.chunk_bytes, "sha256": w.chunks}}
         phase["finish"] = time.perf_counter() - t
+        tl.add("main", "finish", t, time.perf_counter())
         phase.update(
             {k if k.endswith("_wait") else f"{k}_busy": v for k, v in streamer.busy.items()}
         )
@@ -516,7 +548,9 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
             w.close()
 
 
-def _copy_passthrough(ck: Checkpoint, w: HashingWriter, bump: Callable[[int], None]) -> None:
+def _copy_passthrough(
+    ck: Checkpoint, w: HashingWriter, bump: Callable[[int], None], tl: Timeline
+) -> None:
     """Copy pass-through tensors byte for byte, in file order, through a few reused buffers."""
     bufs = [bytearray(COPY_CHUNK) for _ in range(COPY_BUFFERS)]
     fences: list[threading.Event | None] = [None] * COPY_BUFFERS
@@ -529,8 +563,11 @@ def _copy_passthrough(ck: Checkpoint, w: HashingWriter, bump: Callable[[int], No
                 fences[i].wait()  # the hasher is done with this buffer
             n = min(COPY_CHUNK, end - pos)
             view = memoryview(bufs[i])[:n]
+            t = time.perf_counter()
             ck.read_into(entry.name, view, pos)
+            t = tl.add("copy", "read", t, time.perf_counter())
             w.write_at(entry.offset + pos, view)
+            tl.add("copy", COMMON_NAME, t, time.perf_counter())
             fences[i] = w.fence()
             bump(n)
             pos += n

@@ -2,7 +2,7 @@
 
 Hub sources go through ``huggingface_hub.snapshot_download`` (revision pinning, the HF cache,
 ``HF_HUB_OFFLINE``, tokens), fetching only what a conversion needs. The manifest records the
-resolved commit (or the local path) and the size and sha256 of every source file used.
+resolved commit (or the local path) and the size and digests of every source file used.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpack.convert.timeline import Timeline
 from mpack.errors import SourceNotFoundError, UsageError
-from mpack.sidecar import COPIED_FILES, sha256_file
+from mpack.sidecar import CHUNK_BYTES, COPIED_FILES, HashCancelled, hash_range, sha256_file
 
 #: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
 ALLOW_PATTERNS = [
@@ -157,23 +158,81 @@ def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:
     return sorted(names)
 
 
-def _file_record(root: Path, name: str, stop: threading.Event | None = None) -> dict[str, Any]:
-    """``{name, size, sha256}``; in the HF cache an LFS blob is named by its sha256 already."""
-    p = root / name
-    size = p.stat().st_size
-    if p.is_symlink():
-        blob = Path(os.path.realpath(p))
-        if _SHA256.match(blob.name) and blob.parent.name == "blobs":
-            return {"name": name, "size": size, "sha256": blob.name}
-    return {"name": name, "size": size, "sha256": sha256_file(p, stop=stop)}
+def hash_workers() -> int:
+    """Threads for source hashing: enough to outrun one disk, few enough to leave the pipeline
+    its cores (it reads, transforms, writes and hashes its output at the same time)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def hash_sources(
-    src: ResolvedSource, names: list[str], workers: int = 2, stop: threading.Event | None = None
+    src: ResolvedSource,
+    names: list[str],
+    *,
+    stop: threading.Event | None = None,
+    timeline: Timeline | None = None,
+    forms: dict[str, str] | None = None,
+    workers: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Size and sha256 of every source file used, in name order (``stop`` aborts it)."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda n: _file_record(src.path, n, stop), names))
+    """The manifest record of every source file, in name order (``stop`` aborts it).
+
+    Note [source digests]: a record is ``{name, size, sha256}`` for an LFS blob of the HF cache
+    (named by its sha256: nothing is read) and for a file of at most one chunk, else
+    ``{name, size, chunks}`` with the digest of every ``CHUNK_BYTES`` piece. One sha256 stream
+    (~1.3 GB/s) over a 5 GB shard would outlast the conversion it describes; the chunks of all
+    files are hashed on ``workers`` threads at once. ``forms`` (name -> ``"sha256"`` or
+    ``"chunks"``) asks for a recorded form instead, to compare with a manifest written otherwise.
+    """
+    forms = forms or {}
+    records: dict[str, dict[str, Any]] = {}
+    jobs: list[tuple[str, int, int]] = []  # (name, start, end) of every chunk to hash
+    for name in names:
+        p = src.path / name
+        size = p.stat().st_size
+        records[name] = {"name": name, "size": size}
+        lfs = _lfs_sha256(p)
+        form = forms.get(name) or ("sha256" if lfs or size <= CHUNK_BYTES else "chunks")
+        if form == "sha256" and lfs:
+            records[name]["sha256"] = lfs
+        elif form == "sha256" or size == 0:
+            jobs.append((name, 0, -1))  # -1: the whole file, one stream
+        else:
+            jobs += [(name, a, min(a + CHUNK_BYTES, size)) for a in range(0, size, CHUNK_BYTES)]
+
+    def run(job: tuple[str, int, int]) -> str:
+        if stop is not None and stop.is_set():
+            raise HashCancelled(job[0])
+        with timeline.span("hash-src", job[0]) if timeline else contextlib.nullcontext():
+            if job[2] < 0:
+                return sha256_file(src.path / job[0], stop=stop)
+            return hash_range(src.path / job[0], job[1], job[2])
+
+    with ThreadPoolExecutor(workers or hash_workers(), thread_name_prefix="mpack-hash") as pool:
+        digests = list(pool.map(run, jobs))
+    for (name, _, end), digest in zip(jobs, digests, strict=True):
+        rec = records[name]
+        if end < 0:
+            rec["sha256"] = digest
+        else:
+            rec.setdefault("chunks", {"bytes": CHUNK_BYTES, "sha256": []})["sha256"].append(digest)
+    return [records[n] for n in names]
+
+
+def record_forms(records: list[dict[str, Any]]) -> dict[str, str]:
+    """name -> ``"sha256"`` or ``"chunks"``: how each file is recorded (for :func:`hash_sources`)."""
+    return {
+        r.get("name"): "chunks" if "chunks" in r else "sha256"
+        for r in records
+        if isinstance(r, dict)
+    }
+
+
+def _lfs_sha256(p: Path) -> str | None:
+    """The sha256 an HF-cache LFS blob is named by (``p`` links to ``blobs/<sha256>``), or None."""
+    if p.is_symlink():
+        blob = Path(os.path.realpath(p))
+        if _SHA256.match(blob.name) and blob.parent.name == "blobs":
+            return blob.name
+    return None
 
 
 def candidate_files(src: ResolvedSource) -> list[str]:

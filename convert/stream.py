@@ -24,6 +24,7 @@ event, the writer's hasher) has finished: :class:`Ring` waits on those before ha
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ import torch
 
 from mpack.convert.checkpoint import BIAS, Checkpoint, read_scale
 from mpack.convert.plan import OutLayer, Plan
+from mpack.convert.timeline import Timeline
 from mpack.sidecar import HashingWriter, rank_file_name
 
 PIECE = 16 * 1024 * 1024
@@ -153,8 +155,10 @@ class Streamer:
         transform: Transform,
         on_written: Callable[[int], None],
         on_unit: Callable[[int], None] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.plan, self.writers, self.dev = plan, writers, device
+        self.timeline = timeline or Timeline()
         self.transform, self.on_written, self.on_unit = transform, on_written, on_unit
         self.abort = threading.Event()
         self.busy = {
@@ -173,6 +177,13 @@ class Streamer:
             self.in_ring = Ring(IN_PIECES, PIECE, self.abort)
             self.out_ring = Ring(OUT_PIECES, PIECE, self.abort)
 
+    def _mark(self, stage: str, start: float, what: str = "") -> float:
+        """Account ``start`` .. now to ``stage`` (busy seconds and the timeline); return now."""
+        now = time.perf_counter()
+        self.busy[stage] += now - start
+        self.timeline.add(stage.split("_")[0], what or stage, start, now)
+        return now
+
     # --- read ---------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
@@ -181,7 +192,7 @@ class Streamer:
             for unit in self.plan.units:
                 t = time.perf_counter()
                 src, ready = self._read_unit(ck, unit)
-                self.busy["read"] += time.perf_counter() - t
+                self._mark("read", t, "unit")
                 _put(self._units, (unit, src, ready), self.abort)
             _put(self._units, None, self.abort)
         except BaseException:
@@ -207,7 +218,9 @@ class Streamer:
         batch = max(1, min(READS_AT_ONCE, self.in_ring.count // 2))  # never more than the ring
         for i in range(0, len(spans), batch):
             group = spans[i : i + batch]
+            t = time.perf_counter()
             slots = [self.in_ring.acquire() for _ in group]
+            self.timeline.add("read", "wait-ring", t, time.perf_counter())
             ck.read_pieces(name, [(memoryview(s.buf.numpy())[: b - a], a)
                                   for s, (a, b) in zip(slots, group, strict=True)])  # fmt: skip
             with torch.cuda.stream(self.copy_stream):
@@ -229,12 +242,11 @@ class Streamer:
                     return
                 if item.ready is not None:
                     item.ready.synchronize()
-                t1 = time.perf_counter()
-                self.busy["write_wait"] += t1 - t
+                t1 = self._mark("write_wait", t, "wait")
                 item.writer.write_at(item.offset, item.data)
                 if item.slot is not None:
                     self.out_ring.release(item.slot, item.writer.fence())
-                self.busy["write"] += time.perf_counter() - t1
+                self._mark("write", t1, item.writer.path.name)
                 self.on_written(item.data.nbytes)
         except BaseException:
             self.abort.set()
@@ -253,7 +265,9 @@ class Streamer:
                 continue
             for a in range(0, entry.nbytes, PIECE):
                 b = min(a + PIECE, entry.nbytes)
+                t = time.perf_counter()
                 slot = self.out_ring.acquire()
+                self.timeline.add("transform", "wait-ring", t, time.perf_counter())
                 slot.buf[: b - a].copy_(flat[a:b], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.compute_stream)
@@ -271,7 +285,7 @@ class Streamer:
                     t = time.perf_counter()
                     self._transform_unit(unit, src, ready)
                     del src
-                    self.busy["transform"] += time.perf_counter() - t
+                    self._mark("transform", t, "unit")
                     if self.on_unit:
                         self.on_unit(i + 1)
                 _put(self._writes, None, self.abort)
@@ -291,6 +305,7 @@ class Streamer:
             t = time.perf_counter()
             item = _get(self._units, self.abort)
             self.busy["read_wait"] += time.perf_counter() - t
+            self.timeline.add("transform", "wait-read", t, time.perf_counter())
             if item is None:
                 return
             yield item
@@ -298,14 +313,14 @@ class Streamer:
     def _transform_unit(
         self, unit: list[OutLayer], src: dict[str, torch.Tensor], ready: Any
     ) -> None:
-        if not self.cuda:
-            for layer in unit:
-                self._emit(layer, self.transform(layer, src))
-            return
-        with torch.cuda.stream(self.compute_stream):
+        if self.cuda:
             self.compute_stream.wait_event(ready)
-            for t in src.values():
-                if t.is_cuda:
-                    t.record_stream(self.compute_stream)
+            for x in src.values():
+                if x.is_cuda:
+                    x.record_stream(self.compute_stream)
+        with torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext():
             for layer in unit:
-                self._emit(layer, self.transform(layer, src))
+                t = time.perf_counter()
+                outs = self.transform(layer, src)
+                self.timeline.add("transform", "compute", t, time.perf_counter())
+                self._emit(layer, outs)

@@ -24,7 +24,7 @@ from mpack.convert import marlin
 from mpack.convert.checkpoint import find_layers, open_checkpoint
 from mpack.convert.pipeline import fuse, pack
 from mpack.convert.plan import ACT_DTYPE_ST, make_plan
-from mpack.convert.source import hash_sources, resolve_source
+from mpack.convert.source import hash_sources, record_forms, resolve_source
 from mpack.convert.stream import read_unit
 from mpack.errors import InputError, VerificationError
 from mpack.sidecar import (
@@ -134,7 +134,8 @@ def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLay
     ck = open_checkpoint(src.path)
     find_layers(ck)
     recorded = {f["name"]: f for f in m["source"].get("files", [])}
-    for rec in hash_sources(src, sorted(recorded)) if recorded else []:
+    forms = record_forms(list(recorded.values()))
+    for rec in hash_sources(src, sorted(recorded), forms=forms) if recorded else []:
         if rec != recorded[rec["name"]]:
             problems.append(
                 f"source {rec['name']}: differs from the file the sidecar was made from"

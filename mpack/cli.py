@@ -127,16 +127,26 @@ def convert(
       mpack convert RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8 -o llama8b-marlin --tp 2
       mpack convert ./my-fp8-model -o out --profile w8a8-marlin --act-dtype float16 --json
     """
-    from mpack import ui
-    from mpack.convert.pipeline import run_convert
-
     if json_out and quiet:
         raise UsageError("--json and --quiet contradict each other; pick one")
-    with ui.convert_progress(enabled=not (json_out or quiet)) as progress:
-        result = run_convert(
-            source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
-            device=device, passthrough=not no_passthrough, force=force, progress=progress,
-        )  # fmt: skip
+    from mpack.convert.scheme_check import SchemeCheck
+
+    # A local source's compressed-tensors check starts now, in a forked child, so that its
+    # imports overlap this process's torch import (Note [scheme check in a child]).
+    early = SchemeCheck(source) if (Path(source) / "config.json").is_file() else None
+    try:
+        from mpack import ui
+        from mpack.convert.pipeline import run_convert
+
+        with ui.convert_progress(enabled=not (json_out or quiet)) as progress:
+            result = run_convert(
+                source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp,
+                fuse=fuse, device=device, passthrough=not no_passthrough, force=force,
+                progress=progress, scheme_check=early,
+            )  # fmt: skip
+    finally:
+        if early is not None:
+            early.cancel()
     ui.emit_convert(result, as_json=json_out, quiet=quiet)
 
 

@@ -146,7 +146,7 @@ def chunk_digests(
     with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
         return list(
             pool.map(
-                lambda i: _hash_range(Path(path), i * chunk, min((i + 1) * chunk, size)), range(n)
+                lambda i: hash_range(Path(path), i * chunk, min((i + 1) * chunk, size)), range(n)
             )
         )
 
@@ -372,14 +372,14 @@ class HashingWriter:
     def _flush_behind(self) -> None:
         start, self._flushed = self._flushed, self._pos
         if _sync_file_range is not None:
-            fut = _background().submit(_start_writeback, self._f.fileno(), start, self._pos - start)
+            fut = _background().submit(start_writeback, self._f.fileno(), start, self._pos - start)
             self._flushes = [f for f in self._flushes if not f.done()] + [fut]
 
     def _submit_chunk(self, i: int) -> None:
         assert self.chunk_bytes
         a = i * self.chunk_bytes
         b = min(a + self.chunk_bytes, self._pos)
-        self._chunk_futs.append(_background().submit(_hash_range, self.path, a, b))
+        self._chunk_futs.append(_background().submit(hash_range, self.path, a, b))
 
     @property
     def position(self) -> int:
@@ -469,12 +469,14 @@ def _background() -> ThreadPoolExecutor:
         return _BG
 
 
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk, without
+    waiting (Note [write-behind]); a no-op where sync_file_range does not exist."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors ignored
 
 
-def _hash_range(path: Path, a: int, b: int) -> str:
+def hash_range(path: Path, a: int, b: int) -> str:
     """sha256 of bytes ``[a, b)`` of ``path`` (read back from the page cache)."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)

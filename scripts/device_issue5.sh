@@ -2,7 +2,8 @@
 # One device call for the convert fast path: quick GPU checks, the convert benchmark, then the
 # whole GPU suite, each under its own time limit (0 skips a step) so that what ran comes back
 # in $OUT. Exits with the first failing step's status.
-#   usage (device tool, carry .device): [QUICK_S=120] [BENCH_S=420] [SUITE_S=200] bash scripts/device_issue5.sh
+#   usage (device tool, carry .device): [QUICK_S=120] [BENCH_S=420] [SUITE_S=200] [DEVICES=cuda,cpu]
+#     [KINDS=cli,library] [LIBRARY_TEMPS=cold,warm] [SMALL_LAYERS=8] bash scripts/device_issue5.sh
 source "$(dirname "$0")/device_env.sh"
 rc=0
 quick="tests/convert/test_stream.py tests/convert/test_convert.py"
@@ -12,7 +13,7 @@ if [ "${QUICK_S:-120}" -gt 0 ]; then
 fi
 if [ "$rc" -eq 0 ] && [ "${BENCH_S:-420}" -gt 0 ]; then
   timeout "${BENCH_S:-420}" python3 scripts/bench_convert.py --workdir /tmp/mpack-bench \
-    --small-layers "${SMALL_LAYERS:-8}" --devices "${DEVICES:-cuda,cpu}" --library-temps "${LIBRARY_TEMPS:-cold,warm}" \
+    --small-layers "${SMALL_LAYERS:-8}" --devices "${DEVICES:-cuda,cpu}" --kinds "${KINDS:-cli,library}" --library-temps "${LIBRARY_TEMPS:-cold,warm}" \
     --json "$OUT/convert.json" --plot "$OUT/bench_convert.png" 2>&1 | tee "$OUT/bench.log"
   rc=${PIPESTATUS[0]}
 fi

@@ -183,6 +183,18 @@ def test_round_trip_llama8b_shapes(n, k):
     assert torch.equal(independent_unpack(rows), w[:128, :32])
 
 
+@pytest.mark.parametrize("block_bytes", [1, 64 * 256 * 3, 1 << 40])
+def test_repack_blocks_match_one_pass(monkeypatch, block_bytes):
+    """Note [repack in blocks]: any block size (one n-tile, a remainder block, the whole layer)
+    gives the bytes of the independent unpack."""
+    n, k = 64 * 7, 256  # 7 n-tiles: blocks of 3 leave a remainder of 1
+    w = rand_bytes(n, k, seed=77)
+    monkeypatch.setattr(m, "REPACK_BLOCK_BYTES", block_bytes)
+    packed = m.repack(w)
+    assert packed.shape == (k // 16, 4 * n)
+    assert torch.equal(independent_unpack(packed), w)
+
+
 def test_padding_rule():
     assert m.marlin_padded_nk(64, 64) == (64, 128)  # full tie: (64,128) vs (128,64) -> the first
     assert m.marlin_padded_nk(96, 192) == (128, 192)

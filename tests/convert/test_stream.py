@@ -20,12 +20,12 @@ pytest.importorskip("compressed_tensors")
 from helpers import edit_config, weight_args  # noqa: E402
 
 from mpack.convert.checkpoint import (  # noqa: E402
-    SchemeCheck,
     find_layers,
     layer_summary,
     open_checkpoint,
 )
 from mpack.convert.plan import make_plan  # noqa: E402
+from mpack.convert.scheme_check import SchemeCheck  # noqa: E402
 from mpack.convert.stream import Streamer  # noqa: E402
 from mpack.errors import CorruptFileError, UnsupportedSchemeError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
@@ -252,3 +252,21 @@ def test_gpu_small_pieces_and_tight_rings_give_the_cpu_bytes(
     b = pipeline.run_convert(ckpt, tmp_path / "gpu", device="cuda", tp=2)
     assert a.manifest["files"] == b.manifest["files"]
     assert b.seconds["read_busy"] > 0 and b.seconds["write_busy"] > 0
+
+
+def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path) -> None:
+    """ConvertResult.timeline: every stage has spans, each inside the run, and the main lane's
+    phases follow one another (validate, setup, stream, finish, ..., swap) without overlap."""
+    from mpack.convert import pipeline
+
+    r = pipeline.run_convert(ckpt, tmp_path / "out", device="cpu")
+    spans = r.timeline
+    lanes = {lane for lane, *_ in spans}
+    assert {"main", "read", "transform", "write", "copy", "hash-src"} <= lanes
+    assert all(0 <= a <= b <= r.seconds["total"] + 1e-3 for _, _, a, b in spans)
+    main = [(what, a, b) for lane, what, a, b in spans if lane == "main"]
+    assert [w for w, _, _ in main][:4] == ["validate", "setup", "stream", "finish"]
+    assert main[-1][0] == "swap"
+    assert all(b0 <= a1 + 1e-4 for (_, _, b0), (_, a1, _) in zip(main, main[1:], strict=False))
+    written = [s for s in spans if s[0] == "write" and not s[1].startswith("wait")]
+    assert {what for _, what, _, _ in written} == {"rank-00-of-01.safetensors"}
