@@ -31,6 +31,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -432,17 +433,21 @@ def unavailable_reason() -> str | None:
 
 
 def pack_weight_fast(
-    wck: torch.Tensor, np_: int | None = None, kp: int | None = None
+    wck: torch.Tensor,
+    np_: int | None = None,
+    kp: int | None = None,
+    pool: Executor | None = None,
 ) -> torch.Tensor:
     """:func:`pack_weight_cuda` for CUDA tensors when :func:`available`, else the torch path.
 
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, any device.
         np_, kp: padded dims (default :func:`mpack.convert.marlin.marlin_padded_nk`).
+        pool: for the torch path on the CPU (:func:`mpack.convert.marlin.block_pool`).
 
     Returns:
         int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, identical bytes either way.
     """
     if wck.is_cuda and available(wck.device):
         return pack_weight_cuda(wck, np_, kp)
-    return marlin.pack_weight(wck, np_, kp)
+    return marlin.pack_weight(wck, np_, kp, pool)

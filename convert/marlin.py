@@ -23,7 +23,11 @@ pure data movement, and the arithmetic is spelled out one IEEE operation at a ti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
@@ -110,11 +114,12 @@ def _swap_middle_bytes_(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def repack(wck: torch.Tensor) -> torch.Tensor:
+def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     """Repack checkpoint fp8 rows into Marlin tiles, without padding (SPEC §5).
 
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, row-major; ``N % 64 == 0``, ``K % 16 == 0``.
+        pool: CPU only: repack the blocks on these threads (see :func:`block_pool`).
 
     Returns:
         int32 ``[K/16, 4*N]`` on ``wck``'s device (little-endian words).
@@ -122,9 +127,12 @@ def repack(wck: torch.Tensor) -> torch.Tensor:
     Note [repack in blocks]: on the CPU the three passes (pair the int16 lanes, permute the
     words, swap their middle bytes) run over a block of n-tiles at a time, about
     ``REPACK_BLOCK_BYTES`` of input, so each pass reads what the previous one left in cache
-    instead of streaming the whole layer through memory three times; torch still spreads each
-    pass over its threads. This is ~2.4x faster on 2 cores (0.48 -> 1.15 GB/s for a 28672 x 4096
-    layer). On a GPU the whole layer is one block (the fused kernel of
+    instead of streaming the whole layer through memory three times. This is ~2.4x faster on 2
+    cores (0.48 -> 1.15 GB/s for a 28672 x 4096 layer). Each pass is small, so torch's own
+    intra-op threads (OpenMP, a barrier per pass) stall whenever one of them loses its core to
+    the conversion's I/O and hashing threads (0.04 GB/s with 8 busy threads on 2 cores); a
+    conversion therefore gives the blocks to a pool of plain threads, each running torch ops on
+    one thread (:func:`block_pool`). On a GPU the whole layer is one block (the fused kernel of
     :mod:`mpack.convert.cuda_repack` is the fast path there).
     """
     n, k = wck.shape
@@ -134,7 +142,8 @@ def repack(wck: torch.Tensor) -> torch.Tensor:
     out = torch.empty((k // 16, 4 * n), dtype=torch.int32, device=w.device)
     tiles = out.view(k // 16, n // 64, 8, 4, 4, 2)  # (kt, nt, t8, kmid, w, h)
     step = n // 64 if w.is_cuda else max(1, REPACK_BLOCK_BYTES // (64 * k))  # n-tiles per block
-    for j in range(0, n // 64, step):
+
+    def one(j: int) -> None:
         rows = w[64 * j : 64 * (j + step)]
         nt = rows.shape[0] // 64
         lanes = rows.view(torch.int16).view(64 * nt, k // 16, 2, 4)  # (n, kt, khi, kmid)
@@ -143,7 +152,50 @@ def repack(wck: torch.Tensor) -> torch.Tensor:
         block = tiles[:, j : j + nt]
         block.copy_(words.permute(*_WORD_AXES))  # (kt, nt, t8, kmid, w, h)
         _swap_middle_bytes_(block)
+
+    starts = range(0, n // 64, step)
+    if pool is None or w.is_cuda or len(starts) == 1:
+        for j in starts:
+            one(j)
+    else:
+        with _one_torch_thread():
+            list(pool.map(one, starts))
     return out
+
+
+_torch_threads_lock = threading.Lock()
+_torch_threads_users = [0, 0]  # [repacks in a pool now, torch's thread count before the first]
+
+
+def block_workers() -> int:
+    """Repack threads for a CPU conversion: the cores its I/O and hashing threads leave."""
+    cores = os.cpu_count() or 1
+    return max(1, cores // 2, cores - 4)
+
+
+@contextlib.contextmanager
+def block_pool(workers: int | None = None) -> Iterator[Executor]:
+    """Threads for :func:`repack`'s blocks (Note [repack in blocks])."""
+    with ThreadPoolExecutor(workers or block_workers(), thread_name_prefix="mpack-repack") as p:
+        yield p
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch runs each op on one thread meanwhile (``torch.set_num_threads(1)``, restored when
+    the last of overlapping users leaves): the pool's threads are the parallelism."""
+    with _torch_threads_lock:
+        if _torch_threads_users[0] == 0:
+            _torch_threads_users[1] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _torch_threads_users[0] += 1
+    try:
+        yield
+    finally:
+        with _torch_threads_lock:
+            _torch_threads_users[0] -= 1
+            if _torch_threads_users[0] == 0:
+                torch.set_num_threads(_torch_threads_users[1])
 
 
 def unrepack(packed: torch.Tensor) -> torch.Tensor:
@@ -169,12 +221,15 @@ def unrepack(packed: torch.Tensor) -> torch.Tensor:
     return lanes.view(torch.uint8).view(n, k)  # [N, K]
 
 
-def pack_weight(wck: torch.Tensor, np_: int | None = None, kp: int | None = None) -> torch.Tensor:
+def pack_weight(
+    wck: torch.Tensor, np_: int | None = None, kp: int | None = None, pool: Executor | None = None
+) -> torch.Tensor:
     """Zero-pad to ``(Np, Kp)`` and repack: what the sidecar stores as ``<layer>.weight``.
 
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, ``K % 4 == 0`` (fused/sliced rows of one rank).
         np_, kp: padded dims; default :func:`marlin_padded_nk` ``(N, K)``.
+        pool: CPU only: threads for the repack's blocks (:func:`block_pool`).
 
     Returns:
         int32 ``[Kp/16, 4*Np]`` on ``wck``'s device.
@@ -189,7 +244,7 @@ def pack_weight(wck: torch.Tensor, np_: int | None = None, kp: int | None = None
         padded = torch.zeros((np_, kp), dtype=torch.uint8, device=w.device)
         padded[:n, :k] = w
         w = padded  # [Np, Kp]
-    return repack(w)
+    return repack(w, pool)
 
 
 def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

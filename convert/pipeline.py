@@ -20,6 +20,7 @@ Note [atomic output]: nothing named OUT exists until the final rename; a killed 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -27,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,18 +192,21 @@ def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
     return Fused(w, scale_n, bias)
 
 
-def pack(layer: OutLayer, f: Fused, act_dtype: str) -> list[torch.Tensor]:
+def pack(
+    layer: OutLayer, f: Fused, act_dtype: str, pool: Executor | None = None
+) -> list[torch.Tensor]:
     """One rank's Marlin tensors for a fused layer, in the order of its tensor specs.
 
     The weight is packed where it is (the fused kernel on CUDA); the scales and bias, a few KB,
-    are computed on the host. The bytes are the same on every device.
+    are computed on the host. The bytes are the same on every device. ``pool``: threads for the
+    CPU repack's blocks (:func:`mpack.convert.marlin.block_pool`).
 
     Returns:
         ``[weight int32 [Kp/16, 4Np], weight_scale dt [1, Np], (bias dt [Np])]``.
     """
     dt = marlin.ACT_DTYPES[act_dtype]
     out = [
-        cuda_repack.pack_weight_fast(f.weight, layer.np_, layer.kp),
+        cuda_repack.pack_weight_fast(f.weight, layer.np_, layer.kp, pool),
         marlin.pack_scales(f.scale.cpu(), dt, layer.np_),
     ]
     if f.bias is not None:
@@ -210,9 +214,11 @@ def pack(layer: OutLayer, f: Fused, act_dtype: str) -> list[torch.Tensor]:
     return out
 
 
-def transform(layer: OutLayer, src: dict[str, torch.Tensor], act_dtype: str) -> list[torch.Tensor]:
+def transform(
+    layer: OutLayer, src: dict[str, torch.Tensor], act_dtype: str, pool: Executor | None = None
+) -> list[torch.Tensor]:
     """:func:`fuse` then :func:`pack`: the checkpoint pieces of ``layer`` -> its Marlin tensors."""
-    return pack(layer, fuse(layer, src), act_dtype)
+    return pack(layer, fuse(layer, src), act_dtype, pool)
 
 
 # --- validation of values -----------------------------------------------------------------
@@ -508,14 +514,17 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
         finally:
             phase["passthrough_busy"] = time.perf_counter() - t
 
+    stack = contextlib.ExitStack()
     try:
         for w in writers.values():
             bump(w.position)
+        # CPU: the repack's blocks on a pool of threads (Note [repack in blocks])
+        pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
         streamer = Streamer(
             plan,
             writers,
             dev,
-            functools.partial(transform, act_dtype=plan.act_dtype),
+            functools.partial(transform, act_dtype=plan.act_dtype, pool=pool),
             bump,
             on_unit,
             tl,
@@ -544,6 +553,7 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
         seconds.update(phase)
         return result
     finally:
+        stack.close()
         for w in writers.values():
             w.close()
 

@@ -12,12 +12,13 @@ The 32-layer totals are the per-shape times summed and multiplied by 32 (6.98 GB
 Bandwidth counts the bytes an ideal pass moves: the repack reads N*K and writes Np*Kp; the copy
 reads and writes N*K. The ratio table comes last.
 
-usage: python scripts/bench_repack.py [--cpu-only] [--json PATH] [--reps N] [--warmup N]
+usage: python scripts/bench_repack.py [--cpu-only | --cpu-sweep] [--json PATH] [--reps N] [--warmup N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -160,6 +161,62 @@ def bench_cpu(reps: int, warmup: int) -> dict[str, Any]:
     return res
 
 
+def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]]:
+    """``marlin.repack`` over one 8B decoder layer (the four shapes) for several block sizes
+    (Note [repack in blocks]), with torch's own threads ("omp": one op at a time on every core)
+    or a pool of threads each running torch ops on one thread ("pool", what convert uses), alone
+    and next to ``load`` threads hashing memory with sha256 (what a conversion's hashing and
+    writing threads do meanwhile)."""
+    import hashlib
+    import threading
+
+    layers = [_rand_u8(n, k, "cpu") for _, n, k in SHAPES]
+    nbytes = sum(w.numel() for w in layers)
+    cores, saved = os.cpu_count() or 1, (torch.get_num_threads(), marlin.REPACK_BLOCK_BYTES)
+    configs = [("omp", cores, b) for b in (1 << 20, 1 << 40)] + [
+        ("pool", w, b)
+        for w in sorted({marlin.block_workers(), max(1, cores // 2), cores}, reverse=True)
+        for b in (1 << 18, 1 << 20, 1 << 22)
+    ]
+    rows = []
+    for load in loads:
+        stop = threading.Event()
+        blob = os.urandom(16 * 1024 * 1024)
+
+        def burn(stop: threading.Event = stop, blob: bytes = blob) -> None:
+            while not stop.is_set():
+                hashlib.sha256(blob).digest()
+
+        burners = [threading.Thread(target=burn, daemon=True) for _ in range(load)]
+        for t in burners:
+            t.start()
+        try:
+            for mode, threads, block in configs:
+                marlin.REPACK_BLOCK_BYTES = block
+                with marlin.block_pool(threads) if mode == "pool" else _nothing() as pool:
+                    torch.set_num_threads(threads if mode == "omp" else saved[0])
+                    ms = sum(cpu_time_ms(lambda w=w: marlin.repack(w, pool), reps, 1)
+                             for w in layers)  # fmt: skip
+                row = {"load": load, "mode": mode, "threads": threads, "block": block, "ms": ms,
+                       "gbps": nbytes / ms / 1e6}  # fmt: skip
+                rows.append(row)
+                print(f"load {load:>2}  {mode:<4} threads {threads:>3}  block "
+                      f"{'whole' if block >= 1 << 40 else f'{block >> 10} KiB':>9}  "
+                      f"{ms:8.1f} ms  {row['gbps']:6.2f} GB/s", flush=True)  # fmt: skip
+        finally:
+            stop.set()
+            for t in burners:
+                t.join()
+            torch.set_num_threads(saved[0])
+            marlin.REPACK_BLOCK_BYTES = saved[1]
+    return rows
+
+
+@contextlib.contextmanager
+def _nothing() -> Any:
+    yield None
+
+
 # --- report ------------------------------------------------------------------------------------
 
 
@@ -253,7 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="GPU warmup calls per case")
     ap.add_argument("--inner", type=int, default=5, help="GPU calls per timing")
     ap.add_argument("--cpu-reps", type=int, default=5, help="CPU timings per case (median)")
+    ap.add_argument(
+        "--cpu-sweep", action="store_true", help="only: CPU block size x threads x load sweep"
+    )
     args = ap.parse_args(argv)
+    if args.cpu_sweep:
+        rows = sweep_cpu(max(1, args.cpu_reps // 2))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"cpu_sweep": rows}, indent=2) + "\n")
+        return 0
 
     results: dict[str, Any] = {
         "meta": {

@@ -183,14 +183,22 @@ def test_round_trip_llama8b_shapes(n, k):
     assert torch.equal(independent_unpack(rows), w[:128, :32])
 
 
+@pytest.mark.parametrize("workers", [None, 3])
 @pytest.mark.parametrize("block_bytes", [1, 64 * 256 * 3, 1 << 40])
-def test_repack_blocks_match_one_pass(monkeypatch, block_bytes):
-    """Note [repack in blocks]: any block size (one n-tile, a remainder block, the whole layer)
-    gives the bytes of the independent unpack."""
+def test_repack_blocks_match_one_pass(monkeypatch, block_bytes, workers):
+    """Note [repack in blocks]: any block size (one n-tile, a remainder block, the whole layer),
+    in this thread or on a pool, gives the bytes of the independent unpack; torch's thread count
+    is back to what it was afterwards."""
     n, k = 64 * 7, 256  # 7 n-tiles: blocks of 3 leave a remainder of 1
     w = rand_bytes(n, k, seed=77)
     monkeypatch.setattr(m, "REPACK_BLOCK_BYTES", block_bytes)
-    packed = m.repack(w)
+    threads = torch.get_num_threads()
+    if workers is None:
+        packed = m.repack(w)
+    else:
+        with m.block_pool(workers) as pool:
+            packed = m.pack_weight(w, pool=pool)
+    assert torch.get_num_threads() == threads
     assert packed.shape == (k // 16, 4 * n)
     assert torch.equal(independent_unpack(packed), w)
 
