@@ -72,7 +72,7 @@ SCALE_PERM: tuple[int, ...] = (
 _WORD_AXES = (4, 0, 3, 5, 1, 2)  # (nt,w,h,t8,kt,kmid) -> (kt,nt,t8,kmid,w,h)
 _WORD_AXES_INV = tuple(_WORD_AXES.index(i) for i in range(6))
 
-#: Input bytes per block of the CPU repack (Note [repack in blocks]): a few per-core L2s.
+#: Input bytes per block of the CPU repack (Note [repack in blocks]): about one core's L2.
 REPACK_BLOCK_BYTES = 1 << 20
 
 _EXP_FOLD = {torch.float16: 2.0**8, torch.bfloat16: 2.0**120}
@@ -130,10 +130,13 @@ def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     instead of streaming the whole layer through memory three times. This is ~2.4x faster on 2
     cores (0.48 -> 1.15 GB/s for a 28672 x 4096 layer). Each pass is small, so torch's own
     intra-op threads (OpenMP, a barrier per pass) stall whenever one of them loses its core to
-    the conversion's I/O and hashing threads (0.04 GB/s with 8 busy threads on 2 cores); a
-    conversion therefore gives the blocks to a pool of plain threads, each running torch ops on
-    one thread (:func:`block_pool`). On a GPU the whole layer is one block (the fused kernel of
-    :mod:`mpack.convert.cuda_repack` is the fast path there).
+    the conversion's I/O and hashing threads; a conversion therefore gives the blocks to a pool
+    of plain threads, each running torch ops on one thread (:func:`block_pool`). On the 16-core
+    H200 host, one 8B decoder layer (``scripts/bench_repack.py --cpu-sweep``): 1.87 GB/s on 12
+    pool threads against 1.61 GB/s for whole-layer ops on 16 OpenMP threads; next to 8 threads
+    busy hashing, 0.68 GB/s against 0.02 GB/s (1 MiB blocks) or 0.50 GB/s (whole layer). On a
+    GPU the whole layer is one block (the fused kernel of :mod:`mpack.convert.cuda_repack` is the
+    fast path there).
     """
     n, k = wck.shape
     if n % 64 or k % 16:
@@ -168,7 +171,9 @@ _torch_threads_users = [0, 0]  # [repacks in a pool now, torch's thread count be
 
 
 def block_workers() -> int:
-    """Repack threads for a CPU conversion: the cores its I/O and hashing threads leave."""
+    """Repack threads for a CPU conversion: the cores its I/O and hashing threads leave (12 of
+    16). Half the cores did no better in a whole 8B conversion (10.34 s against 9.99 s on the
+    H200 host, docs/BENCHMARKS.md), although the synthetic sweep favoured them under load."""
     cores = os.cpu_count() or 1
     return max(1, cores // 2, cores - 4)
 

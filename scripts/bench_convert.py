@@ -118,7 +118,14 @@ def main() -> None:
     )
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw --plot and the table from JSON")
     a = ap.parse_args()
+    if a.replot:
+        res = json.loads(Path(a.replot).read_text())
+        if a.plot:
+            plot(res, a.plot)
+        print_table(res)
+        return
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"llama8b-fp8-{a.layers}l"
@@ -174,7 +181,8 @@ def main() -> None:
         if not (small / "config.json").is_file():
             write_checkpoint(small, layers=a.small_layers)
         _, rss_small = peak_rss_run(small, work / "out-small", devices[0])
-        res["rss_small_model"] = {"layers": a.small_layers, "peak_rss": rss_small}
+        res["rss_small_model"] = {"layers": a.small_layers, "peak_rss": rss_small,
+                                  "device": devices[0]}  # fmt: skip
 
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(res, indent=2))
@@ -193,6 +201,15 @@ def import_times() -> dict[str, float]:
     return {"torch": torch_s, "compressed_tensors": ct_s}
 
 
+def run_floors(res: dict, name: str) -> tuple[float, float]:
+    """(plain, tight) floor for run ``name``: its own ``floor`` when it carries one (a result
+    assembled from several benchmark runs), else the file's; cold runs against the cold floor."""
+    f = res["runs"][name].get("floor") or res["floor"]
+    temp = name.rsplit("-", 1)[1]
+    floor = f.get(f"floor_{temp}") or f["floor_warm"]
+    return floor, f.get(f"tight_{temp}") or f.get("tight_warm") or floor  # older files: no tight
+
+
 def print_table(res: dict) -> None:
     f = res["floor"]
     gb = res["source_bytes"] / 1e9
@@ -200,7 +217,7 @@ def print_table(res: dict) -> None:
         f"\nsource {gb:.2f} GB, sidecar {res['sidecar_bytes'] / 1e9:.2f} GB, {res['layers']} layers"
     )
     print(f"floor: read cold {f.get('read_cold') or float('nan'):.2f} s, read warm {f['read_warm']:.2f} s, "
-          f"write {f['write']:.2f} s, write with write-behind {f['write_behind']:.2f} s")  # fmt: skip
+          f"write {f['write']:.2f} s, write with write-behind {f.get('write_behind', float('nan')):.2f} s")  # fmt: skip
     imp = res["imports"]
     print(f"imports in a fresh interpreter: torch {imp['torch']:.2f} s, "
           f"compressed-tensors {imp['compressed_tensors']:.2f} s")  # fmt: skip
@@ -211,9 +228,7 @@ def print_table(res: dict) -> None:
     print(f"{'run':<18}{'wall s':>8}{'x floor':>8}{'x tight':>8}{'total':>7}{'valid.':>7}{'read':>6}"
           f"{'xform':>6}{'write':>6}{'finish':>7}{'ct wait':>8}{'RSS GiB':>8}")  # fmt: skip
     for name, r in res["runs"].items():
-        temp = name.rsplit("-", 1)[1]
-        floor = f.get(f"floor_{temp}") or f["floor_warm"]
-        tight = f.get(f"tight_{temp}") or f["tight_warm"]
+        floor, tight = run_floors(res, name)
         s = r["seconds"]
         print(
             f"{name:<18}{r['wall']:>8.2f}{r['wall'] / floor:>8.2f}{r['wall'] / tight:>8.2f}{s['total']:>7.2f}"
@@ -221,10 +236,12 @@ def print_table(res: dict) -> None:
             f"{s.get('write_busy', 0):>6.2f}{s.get('finish', 0):>7.2f}{s.get('wait_scheme_check', 0):>8.2f}"
             f"{r['peak_rss'] / 2**30:>8.2f}"
         )
-    big = max((r["peak_rss"] for n, r in res["runs"].items() if "-cli-" in n), default=0)
-    small = res.get("rss_small_model")
+    small = res.get("rss_small_model") or {}
+    dev = small.get("device", "")  # the same device's CLI runs, the small model's peer
+    big = max((r["peak_rss"] for n, r in res["runs"].items() if n.startswith(f"{dev}-cli-") or
+               (not dev and "-cli-" in n)), default=0)  # fmt: skip
     if big and small:
-        print(f"peak RSS (cli): {res['layers']} layers {big / 2**30:.2f} GiB vs {small['layers']} layers "
+        print(f"peak RSS ({dev or 'cli'} cli): {res['layers']} layers {big / 2**30:.2f} GiB vs {small['layers']} layers "
               f"{small['peak_rss'] / 2**30:.2f} GiB (ratio {big / small['peak_rss']:.2f})")  # fmt: skip
     print("targets: convert <= 1.2 x floor on GPU, <= 1.5 x on CPU; RSS independent of model size")
 
@@ -264,14 +281,17 @@ def plot(res: dict, path: str) -> None:
                 i, parts[label], left=left, color=colors[label], label=label if i == 0 else None
             )
             left += parts[label]
-    f = res["floor"]
-    if f.get("floor_cold"):
-        ax.axvline(f["floor_cold"], color="red", ls="--", label="I/O floor (cold)")
+    for i, n in enumerate(names):  # each run against the floors of its own page-cache state
+        floor, tight = run_floors(res, n)
+        ax.plot([floor] * 2, [i - 0.45, i + 0.45], color="red", lw=2,
+                label="I/O floor: max(read, plain write)" if i == 0 else None)  # fmt: skip
+        ax.plot([tight] * 2, [i - 0.45, i + 0.45], color="black", lw=2,
+                label="tight floor: max(read, write-behind write)" if i == 0 else None)  # fmt: skip
     gb = res["source_bytes"] / 1e9
-    finish_axes(ax, f, names, "seconds", f"mpack convert, Llama-3.1-8B-shaped FP8 ({gb:.1f} GB)")
+    finish_axes(ax, names, "seconds", f"mpack convert, Llama-3.1-8B-shaped FP8 ({gb:.1f} GB)")
     if traced:
         best = min(traced, key=lambda n: res["runs"][n]["wall"])
-        plot_timeline(axes[1], res["runs"][best]["timeline"], f, best)
+        plot_timeline(axes[1], res["runs"][best]["timeline"], run_floors(res, best), best)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -280,7 +300,7 @@ LANES = {"main": "tab:purple", "read": "tab:olive", "transform": "tab:blue", "wr
          "copy": "tab:cyan", "hash-src": "tab:orange"}  # fmt: skip
 
 
-def plot_timeline(ax, spans: list, floor: dict, name: str) -> None:
+def plot_timeline(ax, spans: list, floors: tuple[float, float], name: str) -> None:
     """One row per lane; a span named ``wait*`` is drawn pale (that stage was blocked)."""
     lanes = [lane for lane in LANES if any(s[0] == lane for s in spans)]
     for row, lane in enumerate(lanes):
@@ -290,17 +310,14 @@ def plot_timeline(ax, spans: list, floor: dict, name: str) -> None:
                            alpha=0.25 if waiting else 0.9, linewidth=0)  # fmt: skip
             if lane == "main" and b - a > 0.25:
                 ax.text((a + b) / 2, row, what, ha="center", va="center", fontsize=6)
-    finish_axes(ax, floor, lanes, "seconds from the start of run_convert",
+    ax.axvline(floors[0], color="red", ls=":", label="I/O floor")
+    ax.axvline(floors[1], color="black", ls=":", label="tight floor")
+    finish_axes(ax, lanes, "seconds from the start of run_convert",
                 f"timeline of {name} (pale: waiting)")  # fmt: skip
 
 
-def finish_axes(ax, floor: dict, rows: list[str], xlabel: str, title: str) -> None:
-    """The warm floors as vertical lines, one labelled row per bar, labels, legend."""
-    ax.axvline(floor["floor_warm"], color="red", ls=":", label="I/O floor (warm)")
-    if floor.get("tight_warm"):
-        ax.axvline(
-            floor["tight_warm"], color="black", ls=":", label="tight floor (warm, write-behind)"
-        )
+def finish_axes(ax, rows: list[str], xlabel: str, title: str) -> None:
+    """One labelled row per bar, top to bottom; axis labels, title, legend."""
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)

@@ -104,6 +104,24 @@ def test_hub_source_matches_the_schema(sidecars: dict[str, Path], validator) -> 
         assert not list(validator.iter_errors(hub))
 
 
+def test_source_files_by_chunks_match_the_schema(sidecars: dict[str, Path], validator) -> None:
+    """Note [source digests]: a source file is recorded by sha256 or by chunks, never both or
+    neither."""
+    m = _manifest(next(iter(sidecars.values())))
+    rec = m["source"]["files"][0]
+    chunked = {"name": rec["name"], "size": 3 * 2**26 + 5,
+               "chunks": {"bytes": 2**26, "sha256": [rec["sha256"]] * 4}}  # fmt: skip
+    ok = copy.deepcopy(m)
+    ok["source"]["files"][0] = chunked
+    assert not list(validator.iter_errors(ok))
+    both = copy.deepcopy(ok)
+    both["source"]["files"][0]["sha256"] = rec["sha256"]
+    neither = copy.deepcopy(ok)
+    del neither["source"]["files"][0]["chunks"]
+    for bad in (both, neither):
+        assert not validator.is_valid(bad)
+
+
 def test_schema_rejects_bad_manifests(sidecars: dict[str, Path], validator) -> None:
     m = _manifest(next(iter(sidecars.values())))
     bad_version = {**m, "format_version": "2"}
