@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
 import threading
@@ -73,17 +74,14 @@ from mpack.sidecar import (
     MANIFEST_NAME,
     PROFILES,
     HashingWriter,
-    chunk_digests,
     fsync_dir,
     load_manifest,
     new_manifest,
-    sha256_file,
     write_manifest,
 )
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
 COPY_CHUNK = 16 * 1024 * 1024
-COPY_BUFFERS = 6
 
 
 @dataclass
@@ -262,40 +260,40 @@ def existing_state(
     target: dict[str, Any],
     files: Callable[..., list[dict[str, Any]]] | None,
     common: bool,
-) -> str:
-    """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``.
+) -> tuple[str, tuple[dict[str, Any], str] | None]:
+    """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``,
+    and the existing manifest with its digest when it could be loaded.
 
     ``files(forms=None)`` gives the source's file records (it may wait for their hashes; ``forms``
     as in :func:`hash_sources`); None: the caller replaces any sidecar anyway (``--force``), so
     an mpack sidecar is reported as ``other-sidecar`` without hashing the source.
     """
     if not out.exists():
-        return "absent"
+        return "absent", None
     if out.is_dir() and not any(out.iterdir()):
-        return "empty"
+        return "empty", None
     if not (out / MANIFEST_NAME).is_file():
-        return "foreign"
+        return "foreign", None
     try:
-        m, _ = load_manifest(out)
+        loaded = load_manifest(out)
     except InputError:
-        return "other-sidecar"
+        return "other-sidecar", None
+    m = loaded[0]
     if files is None:
-        return "other-sidecar"
+        return "other-sidecar", loaded
     has_common = any(f["name"] == COMMON_NAME for f in m["files"])
     recorded = m["source"].get("files")
     now = files()
-    if (
-        recorded != now
-        and isinstance(recorded, list)
-        and record_forms(recorded) != record_forms(now)
-    ):
-        now = files(record_forms(recorded))  # written by an mpack that recorded other digests
+    if recorded != now and isinstance(recorded, list):
+        forms = record_forms(recorded)
+        if forms != record_forms(now):
+            now = files(forms)  # written by an mpack that recorded other digests
     same = m["target"] == target and has_common == common and recorded == now
     intact = all(
         (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"]
         for f in m["files"]
     )
-    return "same" if same and intact else "other-sidecar"
+    return ("same" if same and intact else "other-sidecar"), loaded
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
@@ -376,19 +374,21 @@ def run_convert(
         @functools.cache
         def early_hashes() -> list[dict[str, Any]]:
             got = {r["name"]: r for r in early.result()}
-            return [got[n] if n in got else hash_sources(src, [n])[0] for n in names]
+            missing = [n for n in names if n not in got]
+            got.update((r["name"], r) for r in hash_sources(src, missing) if missing)
+            return [got[n] for n in names]
 
         def source_hashes(forms: dict[str, str] | None = None) -> list[dict[str, Any]]:
             return early_hashes() if forms is None else hash_sources(src, names, forms=forms)
 
         if out.exists():
             t = time.perf_counter()
-            state = existing_state(
+            state, loaded = existing_state(
                 out, plan.target, None if force else source_hashes, common=COMMON_NAME in plan.files
             )
             seconds["hash_sources"] = time.perf_counter() - t
-            if state == "same" and not force:
-                m, digest = load_manifest(out)
+            if state == "same" and loaded is not None and not force:
+                m, digest = loaded
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
             if state == "foreign" or (state == "other-sidecar" and not force):
                 what = (
@@ -409,10 +409,8 @@ def run_convert(
         tmp.mkdir()
         try:
             written = _write_all(plan, tmp, dev, progress, seconds, tl)
-            copied = [n for n in names if n in COPIED_FILES]
             with tl.span("main", "copy-files"):
-                for name in copied:
-                    _copy_file(src.path / name, tmp / name)
+                copied = [_copy_file(src.path / n, tmp / n) for n in names if n in COPIED_FILES]
             t = time.perf_counter()
             files_src = early_hashes()
             seconds["wait_source_hashes"] = time.perf_counter() - t
@@ -423,13 +421,7 @@ def run_convert(
             seconds["wait_scheme_check"] = time.perf_counter() - t
             tl.add("main", "wait-scheme-check", t, time.perf_counter())
             t = time.perf_counter()
-            file_records = [{"name": n, **written[n]} for n in sorted(written)]
-            for name in copied:
-                p = tmp / name
-                size, sha = p.stat().st_size, sha256_file(p)
-                chunks = [sha] if size <= CHUNK_BYTES else chunk_digests(p)  # one chunk = the file
-                file_records.append({"name": name, "size": size, "sha256": sha,
-                                     "chunks": {"bytes": CHUNK_BYTES, "sha256": chunks}})  # fmt: skip
+            file_records = [{"name": n, **written[n]} for n in sorted(written)] + copied
             manifest = new_manifest(
                 target=plan.target,
                 source=provenance(src, files_src),
@@ -467,10 +459,25 @@ def _agree(check: SchemeCheck, ck: Checkpoint) -> None:
         )
 
 
-def _copy_file(a: Path, b: Path) -> None:
-    shutil.copyfile(a, b)
-    with open(b, "rb") as f:
-        os.fsync(f.fileno())
+def _copy_file(a: Path, b: Path) -> dict[str, Any]:
+    """Copy ``a`` to ``b`` (fsynced), hashing the bytes on the way: its ``files`` record, with
+    the whole-file sha256 and the chunk digests (FORMAT.md), from one read."""
+    whole, chunks, chunk, size = hashlib.sha256(), [], hashlib.sha256(), 0
+    with open(a, "rb", buffering=0) as fa, open(b, "wb") as fb:
+        while data := fa.read(min(COPY_CHUNK, CHUNK_BYTES - size % CHUNK_BYTES)):
+            fb.write(data)
+            whole.update(data)
+            chunk.update(data)
+            size += len(data)
+            if size % CHUNK_BYTES == 0:
+                chunks.append(chunk.hexdigest())
+                chunk = hashlib.sha256()
+        fb.flush()
+        os.fsync(fb.fileno())
+    if size == 0 or size % CHUNK_BYTES:
+        chunks.append(chunk.hexdigest())  # the last, shorter chunk (one chunk = the whole file)
+    return {"name": b.name, "size": size, "sha256": whole.hexdigest(),
+            "chunks": {"bytes": CHUNK_BYTES, "sha256": chunks}}  # fmt: skip
 
 
 def _model_summary(ck: Checkpoint) -> dict[str, Any]:
@@ -561,24 +568,14 @@ def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | No
 def _copy_passthrough(
     ck: Checkpoint, w: HashingWriter, bump: Callable[[int], None], tl: Timeline
 ) -> None:
-    """Copy pass-through tensors byte for byte, in file order, through a few reused buffers."""
-    bufs = [bytearray(COPY_CHUNK) for _ in range(COPY_BUFFERS)]
-    fences: list[threading.Event | None] = [None] * COPY_BUFFERS
-    i = 0
+    """Copy pass-through tensors byte for byte, in file order, through one reused buffer."""
+    buf = memoryview(bytearray(COPY_CHUNK))
     for entry in w.layout.entries:
-        t = ck.tensors[entry.name]
-        pos, end = 0, t.nbytes
-        while pos < end:
-            if fences[i] is not None:
-                fences[i].wait()  # the hasher is done with this buffer
-            n = min(COPY_CHUNK, end - pos)
-            view = memoryview(bufs[i])[:n]
+        for pos in range(0, entry.nbytes, COPY_CHUNK):
+            view = buf[: min(COPY_CHUNK, entry.nbytes - pos)]
             t = time.perf_counter()
             ck.read_into(entry.name, view, pos)
             t = tl.add("copy", "read", t, time.perf_counter())
             w.write_at(entry.offset + pos, view)
             tl.add("copy", COMMON_NAME, t, time.perf_counter())
-            fences[i] = w.fence()
-            bump(n)
-            pos += n
-            i = (i + 1) % COPY_BUFFERS
+            bump(len(view))

@@ -11,15 +11,16 @@ Three stages run at once, each on its own thread, with bounded queues between th
   into a second ring of pinned pieces with asynchronous copies; the small scale and bias
   tensors are computed on the host, where they already are.
 - **write** (``mpack-write``): waits for each piece's copy event, appends it to its file
-  (:class:`mpack.sidecar.HashingWriter`, which hashes and starts the disk writeback behind it),
-  and hands the piece back to the ring once the hasher is done with it.
+  (:class:`mpack.sidecar.HashingWriter`, which starts the disk writeback and the chunk hashing
+  behind it), and hands the piece back to the ring.
 
 Note [staging rings]: every buffer on the host side of the GPU is a fixed piece of pinned
 memory (``PIECE`` bytes, ``IN_PIECES`` + ``OUT_PIECES`` of them: 256 MiB in all). Fresh
 pageable buffers cost a page fault per 4 KiB, and pageable copies go through the driver's own
 bounce buffer at a fraction of the link's speed; a reused pinned ring costs neither, and bounds
-memory whatever the layer size. A piece is reused only after whatever read it last (a copy
-event, the writer's hasher) has finished: :class:`Ring` waits on those before handing it out.
+memory whatever the layer size. A piece is reused only after the copy that last used it has
+finished: :class:`Ring` waits on its CUDA event before handing it out (the writer is done with a
+piece when it gives it back).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Aborted(Exception):
 @dataclass
 class Slot:
     buf: torch.Tensor  # pinned uint8 [PIECE]
-    waits: list[Any] = field(default_factory=list)  # torch.cuda.Event | threading.Event
+    waits: list[Any] = field(default_factory=list)  # torch.cuda.Event
 
 
 class Ring:
@@ -85,12 +86,7 @@ class Ring:
                         f"convert stalled: no staging buffer freed in {STALL_S:.0f} s"
                     ) from None
         for w in slot.waits:
-            if isinstance(w, threading.Event):
-                while not w.wait(0.1):
-                    if self._abort.is_set():
-                        raise Aborted
-            else:
-                w.synchronize()
+            w.synchronize()
         slot.waits = []
         return slot
 
@@ -245,7 +241,7 @@ class Streamer:
                 t1 = self._mark("write_wait", t, "wait")
                 item.writer.write_at(item.offset, item.data)
                 if item.slot is not None:
-                    self.out_ring.release(item.slot, item.writer.fence())
+                    self.out_ring.release(item.slot)
                 self._mark("write", t1, item.writer.path.name)
                 self.on_written(item.data.nbytes)
         except BaseException:

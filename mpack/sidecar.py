@@ -21,10 +21,9 @@ import functools
 import hashlib
 import json
 import os
-import queue
 import struct
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,10 +304,9 @@ class HashingWriter:
     """Writes one planned safetensors file front to back, hashing every byte as it goes.
 
     Writes must come in file order (the planner guarantees it); each tensor's bytes may arrive
-    in several chunks. Three kinds of work overlap the caller's next write (all release the GIL):
+    in several chunks, and :meth:`write_at` is done with them when it returns. Two kinds of work
+    overlap the caller's next write (both release the GIL):
 
-    - the whole-file sha256, on this writer's own thread; at most ``HASH_QUEUE`` buffers wait
-      for it, and :meth:`fence` tells a caller when a buffer it wants to reuse has been hashed;
     - the per-chunk sha256 list (Note [chunk digests]): each ``chunk_bytes`` piece is re-read
       from the page cache and hashed on a shared pool as soon as the writer has passed its end;
     - write-behind (Note [write-behind]): every ``FLUSH_BYTES`` written, the kernel is asked to
@@ -316,11 +314,11 @@ class HashingWriter:
 
     ``finish()`` checks that every planned byte was written, fsyncs, and returns
     ``(size, sha256)``; ``chunks`` then holds the chunk digests (``chunk_bytes=None``: none).
-    With ``whole_file=False`` there is no whole-file sha256 (``finish`` returns None for it):
-    one sha256 stream is slower than the disk, and the chunk digests alone cover every byte.
+    The whole-file sha256 is computed in :meth:`write_at` itself; ``whole_file=False`` (what
+    ``mpack convert`` uses) skips it, and ``finish`` returns None for it: one sha256 stream is
+    slower than the disk, and the chunk digests alone cover every byte.
     """
 
-    HASH_QUEUE = 4
     FLUSH_BYTES = 32 * 1024 * 1024
 
     def __init__(
@@ -336,24 +334,11 @@ class HashingWriter:
         self.chunks: list[str] = []
         self._f: BinaryIO = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()
         self._h = hashlib.sha256() if whole_file else None
-        self._q: queue.Queue[Any] = queue.Queue(self.HASH_QUEUE)
-        self._hasher = threading.Thread(
-            target=self._hash_loop, name=f"sha256-{self.path.name}", daemon=True
-        )
-        if whole_file:
-            self._hasher.start()
         self._pos = 0
         self._flushed = 0
         self._chunk_futs: list[Future[str]] = []
         self._flushes: list[Future[None]] = []
         self._write(layout.header)
-
-    def _hash_loop(self) -> None:
-        while (item := self._q.get()) is not None:
-            if isinstance(item, threading.Event):
-                item.set()
-            else:
-                self._h.update(item)
 
     def _write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
@@ -361,7 +346,7 @@ class HashingWriter:
         while done < len(mv):
             done += self._f.write(mv[done:])
         if self._h is not None:
-            self._q.put(mv)
+            self._h.update(mv)
         self._pos += len(mv)
         if self._pos - self._flushed >= self.FLUSH_BYTES:
             self._flush_behind()
@@ -387,10 +372,7 @@ class HashingWriter:
 
     def write_at(self, offset: int, data: Any) -> None:
         """Append ``data`` (bytes-like, e.g. a numpy array) at ``offset``, which must be the end.
-
-        The hasher may still read ``data`` after this returns: keep it unchanged until
-        :meth:`fence` says so.
-        """
+        ``data`` may be reused as soon as this returns."""
         if offset != self._pos:
             raise AssertionError(
                 f"{self.path.name}: write at {offset}, but the file is at {self._pos}"
@@ -398,18 +380,11 @@ class HashingWriter:
         self._write(data)
 
     def fence(self) -> threading.Event:
-        """An event set once every buffer passed to :meth:`write_at` so far has been hashed."""
+        """An event set once every buffer passed to :meth:`write_at` so far is no longer read:
+        always already set, since :meth:`write_at` hashes and writes before it returns."""
         ev = threading.Event()
-        if self._hasher.is_alive():
-            self._q.put(ev)
-        else:
-            ev.set()
+        ev.set()
         return ev
-
-    def _stop_hasher(self) -> None:
-        if self._hasher.is_alive():
-            self._q.put(None)
-            self._hasher.join()
 
     def finish(self) -> tuple[int, str | None]:
         if self._pos != self.layout.size:
@@ -418,7 +393,6 @@ class HashingWriter:
             not self._chunk_futs or len(self._chunk_futs) * self.chunk_bytes < self._pos
         ):
             self._submit_chunk(len(self._chunk_futs))  # the last, shorter chunk (or an empty file)
-        self._stop_hasher()
         for fut in self._flushes:
             fut.result()
         os.fsync(self._f.fileno())
@@ -427,7 +401,6 @@ class HashingWriter:
         return self._pos, self._h.hexdigest() if self._h is not None else None
 
     def close(self) -> None:
-        self._stop_hasher()
         for fut in self._chunk_futs + self._flushes:
             fut.cancel()
         if not self._f.closed:
@@ -618,6 +591,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def chunk_mismatch(
+    got: Sequence[str], want: Sequence[str], chunk_bytes: int, size: int
+) -> tuple[int, int, int, int] | None:
+    """The first chunk whose digest differs from the manifest's: ``(index, start, end, how many
+    chunks differ)``, or None when all agree."""
+    bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    if not bad:
+        return None
+    lo = bad[0] * chunk_bytes
+    return bad[0], lo, min(lo + chunk_bytes, size), len(bad)
+
+
 def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list[str]:
     """Re-hash every file listed in the manifest; return one message per problem (empty = ok)."""
     problems = []
@@ -633,12 +618,12 @@ def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list
         ch = f.get("chunks")
         if ch:  # the chunk digests cover every byte; the loader checks the same
             got = chunk_digests(p, ch["bytes"])
-            bad = [i for i, (a, b) in enumerate(zip(got, ch["sha256"], strict=True)) if a != b]
+            bad = chunk_mismatch(got, ch["sha256"], ch["bytes"], size)
             if bad:
-                lo = bad[0] * ch["bytes"]
+                i, lo, hi, nbad = bad
                 problems.append(
-                    f"{f['name']}: sha256 of bytes {lo}..{min(lo + ch['bytes'], size)} is {got[bad[0]][:16]}..., "
-                    f"manifest says {ch['sha256'][bad[0]][:16]}... ({len(bad)} of {len(got)} chunks differ)"
+                    f"{f['name']}: sha256 of bytes {lo}..{hi} is {got[i][:16]}..., "
+                    f"manifest says {ch['sha256'][i][:16]}... ({nbad} of {len(got)} chunks differ)"
                 )
         else:
             digest = sha256_file(p)

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack.errors import DaemonError, ProtocolError, UsageError
+from mpack.errors import DaemonError, ProtocolError
 from mpack.runtime import protocol as P
 from mpack.runtime.layout import check_rank, tensors_from_wire
 from mpack.sidecar import load_manifest
@@ -87,8 +87,6 @@ def attach(
     """
     from mpack.runtime.weights import SharedWeights, build_views
 
-    if type(rank) is not int:
-        raise UsageError(f"rank must be an int, got {rank!r}")
     manifest, digest = load_manifest(sidecar)
     check_rank(manifest, rank)
     dev = P.resolve_device(device)

@@ -93,12 +93,11 @@ class Daemon:
         *,
         owner_uid: int | None = None,
         on_event: Callback | None = None,
-        hello_timeout: float = P.HELLO_TIMEOUT_S,
     ) -> None:
         self.served, self.path = served, path
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self.on_event = on_event or (lambda e: None)
-        self.hello_timeout = hello_timeout
+        self.hello_timeout = P.HELLO_TIMEOUT_S
         self.conns: dict[int, _Conn] = {}
         self.sel = selectors.DefaultSelector()
         self._stop = False

@@ -57,9 +57,11 @@ def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: 
                     continue
                 mods = [s["module"] for s in ly["shards"]]
                 w = torch.cat([ck.read(f"{m}.weight") for m in mods])  # fp8 [N, K], every shard
-                q, s_max = requantize_shards(w, torch.cat([read_scale(ck, m) for m in mods]),
-                                             [ck.tensors[f"{m}.weight"].shape[0] for m in mods])  # fmt: skip
-                rows = q.split([ck.tensors[f"{m}.weight"].shape[0] for m in mods])
+                widths = [ck.tensors[f"{m}.weight"].shape[0] for m in mods]
+                q, s_max = requantize_shards(
+                    w, torch.cat([read_scale(ck, m) for m in mods]), widths
+                )
+                rows = q.split(widths)
                 for mod, qm in zip(
                     mods, rows, strict=True
                 ):  # compressed-tensors dequantizes on the fly

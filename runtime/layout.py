@@ -75,7 +75,10 @@ def _align(n: int, a: int) -> int:
 
 
 def check_rank(manifest: dict[str, Any], rank: int) -> int:
-    """The sidecar's TP size, after checking ``0 <= rank < tp_size``."""
+    """The sidecar's TP size, after checking that ``rank`` is an int with ``0 <= rank < tp_size``
+    (every path to a rank's weights passes here: load, serve, attach)."""
+    if type(rank) is not int:
+        raise UsageError(f"rank must be an int, got {rank!r}")
     tp = manifest["target"]["tp_size"]
     if type(tp) is not int or tp < 1:
         raise CorruptFileError(f"manifest target tp_size is {tp!r}, not a positive integer")

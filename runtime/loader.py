@@ -22,10 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from mpack.errors import CorruptFileError, UsageError, VerificationError
+from mpack.errors import CorruptFileError, VerificationError
 from mpack.runtime.layout import Plan, Region, plan_rank
 from mpack.runtime.protocol import parse_device
-from mpack.sidecar import CHUNK_BYTES, regenerate_hint_of
+from mpack.sidecar import CHUNK_BYTES, chunk_mismatch, regenerate_hint_of
 
 if TYPE_CHECKING:
     import torch
@@ -104,10 +104,6 @@ class FillStats:
     bytes: int
     seconds: float
 
-    @property
-    def gbps(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / 1e9
-
 
 def read_full(f, view: memoryview) -> int:
     """``readinto`` until ``view`` is full or the file ends; the number of bytes read."""
@@ -151,15 +147,13 @@ def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPT
                         p.result()
                         pending[i] = None
                 got = [d.result() for d in digests] or [hashlib.sha256().hexdigest()]
-                bad = [
-                    j for j, (g, w) in enumerate(zip(got, r.chunk_sha256, strict=True)) if g != w
-                ]
+                bad = chunk_mismatch(got, r.chunk_sha256, r.chunk_bytes, r.size)
                 if bad:
-                    lo = bad[0] * r.chunk_bytes
+                    _, lo, hi, nbad = bad
                     raise VerificationError(
-                        f"{r.path}: sha256 of bytes {lo}..{min(lo + r.chunk_bytes, r.size)} does not match "
-                        f"the manifest's chunk sha256 ({len(bad)} of {len(got)} chunks differ): the file is "
-                        "damaged or was modified; refusing to serve it",
+                        f"{r.path}: sha256 of bytes {lo}..{hi} does not match the manifest's chunk "
+                        f"sha256 ({nbad} of {len(got)} chunks differ): the file is damaged or was "
+                        "modified; refusing to serve it",
                         hint=regenerate_hint_of(plan.manifest, plan.sidecar),
                     )
     finally:
@@ -223,8 +217,6 @@ def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> S
 
     from mpack.runtime.weights import SharedWeights, build_views
 
-    if type(rank) is not int:
-        raise UsageError(f"rank must be an int, got {rank!r}")
     kind, ordinal = parse_device(device)
     plan = plan_rank(sidecar, rank)
     if kind == "cpu":

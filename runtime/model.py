@@ -92,12 +92,12 @@ def _nn_modules():
         def __init__(self, parts: list[tuple[Any, ...]], dtype: torch.dtype) -> None:
             super().__init__()
             self.parts, self.dtype = parts, dtype
+            self.ks = [k for (_, _, _, _, k) in parts]  # each rank's input features
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            ks = [k for (_, _, _, _, k) in self.parts]
             y = None
             for r, ((w, s, b, n, k), xr) in enumerate(
-                zip(self.parts, x.split(ks, dim=-1), strict=True)
+                zip(self.parts, x.split(self.ks, dim=-1), strict=True)
             ):
                 part = marlin_linear(
                     xr, w, s, b if r == 0 else None, n=n, k=k, out_dtype=torch.float32

@@ -193,7 +193,11 @@ def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]
         try:
             for mode, threads, block in configs:
                 marlin.REPACK_BLOCK_BYTES = block
-                with marlin.block_pool(threads) if mode == "pool" else _nothing() as pool:
+                with (
+                    marlin.block_pool(threads)
+                    if mode == "pool"
+                    else contextlib.nullcontext() as pool
+                ):
                     torch.set_num_threads(threads if mode == "omp" else saved[0])
                     ms = sum(cpu_time_ms(lambda w=w: marlin.repack(w, pool), reps, 1)
                              for w in layers)  # fmt: skip
@@ -210,11 +214,6 @@ def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]
             torch.set_num_threads(saved[0])
             marlin.REPACK_BLOCK_BYTES = saved[1]
     return rows
-
-
-@contextlib.contextmanager
-def _nothing() -> Any:
-    yield None
 
 
 # --- report ------------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = Path(__file__).resolve()
 MiB = 1024 * 1024
 GB = 1e9
+#: /proc/<pid>/status fields of a process's own memory on the host backend (not the shared mapping).
+OWN_MEMORY = ("RssAnon:", "VmPTE:")
 DEPTH = 4  # the floor's ring slots (the loader's own ring is deeper: loader.DEPTH)
 LLAMA_8B_LAYERS, LLAMA_8B_VOCAB = 32, 128256  # scripts/synth_checkpoint.py's defaults
 READY_TIMEOUT_S = 900.0  # a cold 8B load from a slow disk, after a cold torch import
@@ -657,7 +659,7 @@ def host_memory() -> int:
         try:
             pgrp = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[2])
             if pgrp in groups:
-                total += proc_status_bytes(int(d), ("RssAnon:", "VmPTE:"))
+                total += proc_status_bytes(int(d), OWN_MEMORY)
         except (OSError, IndexError, ValueError):
             continue
     return total
@@ -708,10 +710,22 @@ def section_floor(c: Ctx) -> dict[str, Any]:
     return f
 
 
-def section_serve(c: Ctx) -> dict[str, Any]:
+def _cold_and_warm(c: Ctx, one: Callable[[str], dict[str, Any]], key: str) -> dict[str, Any]:
+    """``one("cold")`` once (unless ``--cold none``), then ``one("warm")`` ``--warm-reps`` times;
+    ``warm_best`` is the smallest ``key`` of the warm runs."""
     out: dict[str, Any] = {"warm": []}
-    runs = (["cold"] if c.args.cold != "none" else []) + ["warm"] * c.args.warm_reps
-    for temp in runs:
+    for temp in (["cold"] if c.args.cold != "none" else []) + ["warm"] * c.args.warm_reps:
+        r = one(temp)
+        if temp == "cold":
+            out["cold"] = r
+        else:
+            out["warm"].append(r)
+    out["warm_best"] = min(r[key] for r in out["warm"]) if out["warm"] else None
+    return out
+
+
+def section_serve(c: Ctx) -> dict[str, Any]:
+    def one(temp: str) -> dict[str, Any]:
         state = (
             evict(c.files, c.args.cold)
             if temp == "cold"
@@ -721,33 +735,25 @@ def section_serve(c: Ctx) -> dict[str, Any]:
         code = d.end(signal.SIGTERM, 60)
         r = {"load_s": ready["load_s"], "wall_s": ready["wall_s"], "bytes": ready["bytes"],
              "startup_s": ready["wall_s"] - ready["load_s"], "exit": code, "state": state}  # fmt: skip
-        if temp == "cold":
-            out["cold"] = r
-        else:
-            out["warm"].append(r)
         print(f"  serve ({temp}): load_s {r['load_s']:.2f} s ({gbps(c.total, r['load_s'])}), "
               f"Popen to READY {r['wall_s']:.2f} s, SIGTERM exit {code}")  # fmt: skip
-    out["warm_best"] = min(r["load_s"] for r in out["warm"]) if out["warm"] else None
-    return out
+        return r
+
+    return _cold_and_warm(c, one, "load_s")
 
 
 def section_safetensors(c: Ctx) -> dict[str, Any]:
-    out: dict[str, Any] = {"warm": []}
-    runs = (["cold"] if c.args.cold != "none" else []) + ["warm"] * c.args.warm_reps
-    for temp in runs:
+    def one(temp: str) -> dict[str, Any]:
         if temp == "warm":
             ensure_warm(c.files)
         args = {"device": c.device, "files": [str(p) for p in c.files], "probe": c.probe,
                 "cold": c.args.cold if temp == "cold" else "none"}  # fmt: skip
         r = c.run_worker("safetensors", args, "safetensors", 1800)
-        if temp == "cold":
-            out["cold"] = r
-        else:
-            out["warm"].append(r)
         print(f"  load_file ({temp}): {r['seconds']:.2f} s ({gbps(r['bytes'], r['seconds'])}), "
               f"{r['tensors']} tensors, safetensors {r['version']}")  # fmt: skip
-    out["warm_best"] = min(r["seconds"] for r in out["warm"]) if out["warm"] else None
-    return out
+        return r
+
+    return _cold_and_warm(c, one, "seconds")
 
 
 def _clients(c: Ctx, n: int) -> list[Child]:
@@ -775,8 +781,8 @@ def section_attach(c: Ctx, m0: int) -> dict[str, Any]:
     try:
         out["daemon_bytes"] = ready["bytes"]
         m_one = c.mem()
-        own = None if c.cuda else proc_status_bytes(d.proc.pid, ("RssAnon:", "VmPTE:"))
-        counts = [int(x) for x in c.args.clients.split(",")]
+        own = None if c.cuda else proc_status_bytes(d.proc.pid, OWN_MEMORY)
+        counts = c.args.clients
         for n in counts:
             kids = _clients(c, n)
             try:
@@ -831,8 +837,8 @@ def section_torch_mp(c: Ctx, m0: int) -> dict[str, Any]:
     try:
         out.update(p.read_json("loaded", 1800))
         m_one = c.mem()
-        own = None if c.cuda else proc_status_bytes(p.proc.pid, ("RssAnon:", "VmPTE:"))
-        counts = [int(x) for x in c.args.clients.split(",")]
+        own = None if c.cuda else proc_status_bytes(p.proc.pid, OWN_MEMORY)
+        counts = c.args.clients
         for n in counts:
             p.send(f"round {n}")
             p.read_json("ready", CLIENT_TIMEOUT_S)
@@ -890,9 +896,8 @@ def prepare_sidecar(a: argparse.Namespace, env: dict[str, str], cwd: Path) -> Pa
                         str(a.layers), "--vocab", str(a.vocab)], check=True, env=env, cwd=cwd)  # fmt: skip
         print(f"generated {src} in {time.perf_counter() - t:.1f} s", flush=True)
     t = time.perf_counter()
-    conv = a.device if a.device != "cpu" else "cpu"
     subprocess.run([sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out),
-                    "--device", conv, "--quiet"], check=True, env=env, cwd=cwd)  # fmt: skip
+                    "--device", a.device, "--quiet"], check=True, env=env, cwd=cwd)  # fmt: skip
     print(f"converted to {out} in {time.perf_counter() - t:.1f} s", flush=True)
     return out
 
@@ -941,7 +946,7 @@ def summarize(c: Ctx) -> list[dict[str, Any]]:
     else:
         serve, floor = _get(r, "serve", "warm_best"), _get(r, "floor", "copy_warm_best")
         st = _get(r, "safetensors", "warm_best")
-    top = str(max(int(x) for x in c.args.clients.split(",")))
+    top = str(max(c.args.clients))
     att = _get(r, "attach", "rounds", top, "attach_ms", "max")
     att_total = _get(r, "attach", "rounds", top, "total_ms", "max")
     tmp_total = _get(r, "torch_mp", "rounds", top, "total_ms", "max")
@@ -1029,7 +1034,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=LLAMA_8B_VOCAB, help="with --workdir")
     ap.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default cuda:0)")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--clients", default="1,2,4,8", help="client counts (memory at the largest)")
+    ap.add_argument("--clients", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")],
+                    help="client counts (memory at the largest)")  # fmt: skip
     ap.add_argument("--warm-reps", type=int, default=2)
     ap.add_argument("--floor-chunks", default="16,64", help="MiB; the best warm one is used cold")
     ap.add_argument("--cold", choices=["drop", "fadvise", "none"], default="drop",

@@ -19,7 +19,7 @@ if [ "$rc" -eq 0 ] && [ "${BENCH_S:-420}" -gt 0 ]; then
 fi
 if [ "${SUITE_S:-200}" -gt 0 ]; then
   timeout "${SUITE_S:-200}" make test-gpu SYSTEM_PYTHON="python3 -P" \
-    PYTEST_ARGS="-p no:cacheprovider --ignore=tests/test_format_doc.py" 2>&1 | tee "$OUT/test-gpu.log"
+    PYTEST_ARGS="-p no:cacheprovider" 2>&1 | tee "$OUT/test-gpu.log"
   suite=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] && rc=$suite
 fi

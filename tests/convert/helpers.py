@@ -7,10 +7,8 @@ and let them overlap; each test then waits for its own run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -19,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from mpack.sidecar import read_layout, sha256_file
 
 Proc = subprocess.CompletedProcess
 
@@ -123,9 +123,7 @@ def manifest(sidecar: Path) -> dict[str, Any]:
 # --- files ----------------------------------------------------------------------------------
 
 
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+sha256 = sha256_file  # hex sha256 of a file's bytes
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -137,18 +135,10 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     }
 
 
-def st_header(path: Path) -> tuple[dict[str, Any], int]:
-    """A safetensors file's JSON header (with ``__metadata__``) and where its data starts."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
-
-
 def tensor_range(path: Path, name: str) -> tuple[int, int]:
     """Absolute byte range ``[start, end)`` of tensor ``name`` in safetensors file ``path``."""
-    header, start = st_header(path)
-    a, b = header[name]["data_offsets"]
-    return start + a, start + b
+    e = read_layout(path).entry(name)
+    return e.offset, e.offset + e.nbytes
 
 
 # --- checkpoints ----------------------------------------------------------------------------

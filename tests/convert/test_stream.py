@@ -225,13 +225,12 @@ def test_streamer_read_error_is_the_one_reported(ckpt: Path, tmp_path: Path) -> 
 def test_passthrough_copy_through_small_reused_buffers(
     ckpt: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """Pass-through tensors copied 4 KiB at a time through two reused buffers (each reuse waits
-    for the hasher): the same sidecar as with the defaults."""
+    """Pass-through tensors copied 4 KiB at a time through one reused buffer: the same sidecar
+    as with the defaults."""
     from mpack.convert import pipeline
 
     a = pipeline.run_convert(ckpt, tmp_path / "a", device="cpu")
     monkeypatch.setattr(pipeline, "COPY_CHUNK", 4096)
-    monkeypatch.setattr(pipeline, "COPY_BUFFERS", 2)
     b = pipeline.run_convert(ckpt, tmp_path / "b", device="cpu")
     assert a.manifest["files"] == b.manifest["files"]
 
@@ -270,3 +269,22 @@ def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path) -> None:
     assert all(b0 <= a1 + 1e-4 for (_, _, b0), (_, a1, _) in zip(main, main[1:], strict=False))
     written = [s for s in spans if s[0] == "write" and not s[1].startswith("wait")]
     assert {what for _, what, _, _ in written} == {"rank-00-of-01.safetensors"}
+
+
+@pytest.mark.parametrize("n", [0, 1, 999, 1000, 1001, 4567])
+def test_copied_file_record_comes_from_one_read(tmp_path: Path, monkeypatch, n: int) -> None:
+    """A copied file's record (sha256 and chunk digests, computed while copying) equals the
+    digests of the copy, whatever its size against the chunk and copy sizes."""
+    from mpack.convert import pipeline
+
+    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(pipeline, "COPY_CHUNK", 300)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_bytes(random.Random(n).randbytes(n))
+    rec = pipeline._copy_file(a, b)
+    body = b.read_bytes()
+    assert body == a.read_bytes()
+    assert rec["name"] == "b.json" and rec["size"] == n
+    assert rec["sha256"] == hashlib.sha256(body).hexdigest()
+    want = [rec["sha256"]] if n <= 1000 else chunk_digests(b, 1000)
+    assert rec["chunks"] == {"bytes": 1000, "sha256": want}

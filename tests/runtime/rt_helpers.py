@@ -61,9 +61,6 @@ class DaemonProc:
             time.sleep(0.02)
         raise AssertionError(f"serve not READY within {timeout} s: {self.stderr()}")
 
-    def wait_exit(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
-
     def stderr(self) -> str:
         return self.err.read_text()
 

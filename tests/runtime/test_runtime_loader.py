@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import flip_byte
 from sidecar_factory import expected_tensors, make_sidecar
 
 from mpack.errors import (
@@ -82,9 +83,7 @@ def test_fill_with_any_chunking_gives_the_file_bytes(sidecar, chunk, depth):
 def test_a_flipped_byte_is_refused(tmp_path):
     sc = make_sidecar(tmp_path / "s", seed=3)
     f = sc / rank_file_name(0, 1)
-    data = bytearray(f.read_bytes())
-    data[-100] ^= 0x80
-    f.write_bytes(bytes(data))
+    flip_byte(f, f.stat().st_size - 100, 0x80)
     with pytest.raises(VerificationError, match="does not match the manifest") as e:
         load(sc)
     assert "mpack convert" in e.value.hint
@@ -222,8 +221,6 @@ def test_chunks_larger_than_the_read_piece_are_hashed_in_order(sidecar, tmp_path
     for r in plan.regions:
         assert bytes(buf[r.offset : r.offset + r.size].numpy()) == r.path.read_bytes(), r.name
     flip = chunked / rank_file_name(1, 2)
-    raw = bytearray(flip.read_bytes())
-    raw[8192 + 3000] ^= 0x01
-    flip.write_bytes(raw)
+    flip_byte(flip, 8192 + 3000, 0x01)
     with pytest.raises(VerificationError, match=r"bytes 8192\.\.16384 .*chunk sha256"):
         fill(plan_rank(chunked, 1), HostDest(memoryview(buf.numpy())), chunk=1024, depth=3)

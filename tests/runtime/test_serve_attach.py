@@ -92,9 +92,7 @@ class World:
         for p in self.probes:
             p.kill()
         for d in self.daemons:
-            if d.alive():
-                d.proc.kill()
-                d.proc.wait(10)
+            d.stop(signal.SIGKILL, 10)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
