@@ -15,7 +15,14 @@ from typing import Annotated
 import typer
 
 from mpack import __version__
-from mpack.errors import MpackError, UsageError, VerificationError
+from mpack.errors import (
+    ENVIRONMENT_ERRNOS,
+    MpackError,
+    UsageError,
+    VerificationError,
+    environment_failure,
+    exit_code_for,
+)
 
 app = typer.Typer(
     name="mpack",
@@ -276,6 +283,8 @@ def status(
 
 def _print_error(exc: BaseException) -> None:
     stream = sys.stderr
+    if not isinstance(exc, MpackError) and getattr(exc, "errno", None) in ENVIRONMENT_ERRNOS:
+        exc = environment_failure(exc)  # type: ignore[arg-type]  # the machine refused: exit 3
     if isinstance(exc, MpackError):
         print(f"error: {exc.message}", file=stream)
         if exc.hint:
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
         _print_error(e)
-        code = e.exit_code if isinstance(e, MpackError) else 1
+        code = exit_code_for(e)
     if argv is None:
         sys.exit(code)
     return code

@@ -2,7 +2,9 @@
 
 An ``MpackError`` carries a message that names the file, layer and value at fault, and a
 ``hint``: the next thing to do (often a command). The CLI prints both and exits with
-``exit_code``: 2 for bad input or usage (the user can fix it), 1 for an internal error.
+``exit_code``: 2 for bad input or usage (the user can fix it), 3 for the environment (permission
+denied, read-only file system, disk full: nothing wrong with the input or with mpack), 1 for an
+internal error.
 Anything that is *not* an ``MpackError`` is a bug in mpack and exits 1. Tracebacks are shown
 only with ``MPACK_DEBUG=1``.
 
@@ -11,6 +13,8 @@ Subclasses also derive from the closest builtin, so library users can catch ``Va
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class MpackError(Exception):
@@ -72,12 +76,51 @@ class DaemonError(MpackError, ConnectionError):
     exit_code = 2
 
 
+class BusyError(InputError):
+    """Another mpack process holds the lock on the same output (a convert to the same ``-o``)."""
+
+
+class EnvironmentFailure(MpackError, OSError):
+    """The machine refused an operation that the input asked for correctly: permission denied,
+    read-only file system, disk full, too many open files. Exit code 3."""
+
+    exit_code = 3
+
+
 class ProtocolError(MpackError, ConnectionError):
     """A peer that broke the serve/attach protocol (bad size, version, schema)."""
 
 
+#: errno values that say "the machine refused", not "mpack has a bug" (exit code 3).
+ENVIRONMENT_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in ("EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "EMFILE", "ENFILE", "EIO", "ENOMEM")
+    if hasattr(errno, n)
+)
+
+
+def environment_failure(exc: OSError, doing: str = "") -> EnvironmentFailure:
+    """An ``EnvironmentFailure`` for an ``OSError`` whose errno is in ``ENVIRONMENT_ERRNOS``."""
+    where = exc.filename if exc.filename is not None else "?"
+    what = f" while {doing}" if doing else ""
+    hints = {
+        "EACCES": "check the file's permissions, or run as a user that may access it",
+        "EPERM": "check the file's permissions, or run as a user that may access it",
+        "EROFS": "write the output to a writable file system (-o)",
+        "ENOSPC": "free some space, or write the output to another disk (-o)",
+        "EDQUOT": "free some space, or write the output to another disk (-o)",
+        "EMFILE": "raise the open-file limit (ulimit -n)",
+        "ENFILE": "raise the open-file limit (ulimit -n)",
+    }
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return EnvironmentFailure(f"{where}: {exc.strerror or exc}{what}", hint=hints.get(name))
+
+
 def exit_code_for(exc: BaseException) -> int:
-    """The process exit code for ``exc``: its ``exit_code`` for an ``MpackError``, else 1."""
+    """The process exit code for ``exc``: its ``exit_code`` for an ``MpackError``, 3 for an
+    ``OSError`` the environment caused (``ENVIRONMENT_ERRNOS``), else 1."""
     if isinstance(exc, MpackError):
         return exc.exit_code
+    if isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:
+        return EnvironmentFailure.exit_code
     return 1
