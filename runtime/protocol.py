@@ -205,8 +205,8 @@ class Device:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.ordinal}"
 
 
-def parse_device(spec: str) -> tuple[str, int | None]:
-    """``"cpu"`` -> ("cpu", None); ``"cuda"`` / ``"cuda:N"`` -> ("cuda", N). Touches no driver."""
+def parse_device_spec(spec: str) -> tuple[str, int | None]:
+    """``"cpu"`` -> ("cpu", None); ``"cuda"`` / ``"cuda:N"`` -> ("cuda", N). The syntax only."""
     s = str(spec).strip().lower()
     if s == "cpu":
         return "cpu", None
@@ -214,6 +214,35 @@ def parse_device(spec: str) -> tuple[str, int | None]:
     if not m:
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {spec!r}")
     return "cuda", int(m.group(1) or 0)
+
+
+def parse_device(spec: str) -> tuple[str, int | None]:
+    """:func:`parse_device_spec`, and for CUDA a check that torch sees that device (asked through
+    NVML where torch can: no CUDA context is created).
+
+    Raises:
+        UsageError: a bad spec, or a CUDA device this machine does not have (no GPU, no driver,
+            a CPU-only torch, or an index past the last device).
+    """
+    kind, ordinal = parse_device_spec(spec)
+    if kind == "cuda":
+        import torch
+
+        assert ordinal is not None
+        n = torch.cuda.device_count()  # 0 without a driver or a CUDA build; never raises
+        if ordinal >= n:
+            label = str(spec).strip()
+            if n == 0:
+                raise UsageError(
+                    f"--device {label}: no CUDA device here (torch reports none)",
+                    hint="use --device cpu (or run on a machine with a GPU and its driver)",
+                )
+            raise UsageError(
+                f"--device {label}: no such CUDA device here (torch reports {n}: "
+                f"cuda:0 to cuda:{n - 1})",
+                hint=f"use --device cuda:0 .. cuda:{n - 1}, or --device cpu",
+            )
+    return kind, ordinal
 
 
 def resolve_device(spec: str) -> Device:

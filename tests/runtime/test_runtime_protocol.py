@@ -102,12 +102,14 @@ def test_peer_credentials_are_the_kernel_s():
 
 
 def test_device_parsing():
-    assert P.parse_device("cpu") == ("cpu", None)
-    assert P.parse_device("CUDA") == ("cuda", 0)
-    assert P.parse_device("cuda:3") == ("cuda", 3)
+    assert P.parse_device_spec("cpu") == P.parse_device("cpu") == ("cpu", None)
+    assert P.parse_device_spec("CUDA") == ("cuda", 0)
+    assert P.parse_device_spec("cuda:3") == ("cuda", 3)
     for bad in ("gpu", "cuda:", "cuda:-1", "cuda:x", "cpu:0"):
         with pytest.raises(UsageError, match="--device"):
             P.parse_device(bad)
+    with pytest.raises(UsageError, match="--device cuda:9999: no .*CUDA device here"):
+        P.parse_device("cuda:9999")  # past the last device, or none at all
     assert P.resolve_device("cpu") == P.Device("cpu", None, "cpu")
 
 
