@@ -222,14 +222,33 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
 def emit_ready(info: dict[str, Any]) -> None:
     """The one ``READY key=value ...`` line ``mpack serve`` prints on stdout when it serves."""
     keys = ("socket", "pid", "device", "backend", "bytes", "load_s", "rank", "digest")
-    print("READY " + " ".join(f"{k}={info[k]}" for k in keys if k in info), flush=True)
+    _daemon_line(sys.stdout, "READY " + " ".join(f"{k}={info[k]}" for k in keys if k in info))
+
+
+def _daemon_line(stream: Any, line: str) -> None:
+    """Write and flush one line of the daemon's output; never raises. A write that fails (the
+    pipe's reader went away: EPIPE; a full disk) drops the line, and the stream's descriptor is
+    pointed at /dev/null: later lines are dropped too, and the flush at interpreter exit cannot
+    turn the daemon's clean stop into an error (Python exits 120 when it fails)."""
+    import os
+
+    if stream is None:
+        return
+    try:
+        stream.write(line + "\n")
+        stream.flush()
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            os.dup2(null, stream.fileno())
+            os.close(null)
 
 
 def emit_event(event: dict[str, Any]) -> None:
     """One log line on stderr per daemon event (attach, detach, refusals, bad requests)."""
     rest = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    print(f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip(), file=sys.stderr, flush=True)
+    _daemon_line(sys.stderr, f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip())
 
 
 def _uptime(s: float) -> str:

@@ -12,6 +12,9 @@ dies. So while the lock is held any socket file is live, and when it can be take
 file left at the path is stale (a daemon killed with SIGKILL) and is replaced. A daemon that
 stops cleanly removes the socket and the lock file (after checking the path still names the
 file it locked, so a racing starter never ends up holding an unlinked lock).
+
+Logging never stops the daemon (``Daemon.on_event``): a log callback that fails, e.g. because
+the reader of its pipe went away, costs that line and the later ones, nothing else.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from mpack.runtime import protocol as P
 from mpack.runtime.layout import Plan, plan_rank, tensors_to_wire
 
 Callback = Callable[[dict[str, Any]], None]
+# Each stops the daemon cleanly (socket and lock removed, exit 0). SIGHUP too: a closed terminal
+# or a `nohup`-less start must not leave a stale socket behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass
@@ -96,7 +102,7 @@ class Daemon:
     ) -> None:
         self.served, self.path = served, path
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
-        self.on_event = on_event or (lambda e: None)
+        self._log = on_event
         self.hello_timeout = P.HELLO_TIMEOUT_S
         self.conns: dict[int, _Conn] = {}
         self.sel = selectors.DefaultSelector()
@@ -107,11 +113,11 @@ class Daemon:
     # --- lifecycle ------------------------------------------------------------------------
 
     def run(self, on_ready: Callback | None = None) -> None:
-        """Bind, print READY (through ``on_ready``), serve until SIGTERM/SIGINT, clean up."""
+        """Bind, print READY (through ``on_ready``), serve until a ``STOP_SIGNALS``, clean up."""
         self._listener = _bind(self.path)
         ino = os.lstat(self.path).st_ino
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         old_wakeup = signal.set_wakeup_fd(wake_w)
         try:
             self.sel.register(self._listener, selectors.EVENT_READ, "listen")
@@ -143,6 +149,16 @@ class Daemon:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Hand ``event`` to the log. Logging never stops the daemon: if the log callback fails
+        (its reader went away, a full disk), this event and every later one are dropped."""
+        if self._log is None:
+            return
+        try:
+            self._log(event)
+        except Exception:  # noqa: BLE001 - any failure of the log, which has nowhere to go
+            self._log = None
 
     # --- connections ----------------------------------------------------------------------
 
@@ -211,8 +227,8 @@ class Daemon:
             return
         conn.answered = True
         if msg["type"] == P.STATUS:
+            conn.close_after_send = True  # before _send: it may flush the whole reply at once
             self._send(conn, {"type": P.STATUS, **self.status()})
-            conn.close_after_send = True
         else:
             self._attach(conn, msg)
 
@@ -417,7 +433,7 @@ def serve(
     on_ready: Callback | None = None,
     on_event: Callback | None = None,
 ) -> None:
-    """Serve one rank of ``sidecar`` until SIGTERM/SIGINT (the ``mpack serve`` command).
+    """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command).
 
     Order: manifest and headers checked (format version, rank) -> socket path -> lock -> fill
     while verifying checksums -> listen -> ``on_ready`` -> serve. Any failure before listening

@@ -20,12 +20,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from rt_helpers import DaemonProc, child_env  # noqa: E402
+from rt_helpers import DaemonProc, child_env, fd_count, raw_connect, wait_for  # noqa: E402
 from sidecar_factory import make_sidecar  # noqa: E402
 
 from mpack.errors import UsageError  # noqa: E402
 from mpack.runtime import attach, load  # noqa: E402
 from mpack.runtime import protocol as P  # noqa: E402
+from mpack.runtime.client import status_of  # noqa: E402
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root")
@@ -92,6 +93,102 @@ def _attach_twice(sc: Path, sock: Path) -> None:
     for _ in range(2):
         with attach(sc, socket=sock) as w:
             assert len(w) > 0
+
+
+# --- issue 11.2: the daemon outlives the reader of its output; SIGHUP stops it cleanly ---------
+
+
+def test_the_daemon_outlives_the_reader_of_its_output(sc, env, tmp_path):
+    """`mpack serve S 2>&1 | head -1`: READY read, then the reader goes away."""
+    sock = tmp_path / "s.sock"
+    proc = subprocess.Popen(
+        _serve_cmd(sc, "--socket", str(sock)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert _read_line(proc.stdout).startswith(b"READY ")
+        proc.stdout.close()  # what `head -1` does after its line
+        _attach_twice(sc, sock)  # each attach and detach writes a log line into the dead pipe
+        assert proc.poll() is None, "the daemon died writing a log line"
+        assert status_of(sock)["pid"] == proc.pid
+        _attach_twice(sc, sock)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0  # a clean stop stays clean with nowhere to log "stopped"
+        assert not sock.exists() and not _lock_of(sock).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_reader_gone_before_ready_neither_kills_the_daemon_nor_fails_its_exit(sc, env, tmp_path):
+    """`mpack serve S | true`: READY itself hits EPIPE; the line is dropped, the daemon serves,
+    and the interpreter's final flush of stdout does not turn the clean stop into exit 120."""
+    sock = tmp_path / "s.sock"
+    err = tmp_path / "serve.err"
+    with open(err, "w") as e:
+        proc = subprocess.Popen(
+            _serve_cmd(sc, "--socket", str(sock)), stdout=subprocess.PIPE, stderr=e, env=env,
+            cwd=tmp_path,
+        )  # fmt: skip
+    proc.stdout.close()
+    try:
+        wait_for(lambda: sock.exists() or proc.poll() is not None, 120, "the socket")
+        assert proc.poll() is None, err.read_text()
+        _attach_twice(sc, sock)
+        assert proc.poll() is None, err.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, err.read_text()
+        assert "Traceback" not in err.read_text() and "BrokenPipe" not in err.read_text()
+        assert "stopped" in err.read_text()  # stderr was fine: only stdout's lines were dropped
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_sighup_stops_the_daemon_cleanly(sc, env, tmp_path):
+    d = DaemonProc(sc, "cpu", env, tmp_path, "--socket", str(tmp_path / "s.sock"))
+    try:
+        d.wait_ready()
+        sock = d.socket
+        assert sock.exists() and _lock_of(sock).exists()
+        assert d.stop(signal.SIGHUP) == 0
+        assert not sock.exists(), "SIGHUP left a stale socket"
+        assert not _lock_of(sock).exists()
+        assert "stopped" in d.stderr() and "Traceback" not in d.stderr()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+# --- issue 11.15: a status connection is closed right after its reply --------------------------
+
+
+def test_status_connections_close_right_after_the_reply(sc, env, tmp_path):
+    sock = tmp_path / "s.sock"
+    d = DaemonProc(sc, "cpu", env, tmp_path, "--socket", str(sock))
+    try:
+        d.wait_ready()
+        base = fd_count(d.pid)
+        with raw_connect(sock) as s:
+            s.sendall(P.encode({"type": P.STATUS}))
+            reply, fds = P.recv_message(s)
+            assert reply["type"] == P.STATUS and fds == []
+            s.settimeout(0.5)
+            assert s.recv(1) == b"", "the daemon kept the status connection open"
+        t0 = time.monotonic()
+        assert status_of(sock)["pid"] == d.pid
+        assert time.monotonic() - t0 < 0.5
+        wait_for(lambda: fd_count(d.pid) <= base, 0.5, "the daemon to close the status connection")
+        r = subprocess.run(
+            [sys.executable, "-m", "mpack.cli", "status", "--socket", str(sock), "--json"],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0 and str(d.pid) in r.stdout, r.stderr
+        assert d.stop() == 0
+    finally:
+        d.stop(signal.SIGKILL)
 
 
 # --- issue 11.13: a CUDA device this machine does not have --------------------------------------
