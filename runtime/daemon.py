@@ -13,6 +13,15 @@ file left at the path is stale (a daemon killed with SIGKILL) and is replaced. A
 stops cleanly removes the socket and the lock file (after checking the path still names the
 file it locked, so a racing starter never ends up holding an unlinked lock).
 
+Note [trust model for the socket directory]: the default directory is private (0700, ours:
+protocol.check_private_dir). A ``--socket`` directory must be one that other users cannot write,
+or a sticky one (``/tmp``), where they cannot remove or rename what is ours
+(fsutil.check_safe_dir). Even so, another user may have planted files there first, so: the lock
+file is opened with ``O_NOFOLLOW`` and must be a regular file of ours with mode 0600
+(fsutil.LockFile), else the daemon refuses to start, without writing to it or printing the pid
+it holds; a file at the socket path is removed only if ``lstat`` shows a socket of ours; the new
+socket is made 0600 by the umask, not by a ``chmod`` that would follow a planted symlink.
+
 Logging never stops the daemon (``Daemon.on_event``): a log callback that fails, e.g. because
 the reader of its pipe went away, costs that line and the later ones, nothing else.
 """
@@ -20,8 +29,6 @@ the reader of its pipe went away, costs that line and the later ones, nothing el
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import resource
 import selectors
@@ -30,12 +37,12 @@ import socket
 import stat
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpack import __version__
+from mpack import __version__, fsutil
 from mpack.errors import DaemonError
 from mpack.runtime import protocol as P
 from mpack.runtime.layout import Plan, plan_rank, tensors_to_wire
@@ -352,13 +359,19 @@ def _send_and_close(sock: socket.socket, code: str, message: str) -> None:
 
 
 def _bind(path: Path) -> socket.socket:
-    """A listening, non-blocking socket at ``path`` with mode 0600 (replacing a stale one)."""
+    """A listening, non-blocking socket at ``path`` with mode 0600 (replacing a stale one).
+
+    Only a stale *socket of ours* is removed, and the new one is created 0600 by the umask, never
+    by a ``chmod`` of the path (which would follow a symlink planted in its place); ``bind``
+    itself never follows a symlink. It is checked afterwards with ``lstat``.
+    """
     P.check_socket_path(path)
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise DaemonError(
-                f"{path} exists and is not a socket", hint="remove it or pick another --socket"
-            )
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        _check_ours(path, st)
         os.unlink(path)  # stale: Note [one daemon per (sidecar, rank, device)]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
@@ -369,10 +382,28 @@ def _bind(path: Path) -> socket.socket:
         raise DaemonError(f"cannot listen on {path}: {e.strerror}") from None
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    try:
+        _check_ours(path, os.lstat(path), mode=0o600)
+    except BaseException:
+        sock.close()
+        raise
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def _check_ours(path: Path, st: os.stat_result, mode: int | None = None) -> None:
+    """``st``, an ``lstat`` of ``path``, must be a socket of ours (with exactly ``mode``)."""
+    me = os.geteuid()
+    kind = "a regular file" if stat.S_ISREG(st.st_mode) else fsutil.kind_of(st.st_mode)
+    if kind != "a socket" or st.st_uid != me or (mode is not None and st.st_mode & 0o777 != mode):
+        raise DaemonError(
+            f"{path} is {kind} of uid {st.st_uid} with mode {stat.filemode(st.st_mode)}; the "
+            f"daemon only replaces a stale socket of its own (uid {me}), so it refuses to use or "
+            "remove it",
+            hint="remove it if you trust it, or pick another --socket in a directory only you "
+            "can write",
+        )
 
 
 def _unlink_if_ours(path: Path, ino: int) -> None:
@@ -381,44 +412,23 @@ def _unlink_if_ours(path: Path, ino: int) -> None:
             os.unlink(path)
 
 
-class _Lock:
-    """An exclusive flock on ``<socket>.lock`` (Note [one daemon per (sidecar, rank, device)])."""
-
-    def __init__(self, socket_path: Path, what: str) -> None:
-        self.path = socket_path.with_name(socket_path.name + P.LOCK_SUFFIX)
-        self.what = what
-        self.fd = -1
-
-    def __enter__(self) -> _Lock:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                raise DaemonError(
-                    f"another daemon (pid {holder}) already serves {self.what}",
-                    hint=f"attach to it, check it with `mpack status`, or stop it (kill {holder})",
-                ) from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                self.fd = fd
-                return self
-            os.close(fd)  # a stopping daemon unlinked it under us: try again
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(OSError):
-            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                os.unlink(self.path)
-        os.close(self.fd)
+@contextlib.contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """The exclusive lock ``<socket>.lock`` (Note [one daemon per (sidecar, rank, device)]),
+    taken through ``fsutil.LockFile``: no symlink followed, ours and 0600 or refused, and the pid
+    it reports read only from such a file."""
+    try:
+        lock = fsutil.LockFile(path.with_name(path.name + P.LOCK_SUFFIX)).__enter__()
+    except fsutil.LockHeld as held:
+        kill = f"kill {held.pid}" if held.pid != "?" else "kill it"
+        raise DaemonError(
+            f"another daemon (pid {held.pid}) already serves {what}",
+            hint=f"attach to it, check it with `mpack status`, or stop it ({kill})",
+        ) from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 # --- entry point -------------------------------------------------------------------------------
@@ -441,8 +451,11 @@ def serve(
 
     Raises:
         FormatVersionError, CorruptFileError, VerificationError: an unusable sidecar.
-        UsageError: a bad rank or device.
-        DaemonError: another daemon serves the same thing, or the socket cannot be made.
+        UsageError: a bad rank or device (a CUDA device this machine does not have).
+        InputError: a ``--socket`` directory others can write, or a lock file that is a symlink,
+            not ours or not mode 0600 (Note [trust model for the socket directory]).
+        DaemonError: another daemon serves the same thing, or the socket cannot be made (a
+            file in its place that is not a socket of ours).
     """
     plan = plan_rank(sidecar, rank)
     dev = P.resolve_device(device)
@@ -451,10 +464,11 @@ def serve(
     else:
         path = Path(socket_path).absolute()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fsutil.check_safe_dir(path.parent, purpose=f"the daemon's socket {path.name}")
     P.check_socket_path(path)
     _raise_fd_limit()
     what = f"{sidecar} rank {rank} on {dev.label} ({path})"
-    with _Lock(path, what):
+    with _locked(path, what):
         if dev.kind == "cpu":
             from mpack.runtime.host import HostExport
 

@@ -8,9 +8,11 @@ refused to start but printed READY is stopped at once, so a regression fails fas
 
 from __future__ import annotations
 
+import fcntl
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -158,6 +160,109 @@ def test_sighup_stops_the_daemon_cleanly(sc, env, tmp_path):
         assert not sock.exists(), "SIGHUP left a stale socket"
         assert not _lock_of(sock).exists()
         assert "stopped" in d.stderr() and "Traceback" not in d.stderr()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+# --- issue 11.3: planted lock and socket files, unsafe socket directories ----------------------
+
+
+@pytest.fixture
+def sticky(tmp_path) -> Path:
+    """A world-writable sticky directory, as /tmp is."""
+    d = tmp_path / "sticky"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    return d
+
+
+def test_a_planted_lock_symlink_is_refused_and_its_target_untouched(sc, env, tmp_path, sticky):
+    victim = tmp_path / "root-owned-file"
+    victim.write_bytes(b"precious\n")
+    sock = sticky / "x.sock"
+    _lock_of(sock).symlink_to(victim)
+    rc, err = _serve_expecting_refusal(sc, sock, env, tmp_path)
+    _assert_clean_refusal(rc, err, str(_lock_of(sock)), "symbolic link")
+    assert victim.read_bytes() == b"precious\n"
+    assert _lock_of(sock).is_symlink() and not sock.exists()
+
+
+def test_a_lock_file_with_another_mode_is_refused(sc, env, tmp_path, sticky):
+    sock = sticky / "x.sock"
+    _lock_of(sock).write_bytes(b"somebody's\n")
+    os.chmod(_lock_of(sock), 0o644)
+    rc, err = _serve_expecting_refusal(sc, sock, env, tmp_path)
+    _assert_clean_refusal(rc, err, str(_lock_of(sock)), "-rw-r--r--", "mode 0600")
+    assert _lock_of(sock).read_bytes() == b"somebody's\n" and not sock.exists()
+
+
+@as_root
+def test_a_held_lock_of_another_user_is_refused_without_its_pid(sc, env, tmp_path, sticky):
+    """Another user's lock file that names pid 1 and is held: root must not be told to kill 1."""
+    sock = sticky / "x.sock"
+    lock = _lock_of(sock)
+    lock.write_bytes(b"1\n")
+    os.chmod(lock, 0o600)
+    os.chown(lock, NOBODY, NOBODY)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        rc, err = _serve_expecting_refusal(sc, sock, env, tmp_path)
+    finally:
+        os.close(fd)
+    _assert_clean_refusal(rc, err, str(lock), f"uid {NOBODY}")
+    assert "pid 1" not in err and "kill 1" not in err
+    assert lock.read_bytes() == b"1\n"
+
+
+@as_root
+def test_a_stale_socket_of_another_user_is_not_removed(sc, env, tmp_path, sticky):
+    sock = sticky / "x.sock"
+    planted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    planted.bind(str(sock))
+    planted.close()  # a stale socket file: nothing listens
+    os.lchown(sock, NOBODY, NOBODY)
+    ino = os.lstat(sock).st_ino
+    rc, err = _serve_expecting_refusal(sc, sock, env, tmp_path)
+    _assert_clean_refusal(rc, err, str(sock), f"uid {NOBODY}", "refuses to use or remove it")
+    assert os.lstat(sock).st_ino == ino  # still theirs, still there
+    assert not _lock_of(sock).exists()  # the lock was released and removed
+
+
+def test_a_world_writable_socket_directory_is_refused(sc, env, tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    rc, err = _serve_expecting_refusal(sc, d / "x.sock", env, tmp_path)
+    _assert_clean_refusal(rc, err, str(d), "other users can write this directory")
+    assert os.listdir(d) == []  # neither a lock file nor a socket was made there
+
+
+def test_a_sticky_world_writable_socket_directory_works(sc, env, tmp_path, sticky):
+    sock = sticky / "x.sock"
+    d = DaemonProc(sc, "cpu", env, tmp_path, "--socket", str(sock))
+    try:
+        assert d.wait_ready()["socket"] == str(sock)
+        st = os.lstat(sock)
+        assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600
+        assert os.lstat(_lock_of(sock)).st_mode & 0o777 == 0o600
+        _attach_twice(sc, sock)
+        assert d.stop() == 0
+        assert os.listdir(sticky) == []
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_a_stale_socket_of_our_own_is_replaced(sc, env, tmp_path):
+    sock = tmp_path / "s.sock"
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old.bind(str(sock))
+    old.close()
+    d = DaemonProc(sc, "cpu", env, tmp_path, "--socket", str(sock))
+    try:
+        d.wait_ready()
+        assert status_of(sock)["pid"] == d.pid
+        assert d.stop() == 0
     finally:
         d.stop(signal.SIGKILL)
 
