@@ -14,6 +14,7 @@ from mpack.convert.checkpoint import BIAS, SCALE, WEIGHT, Checkpoint, passthroug
 from mpack.convert.marlin import marlin_padded_nk
 from mpack.errors import UnsupportedSchemeError, UsageError
 from mpack.sidecar import (
+    ACT_DTYPE_ST,
     COMMON_NAME,
     FORMAT,
     FORMAT_VERSION,
@@ -28,7 +29,6 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
 #: fused output suffix -> checkpoint shard suffixes, in row order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 ROW_PARALLEL = ("o_proj", "down_proj")
-ACT_DTYPE_ST = {"bfloat16": "BF16", "float16": "F16"}
 
 
 @dataclass(frozen=True)

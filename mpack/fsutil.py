@@ -115,13 +115,15 @@ def open_regular_file(
     return os.fdopen(open_regular(path, follow=follow, what=what), "rb", buffering=buffering)
 
 
-def read_capped(path: str | os.PathLike, cap: int, *, what: str = "file") -> bytes:
+def read_capped(
+    path: str | os.PathLike, cap: int, *, what: str = "file", follow: bool = False
+) -> bytes:
     """The whole of a regular file of at most ``cap`` bytes (never reads more than ``cap + 1``).
 
     Raises:
         InputError: larger than ``cap``; as :func:`open_regular` otherwise.
     """
-    with open_regular_file(path, what=what, buffering=0) as f:
+    with open_regular_file(path, what=what, follow=follow, buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size > cap:
             raise InputError(f"{path}: {size} bytes, more than the {cap} a {what} may have")

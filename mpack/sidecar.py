@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ from typing import Any, BinaryIO
 
 from mpack import __version__
 from mpack.errors import CorruptFileError, FormatVersionError, InputError, SourceNotFoundError
+from mpack.fsutil import kind_of, open_regular, open_regular_file, os_error, read_capped
 
 FORMAT = "mpack-sidecar"
 FORMAT_VERSION = 2
@@ -59,6 +61,15 @@ COPIED_FILES = (
 )
 #: Largest header we accept when reading a safetensors file (the format's own limit is 100 MB).
 MAX_HEADER = 100 * 1024 * 1024
+#: Largest ``mpack.json`` we read. A 1 TB model's manifest (chunk digests included) is ~2 MB;
+#: the cap keeps a hostile manifest from costing every attaching process gigabytes.
+MAX_MANIFEST = 32 * 1024 * 1024
+#: Bounds on the numbers a manifest may hold, checked before anything acts on them.
+MAX_TP = 1024
+MAX_FILE_BYTES = 1 << 48
+MAX_DIM = 1 << 24
+#: Safetensors dtype name of each activation dtype (scales and bias are stored in it).
+ACT_DTYPE_ST = {"bfloat16": "BF16", "float16": "F16"}
 HASH_CHUNK = 8 * 1024 * 1024
 #: Files also carry the sha256 of every CHUNK_BYTES piece (Note [chunk digests]).
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -114,11 +125,17 @@ class HashCancelled(Exception):
 
 
 def sha256_file(
-    path: str | os.PathLike, chunk: int = HASH_CHUNK, stop: threading.Event | None = None
+    path: str | os.PathLike,
+    chunk: int = HASH_CHUNK,
+    stop: threading.Event | None = None,
+    *,
+    follow: bool = True,
 ) -> str:
-    """Hex sha256 of a file, read in large sequential chunks; ``stop`` aborts it between chunks."""
+    """Hex sha256 of a regular file, read in large sequential chunks; ``stop`` aborts it between
+    chunks. ``follow=False``: a symlink is refused (a sidecar's own files, Note [trust model for
+    files] in mpack/fsutil.py)."""
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open_regular_file(path, follow=follow, buffering=0) as f:
         buf = bytearray(chunk)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -129,7 +146,11 @@ def sha256_file(
 
 
 def chunk_digests(
-    path: str | os.PathLike, chunk: int = CHUNK_BYTES, workers: int | None = None
+    path: str | os.PathLike,
+    chunk: int = CHUNK_BYTES,
+    workers: int | None = None,
+    *,
+    follow: bool = True,
 ) -> list[str]:
     """sha256 of every ``chunk``-byte piece of a file (the last may be shorter), in parallel.
 
@@ -140,14 +161,19 @@ def chunk_digests(
     safetensors files carry only these; the small copied files also keep a whole-file sha256.
     """
 
-    size = os.path.getsize(path)
-    n = max(1, -(-size // chunk))
-    with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
-        return list(
-            pool.map(
-                lambda i: hash_range(Path(path), i * chunk, min((i + 1) * chunk, size)), range(n)
+    fd = open_regular(path, follow=follow)
+    try:
+        size = os.fstat(fd).st_size
+        n = max(1, -(-size // chunk))
+        with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
+            return list(
+                pool.map(
+                    lambda i: hash_fd_range(fd, Path(path), i * chunk, min((i + 1) * chunk, size)),
+                    range(n),
+                )
             )
-        )
+    finally:
+        os.close(fd)
 
 
 # --- safetensors layout ------------------------------------------------------------------
@@ -239,46 +265,53 @@ class FileLayout:
         return cls(header=head, entries=entries, size=start + rel, metadata=dict(metadata or {}))
 
 
-def read_layout(path: str | os.PathLike) -> FileLayout:
+def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
     """Parse and validate a safetensors file's header without reading tensor data.
 
+    ``follow=False`` refuses a symlink (a sidecar's own files); either way the file must be a
+    regular file (Note [trust model for files] in mpack/fsutil.py).
+
     Raises:
-        CorruptFileError: truncated file, bad header length or JSON, unknown dtype, offsets
-            that overlap, leave gaps, or run past the end of the file.
+        CorruptFileError: truncated file, bad header length or JSON, unknown dtype, a shape or
+            offset that is not a non-negative integer, offsets that overlap, leave gaps, or run
+            past the end of the file.
+        InputError: not a regular file (or a symlink with ``follow=False``).
     """
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file")
-            (hlen,) = struct.unpack("<Q", prefix)
-            if hlen > MAX_HEADER or 8 + hlen > size:
-                raise CorruptFileError(
-                    f"{path}: header length {hlen} does not fit in a file of {size} bytes (truncated?)"
-                )
-            raw = f.read(hlen)
-    except FileNotFoundError:
-        raise SourceNotFoundError(f"{path}: no such file") from None
+    with open_regular_file(path, follow=follow, what="safetensors file") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file")
+        (hlen,) = struct.unpack("<Q", prefix)
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            raise CorruptFileError(
+                f"{path}: header length {hlen} does not fit in a file of {size} bytes "
+                "(truncated, or not a safetensors file)"
+            )
+        raw = f.read(hlen)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptFileError(f"{path}: malformed safetensors header ({e})") from None
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CorruptFileError(f"{path}: __metadata__ is not a JSON object")
     start = 8 + hlen
     entries: list[TensorEntry] = []
     for name, info in header.items():
         try:
-            dtype, shape, (a, b) = (
-                info["dtype"],
-                tuple(int(d) for d in info["shape"]),
-                info["data_offsets"],
+            dtype, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = (
+                dtype in DTYPE_SIZES
+                and all(_is_count(d) for d in shape)
+                and _is_count(a)
+                and _is_count(b)
+                and a <= b
+                and b - a == TensorSpec(name, dtype, shape).nbytes
             )
-            spec = TensorSpec(name, dtype, shape)
-            ok = dtype in DTYPE_SIZES and 0 <= a <= b and b - a == spec.nbytes
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -298,6 +331,11 @@ def read_layout(path: str | os.PathLike) -> FileLayout:
             f"{path}: file {what}: tensors end at byte {pos}, file has {size} bytes"
         )
     return FileLayout(header=prefix + raw, entries=entries, size=size, metadata=dict(meta))
+
+
+def _is_count(x: Any) -> bool:
+    """A non-negative JSON integer (not a bool, not a float such as 2.0)."""
+    return type(x) is int and x >= 0
 
 
 class HashingWriter:
@@ -449,20 +487,25 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors ignored
 
 
-def hash_range(path: Path, a: int, b: int) -> str:
-    """sha256 of bytes ``[a, b)`` of ``path`` (read back from the page cache)."""
-    h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY)
+def hash_range(path: Path, a: int, b: int, *, follow: bool = True) -> str:
+    """sha256 of bytes ``[a, b)`` of the regular file ``path`` (read back from the page cache)."""
+    fd = open_regular(path, follow=follow)
     try:
-        pos = a
-        while pos < b:
-            data = os.pread(fd, min(HASH_CHUNK, b - pos), pos)
-            if not data:
-                raise CorruptFileError(f"{path}: file shrank while hashing")
-            h.update(data)
-            pos += len(data)
+        return hash_fd_range(fd, path, a, b)
     finally:
         os.close(fd)
+
+
+def hash_fd_range(fd: int, path: Path, a: int, b: int) -> str:
+    """sha256 of bytes ``[a, b)`` of the open file ``fd`` (``path`` names it in errors)."""
+    h = hashlib.sha256()
+    pos = a
+    while pos < b:
+        data = os.pread(fd, min(HASH_CHUNK, b - pos), pos)
+        if not data:
+            raise CorruptFileError(f"{path}: file shrank while hashing")
+        h.update(data)
+        pos += len(data)
     return h.hexdigest()
 
 
@@ -507,11 +550,16 @@ def target_of(*, profile: str, act_dtype: str, tp: int, fusion: str) -> dict[str
 
 
 def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
-    """Validate a parsed manifest's shape and version; return it.
+    """Validate a parsed manifest's shape, version and every number in it; return it.
+
+    Everything a reader acts on is bounded here, before anything acts on it: the TP size, file
+    sizes, chunk sizes and layer dims are integers in range, the target's enums are known, file
+    names are plain names listed once, and every rank file the TP size implies is listed
+    (Note [trust model for files] in mpack/fsutil.py).
 
     Raises:
         FormatVersionError: a format version this mpack does not read (with the regenerate command).
-        CorruptFileError: not an mpack manifest, or required keys missing/mistyped.
+        CorruptFileError: not an mpack manifest, or a key missing, mistyped or out of range.
     """
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CorruptFileError(f"{where}: not an mpack sidecar manifest (format is not {FORMAT!r})")
@@ -530,46 +578,149 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
             raise CorruptFileError(
                 f"{where}: manifest key {key!r} is missing or not a {typ.__name__}"
             )
-    t = m["target"]
-    for key in ("kernel", "engine", "engine_version", "profile", "act_dtype", "tp_size", "fusion"):
-        if key not in t:
-            raise CorruptFileError(f"{where}: manifest target lacks {key!r}")
+    _check_target(m["target"], where)
+    names: set[str] = set()
     for f in m["files"]:
-        sha_ok = isinstance(f, dict) and (
-            isinstance(f.get("sha256"), str)
-            or ("sha256" not in f and m["format_version"] >= 2 and "chunks" in f)
-        )  # version 2: a file may carry only its chunk digests
-        if not (sha_ok and isinstance(f.get("name"), str) and isinstance(f.get("size"), int)):
-            raise CorruptFileError(f"{where}: malformed files entry {f!r}")
-        ch = f.get("chunks")
-        if ch is not None and not (
-            isinstance(ch, dict) and isinstance(ch.get("bytes"), int) and ch["bytes"] > 0
-            and isinstance(ch.get("sha256"), list) and len(ch["sha256"]) == max(1, -(-f["size"] // ch["bytes"]))
-        ):  # fmt: skip
-            raise CorruptFileError(f"{where}: malformed chunks of {f['name']!r}")
-        if "/" in f["name"] or f["name"] in ("", ".", ".."):
-            raise CorruptFileError(f"{where}: file name {f['name']!r} is not a plain file name")
+        _check_file_entry(f, m["format_version"], where)
+        if f["name"] in names:
+            raise CorruptFileError(f"{where}: file {f['name']!r} is listed twice")
+        names.add(f["name"])
+    tp = m["target"]["tp_size"]
+    missing = [rank_file_name(r, tp) for r in range(tp) if rank_file_name(r, tp) not in names]
+    if missing:
+        raise CorruptFileError(
+            f"{where}: tp_size is {tp} but the manifest's files do not list "
+            f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+        )
+    for name, ly in m["layers"].items():
+        ok = isinstance(ly, dict) and type(ly.get("bias")) is bool
+        ok = ok and all(type(ly.get(k)) is int and 1 <= ly[k] <= MAX_DIM for k in LAYER_DIMS)
+        if not ok:
+            raise CorruptFileError(
+                f"{where}: layer {name!r} is malformed (needs integer {', '.join(LAYER_DIMS)} in "
+                f"1..{MAX_DIM} and a boolean bias): {str(ly)[:200]}"
+            )
     return m
 
 
+#: The layer dims a manifest's ``layers`` entries carry (docs/FORMAT.md).
+LAYER_DIMS = ("n", "k", "np", "kp")
+
+
+def _check_target(t: dict[str, Any], where: str | os.PathLike) -> None:
+    for key in ("kernel", "engine", "engine_version", "profile", "act_dtype", "tp_size", "fusion"):
+        if key not in t:
+            raise CorruptFileError(f"{where}: manifest target lacks {key!r}")
+    tp = t["tp_size"]
+    if type(tp) is not int or not 1 <= tp <= MAX_TP:
+        raise CorruptFileError(
+            f"{where}: target tp_size is {str(tp)[:40]}, not an integer in 1..{MAX_TP}"
+        )
+    allowed = {"kernel": (KERNEL,), "profile": PROFILES, "act_dtype": tuple(ACT_DTYPE_ST),
+               "fusion": FUSIONS}  # fmt: skip
+    for key, values in allowed.items():
+        if t[key] not in values:
+            raise CorruptFileError(
+                f"{where}: target {key} is {str(t[key])[:40]!r}, not one of {', '.join(values)}"
+            )
+    for key in ("engine", "engine_version"):
+        if not isinstance(t[key], str):
+            raise CorruptFileError(f"{where}: target {key} is not a string")
+
+
+def _is_digest(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _check_file_entry(f: Any, version: int, where: str | os.PathLike) -> None:
+    sha_ok = isinstance(f, dict) and (
+        _is_digest(f.get("sha256")) or ("sha256" not in f and version >= 2 and "chunks" in f)
+    )  # version 2: a file may carry only its chunk digests
+    size = f.get("size") if isinstance(f, dict) else None
+    if not (
+        sha_ok
+        and isinstance(f.get("name"), str)
+        and type(size) is int
+        and 0 <= size <= MAX_FILE_BYTES
+    ):
+        raise CorruptFileError(f"{where}: malformed files entry {str(f)[:200]}")
+    name = f["name"]
+    if "/" in name or "\0" in name or name in ("", ".", "..") or name == MANIFEST_NAME:
+        raise CorruptFileError(f"{where}: file name {name[:80]!r} is not a plain file name")
+    ch = f.get("chunks")
+    if ch is not None and not (
+        isinstance(ch, dict) and type(ch.get("bytes")) is int and 1 <= ch["bytes"] <= MAX_FILE_BYTES
+        and isinstance(ch.get("sha256"), list) and len(ch["sha256"]) == max(1, -(-size // ch["bytes"]))
+        and all(_is_digest(d) for d in ch["sha256"])
+    ):  # fmt: skip
+        raise CorruptFileError(f"{where}: malformed chunks of {name[:80]!r}")
+
+
 def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
-    """Read and validate ``<sidecar>/mpack.json``; return ``(manifest, digest)``."""
-    path = Path(sidecar) / MANIFEST_NAME
+    """Read and validate ``<sidecar>/mpack.json``; return ``(manifest, digest)``.
+
+    The manifest must be a regular file (not a symlink, FIFO or device) of at most
+    ``MAX_MANIFEST`` bytes.
+
+    Raises:
+        SourceNotFoundError: no such directory.
+        InputError: a file where the sidecar directory belongs, or no manifest in it.
+        CorruptFileError, FormatVersionError: from :func:`check_manifest`.
+    """
+    sidecar = Path(sidecar)
+    path = sidecar / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        if not Path(sidecar).exists():
-            raise SourceNotFoundError(f"{sidecar}: no such sidecar directory") from None
+        st = os.stat(sidecar)
+    except OSError as e:
+        raise os_error(e, sidecar, "sidecar directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InputError(
+            f"{sidecar}: is {kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'a file'}, "
+            "not a sidecar directory",
+            hint="pass the directory that `mpack convert -o DIR` wrote",
+        )
+    try:
+        raw = read_capped(path, MAX_MANIFEST, what="manifest", follow=False)
+    except SourceNotFoundError:
         raise InputError(
             f"{sidecar}: no {MANIFEST_NAME}: not a finished mpack sidecar",
-            hint="create one with: mpack convert <source> -o " + str(sidecar),
+            hint=f"if {sidecar} is a checkpoint, convert it: mpack convert {sidecar} -o "
+            f"{sidecar.name or 'out'}-marlin",
         ) from None
     try:
         m = json.loads(raw)
-    except ValueError as e:
-        raise CorruptFileError(f"{path}: malformed JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise CorruptFileError(f"{path}: malformed JSON ({what})") from None
     check_manifest(m, path)
     return m, digest_of(m)
+
+
+def expected_rank_tensors(m: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor a rank file must hold, as implied by the manifest's ``layers`` (FORMAT.md):
+    name -> (safetensors dtype, shape). Every rank holds the same names and shapes."""
+    dt = ACT_DTYPE_ST[m["target"]["act_dtype"]]
+    out = {}
+    for name, ly in m["layers"].items():
+        out[f"{name}.weight"] = ("I32", (ly["kp"] // 16, 4 * ly["np"]))
+        out[f"{name}.weight_scale"] = (dt, (1, ly["np"]))
+        if ly["bias"]:
+            out[f"{name}.bias"] = (dt, (ly["np"],))
+    return out
+
+
+def rank_tensor_problems(layout: FileLayout, m: Mapping[str, Any], name: str) -> list[str]:
+    """How a rank file's tensors differ from :func:`expected_rank_tensors` (empty: they agree)."""
+    expected = expected_rank_tensors(m)
+    got = {e.name: (e.dtype, tuple(e.shape)) for e in layout.entries}
+    problems = [f"{name}: tensor {t} is missing" for t in sorted(set(expected) - set(got))]
+    problems += [f"{name}: unexpected tensor {t}" for t in sorted(set(got) - set(expected))]
+    problems += [
+        f"{name}: {t} is {got[t]}, the manifest implies {expected[t]}"
+        for t in sorted(set(got) & set(expected))
+        if got[t] != expected[t]
+    ]
+    return problems
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> str:
@@ -604,20 +755,31 @@ def chunk_mismatch(
 
 
 def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list[str]:
-    """Re-hash every file listed in the manifest; return one message per problem (empty = ok)."""
+    """Re-hash every file listed in the manifest, and look for files it does not list; return one
+    message per problem (empty = ok). Listed files must be regular files inside the sidecar
+    (Note [trust model for files] in mpack/fsutil.py)."""
     problems = []
+    listed = {f["name"] for f in manifest["files"]}
+    for entry in sorted(os.listdir(sidecar)):
+        if entry != MANIFEST_NAME and entry not in listed:
+            problems.append(f"{entry}: not listed in the manifest (an unexpected file)")
     for f in manifest["files"]:
         p = Path(sidecar) / f["name"]
-        if not p.is_file():
-            problems.append(f"{f['name']}: missing")
+        try:
+            fd = open_regular(p)  # follow=False: no symlinks, FIFOs or devices
+        except InputError as e:
+            problems.append(f"{f['name']}: {e.message.removeprefix(str(p) + ': ')}")
             continue
-        size = p.stat().st_size
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         if size != f["size"]:
             problems.append(f"{f['name']}: size {size}, manifest says {f['size']}")
             continue
         ch = f.get("chunks")
         if ch:  # the chunk digests cover every byte; the loader checks the same
-            got = chunk_digests(p, ch["bytes"])
+            got = chunk_digests(p, ch["bytes"], follow=False)
             bad = chunk_mismatch(got, ch["sha256"], ch["bytes"], size)
             if bad:
                 i, lo, hi, nbad = bad
@@ -626,7 +788,7 @@ def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list
                     f"manifest says {ch['sha256'][i][:16]}... ({nbad} of {len(got)} chunks differ)"
                 )
         else:
-            digest = sha256_file(p)
+            digest = sha256_file(p, follow=False)
             if digest != f["sha256"]:
                 problems.append(
                     f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."

@@ -14,9 +14,17 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-console = Console()
-err_console = Console(stderr=True)
+# markup=False: paths, layer and tensor names are data, printed as they are ("out[/]x" or "[red]"
+# in a path must neither crash nor vanish); colour comes only from explicit styles (``_ok``).
+console = Console(markup=False)
+err_console = Console(stderr=True, markup=False)
+
+
+def _styled(word: str, style: str, rest: str = "") -> Text:
+    """``word`` in ``style``, then ``rest`` as plain text."""
+    return Text.assemble((word, style), rest)
 
 
 def print_json(doc: Any) -> None:
@@ -122,14 +130,22 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
         return
     if result.up_to_date:
         console.print(
-            f"[green]up to date[/]: {result.out} already holds this sidecar (use --force to redo it)"
+            _styled(
+                "up to date",
+                "green",
+                f": {result.out} already holds this sidecar (use --force to redo it)",
+            )
         )
         return
     t = m["target"]
     console.print(
-        f"[green]wrote[/] {result.out}: {len(m['layers'])} layers x {t['tp_size']} rank(s), "
-        f"{human_bytes(sum(files.values()))} in {result.seconds.get('total', 0):.2f} s "
-        f"({t['profile']}, {t['act_dtype']}, fusion {t['fusion']})"
+        _styled(
+            "wrote",
+            "green",
+            f" {result.out}: {len(m['layers'])} layers x {t['tp_size']} rank(s), "
+            f"{human_bytes(sum(files.values()))} in {result.seconds.get('total', 0):.2f} s "
+            f"({t['profile']}, {t['act_dtype']}, fusion {t['fusion']})",
+        )
     )
     console.print(f"manifest digest {result.digest}")
 
@@ -145,7 +161,11 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
         else src.get("path")
     )
     console.print(
-        f"[bold]{sidecar}[/]  format {m['format']} v{m['format_version']}, {m.get('created_by', '')}"
+        _styled(
+            str(sidecar),
+            "bold",
+            f"  format {m['format']} v{m['format_version']}, {m.get('created_by', '')}",
+        )
     )
     console.print(
         f"target: {t['kernel']} for {t['engine']} {t['engine_version']}, profile {t['profile']}, "
@@ -183,12 +203,21 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
         print_json({"ok": fwd["ok"] if fwd else True, **report})
         return
     console.print(
-        f"[green]ok[/]: {report['files_checked']} files match the manifest (digest {report['digest'][:16]}...)"
+        _styled(
+            "ok",
+            "green",
+            f": {report['files_checked']} files match the manifest "
+            f"(digest {report['digest'][:16]}...)",
+        )
     )
     if report["source_checked"]:
         console.print(
-            f"[green]ok[/]: {report['tensors_compared']} tensors re-derived from {report['source']} are "
-            f"byte-identical; {report['layers_checked']} layers unpack to the source bytes"
+            _styled(
+                "ok",
+                "green",
+                f": {report['tensors_compared']} tensors re-derived from {report['source']} are "
+                f"byte-identical; {report['layers_checked']} layers unpack to the source bytes",
+            )
         )
     else:
         console.print("source not checked (no --source, and the manifest records no local path)")
@@ -212,7 +241,9 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
         first = fwd["runs"][0]
         console.print(f"greedy next tokens (reference): {[row[:8] for row in first['ref_tokens']]}")
         console.print(
-            "[green]ok[/]: model outputs match" if fwd["ok"] else "[red]outputs differ[/]"
+            _styled("ok", "green", ": model outputs match")
+            if fwd["ok"]
+            else _styled("outputs differ", "red")
         )
 
 

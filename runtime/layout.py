@@ -26,6 +26,7 @@ from mpack.sidecar import (
     TensorSpec,
     load_manifest,
     rank_file_name,
+    rank_tensor_problems,
     read_layout,
     regenerate_hint_of,
 )
@@ -98,6 +99,11 @@ def check_entry(e: TensorEntry, size: int, where: str) -> None:
 def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
     """Validate the manifest and file headers of one rank and place its files.
 
+    Every check ``mpack verify`` makes of the structure is made here too (a loader is no less
+    strict than the verifier): the manifest's bounds, regular files only, headers whose shapes
+    and offsets are non-negative integers, and rank files holding exactly the tensors the
+    manifest's layers imply. The bytes are checked against their digests while they load.
+
     Raises:
         FormatVersionError, CorruptFileError: from the manifest or a file header.
         UsageError: ``rank`` outside the sidecar's TP size.
@@ -117,7 +123,16 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
         if name not in listed:
             raise CorruptFileError(f"{sidecar}: the manifest does not list {name}", hint=hint)
         path = sidecar / name
-        layout = read_layout(path)
+        layout = read_layout(path, follow=False)
+        if name != COMMON_NAME and (bad := rank_tensor_problems(layout, manifest, name)):
+            # the same structural rule `mpack verify` applies (FORMAT.md): a rank file holds
+            # exactly the tensors the manifest's layers imply
+            raise CorruptFileError(
+                f"{path}: its tensors differ from what the manifest's layers imply: "
+                + "; ".join(bad[:3])
+                + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""),
+                hint=hint,
+            )
         if layout.size != listed[name]["size"]:
             raise VerificationError(
                 f"{path}: {layout.size} bytes, the manifest says {listed[name]['size']}", hint=hint

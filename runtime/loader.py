@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from mpack.errors import CorruptFileError, VerificationError
+from mpack.fsutil import open_regular_file
 from mpack.runtime.layout import Plan, Region, plan_rank
 from mpack.runtime.protocol import parse_device
 from mpack.sidecar import CHUNK_BYTES, chunk_mismatch, regenerate_hint_of
@@ -174,7 +175,7 @@ def _fill_region(
     """Read ``r`` in pieces that never cross a chunk boundary; one digest future per chunk."""
     digests: list[Future] = []
     h = None  # the current chunk's hash when it spans several pieces
-    with open(r.path, "rb", buffering=0) as f:
+    with open_regular_file(r.path, buffering=0) as f:  # no symlink, FIFO or device
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pos = 0
         while pos < r.size:

@@ -55,18 +55,24 @@ def make_sidecar(
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
     files = []
+    table = {}  # the manifest's layers: every rank holds the same names and shapes (FORMAT.md)
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for name, n, k, parallel in (
+            ("self_attn.qkv_proj", 3 * hidden // tp, hidden, "column"),
+            ("self_attn.o_proj", hidden, hidden // tp, "row"),
+            ("mlp.gate_up_proj", 2 * inter // tp, hidden, "column"),
+            ("mlp.down_proj", hidden, inter // tp, "row"),
+        ):
+            table[f"{p}.{name}"] = {
+                "index": len(table), "n": n, "k": k, "np": n, "kp": k, "strategy": "channel",
+                "parallel": parallel, "bias": False, "requantized": False, "shards": [],
+            }  # fmt: skip
     for r in range(tp):
         specs = []
-        for i in range(layers):
-            p = f"model.layers.{i}"
-            for name, n, k in (
-                ("self_attn.qkv_proj", 3 * hidden // tp, hidden),
-                ("self_attn.o_proj", hidden, hidden // tp),
-                ("mlp.gate_up_proj", 2 * inter // tp, hidden),
-                ("mlp.down_proj", hidden, inter // tp),
-            ):
-                specs.append(TensorSpec(f"{p}.{name}.weight", "I32", (k // 16, 4 * n)))
-                specs.append(TensorSpec(f"{p}.{name}.weight_scale", "BF16", (1, n)))
+        for name, ly in table.items():
+            specs.append(TensorSpec(f"{name}.weight", "I32", (ly["kp"] // 16, 4 * ly["np"])))
+            specs.append(TensorSpec(f"{name}.weight_scale", "BF16", (1, ly["np"])))
         files.append(_write(out / rank_file_name(r, tp), specs, rng))
     if common:
         specs = [
@@ -81,7 +87,7 @@ def make_sidecar(
         target=target_of(profile="w8a16", act_dtype="bfloat16", tp=tp, fusion="vllm"),
         source={"repo": "test/random", "revision": f"seed-{seed}", "files": {}},
         model={"architecture": "LlamaForCausalLM", "hidden_size": hidden, "layers": layers},
-        layers={},
+        layers=table,
         files=files,
     )
     write_manifest(out, manifest)

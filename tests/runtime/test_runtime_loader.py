@@ -120,13 +120,17 @@ def test_a_sidecar_without_common_serves_the_rank_file_only(tmp_path):
 
 
 def _one_file_sidecar(path: Path, specs: list[TensorSpec]) -> Path:
+    """A sidecar with no Marlin layers (an empty rank file) whose common.safetensors holds
+    ``specs``, zero-filled (a rank file may hold only what the manifest's layers imply)."""
     path.mkdir()
-    layout = FileLayout.plan(specs)
-    w = HashingWriter(path / rank_file_name(0, 1), layout)
-    for e in layout.entries:
-        w.write_at(e.offset, bytes(e.nbytes))
-    size, digest = w.finish()
-    files = [{"name": rank_file_name(0, 1), "size": size, "sha256": digest}]
+    files = []
+    for name, file_specs in ((rank_file_name(0, 1), []), ("common.safetensors", specs)):
+        layout = FileLayout.plan(file_specs)
+        w = HashingWriter(path / name, layout)
+        for e in layout.entries:
+            w.write_at(e.offset, bytes(e.nbytes))
+        size, digest = w.finish()
+        files.append({"name": name, "size": size, "sha256": digest})
     write_manifest(path, new_manifest(target=target_of(profile="w8a16", act_dtype="bfloat16", tp=1, fusion="vllm"),
                                       source={}, model={}, layers={}, files=files))  # fmt: skip
     return path
