@@ -206,7 +206,7 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
         _styled(
             "ok",
             "green",
-            f": {report['files_checked']} files match the manifest "
+            f": {report['sidecar']}: {report['files_checked']} files match the manifest "
             f"(digest {report['digest'][:16]}...)",
         )
     )

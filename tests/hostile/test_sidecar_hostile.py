@@ -1,0 +1,388 @@
+"""Sidecars that are not what they claim (red-team report, issue 11, items 4-8, 13, 14).
+
+Every consumer (inspect, verify, serve, ``load()``, ``attach()``) must refuse, quickly and with
+a clear ``MpackError`` (exit 2), a sidecar whose files are FIFOs, symlinks out of the directory,
+oversized or deeply nested manifests, manifests with numbers out of range, headers with negative
+or fractional shapes, rank files that hold other tensors than the manifest implies, or files the
+manifest does not list. Real sidecars (written through mpack.sidecar), real files, real FIFOs,
+real processes for the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from sidecar_factory import make_sidecar  # noqa: E402
+
+from mpack.errors import CorruptFileError, EnvironmentFailure, InputError, exit_code_for  # noqa: E402
+from mpack.runtime import attach, load  # noqa: E402
+from mpack.runtime.layout import plan_rank  # noqa: E402
+from mpack.sidecar import (  # noqa: E402
+    MANIFEST_NAME,
+    MAX_MANIFEST,
+    check_files,
+    load_manifest,
+    manifest_bytes,
+    rank_file_name,
+    read_layout,
+    sha256_file,
+)
+
+HANG_S = 20  # a consumer that has not returned by then is hung (a FIFO open blocks forever)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return make_sidecar(tmp_path_factory.mktemp("hostile") / "sidecar", tp=2, layers=1)
+
+
+@pytest.fixture
+def sc(pristine, tmp_path) -> Path:
+    """A fresh, valid copy of a TP-2 sidecar for each test to damage."""
+    return Path(shutil.copytree(pristine, tmp_path / "sc"))
+
+
+def mpack_cli(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "MPACK_DEBUG"}
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "mpack.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=HANG_S * 3, env=e,
+    )  # fmt: skip
+
+
+def finishes(fn: Callable[[], Any], unblock: Path | None = None) -> BaseException | None:
+    """Run ``fn`` on a thread; its exception (None if it returned). Fails the test if it is still
+    running after ``HANG_S`` (and then opens the FIFO ``unblock`` for writing to free it)."""
+    box: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box[0] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG_S)
+    if t.is_alive():
+        if unblock is not None:
+            os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"{fn} hung for {HANG_S} s")
+    return box[0]
+
+
+def rewrite_manifest(sc: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    m = json.loads((sc / MANIFEST_NAME).read_text())
+    edit(m)
+    (sc / MANIFEST_NAME).write_bytes(manifest_bytes(m))
+
+
+def resign(sc: Path, name: str) -> None:
+    """Make the manifest's size and digest of ``name`` match its bytes (a forger's move)."""
+
+    def edit(m: dict[str, Any]) -> None:
+        for f in m["files"]:
+            if f["name"] == name:
+                f["size"] = (sc / name).stat().st_size
+                f["sha256"] = sha256_file(sc / name)
+                f.pop("chunks", None)
+
+    rewrite_manifest(sc, edit)
+
+
+def rewrite_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a safetensors header in place of the old one (data bytes unchanged)."""
+    data = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + hlen])
+    edit(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-(8 + len(raw))) % 64)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + hlen :])
+
+
+RANK0 = rank_file_name(0, 2)
+
+
+def _consumers(sc: Path) -> dict[str, Callable[[], Any]]:
+    return {
+        "load_manifest": lambda: load_manifest(sc),
+        "check_files": lambda: check_files(sc, load_manifest(sc)[0]) or None,
+        "plan_rank": lambda: plan_rank(sc, 0),
+        "load": lambda: load(sc, rank=0),
+        "attach": lambda: attach(sc, rank=0),
+    }
+
+
+# --- 4. FIFOs and special files ------------------------------------------------------------
+
+
+def test_a_fifo_manifest_is_refused_by_every_consumer_without_hanging(sc):
+    (sc / MANIFEST_NAME).unlink()
+    os.mkfifo(sc / MANIFEST_NAME)
+    for what, fn in _consumers(sc).items():
+        err = finishes(fn, unblock=sc / MANIFEST_NAME)
+        assert isinstance(err, InputError), (what, err)
+        assert "FIFO" in str(err) and MANIFEST_NAME in str(err), (what, err)
+    for cmd in ("inspect", "verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "FIFO" in r.stderr, (cmd, r.stderr)
+
+
+def test_a_fifo_rank_file_is_refused_without_hanging(sc):
+    (sc / RANK0).unlink()
+    os.mkfifo(sc / RANK0)
+    for what in ("plan_rank", "load"):
+        err = finishes(_consumers(sc)[what], unblock=sc / RANK0)
+        assert isinstance(err, InputError) and "FIFO" in str(err), (what, err)
+    problems = finishes(lambda: _raise_problems(sc), unblock=sc / RANK0)
+    assert problems is not None and "FIFO" in str(problems)
+    for cmd in ("verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "FIFO" in r.stderr, (cmd, r.stderr)
+
+
+def _raise_problems(sc: Path) -> None:
+    problems = check_files(sc, load_manifest(sc)[0])
+    if problems:
+        raise InputError("; ".join(problems))
+
+
+def test_a_device_file_as_a_rank_file_is_refused(sc):
+    (sc / RANK0).unlink()
+    os.symlink("/dev/zero", sc / RANK0)  # a link: refused as such, never read
+    err = finishes(lambda: plan_rank(sc, 0))
+    assert isinstance(err, InputError) and "symbolic link" in str(err)
+
+
+# --- 5. symlinks out of the sidecar ----------------------------------------------------------
+
+
+def test_a_symlink_out_of_the_sidecar_is_never_read(sc, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET!!" + b"x" * 100)
+    leaked = str(struct.unpack("<Q", b"SECRET!!")[0])
+    (sc / RANK0).unlink()
+    os.symlink(secret, sc / RANK0)
+    for what in ("plan_rank", "load"):
+        err = finishes(_consumers(sc)[what])
+        assert isinstance(err, InputError) and "symbolic link" in str(err), (what, err)
+        assert leaked not in str(err)
+    for cmd in ("verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "symbolic link" in r.stderr, (cmd, r.stderr)
+        assert leaked not in r.stderr and "SECRET" not in r.stderr
+
+
+def test_a_symlinked_manifest_is_refused(sc, tmp_path):
+    real = tmp_path / "elsewhere.json"
+    shutil.move(sc / MANIFEST_NAME, real)
+    os.symlink(real, sc / MANIFEST_NAME)
+    with pytest.raises(InputError, match="symbolic link"):
+        load_manifest(sc)
+
+
+def test_the_sidecar_directory_itself_may_be_a_symlink(sc, tmp_path):
+    link = tmp_path / "link-to-sc"
+    os.symlink(sc, link)
+    with load(link, rank=1) as w:
+        assert w.digest == load_manifest(sc)[1]
+
+
+# --- 6. manifest size and numbers -------------------------------------------------------------
+
+
+def test_dev_zero_as_manifest_is_refused_at_once(sc):
+    (sc / MANIFEST_NAME).unlink()
+    os.symlink("/dev/zero", sc / MANIFEST_NAME)
+    err = finishes(lambda: load_manifest(sc))
+    assert isinstance(err, InputError) and "symbolic link" in str(err)
+
+
+def test_an_oversized_manifest_is_refused_before_it_is_parsed(sc):
+    m = json.loads((sc / MANIFEST_NAME).read_text())
+    m["padding"] = "x" * (MAX_MANIFEST + 1)
+    (sc / MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(InputError, match=f"more than the {MAX_MANIFEST}"):
+        load_manifest(sc)
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [(10**18, "not an integer in 1..1024"), (0, "not an integer in 1..1024"),
+     (-1, "not an integer in 1..1024"), (True, "not an integer"), (2.0, "not an integer")],
+)  # fmt: skip
+def test_tp_size_out_of_range_is_refused_before_use(sc, value, why):
+    rewrite_manifest(sc, lambda m: m["target"].__setitem__("tp_size", value))
+    err = finishes(lambda: load_manifest(sc))
+    assert isinstance(err, CorruptFileError) and why in str(err), err
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and "tp_size" in r.stderr, r.stderr
+
+
+def test_deeply_nested_json_is_a_corrupt_manifest(sc):
+    (sc / MANIFEST_NAME).write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CorruptFileError, match="nested too deeply"):
+        load_manifest(sc)
+    r = mpack_cli("inspect", sc)
+    assert r.returncode == 2 and "nested too deeply" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m["files"][0].__setitem__("size", -5), "malformed files entry"),
+        (lambda m: m["files"][0].__setitem__("size", 2**60), "malformed files entry"),
+        (lambda m: m["files"][0].__setitem__("sha256", "zz"), "malformed files entry"),
+        (lambda m: m["files"].append(dict(m["files"][0])), "listed twice"),
+        (lambda m: m["target"].__setitem__("profile", "w4a16"), "target profile"),
+        (lambda m: m["target"].__setitem__("act_dtype", "float32"), "target act_dtype"),
+        (lambda m: m["layers"].__setitem__("x", {"n": 10**12, "k": 1, "np": 1, "kp": 1,
+                                                 "bias": False}), "layer 'x' is malformed"),
+    ],
+    ids=["negative-size", "huge-size", "bad-digest", "duplicate-file", "profile", "act-dtype",
+         "huge-layer"],
+)  # fmt: skip
+def test_every_number_and_name_is_bounded(sc, edit, match):
+    rewrite_manifest(sc, edit)
+    with pytest.raises(CorruptFileError, match=match):
+        load_manifest(sc)
+
+
+# --- 7. loading is as strict as verifying ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["negative-dims", "float-offsets", "float-dims"],
+)
+def test_a_resigned_header_with_bad_numbers_is_refused_by_serve_and_load(sc, how):
+    def edit(h: dict[str, Any]) -> None:
+        name = next(k for k, v in h.items() if k != "__metadata__" and len(v["shape"]) == 2)
+        e = h[name]
+        if how == "negative-dims":  # the product, and so the byte count, is unchanged
+            e["shape"] = [-e["shape"][0], -e["shape"][1]]
+        elif how == "float-offsets":
+            e["data_offsets"] = [float(x) for x in e["data_offsets"]]
+        else:
+            e["shape"] = [float(d) for d in e["shape"]]
+
+    rewrite_header(sc / RANK0, edit)
+    resign(sc, RANK0)
+    with pytest.raises(CorruptFileError, match="malformed header entry"):
+        read_layout(sc / RANK0)
+    with pytest.raises(CorruptFileError, match="malformed header entry"):
+        load(sc, rank=0)
+    r = mpack_cli("serve", sc, "--device", "cpu")
+    assert r.returncode == 2 and "READY" not in r.stdout, (r.stdout, r.stderr)
+
+
+def test_a_rank_file_with_other_tensors_than_the_layers_imply_is_refused_on_load(sc):
+    def drop_a_layer(m: dict[str, Any]) -> None:
+        del m["layers"][sorted(m["layers"])[0]]
+
+    rewrite_manifest(sc, drop_a_layer)
+    with pytest.raises(CorruptFileError, match="unexpected tensor"):
+        load(sc, rank=0)
+    with pytest.raises(CorruptFileError, match="unexpected tensor"):
+        plan_rank(sc, 1)
+    r = mpack_cli("serve", sc, "--device", "cpu")
+    assert r.returncode == 2 and "unexpected tensor" in r.stderr and "READY" not in r.stdout
+
+
+# --- 8. verify checks every file the target implies, and nothing else -------------------------
+
+
+def test_verify_fails_a_corrupted_rank_file_whose_entry_was_removed(sc):
+    data = bytearray((sc / RANK0).read_bytes())
+    data[-1] ^= 0xFF
+    (sc / RANK0).write_bytes(bytes(data))
+    rewrite_manifest(sc, lambda m: m.__setitem__(
+        "files", [f for f in m["files"] if f["name"] != RANK0]))  # fmt: skip
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and RANK0 in r.stderr and "do not list" in r.stderr, r.stderr
+
+
+def test_verify_reports_files_the_manifest_does_not_list(sc):
+    (sc / "extra.bin").write_bytes(b"surprise")
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and "extra.bin: not listed" in r.stderr, r.stderr
+
+
+def test_verify_reports_an_unlisted_common_file(sc):
+    rewrite_manifest(sc, lambda m: m.__setitem__(
+        "files", [f for f in m["files"] if f["name"] != "common.safetensors"]))  # fmt: skip
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and "common.safetensors: not listed" in r.stderr, r.stderr
+
+
+# --- 13. bad input is exit 2, never an internal error -----------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "serve", "status"])
+def test_a_file_where_the_sidecar_directory_belongs(sc, cmd):
+    r = mpack_cli(cmd, sc / MANIFEST_NAME)
+    assert r.returncode == 2, r.stderr
+    assert "not a sidecar directory" in r.stderr and "internal error" not in r.stderr
+
+
+def test_load_and_attach_on_a_file_raise_input_error(sc):
+    for fn in (load, attach):
+        with pytest.raises(InputError, match="not a sidecar directory"):
+            fn(sc / RANK0)
+
+
+def test_a_directory_where_a_file_belongs(sc):
+    (sc / RANK0).unlink()
+    (sc / RANK0).mkdir()
+    with pytest.raises(InputError, match="is a directory"):
+        load(sc, rank=0)
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and "is a directory" in r.stderr, r.stderr
+    (sc / MANIFEST_NAME).unlink()
+    (sc / MANIFEST_NAME).mkdir()
+    r = mpack_cli("inspect", sc)
+    assert r.returncode == 2 and "is a directory" in r.stderr, r.stderr
+
+
+def test_permission_denied_is_an_environment_failure_with_its_own_exit_code(sc):
+    os.chmod(sc / MANIFEST_NAME, 0)
+    cmd = [sys.executable, "-m", "mpack.cli", "inspect", str(sc)]
+    if os.geteuid() == 0:  # root reads anything: take away the capabilities that allow it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: cannot make a permission error")
+        cmd = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert "Permission denied" in r.stderr and MANIFEST_NAME in r.stderr
+    assert "internal error" not in r.stderr
+    assert exit_code_for(PermissionError(13, "Permission denied")) == 3
+    assert EnvironmentFailure.exit_code == 3
+
+
+# --- 14. printed values are never markup -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["out-x[/]y", "a[red]b[/red]c", "[bold]z"])
+def test_markup_in_a_path_is_printed_verbatim(sc, tmp_path, name):
+    odd = tmp_path / name
+    shutil.copytree(sc, odd)
+    for cmd in ("inspect", "verify"):
+        r = mpack_cli(cmd, odd, env={"COLUMNS": "400"})
+        assert r.returncode == 0, (cmd, r.stderr)
+        assert name in r.stdout, (cmd, r.stdout)
