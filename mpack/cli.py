@@ -238,7 +238,7 @@ def serve(
     """Load one rank of a sidecar once and share it read-only with local processes.
 
     Checks every checksum while loading; prints a READY line once serving.
-    Stops cleanly on SIGTERM/SIGINT. Attach with mpack.runtime.attach(SIDECAR, rank=R, device=D).
+    Stops cleanly on SIGTERM, SIGINT or SIGHUP. Attach with mpack.runtime.attach(SIDECAR, rank=R, device=D).
 
     Examples:
       mpack serve llama8b-marlin --rank 0 --device cuda:0
