@@ -12,23 +12,37 @@ Order of work (ARCHITECTURE.md "Data flow"):
    few units in flight (:mod:`mpack.convert.stream`), so memory is bounded whatever the model;
    with compressed-tensors not yet imported, its check of the config runs meanwhile in a forked
    child, and its verdict is awaited before anything becomes visible;
-5. write the manifest last, into a hidden work directory next to OUT, and rename it into place.
+5. check that no source file changed under the run (Note [stable source] in
+   :mod:`mpack.convert.source`), write the manifest last, into a hidden work directory next to
+   OUT, and swap it into place.
 
 Note [atomic output]: nothing named OUT exists until the final rename; a killed run leaves only
-``.<OUT>.mpack-tmp-<pid>`` behind (no manifest at OUT), which the next run removes.
+a work directory ``.mpack-<key>.tmp-<rand>`` behind (no manifest at OUT), which the next run
+removes. ``<key>``: 12 hex digits of the sha256 of OUT's name, so every hidden name has a fixed
+length (an OUT name of 255 bytes still fits) and belongs to one OUT.
+
+Note [output lock]: a run holds ``.mpack-<key>.lock`` (an ``flock``, :class:`mpack.fsutil.LockFile`)
+in OUT's parent from before it reads the source until OUT is in place; a second run for the
+same OUT stops at once with ``BusyError``. The kernel drops the lock when its holder dies,
+whatever its pid namespace, so a work or old directory of this OUT found while we hold the lock
+belongs to no live run: it is removed (those named the old way, ``.<OUT>.mpack-tmp-<pid>-<rand>``
+and ``.<OUT>.mpack-old-<pid>-<rand>``, too). Pids play no part in it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import functools
 import hashlib
 import os
+import re
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,22 +64,29 @@ from mpack.convert.plan import OutLayer, Plan, make_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
+    SourceChangedError,
+    Stamp,
     candidate_files,
+    check_sources_unchanged,
     hash_sources,
     provenance,
     record_forms,
     resolve_source,
+    source_changes,
     source_files,
+    stamp_sources,
 )
 from mpack.convert.stream import Streamer
 from mpack.convert.timeline import Timeline
 from mpack.errors import (
+    BusyError,
     InputError,
     MpackError,
     OutputExistsError,
     UnsupportedSchemeError,
     UsageError,
 )
+from mpack.fsutil import LockFile, LockHeld, os_error
 from mpack.sidecar import (
     CHUNK_BYTES,
     COMMON_NAME,
@@ -231,28 +252,149 @@ def validate_values(ck: Checkpoint, plan: Plan) -> None:
 # --- output directory ---------------------------------------------------------------------
 
 
-def _tmp_prefix(out: Path) -> str:
-    return f".{out.name}.mpack-tmp-"
+def output_path(out: str | os.PathLike) -> Path:
+    """The directory ``-o out`` names, made absolute and checked before any work.
 
+    Note [output path]: ``out`` is resolved through symbolic links (``os.path.realpath``) and
+    the sidecar is written at the target: ``-o link`` where ``link -> some/dir`` fills
+    ``some/dir`` and keeps the link, so the link never turns into a directory and two runs
+    through different links to one directory share one lock.
 
-def _pid_alive(pid: int) -> bool:
+    Raises:
+        UsageError: ``out`` is empty, the current directory or one of its ancestors (the run
+            would replace it), a mount point (it cannot be renamed into place), or a symbolic
+            link that does not resolve (a loop).
+    """
+    raw = os.fspath(out)
+    if not raw:
+        raise UsageError("-o is empty", hint="name a new directory, e.g. -o ./sidecar")
+    p = Path(os.path.realpath(Path(raw).expanduser()))
+    if p.is_symlink():
+        raise UsageError(f"-o {raw}: a symbolic link that does not resolve (a loop?)")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        cwd = Path(os.path.realpath(os.getcwd()))
+    except FileNotFoundError:  # the current directory was removed: -o is absolute, or fails later
+        cwd = None
+    if cwd is not None and (p == cwd or p in cwd.parents):
+        what = "is the current directory" if p == cwd else "contains the current directory"
+        raise UsageError(
+            f"-o {raw} ({p}) {what}; the sidecar would replace it",
+            hint="name a new directory, e.g. -o ./sidecar",
+        )
+    if os.path.ismount(p):
+        raise UsageError(
+            f"-o {raw} ({p}) is a mount point, which a finished sidecar cannot be renamed onto",
+            hint=f"use a subdirectory of it, e.g. -o {p / 'sidecar'}",
+        )
+    return p
 
 
-def clean_stale_tmp(out: Path) -> None:
-    """Remove work directories of earlier runs for ``out`` whose process is gone."""
+def _check_apart(out: Path, source: Path) -> None:
+    """Refuse an output inside the source, or a source inside the output (both resolved)."""
+    src = Path(os.path.realpath(source))
+    if out == src or src in out.parents:
+        raise UsageError(
+            f"-o {out} lies inside the source checkpoint {src}; choose another output directory"
+        )
+    if out in src.parents:
+        raise UsageError(
+            f"the source checkpoint {src} lies inside -o {out}, which the sidecar would replace",
+            hint="choose an output directory outside the checkpoint",
+        )
+
+
+def _key(out: Path) -> str:
+    """12 hex digits naming ``out``'s lock and work directories (Note [atomic output])."""
+    return hashlib.sha256(os.fsencode(out.name)).hexdigest()[:12]
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of a run writing ``out`` (Note [output lock])."""
+    return out.parent / f".mpack-{_key(out)}.lock"
+
+
+def _work_path(out: Path, kind: str) -> Path:
+    """A new work (``tmp``) or old-sidecar (``old``) directory name for ``out``."""
+    return out.parent / f".mpack-{_key(out)}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
+def work_dirs(out: Path) -> list[Path]:
+    """Work and old-sidecar directories of runs for ``out``, new and old naming, sorted."""
     if not out.parent.is_dir():
-        return
-    for p in out.parent.glob(_tmp_prefix(out) + "*"):
-        pid = p.name[len(_tmp_prefix(out)) :].split("-")[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+        return []
+    ours = re.compile(
+        rf"\.mpack-{_key(out)}\.(tmp|old)-[0-9a-f]{{8}}"  # this mpack's names
+        rf"|\.{re.escape(out.name)}\.mpack-(tmp|old)-\d+-[0-9a-f]{{8}}"  # older mpacks'
+    )
+    return sorted(out.parent / n for n in os.listdir(out.parent) if ours.fullmatch(n))
+
+
+def clean_stale(out: Path) -> None:
+    """Remove every work and old-sidecar directory of ``out``; call with ``out``'s lock held,
+    when none of them can belong to a live run (Note [output lock])."""
+    for p in work_dirs(out):
+        _remove(p)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock (Note [output lock]), creating ``out``'s parent directories as needed;
+    those it created are removed again if they are empty at the end (a refused run leaves
+    nothing). Where this process cannot write ``out``'s parent (a read-only mount of sidecars),
+    no lock is taken: the run can then only find ``out`` up to date, or fail when it writes.
+
+    Raises:
+        BusyError: another run holds the lock.
+        InputError, EnvironmentFailure: the parent cannot be created, or the lock file is not
+            one we can trust (:class:`mpack.fsutil.LockFile`).
+    """
+    with contextlib.ExitStack() as stack:
+        made = _make_dirs(out.parent)
+        stack.callback(_remove_empty, made)
+        if not os.access(out.parent, os.W_OK):
+            yield
+            return
+        try:
+            stack.enter_context(LockFile(lock_path(out)))
+        except LockHeld as e:
+            raise BusyError(
+                f"another mpack convert (pid {e.pid}) is writing {out}",
+                hint="wait for it to finish, or stop it",
+            ) from None
+        yield
+
+
+def _make_dirs(d: Path) -> list[Path]:
+    """Create ``d`` and its missing parents; return those created, outermost first."""
+    missing = []
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    made: list[Path] = []
+    for m in reversed(missing):
+        try:
+            m.mkdir()
+        except FileExistsError:
+            continue  # made by someone else meanwhile
+        except OSError as e:
+            _remove_empty(made)
+            raise os_error(e, m, "directory") from None
+        made.append(m)
+    return made
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in reversed(dirs):
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def existing_state(
@@ -297,15 +439,51 @@ def existing_state(
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first, then removed."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.mpack-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.rename(out, old)
+    """Put ``tmp`` at ``out``. An existing ``out`` is exchanged with ``tmp`` in one atomic step
+    (``renameat2(RENAME_EXCHANGE)``: ``out`` never goes missing) and then removed from there;
+    where the file system cannot exchange, it is renamed aside first. Either way, what a kill
+    in between leaves is a work or old directory that the next run removes."""
+    if not (out.exists() or out.is_symlink()):
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+        return
+    if _exchange(tmp, out):
+        fsync_dir(out.parent)
+        _remove(tmp)  # the old OUT
+        return
+    old = _work_path(out, "old")
+    os.rename(out, old)
     os.rename(tmp, out)
     fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    _remove(old)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # no such call in this libc (glibc < 2.28, macOS)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` atomically; False where the system or file system cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -332,18 +510,58 @@ def run_convert(
     for bad input, before anything is written. ``scheme_check``: the check of this source,
     already started by the caller (the CLI forks it before importing torch); it is used when its
     directory is the resolved source, and cancelled otherwise.
+
+    ``out`` is resolved through symbolic links and the sidecar written at the target, keeping
+    the link (Note [output path]); an empty ``out``, the current directory, a mount point, an
+    output inside the source or a source inside the output are refused up front. The run holds
+    ``out``'s lock throughout (Note [output lock]): ``BusyError`` if another run writes ``out``.
+    A source file that changes while it is converted stops the run with ``SourceChangedError``,
+    nothing written (Note [stable source] in :mod:`mpack.convert.source`).
     """
     t0 = time.perf_counter()
-    tl = Timeline(t0)
-    seconds: dict[str, float] = {}
     _check_options(profile, act_dtype, tp, fuse)
     dev = resolve_device(device)
-    out = Path(out).expanduser().absolute()
+    out = output_path(out)
     src: ResolvedSource = resolve_source(str(source), revision, show_progress=progress is not None)
-    if out == src.path or src.path in out.parents:
-        raise UsageError(
-            f"-o {out} lies inside the source checkpoint {src.path}; choose another output directory"
-        )
+    _check_apart(out, src.path)
+    with output_lock(out):
+        stamps = stamp_sources(src)  # before anything of the source is read
+        try:
+            return _run_locked(
+                src, out, dev, stamps, t0, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
+                passthrough=passthrough, force=force, progress=progress, scheme_check=scheme_check,
+            )  # fmt: skip
+        except Exception as e:
+            # a failure on a source that changed meanwhile (a shard truncated or removed under
+            # a read) is reported as that change: the cause to fix
+            changed = None
+            if not isinstance(e, SourceChangedError):
+                with contextlib.suppress(MpackError, OSError):
+                    changed = source_changes(src, stamps)
+            if changed is None:
+                raise
+            raise changed from e
+
+
+def _run_locked(
+    src: ResolvedSource,
+    out: Path,
+    dev: torch.device,
+    stamps: dict[str, Stamp],
+    t0: float,
+    *,
+    profile: str,
+    act_dtype: str | None,
+    tp: int,
+    fuse: str,
+    passthrough: bool,
+    force: bool,
+    progress: Progress | None,
+    scheme_check: SchemeCheck | None,
+) -> ConvertResult:
+    """:func:`run_convert` once ``out``'s lock is held and the source stamped."""
+    tl = Timeline(t0)
+    seconds: dict[str, float] = {}
     # The compressed-tensors check may run in a forked child while this process plans from the
     # headers and streams (Note [scheme check in a child]); it is forked before any thread starts.
     check = scheme_check
@@ -381,6 +599,7 @@ def run_convert(
         def source_hashes(forms: dict[str, str] | None = None) -> list[dict[str, Any]]:
             return early_hashes() if forms is None else hash_sources(src, names, forms=forms)
 
+        clean_stale(out)  # under the lock, no work directory of OUT belongs to a live run
         if out.exists():
             t = time.perf_counter()
             state, loaded = existing_state(
@@ -388,6 +607,7 @@ def run_convert(
             )
             seconds["hash_sources"] = time.perf_counter() - t
             if state == "same" and loaded is not None and not force:
+                check_sources_unchanged(src, stamps)  # the digests compared are of these files
                 m, digest = loaded
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
             if state == "foreign" or (state == "other-sidecar" and not force):
@@ -403,9 +623,7 @@ def run_convert(
                     else "choose another -o directory, or remove it yourself (mpack does not delete what it "
                     "did not write)",
                 )
-        clean_stale_tmp(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f"{_tmp_prefix(out)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = _work_path(out, "tmp")
         tmp.mkdir()
         try:
             written = _write_all(plan, tmp, dev, progress, seconds, tl)
@@ -421,6 +639,8 @@ def run_convert(
             seconds["wait_scheme_check"] = time.perf_counter() - t
             tl.add("main", "wait-scheme-check", t, time.perf_counter())
             t = time.perf_counter()
+            # every read of the source is done: the bytes converted and hashed are those stamped
+            check_sources_unchanged(src, stamps)
             file_records = [{"name": n, **written[n]} for n in sorted(written)] + copied
             manifest = new_manifest(
                 target=plan.target,

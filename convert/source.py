@@ -8,8 +8,11 @@ resolved commit (or the local path) and the size and digests of every source fil
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from mpack.convert.timeline import Timeline
-from mpack.errors import SourceNotFoundError, UsageError
+from mpack.errors import (
+    ENVIRONMENT_ERRNOS,
+    InputError,
+    SourceNotFoundError,
+    UsageError,
+    environment_failure,
+)
 from mpack.sidecar import CHUNK_BYTES, COPIED_FILES, HashCancelled, hash_range, sha256_file
 
 #: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
@@ -250,3 +259,89 @@ def provenance(src: ResolvedSource, files: list[dict[str, Any]]) -> dict[str, An
     else:
         doc.update(path=str(src.path))
     return doc
+
+
+# --- a source that must not change under the run -----------------------------------------
+
+#: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of a source file, symlinks followed.
+Stamp = tuple[int, int, int, int, int]
+
+
+class SourceChangedError(InputError):
+    """A source file was replaced, modified, removed or added while a conversion read it."""
+
+
+def stamp_sources(src: ResolvedSource) -> dict[str, Stamp]:
+    """The identity, size and times of every file a conversion may read from ``src``.
+
+    Note [stable source]: a conversion reads a shard several times (headers, scales, tensor
+    data, the digests of the manifest), by name. If the file behind a name changes in between
+    (``mv new.safetensors SRC/model-00003-of-00004.safetensors``, a download still running, an
+    edit in place), the manifest would record digests of bytes that were not converted. So
+    every file the run may read (the top-level files of ``ALLOW_PATTERNS``; symlinks followed,
+    as the HF cache links into ``blobs/``) is stamped before anything is read, and stamped
+    again at the end, before the manifest is written: any difference fails the run
+    (:func:`check_sources_unchanged`). A replaced file has another inode, a file written in
+    place another size, mtime or ctime (a rename changes the ctime too, so even a file swapped
+    away and back is seen); a file removed or added changes the set of names.
+    """
+    stamps: dict[str, Stamp] = {}
+    try:
+        entries = sorted(os.listdir(src.path))
+    except FileNotFoundError:
+        return stamps  # the directory is gone: every file disappeared
+    except OSError as e:
+        if e.errno in ENVIRONMENT_ERRNOS:
+            raise environment_failure(e) from None
+        raise
+    for name in entries:
+        if not any(fnmatch.fnmatchcase(name, p) for p in ALLOW_PATTERNS):
+            continue
+        try:
+            st = os.stat(src.path / name)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ELOOP):
+                continue  # a dangling link: not a file the run can read
+            if e.errno in ENVIRONMENT_ERRNOS:
+                raise environment_failure(e) from None
+            raise
+        if stat.S_ISREG(st.st_mode):
+            stamps[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return stamps
+
+
+def source_changes(src: ResolvedSource, before: dict[str, Stamp]) -> SourceChangedError | None:
+    """The error describing how ``src`` changed since ``before`` (:func:`stamp_sources`), or
+    None when every file is as it was."""
+    after = stamp_sources(src)
+    changes = []
+    for name in sorted(before.keys() | after.keys()):
+        a, b = before.get(name), after.get(name)
+        if a == b:
+            continue
+        if b is None:
+            what = "disappeared"
+        elif a is None:
+            what = "appeared"
+        elif a[:2] != b[:2]:
+            what = "was replaced by another file"
+        elif a[2] != b[2]:
+            what = f"changed size from {a[2]} to {b[2]} bytes"
+        else:
+            what = "was modified in place (its mtime or ctime changed)"
+        changes.append(f"{src.path / name} {what}")
+    if not changes:
+        return None
+    more = f" (and {len(changes) - 1} more file(s) changed)" if len(changes) > 1 else ""
+    return SourceChangedError(
+        f"the source checkpoint changed while mpack was converting it: {changes[0]}{more}; "
+        "nothing was written",
+        hint="rerun once the source is stable (no download, copy or edit in progress)",
+    )
+
+
+def check_sources_unchanged(src: ResolvedSource, before: dict[str, Stamp]) -> None:
+    """Raise :class:`SourceChangedError` if ``src`` changed since ``before``."""
+    changed = source_changes(src, before)
+    if changed is not None:
+        raise changed

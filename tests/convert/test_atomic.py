@@ -33,9 +33,9 @@ from helpers import (  # noqa: E402
     sha256,
     snapshot,
     tensor_range,
-    tmp_dirs,
 )
 
+from mpack.convert.pipeline import lock_path, work_dirs  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 
 TP = ("--tp", "2", "--device", "cpu")  # the options of the shared sidecar
@@ -113,7 +113,7 @@ def test_sigkill_mid_write_leaves_no_output_and_next_run_recovers(tmp_path: Path
     deadline = time.monotonic() + 120
     try:
         while caught is None and proc.poll() is None and time.monotonic() < deadline:
-            for d in tmp_dirs(out):
+            for d in work_dirs(out):
                 if _data_started(d / "rank-00-of-01.safetensors"):
                     caught = d
             time.sleep(0.002)
@@ -128,21 +128,22 @@ def test_sigkill_mid_write_leaves_no_output_and_next_run_recovers(tmp_path: Path
     assert proc.returncode == -signal.SIGKILL, (
         f"not killed: exit {proc.returncode}; make BIG larger"
     )
-    # nothing named OUT, only the killed run's hidden work dir, without a manifest
+    # nothing named OUT, only the killed run's hidden work dir, without a manifest, and its lock
+    # file (the lock itself went with the process)
     assert not out.exists()
-    assert tmp_dirs(out) == [caught]
-    assert caught.name.startswith(f".out.mpack-tmp-{proc.pid}-")
+    assert work_dirs(out) == [caught]
+    assert caught.name.startswith(".mpack-") and ".tmp-" in caught.name
     assert not (caught / "mpack.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["big", caught.name, lock_path(out).name]
+    )
 
-    # a work dir of a live process (ours) must survive the next run; the dead one must not
-    live = out.parent / f".out.mpack-tmp-{os.getpid()}-cafef00d"
-    live.mkdir()
+    # the next run takes the lock and removes the dead run's work dir
     r = cli("convert", big, "-o", out, "--device", "cpu", "--json")
     assert r.returncode == 0, explain(r)
     assert json.loads(r.stdout)["up_to_date"] is False
     assert not caught.exists()
-    assert tmp_dirs(out) == [live]
-    live.rmdir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "out"]
     r = cli("verify", out)
     assert r.returncode == 0, explain(r)
 

@@ -1,0 +1,327 @@
+"""`mpack convert` under hostile conditions (red-team report, issue 11).
+
+A source that changes under the run, two runs for one output, leftovers of dead runs, and
+awkward output paths. Real checkpoints (mpack.fixtures), real files, real processes: the
+in-process runs call ``run_convert`` itself, the others ``python -m mpack.cli``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))  # tests/convert/helpers
+
+from conftest import flip_byte  # noqa: E402
+from helpers import cli, cli_env, explain, manifest, snapshot, tensor_range  # noqa: E402
+
+from mpack.convert.pipeline import (  # noqa: E402
+    _work_path,
+    lock_path,
+    run_convert,
+    work_dirs,
+)
+from mpack.convert.source import SourceChangedError  # noqa: E402
+from mpack.errors import BusyError, InputError, UsageError  # noqa: E402
+from mpack.fixtures import make_checkpoint  # noqa: E402
+
+SHARD = "model-00003-of-00004.safetensors"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four shards, like the report's ``model-00003-of-00004.safetensors``."""
+    ck = make_checkpoint(tmp_path_factory.mktemp("sharded") / "a", max_shard_size="700KB")
+    assert (ck / SHARD).is_file() and not (ck / "model-00005-of-00005.safetensors").exists()
+    return ck
+
+
+@pytest.fixture(scope="module")
+def sharded_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model shape as ``sharded``, other weights: its shards are valid replacements."""
+    return make_checkpoint(tmp_path_factory.mktemp("other") / "b", max_shard_size="700KB", seed=1)
+
+
+def hidden(d: Path) -> list[str]:
+    """Every hidden name in ``d``: work, old-sidecar and lock files all start with a dot."""
+    return sorted(n for n in os.listdir(d) if n.startswith("."))
+
+
+# --- 1: a source that changes under the run ---------------------------------------------------
+
+
+def _replace(shard: Path, other: Path) -> None:
+    shutil.copyfile(other, shard.with_name("new.safetensors"))
+    os.replace(shard.with_name("new.safetensors"), shard)  # `mv new.safetensors SRC/...`
+
+
+def _append(shard: Path, other: Path) -> None:
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 64)
+
+
+def _rewrite(shard: Path, other: Path) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    a, b = tensor_range(shard, name)
+    flip_byte(shard, (a + b) // 2)  # same size, same inode, other bytes
+
+
+def _remove(shard: Path, other: Path) -> None:
+    shard.unlink()
+
+
+CHANGES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
+    "replaced": (_replace, "was replaced by another file"),
+    "appended": (_append, "changed size from"),
+    "rewritten": (_rewrite, "was modified in place"),
+    "removed": (_remove, "disappeared"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_source_changed_during_convert_is_refused(
+    change: str, sharded: Path, sharded_other: Path, tmp_path: Path
+) -> None:
+    src = Path(shutil.copytree(sharded, tmp_path / "src"))
+    out = tmp_path / "out"
+    fn, what = CHANGES[change]
+    changed: list[str] = []
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if not changed:  # the first call: every header is parsed, the streaming starts
+            changed.append(stage)
+            fn(src / SHARD, sharded_other / SHARD)
+
+    with pytest.raises(SourceChangedError) as ei:
+        run_convert(src, out, device="cpu", progress=progress)
+    assert changed, "the source was never changed: progress was not called"
+    e = ei.value
+    assert isinstance(e, InputError) and e.exit_code == 2
+    assert f"{src / SHARD} {what}" in e.message, e.message
+    assert "rerun once the source is stable" in (e.hint or "")
+    assert sorted(os.listdir(tmp_path)) == ["src"], "output, work dir or lock left behind"
+
+
+# --- 9, 10: one run at a time per output ------------------------------------------------------
+
+
+def test_second_convert_to_the_same_output_is_busy(ckpt: Path, tmp_path: Path) -> None:
+    """Two real converts to one -o: while this process's run writes, a `mpack convert` with
+    other options is refused (exit 2, naming our pid), and leaves our work directory alone."""
+    out = tmp_path / "out"
+    seen: dict[str, object] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if not seen:
+            seen["live"] = live = work_dirs(out)
+            seen["run"] = cli("convert", ckpt, "-o", out, "--tp", "2", "--device", "cpu")
+            seen["survived"] = [p for p in live if (p / "rank-00-of-01.safetensors").is_file()]
+
+    result = run_convert(ckpt, out, device="cpu", progress=progress)
+    r = seen["run"]
+    assert r.returncode == 2, explain(r)
+    assert f"error: another mpack convert (pid {os.getpid()}) is writing {out}" in r.stderr
+    assert "wait for it to finish" in r.stderr
+    assert len(seen["live"]) == 1 and seen["survived"] == seen["live"]
+    assert result.up_to_date is False
+    assert manifest(out)["target"]["tp_size"] == 1  # ours, not replaced by the second run
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def _hold_lock(out: Path) -> subprocess.Popen:
+    """A process holding ``out``'s lock until its stdin closes; it prints its pid when it has it."""
+    code = (
+        "import sys\n"
+        "from mpack.fsutil import LockFile\n"
+        "with LockFile(sys.argv[1]) as lk:\n"
+        "    print('held', flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(lock_path(out))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_busy_output_spares_a_live_work_dir_and_a_dead_runs_is_removed(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    holder = _hold_lock(out)
+    try:
+        live = _work_path(out, "tmp")
+        live.mkdir()
+        (live / "rank-00-of-01.safetensors").write_bytes(b"partial")
+        with pytest.raises(BusyError, match=f"another mpack convert \\(pid {holder.pid}\\)"):
+            run_convert(ckpt, out, device="cpu")
+        assert live.is_dir() and (live / "rank-00-of-01.safetensors").read_bytes() == b"partial"
+        assert not out.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # the holder is gone: what it left is stale, whatever pid its name holds
+    legacy = tmp_path / f".out.mpack-tmp-{os.getpid()}-cafef00d"  # a live pid, an old name
+    legacy.mkdir()
+    result = run_convert(ckpt, out, device="cpu")
+    assert result.up_to_date is False
+    assert not live.exists() and not legacy.exists()
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_run_killed_holding_the_lock_leaves_nothing_that_blocks(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """A run that dies holding the lock leaves its lock file and work directory behind; the
+    next run takes the lock (the kernel released it) and removes the work directory."""
+    out = tmp_path / "out"
+    work = _work_path(out, "tmp")
+    code = (
+        "import os, sys\n"
+        "from mpack.fsutil import LockFile\n"
+        "LockFile(sys.argv[1]).__enter__()\n"
+        "os.mkdir(sys.argv[2])\n"
+        "os._exit(9)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(lock_path(out)), str(work)], env=cli_env())
+    assert r.returncode == 9 and lock_path(out).is_file() and work.is_dir()
+    assert run_convert(ckpt, out, device="cpu").up_to_date is False
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+# --- 11: a --force run killed at the swap -----------------------------------------------------
+
+
+def test_old_sidecar_copies_are_removed_by_the_next_run(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run_convert(ckpt, out, device="cpu")
+    planted = [
+        tmp_path / ".out.mpack-old-4242-deadbeef",  # an older mpack's name
+        _work_path(out, "old"),
+        _work_path(out, "tmp"),  # an exchange killed before the old copy was removed
+    ]
+    for p in planted:
+        shutil.copytree(out, p)
+    others = [tmp_path / ".other.mpack-old-4242-deadbeef", tmp_path / ".out.mpack-old-x"]
+    for p in others:  # not ours: another output's, or a name no mpack writes
+        p.mkdir()
+    result = run_convert(ckpt, out, device="cpu")
+    assert result.up_to_date is True
+    assert not any(p.exists() for p in planted)
+    assert hidden(tmp_path) == sorted(p.name for p in others)
+
+
+# --- 12: awkward output paths -----------------------------------------------------------------
+
+
+def test_mount_point_output_is_refused_up_front(ckpt: Path, tmp_path: Path) -> None:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare(1) to mount a tmpfs in a private mount namespace")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (
+        'mount -t tmpfs mpack-test "$1" && exec "$2" -m mpack.cli convert "$3" -o "$1" --device cpu'
+    )
+    args = [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+    probe = subprocess.run([*args[:4], "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
+    r = subprocess.run(
+        [*args, str(mnt), sys.executable, str(ckpt)],
+        capture_output=True, text=True, env=cli_env(), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 2, explain(r)
+    assert f"-o {mnt} ({mnt}) is a mount point" in r.stderr, r.stderr
+    assert "use a subdirectory of it" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["mnt"] and os.listdir(mnt) == []
+
+
+def test_symlink_output_writes_at_its_target_and_keeps_the_link(ckpt: Path, tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    result = run_convert(ckpt, link, device="cpu")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert result.out == real
+    assert (real / "mpack.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+    assert run_convert(ckpt, link, device="cpu").up_to_date is True
+
+
+def test_output_reaching_into_the_source_through_a_symlink_is_refused(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    src = Path(shutil.copytree(ckpt, tmp_path / "src"))
+    before = snapshot(src)
+    (tmp_path / "link").symlink_to(src)
+    with pytest.raises(UsageError, match=f"lies inside the source checkpoint {src}"):
+        run_convert(src, tmp_path / "link" / "sidecar", device="cpu")
+    assert snapshot(src) == before and sorted(os.listdir(src)) == sorted(before)
+
+
+def test_source_inside_the_output_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """A --force run onto a sidecar that holds the checkpoint would remove the checkpoint."""
+    sc = tmp_path / "sc"
+    run_convert(ckpt, sc, device="cpu", tp=2)
+    src = Path(shutil.copytree(ckpt, sc / "ckpt"))
+    before = snapshot(sc)
+    with pytest.raises(UsageError, match=f"the source checkpoint {src} lies inside -o {sc}"):
+        run_convert(src, sc, device="cpu", force=True)
+    assert snapshot(sc) == before
+
+
+def test_empty_output_is_refused(ckpt: Path, tmp_path: Path, monkeypatch) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with pytest.raises(UsageError, match="-o is empty") as ei:
+        run_convert(ckpt, "", device="cpu")
+    assert "-o ./sidecar" in (ei.value.hint or "")
+    assert os.listdir(cwd) == []
+
+
+def test_cli_output_that_is_the_current_directory_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """`-o ''` reaches run_convert as Path('') == Path('.'): the current directory, refused."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    ino = cwd.stat().st_ino
+    for out in ("", "../cwd"):
+        r = subprocess.run(
+            [sys.executable, "-m", "mpack.cli", "convert", str(ckpt), "-o", out, "--device", "cpu"],
+            capture_output=True, text=True, env=cli_env(), cwd=cwd, timeout=180,
+        )  # fmt: skip
+        assert r.returncode == 2, explain(r)
+        assert f"({cwd}) is the current directory" in r.stderr, r.stderr
+        assert "name a new directory, e.g. -o ./sidecar" in r.stderr
+        assert cwd.stat().st_ino == ino and os.listdir(cwd) == []
+        assert sorted(os.listdir(tmp_path)) == ["cwd"]
+
+
+def test_output_with_a_long_name(ckpt: Path, tmp_path: Path) -> None:
+    """A 240-byte name is valid; the hidden work, old and lock names must not grow with it."""
+    out = tmp_path / ("s" * 240)
+    run_convert(ckpt, out, device="cpu")
+    assert (out / "mpack.json").is_file()
+    run_convert(ckpt, out, device="cpu", force=True)  # the swap's old directory too
+    assert sorted(os.listdir(tmp_path)) == [out.name]
+    names = {p.name for p in (_work_path(out, "tmp"), _work_path(out, "old"), lock_path(out))}
+    short = {p.name for p in (_work_path(tmp_path / "s", "tmp"), lock_path(tmp_path / "s"))}
+    assert {len(n) for n in names} <= {len(n) for n in short} and max(map(len, names)) < 40
