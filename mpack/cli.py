@@ -95,7 +95,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but
 def convert(
     source: Source,
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Sidecar directory to write (created atomically).")
+        str, typer.Option("--out", "-o", help="Sidecar directory to write (created atomically).")
     ],
     revision: Annotated[
         str | None, typer.Option(help="Hub branch, tag or commit (repo ids only).")

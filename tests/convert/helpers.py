@@ -99,8 +99,10 @@ def explain(r: Proc) -> str:
 
 
 def tmp_dirs(out: Path) -> list[Path]:
-    """Hidden work directories ``.<OUT name>.mpack-tmp-*`` next to ``out``."""
-    return sorted(out.parent.glob(f".{out.name}.mpack-tmp-*"))
+    """Hidden work (and old-sidecar) directories of runs for ``out`` (either naming)."""
+    from mpack.convert.pipeline import work_dirs
+
+    return work_dirs(out)
 
 
 def assert_refused(r: Proc, out: Path, *expect: str, exists: bool = False) -> None:
