@@ -377,7 +377,10 @@ def _probe(ordinal: int) -> tuple[bool, str | None]:
     try:
         from cuda.bindings import driver, nvrtc  # noqa: F401
     except ImportError as e:
-        return False, f"cuda-bindings is not importable ({e}): pip install 'mpack[cuda]'"
+        return False, (
+            f"cuda-bindings is not importable ({e}): "
+            "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')"
+        )
     try:
         if not torch.cuda.is_available():
             return False, "no CUDA device"

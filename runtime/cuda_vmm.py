@@ -41,7 +41,8 @@ def _driver() -> Any:
         from cuda.bindings import driver
     except ImportError:
         raise UsageError(
-            "--device cuda needs the cuda-bindings package", hint="pip install 'mpack[cuda]'"
+            "--device cuda needs the cuda-bindings package",
+            hint="pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')",
         ) from None
     return driver
 
