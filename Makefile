@@ -24,14 +24,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# torch first and on its own: a plain resolver run would pull a multi-GB CUDA build.
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	# A venv made before the rename holds this checkout as `mpack`; now it is `mpack-marlin`.
+	if $(VENV)/bin/python -m pip show -q mpack >/dev/null 2>&1; then $(VENV)/bin/python -m pip uninstall -q -y mpack; fi
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 test: $(DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# --require-gpu (tests/conftest.py): no CUDA device is an error here, not a run of skips.
 test-gpu: $(DEPS)
-	$(PY) -m pytest -q -m gpu -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m gpu -rs --require-gpu $(PYTEST_ARGS)
 
 lint: $(DEPS)
 	$(PY) -m ruff check .

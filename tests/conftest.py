@@ -1,4 +1,9 @@
-"""Shared test fixtures: where the golden data lives, and the `gpu` marker's skip rule."""
+"""Shared test fixtures: where the golden data lives, and the `gpu` marker's rules.
+
+Without a CUDA device, `gpu` tests are skipped with a reason (`make test`). With
+``--require-gpu`` (what `make test-gpu` passes), a machine without one is a usage error at
+session start, before any test runs: a GPU run that skipped everything must not pass.
+"""
 
 from __future__ import annotations
 
@@ -40,10 +45,29 @@ def golden() -> Path:
     return _golden_dir()
 
 
+NO_GPU_MESSAGE = (
+    "make test-gpu needs a CUDA device; this machine has none (torch.cuda.is_available() is False)"
+)
+
+
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        help="fail at once, rather than skip the gpu tests, when there is no CUDA device "
+        "(make test-gpu)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("require_gpu") and not _cuda_available():
+        raise pytest.UsageError(NO_GPU_MESSAGE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,37 +1,79 @@
-"""A wheel built from the tree installs into a fresh venv and runs `mpack --help`."""
+"""The package as built and the Makefile's test targets.
+
+A wheel built from the tree is the `mpack-marlin` distribution (the command and the import name
+stay `mpack`), builds without warnings, installs into a fresh venv and runs `mpack --help`.
+`make test-gpu` on a machine without a CUDA device fails with a clear message, while a plain
+pytest run skips the GPU tests with a reason.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import site
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import NO_GPU_MESSAGE, REPO
+
+DIST_NAME = "mpack-marlin"
+# A CPU-only view of the machine, GPU box included: torch.cuda.is_available() is False under it.
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+GPU_MODULE = "tests/runtime/test_runtime_cuda.py"  # every test in it is marked gpu
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel built from the tree, and the build's whole output (pip -v shows the backend's)."""
+    dist = tmp_path_factory.mktemp("dist")
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+         "-w", str(dist), str(REPO)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:]
+    (wheel,) = dist.glob("*.whl")
+    return wheel, r.stdout
+
+
+def _dist_info(wheel: Path, name: str) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        (member,) = [m for m in z.namelist() if m.endswith(f".dist-info/{name}")]
+        return z.read(member).decode()
 
 
 @pytest.mark.slow
-def test_wheel_in_fresh_venv(tmp_path: Path):
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(dist),
-            str(REPO),
-        ],
-        check=True,
-        timeout=300,
-    )
-    (wheel,) = dist.glob("mpack-*.whl")
+def test_wheel_is_mpack_marlin_with_the_mpack_command(built: tuple[Path, str]) -> None:
+    wheel, _ = built
+    assert wheel.name.startswith("mpack_marlin-"), wheel.name
+    meta = _dist_info(wheel, "METADATA")
+    assert re.search(r"^Name: mpack-marlin$", meta, re.M), meta[:500]
+    assert re.search(r"^License-Expression: Apache-2\.0$", meta, re.M), meta[:500]
+    scripts = _dist_info(wheel, "entry_points.txt")
+    assert re.search(r"^\[console_scripts\]\nmpack = mpack\.cli:main$", scripts, re.M), scripts
+    with zipfile.ZipFile(wheel) as z:
+        tops = {m.split("/")[0] for m in z.namelist() if not m.split("/")[0].endswith(".dist-info")}
+    assert tops == {"mpack"}, tops
+
+
+@pytest.mark.slow
+def test_the_build_warns_about_nothing(built: tuple[Path, str]) -> None:
+    """setuptools' warnings (e.g. the `project.license` table form, refused after 2027-02-18)
+    would be the first sign of a build that stops working."""
+    _, out = built
+    warned = [line for line in out.splitlines() if re.search(r"\b[A-Z]\w*Warning\b", line)]
+    assert not warned, "\n".join(warned)
+    assert "project.license" not in out
+
+
+@pytest.mark.slow
+def test_wheel_in_fresh_venv(built: tuple[Path, str], tmp_path: Path) -> None:
+    wheel, _ = built
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
@@ -43,21 +85,10 @@ def test_wheel_in_fresh_venv(tmp_path: Path):
     # The dependencies (torch & co.) come from this interpreter's site-packages, appended after the
     # fresh venv's own; mpack itself only from the wheel, unpacked with this pip into the venv.
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-compile",
-            "--target",
-            str(fresh_site),
-            str(wheel),
-        ],
-        check=True,
-        timeout=300,
-    )
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+         "--target", str(fresh_site), str(wheel)],
+        check=True, timeout=300,
+    )  # fmt: skip
     (fresh_site / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     where = subprocess.check_output(
         [str(py), "-c", "import mpack, mpack.convert.marlin, mpack.runtime; print(mpack.__file__)"],
@@ -65,12 +96,56 @@ def test_wheel_in_fresh_venv(tmp_path: Path):
         cwd=tmp_path,  # not the repo root, whose ./mpack would shadow the wheel
     )
     assert where.startswith(str(fresh_site)), where
-    r = subprocess.run(
-        [str(env_dir / "bin" / "python"), "-m", "mpack.cli", "--help"],
-        capture_output=True,
+    version = subprocess.check_output(
+        [str(py), "-c", f"import importlib.metadata as m; print(m.version({DIST_NAME!r}))"],
         text=True,
         cwd=tmp_path,
+    )
+    assert version.strip() == "0.1.0"
+    r = subprocess.run(
+        [str(py), "-m", "mpack.cli", "--help"], capture_output=True, text=True, cwd=tmp_path
     )
     assert r.returncode == 0 and "layout" in r.stdout, r.stderr
     script = fresh_site / "bin" / "mpack"
     assert script.exists(), "the wheel must declare the `mpack` console script"
+
+
+# --- make test-gpu without a GPU ------------------------------------------------------------
+
+
+def _python() -> list[str]:
+    """This interpreter, with its -P (the GPU box imports the installed mpack, not ./mpack)."""
+    return [sys.executable, *(["-P"] if sys.flags.safe_path else [])]
+
+
+def _env() -> dict[str, str]:
+    # Not the variables of a `make test` around this run: they would reach the inner make.
+    drop = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ARGS", "SYSTEM_PYTHON")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **NO_GPU_ENV}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_gpu_fails_without_a_gpu() -> None:
+    r = subprocess.run(
+        ["make", "-s", "test-gpu", f"SYSTEM_PYTHON={' '.join(_python())}",
+         f"PYTEST_ARGS=-p no:cacheprovider {GPU_MODULE}"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert NO_GPU_MESSAGE in out, out
+    assert "passed" not in out and "skipped" not in out, out  # it stopped before any test
+
+
+@pytest.mark.slow
+def test_without_the_option_gpu_tests_skip_with_a_reason() -> None:
+    r = subprocess.run(
+        [*_python(), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
+         GPU_MODULE],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert re.search(r"^\d+ skipped in ", out, re.M), out
+    assert "needs a CUDA device: run `make test-gpu` on a GPU machine" in out, out
