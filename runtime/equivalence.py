@@ -4,19 +4,22 @@ The **reference** is the original checkpoint run by transformers, with compresse
 decompressing the FP8 weights and its activation fake-quantization switched off (Marlin is
 weight-only, so the kernel never quantizes activations). For the ``w8a8-marlin`` profile the
 reference's fused shards carry the weights requantized to the max shard scale (SPEC §4), which is
-what vLLM itself computes from the same checkpoint on that path.
+what vLLM itself computes from the same checkpoint on that path. The reference's scales and biases
+of the packed layers are rounded to the activation dtype, as the sidecar (and vLLM) store them
+(Note [act-dtype scales and bias]).
 
 The **sidecar path** is :func:`mpack.runtime.model.build_model` on the sidecar's tensors, every
 linear layer computed by the reference Marlin FP8 linear from the packed bytes.
 
 Note [equivalence tolerance]: run in float32, both sides compute the same products of exactly
-dequantized weights (fp8 x scale is exact in fp32) and differ only in summation order, so their
-logits agree to ~1e-6 and greedy decoding must give identical tokens. Run in the activation
-dtype, every layer's activations are rounded to bf16/fp16 at different points on the two sides;
-with unit roundoff ``u`` (2^-9 bf16, 2^-11 fp16) the logits may differ by a few ``u`` per layer
-relative to their size, so we allow ``ATOL_UNITS * u * max|logit|`` and compare greedy choices
-only where the reference's top-2 margin exceeds twice that bound (elsewhere either token is a
-correct rounding of a near-tie).
+dequantized weights (fp8 x scale is exact in fp32; both use the same act-dtype scales and bias)
+and differ only in summation order, so their logits agree to ~1e-6 and greedy decoding must give
+identical tokens; one act-dtype ulp on one layer's scales or bias exceeds the bound. Run in the
+activation dtype, every layer's activations are rounded to bf16/fp16 at different points on the
+two sides; with unit roundoff ``u`` (2^-9 bf16, 2^-11 fp16) the logits may differ by a few ``u``
+per layer relative to their size, so we allow ``ATOL_UNITS * u * max|logit|`` and compare greedy
+choices only where the reference's top-2 margin exceeds twice that bound (elsewhere either token
+is a correct rounding of a near-tie).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: 
 
     compressed-tensors keeps each quantized linear's fp8 ``weight`` and ``weight_scale`` and
     dequantizes them in its forward; for ``w8a8-marlin`` both are replaced by the requantized
-    bytes and the max scale.
+    bytes and the max scale. Every packed layer's scales and bias are then rounded to the
+    activation dtype (Note [act-dtype scales and bias]).
     """
     import torch
     from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
@@ -45,8 +49,6 @@ def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
     model.apply(disable_quantization)
     if manifest["target"]["profile"] == "w8a8-marlin":
-        from compressed_tensors.offload import update_offload_parameter
-
         from mpack.convert.checkpoint import open_checkpoint, read_scale
         from mpack.convert.marlin import requantize_shards
 
@@ -61,16 +63,44 @@ def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: 
                 q, s_max = requantize_shards(
                     w, torch.cat([read_scale(ck, m) for m in mods]), widths
                 )
-                rows = q.split(widths)
-                for mod, qm in zip(
-                    mods, rows, strict=True
-                ):  # compressed-tensors dequantizes on the fly
-                    module = model.get_submodule(mod)
-                    update_offload_parameter(module, "weight", qm.view(torch.float8_e4m3fn))
-                    scale = module.weight_scale
-                    full = torch.full_like(scale, s_max, dtype=torch.float32).to(scale.dtype)
-                    update_offload_parameter(module, "weight_scale", full)
+                for mod, qm in zip(mods, q.split(widths), strict=True):
+                    module = model.get_submodule(mod)  # compressed-tensors dequantizes on the fly
+                    _set(module, "weight", qm.view(torch.float8_e4m3fn))
+                    _set(module, "weight_scale", torch.full_like(module.weight_scale, s_max))
+    _round_to_act_dtype(model, manifest)
     return model
+
+
+def _set(module: Any, name: str, value: Any) -> None:
+    from compressed_tensors.offload import update_offload_parameter
+
+    update_offload_parameter(module, name, value)
+
+
+def _round_to_act_dtype(model: Any, manifest: dict[str, Any]) -> None:
+    """Note [act-dtype scales and bias]: a sidecar stores every layer's per-channel scales and
+    its bias in the activation dtype (``pack_scales`` / ``pack_bias`` cast them, round to nearest
+    even), because vLLM's Marlin keeps them there. A checkpoint in another dtype (fp16 packed for
+    bf16, bf16 for fp16, fp32 for either) keeps finer values, which transformers uses as they
+    are in a float32 run: the two sides would then multiply by different scales (one bf16 ulp is
+    2^-8 relative, far above fp32 summation noise; issue 11). So the reference's scales and bias
+    of every packed layer take the value the sidecar holds: cast to the activation dtype, then
+    back to the model's dtype (exact). With the checkpoint in the activation dtype, or the model
+    run in it, this changes nothing.
+    """
+    import torch
+
+    from mpack.convert.marlin import ACT_DTYPES
+
+    act = ACT_DTYPES[manifest["target"]["act_dtype"]]
+    with torch.no_grad():
+        for ly in manifest["layers"].values():
+            for shard in ly["shards"]:
+                module = model.get_submodule(shard["module"])
+                for name in ("weight_scale", "bias"):
+                    t = getattr(module, name, None)
+                    if t is not None:  # as pack_scales / pack_bias round: via float32 to act
+                        _set(module, name, t.to(torch.float32).to(act).to(t.dtype))
 
 
 def teacher_forced_logits(model: Any, input_ids: Any, tokens: Any) -> Any:

@@ -17,7 +17,7 @@ from rt_helpers import DaemonProc, child_env
 
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
-from mpack.runtime.equivalence import FP32_TOL, reference_model, score
+from mpack.runtime.equivalence import FP32_TOL, forward_check, reference_model, score
 from mpack.runtime.model import greedy_generate
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +30,8 @@ MODELS = {
     "llama-channel-fp16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
     "qwen2-bias-tensor-bf16": dict(arch="qwen2", scheme="FP8"),
     "qwen2-bias-channel-fp16": dict(arch="qwen2", scheme="FP8_DYNAMIC", dtype="float16"),
+    "qwen2-bias-tensor-fp16": dict(arch="qwen2", scheme="FP8", dtype="float16"),
+    "qwen2-bias-tensor-fp32": dict(arch="qwen2", scheme="FP8", dtype="float32"),
     "padded-tensor-bf16": dict(arch="llama", scheme="FP8", **SMOL),
     "padded-channel-fp16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16", **SMOL),
 }
@@ -215,3 +217,89 @@ def test_verify_forward_with_a_missing_source_is_exit_2(checkpoints, tmp_path):
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 2 and "no-such-checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+# The checkpoint's dtype is not the act dtype: the sidecar's scales and bias are rounded to the
+# act dtype (vLLM's Marlin keeps them there), and the reference must use those values too (issue
+# 11; Note [act-dtype scales and bias]). Both archs x both directions x both profiles, tp 1 and 2.
+ACT_CASES = [  # (model, --act-dtype, profile, tp)
+    ("qwen2-bias-tensor-fp16", "bfloat16", "w8a8-marlin", 2),  # the case of issue 11
+    ("qwen2-bias-tensor-fp16", "bfloat16", "w8a16", 1),
+    ("llama-channel-fp16", "bfloat16", "w8a8-marlin", 1),
+    ("llama-channel-fp16", "bfloat16", "w8a16", 2),
+    ("llama-tensor-bf16", "float16", "w8a16", 1),
+    ("llama-tensor-bf16", "float16", "w8a8-marlin", 2),
+    ("qwen2-bias-tensor-bf16", "float16", "w8a8-marlin", 1),
+    ("qwen2-bias-tensor-bf16", "float16", "w8a16", 2),
+    ("qwen2-bias-tensor-fp32", "bfloat16", "w8a8-marlin", 2),
+]
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: on a shared 2-core runner its OpenMP barriers otherwise stall (a
+    forward check took 0.6 s on one thread and up to 23 s on two, under the same load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _forward(checkpoints, tmp_path, model, act, profile, tp) -> dict:
+    ck = checkpoints[model]
+    sidecar = tmp_path / "s"
+    run_convert(ck, sidecar, profile=profile, act_dtype=act, tp=tp, device="cpu")
+    return forward_check(sidecar, ck)
+
+
+@pytest.mark.parametrize("model, act, profile, tp", ACT_CASES, ids=lambda v: str(v))
+def test_forward_check_act_dtype_other_than_checkpoint(
+    checkpoints, tmp_path, one_thread, model, act, profile, tp
+):
+    report = _forward(checkpoints, tmp_path, model, act, profile, tp)
+    fp32, low = report["runs"]
+    assert low["dtype"] == act
+    assert fp32["logits_close"], f"float32: {fp32['max_logit_diff']:.3g} > {fp32['tolerance']:.3g}"
+    assert fp32["tokens_identical"] and report["ok"], report
+
+
+@pytest.mark.parametrize("tensor", ["weight_scale", "bias"])
+def test_forward_check_fails_a_scale_or_bias_one_ulp_off(
+    checkpoints, tmp_path, one_thread, monkeypatch, tensor
+):
+    """The check still catches the error it now models: every scale (or bias) of one layer of rank
+    1 one bf16 ulp off makes the float32 run differ beyond its tolerance (the same sidecar
+    unchanged passes: ACT_CASES[0])."""
+    from mpack.runtime import loader
+
+    real_load = loader.load
+
+    def load_corrupted(sidecar, *, rank=0, device="cpu"):
+        w = real_load(sidecar, rank=rank, device=device)
+        if rank == 1:  # a private, writable copy: each value one bf16 ulp away from zero
+            w[f"model.layers.0.self_attn.qkv_proj.{tensor}"].view(torch.int16).add_(1)
+        return w
+
+    monkeypatch.setattr(loader, "load", load_corrupted)
+    report = _forward(checkpoints, tmp_path, "qwen2-bias-tensor-fp16", "bfloat16", "w8a8-marlin", 2)
+    fp32 = report["runs"][0]
+    assert not report["ok"] and not fp32["logits_close"], fp32
+    assert fp32["max_logit_diff"] > 3 * fp32["tolerance"], fp32
+
+
+def test_verify_forward_on_cuda_without_cuda_is_a_usage_error(
+    checkpoints, tmp_path, one_thread, monkeypatch, capsys
+):
+    """`verify --forward --device cuda:0` where there is no CUDA: exit 2 with a hint, no traceback."""
+    from mpack.cli import main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as here; on a GPU box too
+    ck = checkpoints["llama-tensor-bf16"]
+    sidecar = tmp_path / "s"
+    run_convert(ck, sidecar, device="cpu")
+    argv = ["verify", str(sidecar), "--source", str(ck), "--forward", "--device", "cuda:0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cuda:0" in err and "--device cpu" in err and "internal error" not in err, err
+    assert main([*argv[:-1], "gpu"]) == 2
+    assert "--device must be cpu, cuda or cuda:N" in capsys.readouterr().err
