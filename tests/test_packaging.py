@@ -149,3 +149,20 @@ def test_without_the_option_gpu_tests_skip_with_a_reason() -> None:
     assert r.returncode == 0, out
     assert re.search(r"^\d+ skipped in ", out, re.M), out
     assert "needs a CUDA device: run `make test-gpu` on a GPU machine" in out, out
+
+
+# --- README: the environment variables --------------------------------------------------------
+
+READS_ENV = re.compile(r"""(?:environ\.get|getenv|environ\[)\(?\s*["'](MPACK_\w+)["']""")
+
+
+def test_readme_lists_every_mpack_variable_the_code_reads() -> None:
+    code = [p for d in ("mpack", "convert", "runtime") for p in (REPO / d).rglob("*.py")]
+    code.append(REPO / "tests" / "conftest.py")
+    read = {v for p in code for v in READS_ENV.findall(p.read_text())}
+    assert {"MPACK_DEBUG", "MPACK_GOLDEN"} <= read, read  # the scan itself works
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(MPACK_\w+)", section, re.M)
+    assert len(listed) == len(set(listed)), listed
+    assert set(listed) == read, f"README lists {sorted(listed)}, the code reads {sorted(read)}"
