@@ -7,12 +7,15 @@ exception is a bug and exits 1. ``MPACK_DEBUG=1`` shows tracebacks.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from mpack import __version__
 from mpack.errors import (
@@ -24,15 +27,43 @@ from mpack.errors import (
     exit_code_for,
 )
 
+#: The environment variables mpack reads (shown at the end of ``mpack --help``; README too).
+ENVIRONMENT = {
+    "MPACK_DEBUG=1": "show the traceback of an error",
+    "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal (5)",
+    "MPACK_SCHEME_CHECK=inline": "parse the quantization config in-process, not in a child",
+    "MPACK_NO_CUDA_KERNEL=1": "convert on CUDA with torch ops instead of the fused kernel",
+    "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
+    "MPACK_CACHE_DIR=DIR": "where compiled kernels are cached (~/.cache/mpack/kernels)",
+    "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (../shared/golden)",
+}
+_EPILOG = "\b\nEnvironment:\n" + "\n".join(f"  {k:27} {v}" for k, v in ENVIRONMENT.items())
+
+
+class _Command(typer.core.TyperCommand):
+    """Usage lines show positionals as ``SOURCE``, the way every CLI does (not ``{SOURCE}``)."""
+
+    def collect_usage_pieces(self, ctx: typer.core.click.Context) -> list[str]:
+        return [
+            p[1:-1] if p.startswith("{") and p.endswith("}") else p
+            for p in super().collect_usage_pieces(ctx)
+        ]
+
+
 app = typer.Typer(
     name="mpack",
-    help="Marlin FP8 sidecars for compressed-tensors checkpoints: convert once, share zero-copy.",
-    no_args_is_help=True,
-    add_completion=False,
+    no_args_is_help=True,  # the root help is _root's docstring (its examples included)
+    add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: "[default: ...]" in a help string is text, not markup
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
+command = app.command(cls=_Command)
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+ACT_DTYPE_CHOICES = "[bfloat16|float16]"
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document (also for errors) instead of text.")
+]
 
 
 def _version_cb(value: bool) -> None:
@@ -41,37 +72,60 @@ def _version_cb(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(epilog=_EPILOG)
 def _root(
     version: Annotated[
         bool,
         typer.Option("--version", callback=_version_cb, is_eager=True, help="Print the version."),
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Show other libraries' logs and progress bars (transformers, compressed-tensors, "
+            "the Hub), and mpack's debug log.",
+        ),
+    ] = False,
 ) -> None:
-    """Marlin FP8 sidecars for compressed-tensors checkpoints.
+    """Marlin FP8 sidecars for compressed-tensors checkpoints: convert once, share zero-copy.
 
+    \b
     Examples:
       mpack convert ./fp8-checkpoint -o ./sidecar --tp 2     # pack once, offline
       mpack inspect ./sidecar                               # what is in it
       mpack verify ./sidecar                                # checksums + re-derivation
+      mpack serve ./sidecar --rank 0 --device cuda:0        # share rank 0 on GPU 0
+      mpack status                                          # what is served
       mpack layout 4096 14336                               # one [N, K] layer's layout
     """
+    from mpack import ui
+
+    ui.set_verbose(verbose)
 
 
-@app.command()
+@command
 def layout(
     n: Annotated[
-        int, typer.Argument(help="Output channels N of the layer (rows of the checkpoint weight).")
+        int,
+        typer.Argument(
+            metavar="N", help="Output channels N of the layer (rows of the checkpoint weight)."
+        ),
     ],
-    k: Annotated[int, typer.Argument(help="Input channels K (columns of the checkpoint weight).")],
+    k: Annotated[
+        int,
+        typer.Argument(metavar="K", help="Input channels K (columns of the checkpoint weight)."),
+    ],
     act_dtype: Annotated[
-        str, typer.Option("--act-dtype", help="bfloat16 or float16.")
+        str, typer.Option("--act-dtype", metavar=ACT_DTYPE_CHOICES, help="Activation dtype.")
     ] = "bfloat16",
     json_out: JsonOpt = False,
 ) -> None:
     """Show what the Marlin FP8 kernel stores for one [N, K] fp8 linear layer.
 
-    Example: mpack layout 6144 4096
+    \b
+    Example:
+      mpack layout 6144 4096
     """
     from mpack import ui
     from mpack.convert.marlin import ACT_DTYPES, marlin_padded_nk
@@ -85,36 +139,66 @@ def layout(
 
 
 Source = Annotated[
-    str, typer.Argument(help="Checkpoint directory, or Hugging Face repo id (org/name).")
+    str,
+    typer.Argument(
+        metavar="SOURCE", help="Checkpoint directory, or Hugging Face repo id (org/name)."
+    ),
 ]
-Sidecar = Annotated[Path, typer.Argument(help="Sidecar directory (written by `mpack convert`).")]
+Sidecar = Annotated[
+    Path,
+    typer.Argument(metavar="SIDECAR", help="Sidecar directory (written by `mpack convert`)."),
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
 
 
-@app.command()
+@command
 def convert(
     source: Source,
     out: Annotated[
-        str, typer.Option("--out", "-o", help="Sidecar directory to write (created atomically).")
+        str,
+        typer.Option(
+            "--out", "-o", metavar="DIR", help="Sidecar directory to write (created atomically)."
+        ),
     ],
     revision: Annotated[
-        str | None, typer.Option(help="Hub branch, tag or commit (repo ids only).")
+        str | None,
+        typer.Option(
+            metavar="REV", help="Hub branch, tag or commit (repo ids only). [default: main]"
+        ),
     ] = None,
     profile: Annotated[
-        str, typer.Option(help="w8a16 (weights unchanged) or w8a8-marlin (requantized).")
+        str,
+        typer.Option(
+            metavar="[w8a16|w8a8-marlin]",
+            help="w8a16: vLLM's W8A16 path, weight bytes unchanged; w8a8-marlin: W8A8 forced onto "
+            "Marlin, per-tensor shards requantized to their max scale.",
+        ),
     ] = "w8a16",
     act_dtype: Annotated[
         str | None,
-        typer.Option("--act-dtype", help="bfloat16 or float16 [default: the checkpoint's dtype]."),
+        typer.Option(
+            "--act-dtype",
+            metavar=ACT_DTYPE_CHOICES,
+            help="Activation dtype the kernel runs in; scales and bias are stored in it. "
+            "[default: the checkpoint's dtype]",
+        ),
     ] = None,
     tp: Annotated[
-        int, typer.Option("--tp", help="Tensor-parallel size: one rank file per rank.")
+        int, typer.Option("--tp", metavar="N", help="Tensor-parallel size: one rank file per rank.")
     ] = 1,
     fuse: Annotated[
-        str, typer.Option(help="vllm (qkv_proj, gate_up_proj) or none (checkpoint names, tp 1).")
+        str,
+        typer.Option(
+            metavar="[vllm|none]",
+            help="vllm: vLLM's fused qkv_proj / gate_up_proj names; none: checkpoint names (tp 1).",
+        ),
     ] = "vllm",
     device: Annotated[
-        str, typer.Option(help="auto, cpu, cuda or cuda:<i> (identical bytes on each).")
+        str,
+        typer.Option(
+            metavar="[auto|cpu|cuda|cuda:N]",
+            help="Where the transform runs (identical bytes on each); auto: CUDA when present.",
+        ),
     ] = "auto",
     no_passthrough: Annotated[
         bool,
@@ -130,6 +214,7 @@ def convert(
 ) -> None:
     """Convert a compressed-tensors FP8 checkpoint into a Marlin FP8 sidecar.
 
+    \b
     Examples:
       mpack convert RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8 -o llama8b-marlin --tp 2
       mpack convert ./my-fp8-model -o out --profile w8a8-marlin --act-dtype float16 --json
@@ -157,11 +242,13 @@ def convert(
     ui.emit_convert(result, as_json=json_out, quiet=quiet)
 
 
-@app.command()
+@command
 def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
     """Show a sidecar: target, source provenance, files, and every layer's shapes.
 
-    Example: mpack inspect llama8b-marlin
+    \b
+    Example:
+      mpack inspect llama8b-marlin
     """
     from mpack import ui
     from mpack.sidecar import load_manifest
@@ -170,13 +257,16 @@ def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
     ui.emit_inspect(sidecar, manifest, digest, as_json=json_out)
 
 
-@app.command()
+@command
 def verify(
     sidecar: Sidecar,
     source: Annotated[
         str | None,
         typer.Option(
-            help="Re-derive every tensor from this checkpoint [default: the recorded local path]."
+            metavar="SOURCE",
+            help="Re-derive every tensor from this checkpoint (directory or Hub repo id). "
+            "[default: the recorded local path, or the recorded Hub repo and commit if it is in "
+            "the local cache]",
         ),
     ] = None,
     forward: Annotated[
@@ -188,12 +278,14 @@ def verify(
         ),
     ] = False,
     device: Annotated[
-        str, typer.Option("--device", help="cpu, cuda or cuda:N, for --forward.")
+        str,
+        typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where --forward runs."),
     ] = "cpu",
     json_out: JsonOpt = False,
 ) -> None:
     """Check every file's sha256, and re-derive every tensor from the source checkpoint.
 
+    \b
     Examples:
       mpack verify llama8b-marlin
       mpack verify llama8b-marlin --source RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8
@@ -219,27 +311,32 @@ def verify(
 
 # --- mpack serve / mpack status (runtime; mpack/runtime/daemon.py, docs/RUNTIME.md) ---------
 
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
-SocketOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--socket", help="Unix socket path (default: named from the sidecar, rank and device)."
-    ),
+DeviceOpt = Annotated[
+    str, typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where the rank is loaded.")
 ]
 
 
-@app.command()
+@command
 def serve(
     sidecar: Sidecar,
     rank: Annotated[int, typer.Option("--rank", help="Tensor-parallel rank to serve.")] = 0,
     device: DeviceOpt = "cpu",
-    socket: SocketOpt = None,
+    socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--socket",
+            metavar="PATH",
+            help="Unix socket path. [default: one named from the sidecar, rank and device in "
+            "$XDG_RUNTIME_DIR/mpack or /tmp/mpack-$UID]",
+        ),
+    ] = None,
 ) -> None:
     """Load one rank of a sidecar once and share it read-only with local processes.
 
-    Checks every checksum while loading; prints a READY line once serving.
-    Stops cleanly on SIGTERM, SIGINT or SIGHUP. Attach with mpack.runtime.attach(SIDECAR, rank=R, device=D).
+    Checks every checksum while loading; prints a READY line once serving. Stops cleanly on
+    SIGTERM, SIGINT or SIGHUP. Attach with mpack.runtime.attach(SIDECAR, rank=R, device=D).
 
+    \b
     Examples:
       mpack serve llama8b-marlin --rank 0 --device cuda:0
       mpack serve llama8b-marlin --device cpu
@@ -255,17 +352,24 @@ def serve(
     )  # fmt: skip
 
 
-@app.command()
+@command
 def status(
     sidecar: Annotated[
         Path | None,
-        typer.Argument(help="Only daemons serving this sidecar (default: all of this user's)."),
+        typer.Argument(
+            metavar="SIDECAR",
+            help="Only daemons serving this sidecar. [default: all of this user's]",
+        ),
     ] = None,
-    socket: SocketOpt = None,
+    socket: Annotated[
+        Path | None,
+        typer.Option("--socket", metavar="PATH", help="Only the daemon listening at PATH."),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show the daemons serving sidecars: rank, device, memory, attached clients, uptime.
 
+    \b
     Examples:
       mpack status
       mpack status llama8b-marlin --json
@@ -281,10 +385,46 @@ def status(
 # --- end of mpack serve / mpack status ----------------------------------------------------------
 
 
-def _print_error(exc: BaseException) -> None:
-    stream = sys.stderr
+def _as_mpack_error(exc: BaseException) -> BaseException:
+    """An ``OSError`` the machine caused becomes an ``EnvironmentFailure`` (exit 3)."""
     if not isinstance(exc, MpackError) and getattr(exc, "errno", None) in ENVIRONMENT_ERRNOS:
-        exc = environment_failure(exc)  # type: ignore[arg-type]  # the machine refused: exit 3
+        return environment_failure(exc)  # type: ignore[arg-type]
+    return exc
+
+
+def _file_of(exc: BaseException) -> str | None:
+    """The file an error names: its ``file``, else the path its message starts with."""
+    if getattr(exc, "file", None):
+        return str(exc.file)  # type: ignore[attr-defined]
+    head, sep, _ = str(exc).partition(": ")
+    if sep and " " not in head and ("/" in head or os.path.exists(head)):
+        return head
+    return None
+
+
+def error_document(exc: BaseException, code: int) -> dict[str, object]:
+    """The one JSON document ``--json`` prints for a failure (README: "Errors as JSON")."""
+    kind = type(exc).__name__ if isinstance(exc, MpackError) else "InternalError"
+    message = exc.message if isinstance(exc, MpackError) else f"{type(exc).__name__}: {exc}"
+    hint = (
+        exc.hint
+        if isinstance(exc, MpackError)
+        else "this is a bug in mpack; rerun with MPACK_DEBUG=1"
+    )
+    return {
+        "ok": False,
+        "error": {"code": kind, "exit_code": code, "message": message, "file": _file_of(exc),
+                  "hint": hint},
+    }  # fmt: skip
+
+
+def _print_error(exc: BaseException, code: int, *, as_json: bool) -> None:
+    if as_json:
+        import json
+
+        print(json.dumps(error_document(exc, code), indent=2, sort_keys=True), flush=True)
+        return
+    stream = sys.stderr
     if isinstance(exc, MpackError):
         print(f"error: {exc.message}", file=stream)
         if exc.hint:
@@ -297,16 +437,46 @@ def _print_error(exc: BaseException) -> None:
         )
 
 
+def _click_classes(name: str) -> tuple[type[BaseException], ...]:
+    """``name`` from the click that typer runs on: typer >= 0.2x carries its own copy
+    (``typer._click``), older typers use the ``click`` package; both are looked up."""
+    found = []
+    for mod in ("typer._click.exceptions", "click.exceptions"):
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(importlib.import_module(mod), name))
+    found += [c for c in (getattr(typer.exceptions, name, None),) if c is not None]
+    return tuple(dict.fromkeys(found))
+
+
+def _usage_error(e: Any) -> UsageError:
+    """A click usage error (unknown option, missing argument, bad value) as mpack's own."""
+    name = e.ctx.command_path if e.ctx is not None else "mpack"
+    return UsageError(e.format_message(), hint=f"see `{name} -h`")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mpack`` console script; returns (and exits with) the exit code."""
+    """Entry point of the ``mpack`` console script; returns (and exits with) the exit code.
+
+    Every failure is one message on stderr (``error: ...`` plus a ``hint:``), or with ``--json``
+    one JSON document on stdout, and an exit code: 2 bad input or usage, 3 environment, 1 bug.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
     debug = os.environ.get("MPACK_DEBUG") == "1"
+    as_json = "--json" in args
     try:
-        # Standalone mode: typer/click handle --help and usage errors themselves (exit 2)
-        # and finish with SystemExit; what reaches the handlers below came from our code.
-        app(args=argv, prog_name="mpack")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        result = app(args=args, prog_name="mpack", standalone_mode=False)
+        code = result if isinstance(result, int) else 0  # --help and --version return 0
+    except _click_classes("NoArgsIsHelpError") as e:
+        print(e.ctx.get_help() if e.ctx is not None else "", file=sys.stderr)  # type: ignore[attr-defined]
+        code = 2
+    except _click_classes("Exit") as e:
+        code = e.exit_code  # type: ignore[attr-defined]
+    except _click_classes("Abort"):
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except _click_classes("UsageError") as e:
+        code = 2
+        _print_error(_usage_error(e), code, as_json=as_json)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
@@ -315,8 +485,9 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        _print_error(e)
-        code = exit_code_for(e)
+        err = _as_mpack_error(e)
+        code = exit_code_for(err)
+        _print_error(err, code, as_json=as_json)
     if argv is None:
         sys.exit(code)
     return code

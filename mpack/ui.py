@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -16,10 +18,60 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-# markup=False: paths, layer and tensor names are data, printed as they are ("out[/]x" or "[red]"
-# in a path must neither crash nor vanish); colour comes only from explicit styles (``_ok``).
-console = Console(markup=False)
-err_console = Console(stderr=True, markup=False)
+#: Width of output that goes to a pipe or a file: wide enough that no digest or path is broken
+#: across lines (a table still takes only the width its cells need).
+PIPE_WIDTH = 4096
+
+
+def _console(stderr: bool) -> Console:
+    """markup=False: paths, layer and tensor names are data, printed as they are ("out[/]x" or
+    "[red]" in a path must neither crash nor vanish); colour comes only from explicit styles.
+    Not on a terminal: no wrapping at 80 columns (``PIPE_WIDTH``), no colour codes."""
+    c = Console(stderr=stderr, markup=False)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(stderr=stderr, markup=False, width=PIPE_WIDTH)
+    return c
+
+
+console = _console(stderr=False)
+err_console = _console(stderr=True)
+_verbose = False
+
+
+def set_verbose(verbose: bool) -> None:
+    """``mpack -v``: let other libraries log and draw progress bars. Without it, transformers,
+    compressed-tensors and the Hub are kept quiet (their progress bars and advisory logs would
+    bury mpack's own output, ``--json`` included). Call before those libraries are imported."""
+    global _verbose
+    _verbose = verbose
+    if verbose:
+        return
+    for key, value in (
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+    ):
+        os.environ.setdefault(key, value)
+
+
+def quiet_libraries() -> None:
+    """No progress bars and no info logs from other libraries for the rest of this process
+    (unless ``-v``): for work that loads models with transformers (``verify --forward``)."""
+    if _verbose:
+        return
+    import logging
+    import warnings
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in ("transformers", "compressed_tensors", "huggingface_hub", "accelerate", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module="mpack")
+    with contextlib.suppress(ImportError):
+        from loguru import logger  # compressed-tensors logs through loguru
+
+        logger.disable("compressed_tensors")
 
 
 def _styled(word: str, style: str, rest: str = "") -> Text:
@@ -69,22 +121,37 @@ def emit_layout(*, n: int, k: int, np_: int, kp: int, act_dtype: str, as_json: b
 class _Progress:
     """A rich progress display fed by the pipeline's ``progress(stage, done, total)`` callback.
 
-    Two rows: bytes written (with speed and ETA) and layers done.
+    Three rows: what happens before the first byte is written (reading headers, validating
+    every layer, hashing the source: seconds on a large model), bytes written (with speed and
+    ETA) and layers done.
     """
 
     def __init__(self) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self.display = Progress(
-            TextColumn("{task.description:8}"), BarColumn(), TextColumn("{task.fields[detail]:>22}"),
-            TextColumn("{task.fields[rate]:>12}"), TimeRemainingColumn(), console=err_console,
+            SpinnerColumn(), TextColumn("{task.description:13}"), BarColumn(),
+            TextColumn("{task.fields[detail]:>22}"), TextColumn("{task.fields[rate]:>12}"),
+            TimeRemainingColumn(), console=err_console,
         )  # fmt: skip
+        self._prep = self.display.add_task(
+            "preparing", total=None, detail="headers, validation", rate=""
+        )
         self._tasks: dict[str, Any] = {}
         self._t0 = time.perf_counter()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if stage not in self._tasks:
-            label = "writing" if stage == "bytes" else "layers"
+            if self._prep is not None:
+                self.display.update(self._prep, total=1, completed=1, detail="done")
+                self._prep = None
+            label = "writing" if stage == "bytes" else "linear layers"
             self._tasks[stage] = self.display.add_task(label, total=total, detail="", rate="")
         rate = ""
         if stage == "bytes":
@@ -97,15 +164,101 @@ class _Progress:
         )
 
 
+class _LogProgress:
+    """Progress for a log (stderr is not a terminal: CI): one plain line when the run starts and
+    one every ``every`` seconds after, with bytes, rate, ETA and layers; never a bar."""
+
+    FIRST_LINE_S = 1.0
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self.state: dict[str, tuple[int, int]] = {}
+        self._t0 = time.perf_counter()
+        self._first: float | None = None  # when the first byte was reported
+        self._last = 0.0  # when the latest byte count was reported
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._tick, name="mpack-progress", daemon=True)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        with self._lock:
+            if stage == "bytes":
+                self._last = time.perf_counter()
+                if self._first is None:
+                    self._first = self._last
+            self.state[stage] = (done, total)
+
+    def line(self) -> str:
+        with self._lock:
+            state, first, last = dict(self.state), self._first, self._last
+        now = time.perf_counter()
+        if "bytes" not in state:
+            return f"convert: preparing: headers, validation ({now - self._t0:.0f} s)"
+        done, total = state["bytes"]
+        if done >= total:
+            return (
+                f"convert: {human_bytes(total)} written; finishing: fsync, source digests, "
+                f"manifest ({now - last:.0f} s)"
+            )
+        span = last - (first if first is not None else last)  # writing, so far
+        rate = done / span if span > 0 else 0.0
+        speed = f"{human_bytes(int(rate))}/s, ETA {(total - done) / rate:.0f} s" if rate else "-"
+        out = (
+            f"convert: {human_bytes(done)} / {human_bytes(total)} "
+            f"({100 * done / max(total, 1):.0f}%), {speed}"
+        )
+        if "layers" in state:
+            out += f", {state['layers'][0]} / {state['layers'][1]} linear layers"
+        return out
+
+    def _tick(self) -> None:
+        # the first line after FIRST_LINE_S (a run refused at once prints only its error), then
+        # one every ``every`` seconds
+        wait = min(self.every, self.FIRST_LINE_S)
+        while not self._stop.wait(wait):
+            _log_line(self.line())
+            wait = self.every
+
+    def __enter__(self) -> _LogProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _log_line(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a log reader that went away is not an error
+        print(text, file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def convert_progress(enabled: bool):
-    """Yield a progress callback: a live display on a terminal, else ``None``."""
-    if not enabled or not err_console.is_terminal:
+    """Yield a progress callback: a live display on a terminal, plain periodic lines otherwise
+    (every ``$MPACK_PROGRESS_EVERY`` seconds, default 5), or ``None`` when disabled."""
+    if not enabled:
         yield None
+        return
+    if not err_console.is_terminal:
+        with _LogProgress(float(os.environ.get("MPACK_PROGRESS_EVERY", "5"))) as lp:
+            yield lp
         return
     p = _Progress()
     with p.display:
         yield p
+
+
+def decoder_layers(m: dict[str, Any]) -> int | None:
+    """The model's decoder layers, as its config records them (None if it does not)."""
+    n = (m.get("model", {}).get("config") or {}).get("num_hidden_layers")
+    return n if isinstance(n, int) else None
+
+
+def layer_count(m: dict[str, Any]) -> str:
+    """``"64 linear layers (16 decoder layers)"``: what a sidecar's ``layers`` counts, said."""
+    n, d = len(m["layers"]), decoder_layers(m)
+    return f"{n} linear layers" + (f" ({d} decoder layers)" if d is not None else "")
 
 
 def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
@@ -122,7 +275,9 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
                 "files": files,
                 "bytes": sum(files.values()),
                 "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
-                "layers": len(m["layers"]),
+                "layers": len(m["layers"]),  # linear layers (per rank), as before
+                "linear_layers": len(m["layers"]),
+                "decoder_layers": decoder_layers(m),
             }
         )
         return
@@ -142,12 +297,29 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
         _styled(
             "wrote",
             "green",
-            f" {result.out}: {len(m['layers'])} layers x {t['tp_size']} rank(s), "
+            f" {result.out}: {layer_count(m)} x {t['tp_size']} rank(s), "
             f"{human_bytes(sum(files.values()))} in {result.seconds.get('total', 0):.2f} s "
             f"({t['profile']}, {t['act_dtype']}, fusion {t['fusion']})",
         )
     )
     console.print(f"manifest digest {result.digest}")
+
+
+def file_digest_cells(f: dict[str, Any]) -> tuple[str, str]:
+    """The ``sha256`` and ``chunk digests`` cells of a files entry. A file of one chunk has
+    that chunk's digest as its whole-file sha256; chunks are counted with their real sizes."""
+    ch = f.get("chunks") or {}
+    digests, size = ch.get("sha256") or [], f["size"]
+    whole = f.get("sha256") or (digests[0] if len(digests) == 1 else None)
+    sha = whole[:16] + "..." if whole else f"per chunk ({len(digests)})"
+    if not digests:
+        return sha, "-"
+    if len(digests) == 1:
+        return sha, f"1 x {human_bytes(size)}"
+    last = size - (len(digests) - 1) * ch["bytes"]
+    tail = f" + 1 x {human_bytes(last)}" if last != ch["bytes"] else ""
+    full = len(digests) - (1 if tail else 0)
+    return sha, f"{full} x {human_bytes(ch['bytes'])}{tail}"
 
 
 def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool) -> None:
@@ -177,16 +349,10 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
     for col in ("file", "size", "sha256", "chunk digests"):
         ft.add_column(col)
     for f in m["files"]:
-        sha = f["sha256"][:16] + "..." if "sha256" in f else "-"
-        n = len(f["chunks"]["sha256"]) if f.get("chunks") else 0
-        ft.add_row(
-            f["name"],
-            human_bytes(f["size"]),
-            sha,
-            f"{n} x {human_bytes(f['chunks']['bytes'])}" if n else "-",
-        )
+        sha, chunks = file_digest_cells(f)
+        ft.add_row(f["name"], human_bytes(f["size"]), sha, chunks)
     console.print(ft)
-    lt = Table(title=f"layers (per rank; {t['tp_size']} rank(s))")
+    lt = Table(title=f"{layer_count(m)}, per rank; {t['tp_size']} rank(s)")
     for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias"):
         lt.add_column(col)
     for name, ly in sorted(m["layers"].items(), key=lambda kv: kv[1].get("index", 0)):

@@ -105,11 +105,16 @@ def tmp_dirs(out: Path) -> list[Path]:
     return work_dirs(out)
 
 
+def messages(stderr: str) -> str:
+    """``stderr`` without the progress lines a run prints when stderr is not a terminal."""
+    return "".join(line for line in stderr.splitlines(True) if not line.startswith("convert: "))
+
+
 def assert_refused(r: Proc, out: Path, *expect: str, exists: bool = False) -> None:
     """Exit 2, one clean message holding every ``expect`` substring, no output and no work dir."""
     assert r.returncode == 2, explain(r)
     assert "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith("error: "), r.stderr
+    assert messages(r.stderr).startswith("error: "), r.stderr
     for s in expect:
         assert s in r.stderr, f"{s!r} not in stderr:\n{r.stderr}"
     if not exists:

@@ -1,0 +1,5 @@
+"""``python -m mpack``: the ``mpack`` command."""
+
+from mpack.cli import main
+
+main()
