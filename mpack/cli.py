@@ -294,6 +294,11 @@ def verify(
     from mpack import ui
     from mpack.convert.verify import run_verify
 
+    if forward:
+        from mpack.runtime.protocol import parse_device
+
+        parse_device(device)  # a device that is not there fails now, not after the re-derivation
+        ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
     report = run_verify(sidecar, source=source)
     if forward:
         if not report["source_checked"]:
