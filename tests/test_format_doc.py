@@ -1,4 +1,10 @@
-"""docs/FORMAT.md agrees with what mpack writes: its JSON Schema, its example, and its reader."""
+"""docs/FORMAT.md agrees with what mpack writes: its JSON Schema, its examples, its tables and
+ordering rules, and its reader.
+
+Real sidecars: every golden case converted with its options, plus real checkpoints of
+mpack.fixtures converted here. The doc's examples are parsed out of the doc and compared with
+those conversions value by value, so an example that drifts from the writer fails here.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import hashlib
 import json
 import re
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +23,11 @@ from conftest import REPO
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import ResolvedSource, provenance
 from mpack.errors import FormatVersionError
+from mpack.fixtures import make_checkpoint
 from mpack.sidecar import (
     ALIGN,
     COMMON_NAME,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     digest_of,
     load_manifest,
@@ -32,8 +41,9 @@ DOC = REPO / "docs" / "FORMAT.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\s*$", re.S | re.M)
 
 
-def _blocks(lang: str) -> list[str]:
-    return [m.group(2) for m in FENCE.finditer(DOC.read_text()) if m.group(1) == lang]
+def _blocks(lang: str, text: str | None = None) -> list[str]:
+    text = DOC.read_text() if text is None else text
+    return [m.group(2) for m in FENCE.finditer(text) if m.group(1) == lang]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +70,8 @@ def read_sidecar():
 
 @pytest.fixture(scope="module")
 def sidecars(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every golden case converted with its options, plus one with --fuse none --no-passthrough."""
+    """Every golden case converted with its options, one with --fuse none --no-passthrough, and
+    an 11-layer checkpoint (so natural order differs from string order) under both fusions."""
     root = tmp_path_factory.mktemp("sidecars")
     out = {}
     cases = sorted(p for p in (golden / "cases").iterdir() if (p / "case.json").is_file())
@@ -77,6 +88,12 @@ def sidecars(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     run_convert(first, root / "fuse-none", profile="w8a16", act_dtype="bfloat16", tp=1,
                 fuse="none", device="cpu", passthrough=False)  # fmt: skip
     out["fuse-none"] = root / "fuse-none"
+    eleven = make_checkpoint(root / "eleven-ckpt", layers=11, hidden=64, intermediate=128,
+                             heads=2, kv_heads=1, vocab=128, scheme="FP8_DYNAMIC")  # fmt: skip
+    for fuse in ("vllm", "none"):
+        run_convert(eleven, root / f"eleven-{fuse}", profile="w8a16", act_dtype="bfloat16", tp=1,
+                    fuse=fuse, device="cpu")  # fmt: skip
+        out[f"eleven-{fuse}"] = root / f"eleven-{fuse}"
     return out
 
 
@@ -215,3 +232,199 @@ def test_reader_refuses_other_versions_and_bad_bytes(
     rank0.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="sha256"):
         read_sidecar(bad)
+
+
+# --- (c) the examples, the key tables and the ordering rules -------------------------------
+
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+ORDINALS = ["first", "second", "third", "fourth", "fifth"]
+#: The tensors of one layer in a rank file, in the order the doc gives ("`weight`, ...").
+LAYER_TENSORS = ("weight", "weight_scale", "bias")
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _by_index(m: dict[str, Any]) -> list[str]:
+    return sorted(m["layers"], key=lambda name: m["layers"][name]["index"])
+
+
+def _section(heading: str) -> str:
+    """The doc's text under ``heading`` (a whole heading line), up to the next heading."""
+    text = DOC.read_text()
+    assert text.count(f"\n{heading}\n") == 1, heading
+    return re.split(r"\n#+ ", text.split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
+
+
+def _paragraph(start: str) -> str:
+    (para,) = [p for p in DOC.read_text().split("\n\n") if p.startswith(start)]
+    return " ".join(para.split())
+
+
+def _table_after(lead: str) -> dict[str, str]:
+    """The table right after the line ``lead``: each key of its first column -> its row."""
+    text = DOC.read_text()
+    assert text.count(f"\n{lead}\n") == 1, lead
+    lines = text.split(f"\n{lead}\n", 1)[1].lstrip("\n").splitlines()
+    end = next((i for i, line in enumerate(lines) if not line.startswith("|")), len(lines))
+    out = {}
+    for row in lines[2:end]:
+        first = row.split("|")[1]
+        for key in re.findall(r"`(\w+)`", first):
+            out[key] = row
+    return out
+
+
+@pytest.fixture(scope="module")
+def example() -> tuple[str, dict[str, Any]]:
+    """The "Example (abridged)" manifest and the prose before and after it."""
+    section = _section("### Example (abridged)")
+    (block,) = _blocks("json", section)
+    return section.replace(block, ""), json.loads(block)
+
+
+def test_schema_and_headings_are_for_the_current_version(schema: dict[str, Any]) -> None:
+    v = FORMAT_VERSION
+    assert DOC.read_text().splitlines()[0].endswith(f"(format_version {v})")
+    assert schema["title"].endswith(f"format_version {v}"), schema["title"]
+    assert schema["properties"]["format_version"]["const"] == v
+    assert f"The manifest as mpack writes it for `format_version` {v} " in DOC.read_text()
+
+
+def test_example_manifest_is_a_real_manifest_abridged(example, sidecars: dict[str, Path]) -> None:
+    prose, ex = example
+    (case,) = set(re.findall(r"golden case `([^`]+)`", prose))
+    real = _manifest(sidecars[case])
+    assert set(ex) == set(real)
+    for key in ("format", "format_version", "created_by", "target", "model", "files"):
+        assert ex[key] == real[key], key
+    src, real_src = dict(ex["source"]), dict(real["source"])
+    assert Path(src.pop("path")).parts[-3:] == Path(real_src.pop("path")).parts[-3:]
+    assert src == real_src
+    assert ex["layers"]
+    for name, layer in ex["layers"].items():
+        assert layer == real["layers"].get(name), name
+
+    opts = re.search(r"converted with\s+`--tp (\d+) --act-dtype (\w+)`", prose)
+    assert opts, "the example should say how it was converted"
+    assert (int(opts[1]), opts[2]) == (real["target"]["tp_size"], real["target"]["act_dtype"])
+    shown = re.search(r"(\w+) of its (\w+) layers are shown", prose)
+    assert shown, "the example should say how many layers it shows"
+    counts = (NUMBERS.index(shown[1]), NUMBERS.index(shown[2]))
+    assert counts == (len(ex["layers"]), len(real["layers"]))
+    which = re.findall(r"the (\w+), `(\w+)`", prose)
+    assert len(which) == len(ex["layers"]), which
+    order = _by_index(real)
+    for ordinal, leaf in which:
+        name = order[ORDINALS.index(ordinal)]
+        assert name.endswith(f".{leaf}") and name in ex["layers"], (ordinal, leaf, order)
+
+    note = re.search(
+        r"Note `(\w+)` \((\w+) parallel\): `k` is (\d+), half of the model's (\d+), while `n` is "
+        r"the full (\d+)",
+        " ".join(prose.split()),
+    )
+    assert note, "the note on the row-parallel layer should stay checkable"
+    (name,) = [n for n in ex["layers"] if n.endswith(f".{note[1]}")]
+    layer, hidden = real["layers"][name], real["model"]["config"]["hidden_size"]
+    assert layer["parallel"] == note[2]
+    assert (layer["k"], hidden, layer["n"]) == (int(note[3]), int(note[4]), int(note[5]))
+    assert layer["k"] == hidden // real["target"]["tp_size"] and layer["n"] == hidden
+
+
+def test_byte_example_is_the_start_of_a_real_rank_file(sidecars: dict[str, Path]) -> None:
+    para = _paragraph("Example (the start of `rank-")
+    fname = re.match(r"Example \(the start of `([^`]+)`", para)[1]
+    (case,) = re.findall(r"golden case `([^`]+)`", para)
+    raw = (sidecars[case] / fname).read_bytes()
+    first8 = re.search(r"first 8 bytes are `([0-9a-f ]+)`", para)[1]
+    assert bytes.fromhex(first8) == raw[:8]
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert int(re.search(r"\(`N` = (\d+)\)", para)[1]) == n
+    start, blocks = map(int, re.search(r"starts at byte (\d+) = (\d+) x 64", para).groups())
+    assert start == 8 + n == 64 * blocks
+    first = re.search(
+        r"first tensor, the weight of the layer with `index` 0, is `([^`]+)`, `(\w+)`, "
+        r"`\[([\d, ]+)\]`, `data_offsets` `\[(\d+), (\d+)\]`, i\.e\. file bytes `\[(\d+), (\d+)\)`",
+        para,
+    )
+    assert first, para
+    name, dtype, shape = first[1], first[2], [int(d) for d in first[3].split(",")]
+    begin, end, file_begin, file_end = (int(first[i]) for i in range(4, 8))
+    header = json.loads(raw[8 : 8 + n])
+    assert [k for k in header if k != "__metadata__"][0] == name
+    assert header[name] == {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    assert (file_begin, file_end) == (8 + n + begin, 8 + n + end)
+    assert name == f"{_by_index(_manifest(sidecars[case]))[0]}.weight"
+
+
+def test_layer_index_order_is_as_documented(sidecars: dict[str, Path]) -> None:
+    """The `index` row: fused layers in natural decoder-layer order, then forward-pass order
+    within one; checkpoint names in natural order with --fuse none."""
+    row = " ".join(_table_after("Each `layers` entry describes rank 0; every rank has the same "
+                                "dimensions:")["index"].split())  # fmt: skip
+    fused, unfused = row.split("Fusion `vllm`:", 1)[1].split("Fusion `none`:", 1)
+    leaves = re.findall(r"`(\w+_proj)`", fused)
+    assert leaves == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], leaves
+    first_unfused = re.search(r"so `([\w.]+)` comes first", unfused)[1]
+
+    def fused_key(name: str) -> tuple[Any, ...]:
+        block, _, leaf = name.rpartition(".")
+        return (_natural(block.rpartition(".")[0]), leaves.index(leaf))
+
+    seen = set()
+    for case, sidecar in sidecars.items():
+        m = _manifest(sidecar)
+        order = _by_index(m)
+        assert [m["layers"][n]["index"] for n in order] == list(range(len(order))), case
+        if m["target"]["fusion"] == "vllm":
+            assert order == sorted(order, key=fused_key), case
+        else:
+            assert order == sorted(order, key=_natural), case
+            assert order[0].endswith(f".{first_unfused}"), (case, order[0])
+        if any(".layers.10." in name for name in order):
+            seen.add(m["target"]["fusion"])
+    assert seen == {"vllm", "none"}  # natural order checked where it differs from string order
+
+
+def test_files_hold_tensors_in_the_documented_order(sidecars: dict[str, Path]) -> None:
+    """64-multiples first, each group in the writer's order: rank files by `index`, then
+    weight, weight_scale, bias; common.safetensors by name. Manifest `files` sorted by name."""
+    for case, sidecar in sidecars.items():
+        m = _manifest(sidecar)
+        names = [f["name"] for f in m["files"]]
+        assert names == sorted(names), case
+        tp = m["target"]["tp_size"]
+        writer = [f"{layer}.{t}" for layer in _by_index(m) for t in LAYER_TENSORS
+                  if t != "bias" or m["layers"][layer]["bias"]]  # fmt: skip
+        files = {rank_file_name(r, tp): writer for r in range(tp)}
+        if COMMON_NAME in names:
+            files[COMMON_NAME] = sorted(e.name for e in read_layout(sidecar / COMMON_NAME).entries)
+        for fname, order in files.items():
+            entries = sorted(read_layout(sidecar / fname).entries, key=lambda e: e.offset)
+            size = {e.name: e.nbytes for e in entries}
+            want = [t for t in order if size[t] % ALIGN == 0] + [
+                t for t in order if size[t] % ALIGN
+            ]
+            assert [e.name for e in entries] == want, (case, fname)
+
+
+def test_key_tables_list_the_real_keys(sidecars: dict[str, Path]) -> None:
+    top = _table_after("digest section. Top-level keys:")
+    target = _table_after("`target`, every key required:")
+    source = _table_after("`source`:")
+    layer = _table_after(
+        "Each `layers` entry describes rank 0; every rank has the same dimensions:"
+    )
+    for case, sidecar in sidecars.items():
+        m = _manifest(sidecar)
+        assert set(top) == set(m), case
+        assert set(target) == set(m["target"]), case
+        for name, entry in m["layers"].items():
+            assert set(layer) == set(entry), (case, name)
+        assert set(m["model"]) <= set(re.findall(r"`(\w+)`", top["model"])), case
+        assert set(m["model"]["config"]) <= set(re.findall(r"`(\w+)`", top["model"])), case
+        hub = provenance(ResolvedSource(path=Path("/cache/snap"), kind="hub", repo="org/name",
+                                        revision="0" * 40, requested="main"), [])  # fmt: skip
+        assert set(source) == set(m["source"]) | set(hub), case
