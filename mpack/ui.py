@@ -62,8 +62,19 @@ def quiet_libraries() -> None:
     import logging
     import warnings
 
-    os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with contextlib.suppress(ImportError):
+        import tqdm.std  # every tqdm bar, whatever ``disable=`` its caller passes
+
+        if not getattr(tqdm.std.tqdm.__init__, "_mpack_quiet", False):
+            shown = tqdm.std.tqdm.__init__
+
+            def hidden(self: Any, *args: Any, **kwargs: Any) -> None:
+                kwargs["disable"] = True
+                shown(self, *args, **kwargs)
+
+            hidden._mpack_quiet = True  # type: ignore[attr-defined]
+            tqdm.std.tqdm.__init__ = hidden
     for name in ("transformers", "compressed_tensors", "huggingface_hub", "accelerate", "torch"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

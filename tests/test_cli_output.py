@@ -157,3 +157,14 @@ def test_verbose_flag_is_accepted_and_quiet_by_default(converted):
     _, out, _ = converted
     r = run("-v", "inspect", out)
     assert r.returncode == 0 and "linear layers" in r.stdout
+
+
+def test_verify_forward_keeps_other_libraries_quiet(converted):
+    """transformers / compressed-tensors progress bars and logs stay out of the output (without
+    -v): stdout is one JSON document, stderr holds nothing but mpack's own lines."""
+    ck, out, _ = converted
+    r = run("verify", out, "--source", ck, "--forward", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["forward"]["ok"] is True
+    noise = [line for line in r.stderr.splitlines() if line.strip()]
+    assert noise == [], r.stderr
