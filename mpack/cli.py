@@ -424,11 +424,11 @@ def error_document(exc: BaseException, code: int) -> dict[str, object]:
 
 
 def _print_error(exc: BaseException, code: int, *, as_json: bool) -> None:
+    """The message (and hint) on stderr; with ``--json`` also one JSON document on stdout."""
     if as_json:
         import json
 
         print(json.dumps(error_document(exc, code), indent=2, sort_keys=True), flush=True)
-        return
     stream = sys.stderr
     if isinstance(exc, MpackError):
         print(f"error: {exc.message}", file=stream)
