@@ -170,8 +170,12 @@ def query_status(
     """What ``mpack status`` shows: one document per daemon.
 
     With ``socket``: that daemon. With ``sidecar``: every daemon serving it (any rank, any
-    device) in this user's runtime directory. With neither: every daemon there. Sockets whose
-    daemon died are listed as ``{"state": "stale", "socket": ...}``.
+    device) that this user's runtime directory knows of. With neither: every such daemon. A
+    daemon is known by its socket there, or, when it was started with ``serve --socket PATH``,
+    by the pointer it wrote there (Note [pointers to --socket daemons] in protocol.py); its
+    document then has ``"pointer"``. Sockets whose daemon died, and pointers that lead to no
+    such daemon, are listed as ``{"state": "stale", "socket": ...}`` (a pointer's also with
+    ``"pointer"`` and ``"reason"``).
 
     Raises:
         DaemonError: ``socket`` or ``sidecar`` given and no live daemon found.
@@ -184,15 +188,39 @@ def query_status(
         prefix = digest[:16] + "-"
     d = P.runtime_dir()
     paths = sorted(d.glob(f"{prefix}*{P.SOCKET_SUFFIX}")) if d.is_dir() else []
+    pointers = sorted(d.glob(f"{prefix}*{P.POINTER_SUFFIX}")) if d.is_dir() else []
     docs = []
     for p in paths:
         try:
             docs.append(status_of(p))
         except DaemonError:
             docs.append({"state": "stale", "socket": str(p)})
+    seen = {doc["socket"] for doc in docs}
+    for ptr in pointers:
+        doc = _follow_pointer(ptr)
+        if doc["socket"] not in seen or doc["state"] != "serving":
+            docs.append(doc)
+            seen.add(doc["socket"])
     if sidecar is not None and not any(doc["state"] == "serving" for doc in docs):
         raise DaemonError(
             f"no daemon serves {sidecar} (looked in {d})",
             hint=f"start one: mpack serve {sidecar} --rank 0 --device cpu",
         )
     return docs
+
+
+def _follow_pointer(ptr: Path) -> dict[str, Any]:
+    """The status of the daemon a pointer names, or a ``stale`` document saying why not."""
+    try:
+        where = P.read_pointer(ptr)
+    except ValueError as e:
+        return {"state": "stale", "socket": "?", "pointer": str(ptr), "reason": str(e)[:300]}
+    sock, pid = where["socket"], where["pid"]
+    stale = {"state": "stale", "socket": sock, "pointer": str(ptr)}
+    try:
+        doc = status_of(Path(sock))
+    except (DaemonError, ProtocolError) as e:
+        return {**stale, "reason": f"no daemon answers there ({e})"[:300]}
+    if doc.get("socket") != sock or doc.get("pid") != pid:
+        return {**stale, "reason": f"the daemon there is pid {doc.get('pid')}, not {pid}"}
+    return {**doc, "pointer": str(ptr)}

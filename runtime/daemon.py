@@ -106,8 +106,11 @@ class Daemon:
         *,
         owner_uid: int | None = None,
         on_event: Callback | None = None,
+        advertise: bool = False,
     ) -> None:
         self.served, self.path = served, path
+        self.advertise = advertise  # write a pointer for `mpack status` (a --socket daemon)
+        self.pointer: Path | None = None
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self._log = on_event
         self.hello_timeout = P.HELLO_TIMEOUT_S
@@ -123,6 +126,7 @@ class Daemon:
         """Bind, print READY (through ``on_ready``), serve until a ``STOP_SIGNALS``, clean up."""
         self._listener = _bind(self.path)
         ino = os.lstat(self.path).st_ino
+        pointer_ino = self._advertise()
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         old_wakeup = signal.set_wakeup_fd(wake_w)
@@ -151,8 +155,26 @@ class Daemon:
             os.close(wake_r)
             os.close(wake_w)
             self._listener.close()
+            if pointer_ino is not None and self.pointer is not None:
+                P.remove_pointer(self.pointer, pointer_ino)
             _unlink_if_ours(self.path, ino)
             self.on_event({"event": "stopped", "pid": os.getpid()})
+
+    def _advertise(self) -> int | None:
+        """Write the pointer ``mpack status`` follows to a ``--socket`` daemon (Note [pointers to
+        --socket daemons] in protocol.py); its inode, or None: none needed, or it failed (logged
+        as ``no-pointer``; the daemon serves all the same, ``status --socket`` finds it)."""
+        if not self.advertise:
+            return None
+        plan, dev = self.served.plan, self.served.device
+        doc = {"socket": str(self.path), "pid": os.getpid(), "digest": plan.digest,
+               "rank": plan.rank, "device": dev.key}  # fmt: skip
+        try:
+            self.pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path)
+            return None if self.pointer is None else P.write_pointer(self.pointer, doc)
+        except (OSError, DaemonError) as e:
+            self.on_event({"event": "no-pointer", "error": str(e)[:300]})
+            return None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
@@ -446,8 +468,11 @@ def serve(
     """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command).
 
     Order: manifest and headers checked (format version, rank) -> socket path -> lock -> fill
-    while verifying checksums -> listen -> ``on_ready`` -> serve. Any failure before listening
-    raises (nothing is served and no socket is left behind).
+    while verifying checksums -> listen -> (``socket_path`` given) a pointer for ``mpack
+    status`` in the runtime directory -> ``on_ready`` -> serve. Any failure before listening
+    raises (nothing is served and no socket is left behind). The pointer is best effort (Note
+    [pointers to --socket daemons] in protocol.py): an ``on_event`` ``no-pointer`` says why
+    there is none; a clean stop removes it with the socket.
 
     Raises:
         FormatVersionError, CorruptFileError, VerificationError: an unusable sidecar.
@@ -479,9 +504,27 @@ def serve(
             assert dev.ordinal is not None
             export = DeviceExport.create(plan, dev.ordinal)
         try:
-            Daemon(Served(plan, dev, export), path, on_event=on_event).run(on_ready)
+            daemon = Daemon(
+                Served(plan, dev, export), path, on_event=on_event,
+                advertise=socket_path is not None,
+            )  # fmt: skip
+            daemon.run(on_ready)
         finally:
             export.close()
+
+
+def _pointer_path(digest: str, rank: int, device_key: str, path: Path) -> Path | None:
+    """Where a ``--socket`` daemon's pointer goes: the per-user runtime directory (Note
+    [pointers to --socket daemons] in protocol.py); None where ``status`` finds the socket
+    itself (a ``*.sock`` in that directory).
+
+    Raises:
+        DaemonError, OSError: the runtime directory cannot be made or is not private.
+    """
+    rdir = P.runtime_dir(create=True)
+    if path.name.endswith(P.SOCKET_SUFFIX) and path.parent.resolve() == rdir.resolve():
+        return None
+    return rdir / P.pointer_name(digest, rank, device_key, path)
 
 
 def _raise_fd_limit() -> None:

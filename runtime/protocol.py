@@ -18,6 +18,8 @@ per-user 0700 directory (``$XDG_RUNTIME_DIR/mpack``, else ``/tmp/mpack-$UID``).
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import re
@@ -41,6 +43,8 @@ CLIENT_TIMEOUT_S = 30.0  # how long a client waits for the daemon's reply
 MAX_CONNECTIONS = 4096  # open connections (leases included) one daemon keeps
 SOCKET_SUFFIX = ".sock"
 LOCK_SUFFIX = ".lock"
+POINTER_SUFFIX = ".ptr"  # Note [pointers to --socket daemons]
+MAX_POINTER_BYTES = 8192
 RUNTIME_SUBDIR = "mpack"
 
 # Message types: requests (client -> daemon) and replies (daemon -> client).
@@ -310,3 +314,110 @@ def check_socket_path(path: Path) -> None:
             f"socket path {path} is longer than 107 bytes",
             hint="pass a shorter one with --socket (or set XDG_RUNTIME_DIR)",
         )
+
+
+# --- pointers to daemons listening elsewhere -----------------------------------------------------
+
+# Note [pointers to --socket daemons]: ``mpack status`` finds daemons by listing the per-user
+# runtime directory, but ``serve --socket PATH`` listens wherever PATH is. Such a daemon also
+# writes a *pointer* there: a small JSON file ``<digest[:16]>-r<rank>-<dev>-at-<h>.ptr`` (``h``:
+# 12 hex digits of the sha256 of PATH, so daemons at different paths never share one) holding
+# ``socket``, ``pid``, ``digest``, ``rank`` and ``device``. It is created under a temporary name
+# with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600 and linked into place whole (a reader never sees
+# half of it), replaces only a regular file of ours (the pointer a killed daemon at the same
+# PATH left: we hold PATH's lock), and is removed when the daemon stops cleanly. ``status``
+# reads a pointer only if it is a regular file of ours with mode 0600 (no symlink followed),
+# connects to the socket it names (the client's uid check applies) and lists the daemon only if
+# it reports the same socket and pid; otherwise the pointer is listed as stale. A pointer is a
+# convenience for ``status``: a daemon that cannot write one serves all the same.
+
+
+def pointer_name(digest: str, rank: int, device_key: str, socket: Path) -> str:
+    """The pointer file name of a daemon listening at ``socket`` (absolute)."""
+    base = socket_name(digest, rank, device_key)[: -len(SOCKET_SUFFIX)]
+    h = hashlib.sha256(os.fsencode(socket)).hexdigest()[:12]
+    return f"{base}-at-{h}{POINTER_SUFFIX}"
+
+
+def write_pointer(pointer: Path, doc: dict[str, Any]) -> int:
+    """Write ``doc`` at ``pointer`` (Note [pointers to --socket daemons]); return its inode.
+
+    Raises:
+        DaemonError: something that is not a regular file of ours is in the way.
+        OSError: the directory refused.
+    """
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    tmp = pointer.with_name(f".{pointer.name}.tmp-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # ours: the directory is private, the name carries our pid
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data)
+        ino = os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+    try:
+        try:
+            os.link(tmp, pointer)
+        except FileExistsError:
+            st = os.lstat(pointer)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise DaemonError(
+                    f"{pointer} is in the way (uid {st.st_uid}, mode "
+                    f"{stat.filemode(st.st_mode)}); not replacing it"
+                ) from None
+            os.unlink(pointer)  # a killed daemon's, at the same socket path (we hold its lock)
+            os.link(tmp, pointer)
+        return ino
+    finally:
+        os.unlink(tmp)
+
+
+def remove_pointer(pointer: Path, ino: int) -> None:
+    """Remove ``pointer`` if it is still the file written (inode ``ino``)."""
+    with contextlib.suppress(OSError):
+        if os.lstat(pointer).st_ino == ino:
+            os.unlink(pointer)
+
+
+def read_pointer(pointer: Path) -> dict[str, Any]:
+    """A pointer's ``{"socket": str, "pid": int, ...}``.
+
+    Raises:
+        ValueError: not a regular file of ours with mode 0600 (a symlink is not followed), too
+            large, or not a pointer document; the message says which.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO cannot block us
+    try:
+        fd = os.open(pointer, flags)
+    except OSError as e:
+        raise ValueError(
+            "a symbolic link (not followed)" if e.errno == errno.ELOOP else str(e.strerror)
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        data = os.read(fd, MAX_POINTER_BYTES + 1)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o777 != 0o600:
+        raise ValueError(
+            f"not ours with mode 0600 (uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
+        )
+    if len(data) > MAX_POINTER_BYTES:
+        raise ValueError(f"larger than {MAX_POINTER_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise ValueError("not JSON") from None
+    if not (
+        isinstance(doc, dict)
+        and isinstance(doc.get("socket"), str)
+        and os.path.isabs(doc["socket"])
+        and type(doc.get("pid")) is int
+    ):
+        raise ValueError("not a pointer document (socket, pid)")
+    return doc
