@@ -176,6 +176,78 @@ def find_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
     return qc
 
 
+def check_quant_scheme(qc: dict[str, Any], where: Path) -> None:
+    """Refuse, from the raw config alone, a checkpoint that is not compressed-tensors FP8.
+
+    Another ``quant_method`` (GPTQ, AWQ, ...) or a config group whose weights are not 8-bit
+    floats (W4A16, W8A8, NVFP4, ...) is named as such here, before any tensor is looked at: its
+    tensors (``weight_packed``, int8 weights) would otherwise be reported one layer at a time.
+    Needs neither torch nor compressed-tensors, so the CLI's first pass makes the same check as
+    the full one (Note [scheme check in a child] in :mod:`mpack.convert.scheme_check`).
+
+    Raises:
+        UnsupportedSchemeError: naming ``where`` (config.json) and the scheme, with a hint.
+    """
+    if qc.get("quant_method") != "compressed-tensors":
+        raise UnsupportedSchemeError(
+            f"{where}: quant_method is {qc.get('quant_method')!r}, mpack reads compressed-tensors checkpoints",
+            hint="convert the model with llm-compressor (compressed-tensors FP8) first",
+        )
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict):
+        return  # compressed-tensors' own parse reports it
+    for gname, g in groups.items():
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict):
+            continue
+        bits, kind = w.get("num_bits"), w.get("type")
+        if (type(bits) is int and bits != 8) or (isinstance(kind, str) and kind != "float"):
+            acts = g.get("input_activations")
+            label = scheme_label(w, acts if isinstance(acts, dict) else None)
+            which = f" (config group {str(gname)[:80]!r})" if len(groups) > 1 else ""
+            raise UnsupportedSchemeError(
+                f"{where}: quantization scheme {label}{which} is not FP8; mpack converts "
+                "compressed-tensors FP8 (float8_e4m3fn) checkpoints",
+                hint="use the model's FP8 checkpoint (llm-compressor preset FP8 or FP8_DYNAMIC, "
+                "e.g. RedHatAI/<model>-FP8), or quantize the original with one of those; vLLM "
+                "runs this checkpoint with its own kernels, without mpack",
+            )
+
+
+def scheme_label(weights: dict[str, Any], acts: dict[str, Any] | None) -> str:
+    """A config group's scheme as llm-compressor's presets name it, with the facts behind the
+    name: ``W4A16 (int4 weights, group size 128)``, ``W8A8 (int8 weights, per channel; int8
+    activations)``, ``NVFP4 (fp4 weights, group size 16; fp4 activations)``."""
+
+    def short(v: Any) -> str:
+        return str(v)[:40]
+
+    bits, kind = weights.get("num_bits"), weights.get("type")
+    strategy, group = weights.get("strategy"), weights.get("group_size")
+    abits = acts.get("num_bits") if acts else None
+    if kind == "float" and strategy == "tensor_group" and bits == 4:
+        name = "NVFP4" + ("" if acts else "A16")
+    elif kind == "float" and strategy == "group" and group == 32:
+        name = f"MXFP{short(bits)}" + ("" if acts else "A16")
+    else:
+        name = f"W{short(bits)}A{short(abits) if acts else 16}"
+    prefix = {"int": "int", "float": "fp"}.get(str(kind), f"{short(kind)} ")
+    facts = [f"{prefix}{short(bits)} weights"]
+    if strategy in ("group", "tensor_group"):
+        facts.append(f"group size {short(group)}")
+    elif strategy == "block":
+        facts.append(f"blocks {short(weights.get('block_structure'))}")
+    elif strategy is not None:
+        facts.append(f"per {short(strategy)}")
+    if weights.get("symmetric") is False:
+        facts.append("asymmetric")
+    text = ", ".join(facts)
+    if acts:
+        aprefix = {"int": "int", "float": "fp"}.get(str(acts.get("type")), "")
+        text += f"; {aprefix}{short(abits)} activations"
+    return f"{name} ({text})"
+
+
 def _strip_unknown(obj: Any, model: Any) -> Any:
     """Drop keys a pydantic model does not declare (older/newer serialisations add some)."""
     if not isinstance(obj, dict):
@@ -188,7 +260,7 @@ def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
 
     0.20 writes only the fields it uses; 0.19 also wrote defaults (``observer``,
     ``observer_kwargs``, ``scale_dtype``, ...). Fields the installed models do not know are dropped
-    and parsing is retried, so either serialisation parses.
+    and parsing is retried, so either serialisation parses. :func:`check_quant_scheme` runs first.
     """
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -197,11 +269,7 @@ def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
     )
     from pydantic import ValidationError
 
-    if qc.get("quant_method") != "compressed-tensors":
-        raise UnsupportedSchemeError(
-            f"{where}: quant_method is {qc.get('quant_method')!r}, mpack reads compressed-tensors checkpoints",
-            hint="convert the model with llm-compressor (compressed-tensors FP8) first",
-        )
+    check_quant_scheme(qc, where)
     try:
         return QuantizationConfig.model_validate(qc)
     except ValidationError:
@@ -270,6 +338,7 @@ def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoi
             f"{cfg_path}: no quantization_config: the checkpoint is not quantized",
             hint="mpack converts compressed-tensors FP8 checkpoints (e.g. RedHatAI/*-FP8)",
         )
+    check_quant_scheme(qc, cfg_path)
     qconfig = parse_quant_config(qc, cfg_path) if scheme else None
 
     index_path = root / INDEX_NAME

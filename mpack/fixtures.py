@@ -344,6 +344,72 @@ def _move_to_other_shard(out: Path, tensor_name: str) -> None:
     assert weight_map[tensor_name] != weight_map[weight_name]
 
 
+#: integer weight presets :func:`make_int_checkpoint` writes (checkpoints mpack must refuse)
+INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
+
+
+def make_int_checkpoint(
+    out_dir: str | Path,
+    *,
+    scheme: str = "W4A16",
+    hidden: int = 256,
+    intermediate: int = 512,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1000,
+    seed: int = 0,
+) -> Path:
+    """Write a random compressed-tensors *integer weight-only* checkpoint (llm-compressor's
+    ``W4A16`` and friends), as llm-compressor writes one, and return its path.
+
+    Not something mpack converts: these are real examples of what it must refuse by name. Same
+    model as :func:`make_checkpoint` (Llama, ``bfloat16``); the preset is applied to every
+    ``Linear`` but ``lm_head``, weight scales (and zero points of ``*_ASYM``) are min-max per
+    group of ``group_size`` input channels, and ``ModelCompressor`` packs the weights
+    (``pack-quantized``: ``X.weight_packed`` int32, ``X.weight_scale``, ``X.weight_shape``).
+    """
+    if scheme not in INT_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(INT_SCHEMES)}")
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _build_config(
+        "llama", hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
+        kv_heads=kv_heads, head_dim=hidden // heads, vocab=vocab, tie_embeddings=False,
+    )  # fmt: skip
+    with torch.no_grad():
+        model = _build_model("llama", config, torch.bfloat16, seed)
+        qconfig = QuantizationConfig(
+            config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])},
+            ignore=["lm_head"],
+        )
+        apply_quantization_config(model, qconfig, show_progress=False)
+        for _, m in model.named_modules():
+            if not hasattr(m, "quantization_scheme"):
+                continue
+            args = m.quantization_scheme.weights
+            n, k = m.weight.shape
+            groups = m.weight.data.reshape(n, k // args.group_size, args.group_size)
+            scale, zero_point = calculate_qparams(groups.amin(dim=2), groups.amax(dim=2), args)
+            m.weight_scale.data.copy_(scale)
+            if hasattr(m, "weight_zero_point"):
+                m.weight_zero_point.data.copy_(zero_point)
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m mpack.fixtures OUT [options]``: write a checkpoint and print its path."""
     p = argparse.ArgumentParser(

@@ -332,7 +332,12 @@ REFUSED = [
          expect=(f"{{ck}}/model.safetensors: {L}.weight", "weight dtype I8, expected F8_E4M3")),
     Case("packed-int4-weight", prepare=packed_int4_weight,
          expect=(f"{L}.weight_scale", f"no {L}.weight")),
-    Case("not-8-bit", prepare=weight_arg(num_bits=4), expect=(ANY_WEIGHT, "4-bit")),
+    Case("not-8-bit", prepare=weight_arg(num_bits=4),
+         expect=("{ck}/config.json: quantization scheme W4A8 (fp4 weights, per tensor; fp8 "
+                 "activations) is not FP8", "FP8_DYNAMIC")),
+    Case("int-weights", prepare=weight_arg(type="int"),
+         expect=("{ck}/config.json: quantization scheme W8A8 (int8 weights, per tensor; fp8 "
+                 "activations) is not FP8", "float8_e4m3fn")),
     Case("scale-shape-vs-channel", prepare=strategy("channel"),
          expect=(".weight_scale: scale shape [1]", "strategy 'channel'")),
     # scale values
