@@ -6,9 +6,20 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["convert", "verify"]
+if TYPE_CHECKING:
+    from mpack.convert.pipeline import ConvertResult
+
+__all__ = ["ConvertResult", "convert", "verify"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ConvertResult":  # without importing torch at ``import mpack.convert``
+        from mpack.convert.pipeline import ConvertResult
+
+        return ConvertResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def convert(
@@ -23,8 +34,8 @@ def convert(
     device: str = "auto",
     passthrough: bool = True,
     force: bool = False,
-) -> dict[str, Any]:
-    """Write a Marlin FP8 sidecar for ``source`` at ``out`` and return its manifest.
+) -> ConvertResult:
+    """Write a Marlin FP8 sidecar for ``source`` at ``out``; return what was done.
 
     Args:
         source: a checkpoint directory, or a Hugging Face repo id (resolved with ``revision``).
@@ -39,15 +50,23 @@ def convert(
         force: redo the work even if ``out`` is up to date, or replace another sidecar there.
 
     Returns:
-        The manifest (``mpack.json``) as a dict. If ``out`` already held the same sidecar, it is
-        returned without any work.
+        A :class:`ConvertResult`, the same facts ``mpack convert --json`` prints: ``out`` (the
+        sidecar directory, symlinks resolved), ``manifest`` (``mpack.json`` as a dict),
+        ``digest`` (the manifest digest, what ``mpack serve`` and ``attach`` match on),
+        ``up_to_date`` (True: ``out`` already held this sidecar and nothing was done),
+        ``seconds`` (time per phase, ``"total"`` included when work was done),
+        ``bytes_written`` (0 when up to date) and ``timeline``.
+
+    Raises:
+        MpackError: bad input (a subclass with ``exit_code`` 2), before anything is written;
+            e.g. ``OutputExistsError`` when ``out`` holds another sidecar and ``force`` is off.
     """
     from mpack.convert.pipeline import run_convert
 
     return run_convert(
         source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
         device=device, passthrough=passthrough, force=force,
-    ).manifest  # fmt: skip
+    )  # fmt: skip
 
 
 def verify(

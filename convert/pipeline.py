@@ -107,7 +107,13 @@ COPY_CHUNK = 16 * 1024 * 1024
 
 @dataclass
 class ConvertResult:
-    """What a conversion did: the manifest it wrote (or found), and how long each phase took."""
+    """What a conversion did: the manifest it wrote (or found), and how long each phase took.
+
+    ``out``: the sidecar directory (symlinks resolved); ``digest``: the manifest digest;
+    ``up_to_date``: ``out`` already held this sidecar, nothing was done; ``seconds``: phase ->
+    seconds (``"total"`` once work was done); ``bytes_written``: bytes of the safetensors files
+    written (0 when up to date); ``timeline``: ``(lane, what, start, end)`` spans, for benchmarks.
+    """
 
     out: Path
     manifest: dict[str, Any]
@@ -397,32 +403,50 @@ def _remove_empty(dirs: list[Path]) -> None:
             d.rmdir()
 
 
+#: target keys compared, in the order differences are listed (then any others)
+TARGET_KEYS = ("tp_size", "profile", "act_dtype", "fusion", "engine_version", "engine", "kernel")
+MAX_LISTED_DIFFS = 3
+
+
+@dataclass
+class Existing:
+    """What ``-o`` holds already (:func:`existing_state`)."""
+
+    state: str  # absent | empty | same (this sidecar, intact) | other-sidecar | foreign
+    loaded: tuple[dict[str, Any], str] | None = None  # its manifest and digest, when readable
+    differences: list[str] = field(default_factory=list)  # other-sidecar: how, for people
+
+
 def existing_state(
     out: Path,
     target: dict[str, Any],
     files: Callable[..., list[dict[str, Any]]] | None,
     common: bool,
-) -> tuple[str, tuple[dict[str, Any], str] | None]:
-    """``absent`` | ``empty`` | ``same`` (this sidecar, intact) | ``other-sidecar`` | ``foreign``,
-    and the existing manifest with its digest when it could be loaded.
+    source: dict[str, Any] | None = None,
+) -> Existing:
+    """What ``out`` holds: ``absent`` | ``empty`` | ``same`` (this sidecar, intact) |
+    ``other-sidecar`` | ``foreign``, with the existing manifest and digest when they could be
+    loaded, and for ``other-sidecar`` what differs from the planned one
+    (:func:`sidecar_differences`).
 
     ``files(forms=None)`` gives the source's file records (it may wait for their hashes; ``forms``
     as in :func:`hash_sources`); None: the caller replaces any sidecar anyway (``--force``), so
-    an mpack sidecar is reported as ``other-sidecar`` without hashing the source.
+    an mpack sidecar is reported as ``other-sidecar`` without hashing the source (or listing
+    differences). ``source``: the planned manifest's ``source`` without its files.
     """
     if not out.exists():
-        return "absent", None
+        return Existing("absent")
     if out.is_dir() and not any(out.iterdir()):
-        return "empty", None
+        return Existing("empty")
     if not (out / MANIFEST_NAME).is_file():
-        return "foreign", None
+        return Existing("foreign")
     try:
         loaded = load_manifest(out)
-    except InputError:
-        return "other-sidecar", None
+    except InputError as e:
+        return Existing("other-sidecar", None, [f"its {MANIFEST_NAME} cannot be used: {e}"])
     m = loaded[0]
     if files is None:
-        return "other-sidecar", loaded
+        return Existing("other-sidecar", loaded)
     has_common = any(f["name"] == COMMON_NAME for f in m["files"])
     recorded = m["source"].get("files")
     now = files()
@@ -431,11 +455,77 @@ def existing_state(
         if forms != record_forms(now):
             now = files(forms)  # written by an mpack that recorded other digests
     same = m["target"] == target and has_common == common and recorded == now
-    intact = all(
-        (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"]
+    broken = [
+        f["name"]
         for f in m["files"]
-    )
-    return ("same" if same and intact else "other-sidecar"), loaded
+        if not ((out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["size"])
+    ]
+    if same and not broken:
+        return Existing("same", loaded)
+    diffs = sidecar_differences(m, target, common, {**(source or {}), "files": now})
+    diffs += [f"its {n} is missing or has the wrong size" for n in broken[:MAX_LISTED_DIFFS]]
+    return Existing("other-sidecar", loaded, diffs)
+
+
+def sidecar_differences(
+    m: dict[str, Any], target: dict[str, Any], common: bool, source: dict[str, Any]
+) -> list[str]:
+    """How the sidecar of manifest ``m`` differs from the one planned (``target``, whether it
+    has ``common.safetensors``, the planned manifest's ``source``), one ``what old -> new``
+    phrase per difference: target keys, pass-through, source repo / path / revision, and which
+    source files changed, appeared or went away."""
+    diffs = []
+    old_t = m.get("target") or {}
+    for k in [*TARGET_KEYS, *sorted((set(old_t) | set(target)) - set(TARGET_KEYS))]:
+        if old_t.get(k) != target.get(k):
+            diffs.append(f"{k} {_short(old_t.get(k))} -> {_short(target.get(k))}")
+    had_common = any(f.get("name") == COMMON_NAME for f in m.get("files") or [])
+    if had_common != common:
+        yes = {True: f"with {COMMON_NAME}", False: f"without {COMMON_NAME}"}
+        diffs.append(f"pass-through {yes[had_common]} -> {yes[common]}")
+    old_s = m.get("source") if isinstance(m.get("source"), dict) else {}
+    if old_s.get("kind") != source.get("kind"):
+        diffs.append(f"source {_origin(old_s)} -> {_origin(source)}")
+    else:
+        for k, n in (("repo", 200), ("path", 4096), ("revision", 12)):
+            if old_s.get(k) != source.get(k):
+                diffs.append(f"source {k} {_short(old_s.get(k), n)} -> {_short(source.get(k), n)}")
+    diffs += _file_differences(old_s.get("files"), source.get("files"))
+    return diffs
+
+
+def _file_differences(old: Any, new: Any) -> list[str]:
+    """``source file X changed`` (``added``, ``removed``) for the first few, then a count."""
+    if not isinstance(new, list):
+        return []
+    if not isinstance(old, list):
+        return ["source files not recorded -> recorded"]
+    a = {r.get("name"): r for r in old if isinstance(r, dict)}
+    b = {r["name"]: r for r in new}
+    changed = [
+        f"source file {_short(n, 200)} {what}"
+        for n, what in sorted(
+            [(n, "changed") for n in a.keys() & b.keys() if a[n] != b[n]]
+            + [(n, "added") for n in b.keys() - a.keys()]
+            + [(n, "removed") for n in a.keys() - b.keys()],
+            key=lambda x: str(x[0]),
+        )
+    ]
+    if len(changed) > MAX_LISTED_DIFFS:
+        more = len(changed) - MAX_LISTED_DIFFS
+        changed = changed[:MAX_LISTED_DIFFS] + [f"{more} more source file(s) differ"]
+    return changed
+
+
+def _origin(s: dict[str, Any]) -> str:
+    if s.get("kind") == "hub":
+        return f"{_short(s.get('repo'), 200)}@{_short(s.get('revision'), 12)}"
+    return f"{_short(s.get('kind'))} {_short(s.get('path'), 4096)}"
+
+
+def _short(v: Any, n: int = 40) -> str:
+    """A manifest value for a message: ``none`` for a missing one, cut to ``n`` characters."""
+    return "none" if v is None else str(v)[:n]
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
@@ -602,26 +692,26 @@ def _run_locked(
         clean_stale(out)  # under the lock, no work directory of OUT belongs to a live run
         if out.exists():
             t = time.perf_counter()
-            state, loaded = existing_state(
-                out, plan.target, None if force else source_hashes, common=COMMON_NAME in plan.files
-            )
+            there = existing_state(
+                out, plan.target, None if force else source_hashes, common=COMMON_NAME in plan.files,
+                source=provenance(src, []),
+            )  # fmt: skip
             seconds["hash_sources"] = time.perf_counter() - t
-            if state == "same" and loaded is not None and not force:
+            if there.state == "same" and there.loaded is not None and not force:
                 check_sources_unchanged(src, stamps)  # the digests compared are of these files
-                m, digest = loaded
+                m, digest = there.loaded
                 return ConvertResult(out, m, digest, up_to_date=True, seconds=seconds)
-            if state == "foreign" or (state == "other-sidecar" and not force):
-                what = (
-                    "a different sidecar"
-                    if state == "other-sidecar"
-                    else "files that are not an mpack sidecar"
-                )
+            if there.state == "foreign":
                 raise OutputExistsError(
-                    f"{out} already holds {what}",
-                    hint="pass --force to replace it"
-                    if state == "other-sidecar"
-                    else "choose another -o directory, or remove it yourself (mpack does not delete what it "
-                    "did not write)",
+                    f"{out} already holds files that are not an mpack sidecar",
+                    hint="choose another -o directory, or remove it yourself (mpack does not "
+                    "delete what it did not write)",
+                )
+            if there.state == "other-sidecar" and not force:
+                how = f" ({', '.join(there.differences)})" if there.differences else ""
+                raise OutputExistsError(
+                    f"{out} already holds a different sidecar{how}",
+                    hint="pass --force to replace it, or choose another -o directory",
                 )
         tmp = _work_path(out, "tmp")
         tmp.mkdir()

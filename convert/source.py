@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import json
 import os
 import re
 import stat
@@ -24,11 +25,21 @@ from mpack.convert.timeline import Timeline
 from mpack.errors import (
     ENVIRONMENT_ERRNOS,
     InputError,
+    MpackError,
     SourceNotFoundError,
     UsageError,
     environment_failure,
 )
-from mpack.sidecar import CHUNK_BYTES, COPIED_FILES, HashCancelled, hash_range, sha256_file
+from mpack.fsutil import read_capped
+from mpack.sidecar import (
+    CHUNK_BYTES,
+    COPIED_FILES,
+    MANIFEST_NAME,
+    MAX_MANIFEST,
+    HashCancelled,
+    hash_range,
+    sha256_file,
+)
 
 #: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
 ALLOW_PATTERNS = [
@@ -83,10 +94,54 @@ def resolve_source(
             raise UsageError(
                 f"--revision {revision} applies to Hub repos, but {source} is a local directory"
             )
-        return ResolvedSource(path=p.resolve(), kind="local")
-    if source.startswith((".", "/", "~")) or not _REPO_ID.match(source):
+        src = ResolvedSource(path=p.resolve(), kind="local")
+    elif source.startswith((".", "/", "~")) or not _REPO_ID.match(source):
         raise SourceNotFoundError(f"{source}: no such directory (and not a Hugging Face repo id)")
-    return _snapshot(source, revision, show_progress)
+    else:
+        src = _snapshot(source, revision, show_progress)
+    refuse_sidecar(src, source)
+    return src
+
+
+def refuse_sidecar(src: ResolvedSource, given: str) -> None:
+    """Refuse a source that is an mpack sidecar (it holds ``mpack.json``), not a checkpoint.
+
+    A sidecar copies the checkpoint's ``config.json``, so without this check converting one by
+    mistake fails much later, on its rank files ("tensor ... also appears in rank-00-...").
+
+    Raises:
+        InputError: naming the source the sidecar's manifest records, and what to do instead.
+    """
+    if not os.path.lexists(src.path / MANIFEST_NAME):
+        return
+    origin, original = recorded_origin(src.path)
+    redo = f"mpack convert {original} -o OUT" if original else "mpack convert <checkpoint> -o OUT"
+    here = src.path if src.kind == "hub" else given
+    raise InputError(
+        f"{given} is already an mpack sidecar (made from {origin}), not a checkpoint to convert",
+        hint=f"convert the original checkpoint ({redo}), or use this sidecar as it is: "
+        f"mpack serve {here}",
+    )
+
+
+def recorded_origin(sidecar: Path) -> tuple[str, str | None]:
+    """What a sidecar's manifest says it was made from: ``(for people, as mpack convert
+    arguments or None)``. Lenient: any readable ``mpack.json`` will do, whatever its version."""
+    try:
+        doc = json.loads(read_capped(sidecar / MANIFEST_NAME, MAX_MANIFEST, what="manifest"))
+        rec = doc.get("source") if isinstance(doc, dict) else None
+    except (MpackError, ValueError, RecursionError):
+        rec = None
+    if not isinstance(rec, dict):
+        return "a source its mpack.json does not record", None
+    repo, rev, path = (rec.get(k) for k in ("repo", "revision", "path"))
+    if rec.get("kind") == "hub" and isinstance(repo, str) and repo:
+        if isinstance(rev, str) and rev:
+            return f"{repo[:200]}@{rev[:12]}", f"{repo[:200]} --revision {rev[:64]}"
+        return repo[:200], repo[:200]
+    if isinstance(path, str) and path:
+        return path[:4096], path[:4096]
+    return "a source its mpack.json does not record", None
 
 
 @contextlib.contextmanager
@@ -108,7 +163,19 @@ def _hub_progress(show: bool) -> Iterator[None]:
             enable_progress_bars()
 
 
-def _snapshot(repo: str, revision: str | None, show_progress: bool) -> ResolvedSource:
+def cached_source(repo: str, revision: str) -> ResolvedSource:
+    """``repo`` at ``revision`` from the local Hugging Face cache only: never a network call
+    (``local_files_only``), whatever ``HF_HUB_OFFLINE`` says.
+
+    Raises:
+        SourceNotFoundError: the snapshot is not in the cache, or only partly.
+    """
+    return _snapshot(repo, revision, False, local_only=True)
+
+
+def _snapshot(
+    repo: str, revision: str | None, show_progress: bool, *, local_only: bool = False
+) -> ResolvedSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -126,8 +193,11 @@ def _snapshot(repo: str, revision: str | None, show_progress: bool) -> ResolvedS
     try:
         with _hub_progress(show_progress):
             path = Path(
-                snapshot_download(repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS)
-            )
+                snapshot_download(
+                    repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                    local_files_only=local_only,
+                )
+            )  # fmt: skip
     except IncompleteSnapshotError as e:
         raise SourceNotFoundError(
             f"{repo}{rev}: the cached snapshot is incomplete ({e})",
@@ -148,6 +218,12 @@ def _snapshot(repo: str, revision: str | None, show_progress: bool) -> ResolvedS
             f"{repo}{rev}: no such revision", hint="give a branch, tag or commit sha"
         ) from None
     except LocalEntryNotFoundError:
+        if local_only:
+            raise SourceNotFoundError(
+                f"{repo}{rev}: not in the local Hugging Face cache",
+                hint=f"download it with network access (hf download {repo}"
+                f"{f' --revision {revision}' if revision else ''}), or pass a local directory",
+            ) from None
         raise SourceNotFoundError(
             f"{repo}{rev}: not in the local Hugging Face cache and the Hub cannot be reached",
             hint="download it once with network access (unset HF_HUB_OFFLINE), or pass a local directory",

@@ -4,9 +4,11 @@ Three levels, each one stricter:
 
 1. every file's size and sha256 against the manifest, every safetensors header parses, and the
    tensor names and shapes are exactly the ones the manifest's layer table implies;
-2. with the source checkpoint (``--source``, or the local path the manifest recorded): every
-   Marlin tensor is re-derived from the checkpoint and compared byte for byte, and pass-through
-   tensors compared with their source bytes;
+2. with the source checkpoint (``--source``; else the local path the manifest records, or the
+   Hub repo and commit it records, found in the local Hugging Face cache without any network
+   call): every Marlin tensor is re-derived from the checkpoint and compared byte for byte, and
+   pass-through tensors compared with their source bytes. When no source is found, the report's
+   ``source_note`` says why and how to get one;
 3. the layout read backwards: unpacking each weight gives back the fused checkpoint bytes (for
    ``w8a8-marlin`` tensor layers, the requantized bytes), and unpacking each scale gives back the
    scales cast to the activation dtype.
@@ -24,9 +26,15 @@ from mpack.convert import marlin
 from mpack.convert.checkpoint import find_layers, open_checkpoint
 from mpack.convert.pipeline import fuse, pack
 from mpack.convert.plan import make_plan
-from mpack.convert.source import hash_sources, record_forms, resolve_source
+from mpack.convert.source import (
+    ResolvedSource,
+    cached_source,
+    hash_sources,
+    record_forms,
+    resolve_source,
+)
 from mpack.convert.stream import read_unit
-from mpack.errors import InputError, VerificationError
+from mpack.errors import InputError, SourceNotFoundError, VerificationError
 from mpack.fsutil import open_regular_file
 from mpack.sidecar import (
     COMMON_NAME,
@@ -86,15 +94,11 @@ def run_verify(
         "tensors_compared": 0,
     }
 
-    src_arg = source
-    if (
-        src_arg is None
-        and m["source"].get("kind") == "local"
-        and Path(m["source"].get("path", "")).is_dir()
-    ):
-        src_arg = m["source"]["path"]
-    if src_arg is not None and not problems:
-        report.update(_against_source(sidecar, m, layouts, str(src_arg), problems))
+    src, report["source_note"] = (
+        (_given_source(str(source), m), None) if source is not None else _recorded_source(m)
+    )
+    if src is not None and not problems:
+        report.update(_against_source(sidecar, m, layouts, src, problems))
     if problems:
         listed = problems[:MAX_LISTED] + (
             [f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else []
@@ -106,12 +110,47 @@ def run_verify(
     return report
 
 
-def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout], source: str,
-                    problems: list[str]) -> dict[str, Any]:  # fmt: skip
-    t = m["target"]
-    src = resolve_source(
-        source, m["source"].get("revision") if m["source"].get("kind") == "hub" else None
+def _given_source(source: str, m: dict[str, Any]) -> ResolvedSource:
+    """``--source``: a directory as it is; a repo id at the commit the manifest records (for a
+    Hub-sourced sidecar), else at ``main``."""
+    rec = m["source"]
+    hub_rev = rec.get("revision") if rec.get("kind") == "hub" else None
+    local = Path(source).expanduser().exists()
+    return resolve_source(source, None if local else hub_rev)
+
+
+def _recorded_source(m: dict[str, Any]) -> tuple[ResolvedSource | None, str | None]:
+    """The source the manifest records, if it is here: a local directory that still exists, or
+    a Hub repo at its recorded commit in the local HF cache (never downloaded: verify makes no
+    network call without ``--source``). Else None, and why, for people."""
+    rec = m["source"]
+    kind, path = rec.get("kind"), rec.get("path")
+    repo, rev = rec.get("repo"), rec.get("revision")
+    if kind == "hub" and isinstance(repo, str) and isinstance(rev, str) and repo and rev:
+        try:
+            return cached_source(repo, rev), None
+        except SourceNotFoundError as e:
+            return None, (
+                f"source not checked: {e.message} (looked offline); only the files were "
+                f"checked. To re-derive every tensor, download it (hf download {repo} "
+                f"--revision {rev}) or pass --source DIR"
+            )
+    if kind == "local" and isinstance(path, str) and path:
+        if Path(path).is_dir():
+            return resolve_source(path), None
+        return None, (
+            f"source not checked: the recorded source directory {path} is not there; only the "
+            "files were checked. Pass --source DIR (or a Hub repo id) to re-derive every tensor"
+        )
+    return None, (
+        "source not checked: the manifest records no source mpack can find; only the files "
+        "were checked. Pass --source DIR (or a Hub repo id) to re-derive every tensor"
     )
+
+
+def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
+                    src: ResolvedSource, problems: list[str]) -> dict[str, Any]:  # fmt: skip
+    t = m["target"]
     ck = open_checkpoint(src.path)
     find_layers(ck)
     recorded = {f["name"]: f for f in m["source"].get("files", [])}
