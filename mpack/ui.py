@@ -397,7 +397,10 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
             )
         )
     else:
-        console.print("source not checked (no --source, and the manifest records no local path)")
+        console.print(
+            "source not checked: "
+            + (report.get("source_note") or "no --source, and the manifest records no local path")
+        )
     if fwd:
         t = Table(
             title=f"forward: sidecar vs transformers reference ({fwd['device']}, tp {fwd['tp']})"
@@ -491,4 +494,9 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
             )  # fmt: skip
         console.print(t)
     for d in stale:
-        console.print(f"stale socket (its daemon died): {d['socket']}")
+        if d.get("pointer"):  # a daemon started with --socket left a pointer behind
+            console.print(
+                f"stale pointer {d['pointer']} to {d['socket']}: {d.get('reason', 'no daemon')}"
+            )
+        else:
+            console.print(f"stale socket (its daemon died): {d['socket']}")

@@ -284,11 +284,18 @@ def test_manifest_lists_every_sidecar_file(sidecar: Path) -> None:
 
 
 def _assert_verify_fails(r: Any, *expect: str) -> None:
-    """Exit 2, no JSON on stdout, no traceback, and every ``expect`` in the message."""
+    """Exit 2, no traceback, every ``expect`` in the message, and (``--json``) stdout holding
+    only the JSON error document, which says the same."""
     assert r.returncode == 2, explain(r)
-    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert "Traceback" not in r.stderr
     for s in expect:
         assert s in r.stderr, f"{s!r} not in:\n{r.stderr}"
+    if "--json" in r.args:
+        doc = json.loads(r.stdout)
+        assert doc["ok"] is False and doc["error"]["exit_code"] == 2
+        assert doc["error"]["code"] == "VerificationError" or doc["error"]["message"] in r.stderr
+    else:
+        assert r.stdout == ""
 
 
 @pytest.mark.parametrize("case", [f"flip-{n}" for n in SIDECAR_FILES])

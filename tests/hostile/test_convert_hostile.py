@@ -299,17 +299,17 @@ def test_empty_output_is_refused(ckpt: Path, tmp_path: Path, monkeypatch) -> Non
 
 
 def test_cli_output_that_is_the_current_directory_is_refused(ckpt: Path, tmp_path: Path) -> None:
-    """`-o ''` reaches run_convert as Path('') == Path('.'): the current directory, refused."""
+    """`-o ''` is refused as empty; `-o ../cwd` from inside cwd as the current directory."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     ino = cwd.stat().st_ino
-    for out in ("", "../cwd"):
+    for out, said in (("", "-o is empty"), ("../cwd", f"({cwd}) is the current directory")):
         r = subprocess.run(
             [sys.executable, "-m", "mpack.cli", "convert", str(ckpt), "-o", out, "--device", "cpu"],
             capture_output=True, text=True, env=cli_env(), cwd=cwd, timeout=180,
         )  # fmt: skip
         assert r.returncode == 2, explain(r)
-        assert f"({cwd}) is the current directory" in r.stderr, r.stderr
+        assert said in r.stderr, r.stderr
         assert "name a new directory, e.g. -o ./sidecar" in r.stderr
         assert cwd.stat().st_ino == ino and os.listdir(cwd) == []
         assert sorted(os.listdir(tmp_path)) == ["cwd"]
