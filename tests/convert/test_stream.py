@@ -127,12 +127,10 @@ def test_scheme_check_child_agrees_with_inline(ckpt: Path) -> None:
             lambda c: weight_args(c).update(strategy="group", group_size=128),
             "weight strategy 'group'",
         ),
-        (lambda c: weight_args(c).update(num_bits=4, type="int"), "8-bit float (FP8) only"),
         (lambda c: c["quantization_config"].update(ignore=["re:.*up_proj"]), "ignore lists"),
-        (lambda c: c["quantization_config"].update(quant_method="awq"), "quant_method is 'awq'"),
     ],
-    ids=["group", "int4", "ignored", "not-ct"],
-)
+    ids=["group", "ignored"],  # integer and non-compressed-tensors schemes: refused from
+)  # config.json already by the structural pass (test_first_contact, test_bad_inputs)
 def test_scheme_check_child_reports_the_inline_error(
     ckpt: Path, tmp_path: Path, edit, expect
 ) -> None:
