@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from torch import nn
 
 from mpack.errors import DaemonError, InputError, MpackError, UnsupportedSchemeError, UsageError
 from mpack.sidecar import COMMON_NAME, MANIFEST_NAME, load_manifest
+
+log = logging.getLogger("mpack.vllm")
 
 LOAD_FORMAT = "mpack"
 ATTACH_MODES = ("auto", "require", "never")
@@ -232,14 +235,19 @@ def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
 
     if opts.attach != "never":
         try:
-            return attach(sidecar, rank=rank, device=device, socket=opts.socket)
+            w = attach(sidecar, rank=rank, device=device, socket=opts.socket)
+            log.info("mpack: rank %d attached zero-copy (%d bytes on %s)", rank, w.nbytes, device)
+            return w
         except DaemonError as e:
             if opts.attach == "require":
                 raise DaemonError(
                     f"attach: require, but {e.message}",
                     hint=f"start it: mpack serve {sidecar} --rank {rank} --device {device}",
                 ) from None
-    return load(sidecar, rank=rank, device=device)
+            log.warning("mpack: rank %d loads privately: %s", rank, e.message)
+    w = load(sidecar, rank=rank, device=device)
+    log.info("mpack: rank %d loaded privately (%d bytes on %s)", rank, w.nbytes, device)
+    return w
 
 
 def _device_label(target: torch.device) -> str:
@@ -283,6 +291,13 @@ def loader_class() -> type:
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             from vllm.distributed import get_tensor_model_parallel_rank
 
+            pp = vllm_config.parallel_config.pipeline_parallel_size
+            if pp != 1:
+                raise UsageError(
+                    f"--load-format mpack does not support pipeline parallelism "
+                    f"(--pipeline-parallel-size {pp})",
+                    hint="use tensor parallelism (mpack convert --tp N)",
+                )
             sidecar = sidecar_dir(self.options, model_config.model)
             manifest, _ = load_manifest(sidecar)
             check_target(manifest, _engine_facts(vllm_config, model_config), sidecar)
