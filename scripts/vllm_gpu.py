@@ -1,0 +1,415 @@
+"""`--load-format mpack` on a GPU with vLLM 0.33.0's compiled ops: the comparison and the benchmark.
+
+Run on the device by scripts/device_vllm.sh. Two Python environments take part, because vLLM
+0.33.0 pins compressed-tensors 0.17.0 while mpack's converter reads configs with 0.20:
+
+- ``prepare`` (mpack's environment): tiny checkpoints of all 16 layer kinds (per-tensor and
+  per-channel scales x bf16 and fp16 x the w8a16 and w8a8-marlin profiles x without bias (Llama)
+  and with q/k/v bias (Qwen2)) and their sidecars, converted on the GPU;
+- ``worker`` (vLLM's environment): builds every model with vLLM's real classes twice, with
+  ``DefaultModelLoader`` (vLLM's own Marlin processing) and with ``--load-format mpack`` attached
+  to a running ``mpack serve`` (``attach: require``), then compares every parameter and buffer
+  (names, shapes, dtypes, bytes), checks that each Marlin weight is the daemon's memory itself,
+  runs every Marlin layer forward through the real ``marlin_gemm`` on the same inputs, and
+  checks that the shared bytes and pointers are unchanged afterwards. Two workers run at once,
+  attached to the same daemons; their forward outputs must agree with each other too;
+- ``bench`` (vLLM's environment): the time for one engine process to have an 8B-shaped model's
+  weights ready, by three paths: vLLM's ordinary load (safetensors + Marlin processing), mpack
+  attached, mpack private (one path per process, page cache warm).
+
+The ``w8a16`` profile is vLLM's choice below sm 8.9; on the H200 (sm 9.0) the worker reports a
+compute capability of 8.6 to vLLM for those cases (named where it is done), so that vLLM picks
+CompressedTensorsW8A16Fp8 as it would on such a GPU. The kernels that run are the real ones.
+
+Without a GPU the same script runs on the CPU with the stand-ins of tests/vllm/cpu_standins.py
+(a dry run of the orchestration: daemons on the host backend, gloo, no benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
+SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
+DTYPES = ("bfloat16", "float16")
+PROFILES = ("w8a16", "w8a8-marlin")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cpu_standins() -> Any:
+    """tests/vllm/cpu_standins.py, installed (before vLLM is imported), for a CPU dry run."""
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    import cpu_standins
+
+    cpu_standins.install()
+    return cpu_standins
+
+
+def cases() -> list[dict[str, Any]]:
+    return [
+        {"arch": a, "bias": b, "scheme": s, "strategy": st, "dtype": d, "profile": p,
+         "name": f"{a}-{st}-{d}-{p}"}
+        for a, b in ARCHS.items() for s, st in SCHEMES.items() for d in DTYPES for p in PROFILES
+    ]  # fmt: skip
+
+
+# --- prepare (mpack's environment) -----------------------------------------------------------
+
+
+def prepare(work: Path) -> None:
+    from mpack.convert import convert
+    from mpack.fixtures import make_checkpoint
+
+    for c in cases():
+        ck = work / f"ck-{c['arch']}-{c['strategy']}-{c['dtype']}"
+        if not (ck / "config.json").is_file():
+            make_checkpoint(ck, arch=c["arch"], scheme=c["scheme"], dtype=c["dtype"], layers=2)
+        convert(ck, work / f"sc-{c['name']}", profile=c["profile"], device="auto")
+    print(f"prepared {len(cases())} sidecars in {work}", flush=True)
+
+
+# --- worker (vLLM's environment) ---------------------------------------------------------------
+
+
+def _set_capability(cap: tuple[int, int], standins: Any) -> None:
+    """Stand-in (GPU): the compute capability vLLM sees, which decides the compressed-tensors
+    scheme (W8A16 below 8.9). Nothing else is patched: platform, kernels and ops are vLLM's."""
+    if standins is not None:
+        standins.set_profile("w8a16" if cap < (8, 9) else "w8a8-marlin")
+        return
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    type(current_platform).get_device_capability = classmethod(
+        lambda cls, device_id=0: DeviceCapability(*cap)
+    )
+
+
+def _digest(t: Any) -> str:
+    import torch
+
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(b.cpu().numpy().tobytes()).hexdigest()
+
+
+def _state(model: Any) -> dict[str, tuple[list[int], str, str]]:
+    out = {}
+    for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            out[f"{kind}:{name}"] = (list(t.shape), str(t.dtype), _digest(t))
+    return out
+
+
+def _build(case: dict[str, Any], work: Path, load: str) -> Any:
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+
+    ck = work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}"
+    extra: dict[str, Any] = {}
+    if load == "mpack":
+        extra = {"load_format": "mpack", "model_loader_extra_config": {
+            "sidecar": str(work / f"sc-{case['name']}"), "attach": "require"}}  # fmt: skip
+    args = EngineArgs(
+        model=str(ck), dtype=case["dtype"], skip_tokenizer_init=True, enforce_eager=True,
+        max_model_len=256, linear_backend="marlin", gpu_memory_utilization=0.05, **extra,
+    )  # fmt: skip
+    config = args.create_engine_config()
+    with set_current_vllm_config(config):
+        return get_model_loader(config.load_config).load_model(
+            vllm_config=config, model_config=config.model_config
+        )
+
+
+def worker(work: Path, out: Path, role: str, go: Path) -> None:
+    dev = _device()
+    standins = _cpu_standins() if dev == "cpu" else None
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+
+    from mpack.runtime.vllm import register
+
+    register()
+    first = work / "ck-llama-tensor-bfloat16"
+    boot = EngineArgs(model=str(first), skip_tokenizer_init=True, enforce_eager=True,
+                      max_model_len=256, gpu_memory_utilization=0.05).create_engine_config()  # fmt: skip
+    with set_current_vllm_config(boot):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{29600 + (role == 'b')}",
+                                     backend="nccl" if dev == "cuda" else "gloo")  # fmt: skip
+        initialize_model_parallel(tensor_model_parallel_size=1)
+    if dev == "cuda":
+        torch.cuda.set_device(0)
+    results: dict[str, Any] = {}
+    held = []
+    for c in cases():
+        _set_capability((8, 6) if c["profile"] == "w8a16" else (9, 0), standins)
+        r: dict[str, Any] = {}
+        mp = _build(c, work, "mpack")
+        held.append(mp)
+        w = mp._mpack_weights
+        layers = list(w.manifest["layers"])
+        r["backend"] = w.backend
+        r["zero_copy"] = all(
+            getattr(dict(mp.named_modules())[n], leaf).data_ptr() == w[f"{n}.{leaf}"].data_ptr()
+            for n in layers for leaf in ("weight", "weight_scale", "bias") if f"{n}.{leaf}" in w
+        )  # fmt: skip
+        shared = {k: (w[k].data_ptr(), _digest(w[k])) for k in w if k.rpartition(".")[0] in layers}
+        if role == "a":
+            df = _build(c, work, "default")
+            held.append(df)
+            sd, sm = _state(df), _state(mp)
+            r["same_names"] = sorted(sd) == sorted(sm)
+            r["differ"] = sorted(k for k in sd if sd[k] != sm.get(k))[:10]
+            r["tensors"] = len(sd)
+        r["_layers"] = layers
+        r["_shared"] = shared
+        r["_models"] = (len(held) - 2, len(held) - 1) if role == "a" else (len(held) - 1,)
+        results[c["name"]] = r
+    (out / f"loaded-{role}").write_text("1")
+    deadline = time.time() + 300
+    while not go.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    for c in cases():
+        r = results[c["name"]]
+        mods = [dict(held[i].named_modules()) for i in r["_models"]]
+        outs: dict[str, str] = {}
+        equal = True
+        for n in r["_layers"] if dev == "cuda" else []:  # no marlin_gemm on a CPU (dry run)
+            layer = mods[0][n]
+            seed = int(hashlib.sha256(n.encode()).hexdigest()[:8], 16)  # the same in both workers
+            g = torch.Generator(device=dev).manual_seed(seed)
+            x = torch.randn(16, layer.input_size_per_partition, generator=g, device=dev,
+                            dtype=getattr(torch, c["dtype"]))  # fmt: skip
+            y = mods[0][n](x)[0]
+            outs[n] = _digest(y)
+            if role == "a":  # mods = (mpack, default)
+                equal &= torch.equal(y, mods[1][n](x)[0])
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        w = held[r["_models"][0]]._mpack_weights
+        r["unchanged_after_forward"] = all(
+            (w[k].data_ptr(), _digest(w[k])) == v for k, v in r["_shared"].items()
+        )
+        r["outputs"] = outs
+        if role == "a":
+            r["forward_equal_default"] = bool(equal) if dev == "cuda" else None
+        for k in ("_layers", "_shared", "_models"):
+            r.pop(k)
+    (out / f"worker-{role}.json").write_text(json.dumps(results, indent=1))
+
+
+# --- bench (vLLM's environment) -----------------------------------------------------------------
+
+
+def bench_one(ck: Path, sc: Path, path: str) -> None:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from mpack.runtime.vllm import register
+
+    register()
+    extra: dict[str, Any] = {}
+    if path != "default":
+        extra = {"load_format": "mpack", "model_loader_extra_config": {
+            "sidecar": str(sc), "attach": "require" if path == "attached" else "never"}}  # fmt: skip
+    config = EngineArgs(model=str(ck), skip_tokenizer_init=True, enforce_eager=True,
+                        max_model_len=1024, linear_backend="marlin", gpu_memory_utilization=0.5,
+                        **extra).create_engine_config()  # fmt: skip
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method="tcp://127.0.0.1:29650", backend="nccl")  # fmt: skip
+        initialize_model_parallel(tensor_model_parallel_size=1)
+        torch.cuda.set_device(0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model = get_model_loader(config.load_config).load_model(
+            vllm_config=config, model_config=config.model_config
+        )
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"path": path, "seconds": round(dt, 3), "param_bytes": n}), flush=True)
+
+
+# --- orchestration ----------------------------------------------------------------------------------
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+
+def _serve(sc: Path, env: dict[str, str], logdir: Path, dev: str) -> tuple[subprocess.Popen, Path]:
+    log = logdir / f"serve-{sc.name}.log"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "mpack", "serve", str(sc), "--device", dev],
+        env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,  # noqa: SIM115
+    )  # fmt: skip
+    return p, log
+
+
+def _wait_ready(p: subprocess.Popen, what: str, timeout: float = 180) -> str:
+    t0 = time.time()
+    line = p.stdout.readline() if p.stdout else ""
+    if not line.startswith("READY"):
+        raise SystemExit(f"{what}: no READY after {time.time() - t0:.0f} s: {line!r}")
+    return line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=["run", "prepare", "worker", "bench-one"])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/mpack-vllm"))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/mpack-out")))
+    ap.add_argument("--mpack-env", default="", help="PYTHONPATH of mpack's environment")
+    ap.add_argument("--vllm-env", default="", help="PYTHONPATH of vLLM's environment")
+    ap.add_argument("--role", default="a")
+    ap.add_argument("--go", type=Path)
+    ap.add_argument("--ck", type=Path)
+    ap.add_argument("--sc", type=Path)
+    ap.add_argument("--path", default="default")
+    ap.add_argument("--bench-layers", type=int, default=32)
+    ap.add_argument("--skip-bench", action="store_true")
+    a = ap.parse_args()
+    if a.mode == "prepare":
+        prepare(a.work)
+        return 0
+    if a.mode == "worker":
+        worker(a.work, a.out, a.role, a.go)
+        return 0
+    if a.mode == "bench-one":
+        bench_one(a.ck, a.sc, a.path)
+        return 0
+    return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
+    a.work.mkdir(parents=True, exist_ok=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    menv = {**os.environ, "PYTHONPATH": a.mpack_env}
+    venv = {**os.environ, "PYTHONPATH": a.vllm_env}
+    t = time.time()
+    subprocess.run([*me, "prepare", "--work", str(a.work)], env=menv, check=True)
+    print(f"prepare: {time.time() - t:.0f} s", flush=True)
+    dev = "cuda:0" if _device() == "cuda" else "cpu"
+    daemons = [_serve(a.work / f"sc-{c['name']}", menv, a.out, dev) for c in cases()]
+    for (p, _log), c in zip(daemons, cases(), strict=True):
+        _wait_ready(p, c["name"])
+    print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
+    go = a.work / "go"
+    go.unlink(missing_ok=True)
+    workers = {
+        role: _spawn(
+            [
+                *me,
+                "worker",
+                "--work",
+                str(a.work),
+                "--out",
+                str(a.out),
+                "--role",
+                role,
+                "--go",
+                str(go),
+            ],
+            venv,
+            a.out / f"worker-{role}.log",
+        )  # fmt: skip
+        for role in ("a", "b")
+    }
+    deadline = time.time() + 400
+    while not all((a.out / f"loaded-{r}").exists() for r in workers) and time.time() < deadline:
+        if any(w.poll() not in (None, 0) for w in workers.values()):
+            break
+        time.sleep(0.2)
+    status = subprocess.run([sys.executable, "-m", "mpack", "status", "--json"], env=menv,
+                            capture_output=True, text=True)  # fmt: skip
+    clients = {
+        d.get("sidecar"): len(d.get("clients", [])) for d in json.loads(status.stdout or "[]")
+    }
+    go.write_text("1")
+    rcs = {r: w.wait(timeout=400) for r, w in workers.items()}
+    for p, _ in daemons:
+        p.terminate()
+    summary: dict[str, Any] = {"clients_per_daemon_while_both_attached": clients, "worker_rc": rcs}
+    if all(rc == 0 for rc in rcs.values()):
+        ra = json.loads((a.out / "worker-a.json").read_text())
+        rb = json.loads((a.out / "worker-b.json").read_text())
+        rows = {}
+        for name, r in ra.items():
+            rows[name] = {
+                "params_and_buffers_identical": r["same_names"] and not r["differ"],
+                "tensors": r["tensors"], "differ": r["differ"], "backend": r["backend"],
+                "zero_copy": r["zero_copy"] and rb[name]["zero_copy"],
+                "forward_equal_default": r["forward_equal_default"],
+                "two_processes_same_outputs": r["outputs"] == rb[name]["outputs"],
+                "shared_unchanged_after_forwards": r["unchanged_after_forward"]
+                and rb[name]["unchanged_after_forward"],
+            }  # fmt: skip
+        summary["cases"] = rows
+        need = ["params_and_buffers_identical", "zero_copy", "shared_unchanged_after_forwards"]
+        if dev != "cpu":  # forwards run only where marlin_gemm exists
+            need += ["forward_equal_default", "two_processes_same_outputs"]
+        summary["all_ok"] = all(row[k] is True for row in rows.values() for k in need) and all(
+            n >= 2 for n in clients.values()
+        )
+    if not a.skip_bench and dev != "cpu":
+        summary["bench"] = bench(a, me, menv, venv)
+    (a.out / "vllm_gpu.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "cases"}, indent=1))
+    return 0 if summary.get("all_ok") else 1
+
+
+def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[str, Any]:
+    ck, sc = a.work / "ck-8b", a.work / "sc-8b"
+    t = time.time()
+    repo = Path(__file__).resolve().parents[1]
+    if not (ck / "config.json").is_file():
+        subprocess.run([sys.executable, str(repo / "scripts" / "synth_checkpoint.py"), str(ck),
+                        "--layers", str(a.bench_layers)], env=menv, check=True)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q",
+                    "--profile", "w8a8-marlin", "--device", "cuda"], env=menv, check=True)  # fmt: skip
+    print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
+    p, _ = _serve(sc, menv, a.out, "cuda:0")
+    _wait_ready(p, "8b")
+    res: dict[str, Any] = {"layers": a.bench_layers}
+    for path in ("default", "attached", "private", "default"):  # default twice: warm cache
+        r = subprocess.run([*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
+                           env=venv, capture_output=True, text=True)  # fmt: skip
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode or not line:
+            res[path] = {"error": (r.stdout + r.stderr)[-1500:]}
+        else:
+            res[path] = json.loads(line[-1])
+        print(path, res[path] if "error" not in res[path] else "failed", flush=True)
+    p.terminate()
+    d = res.get("default", {}).get("seconds")
+    for path in ("attached", "private"):
+        s = res.get(path, {}).get("seconds")
+        if d and s:
+            res[f"{path}_vs_default"] = round(s / d, 3)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())
