@@ -1,0 +1,475 @@
+"""``--load-format mpack`` against vLLM 0.33.0's real model classes and DefaultModelLoader, on CPU.
+
+Runs in .venv-vllm (``make test``; see the Makefile). Checkpoints and sidecars are made by the
+main venv's CLI (``MPACK_MAIN_PYTHON``, default ``.venv/bin/python``): ``python -m
+mpack.fixtures`` and ``python -m mpack convert``; the attached loads attach to real ``mpack serve
+--device cpu`` daemons (one per sidecar and rank, in a private ``XDG_RUNTIME_DIR``). vLLM runs in
+``vllm_worker.py`` processes, one per TP rank over gloo, with the CPU stand-ins of
+``cpu_standins.py`` (vLLM's own Marlin preparation runs; only CUDA-only pieces are stood in).
+
+The six cases cover every pair of: Llama (no bias) / Qwen2 (q/k/v bias), tensor / channel
+weight scales, ``w8a16`` / ``w8a8-marlin``, bfloat16 / float16, TP 1 / TP 2. In each, every
+parameter and buffer (name, class, shape, dtype, bytes) of the mpack loader's model equals
+DefaultModelLoader's, loaded privately (``attach: never``), attached from the daemons
+(``require``) and with ``auto``; attached Marlin tensors are the daemon's read-only mapping
+itself. Bad inputs are refused with an mpack error naming both values before any layer is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WORKER = HERE / "vllm_worker.py"
+WORKER_TIMEOUT_S = 600
+READY_TIMEOUT_S = 60
+
+
+def main_python() -> str:
+    """The interpreter of mpack's main venv: its CLI makes the checkpoints and sidecars."""
+    p = os.environ.get("MPACK_MAIN_PYTHON")
+    if p:
+        path = Path(p) if Path(p).is_absolute() else REPO / p
+        return str(path) if path.exists() else p  # a bare name (python3) is looked up on PATH
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    arch: str  # llama: no bias; qwen2: q/k/v bias
+    scheme: str  # FP8: per-tensor weight scales (static W8A8); FP8_DYNAMIC: per-channel
+    profile: str
+    dtype: str  # the engine's dtype, and the sidecar's act dtype
+    tp: int
+
+    @property
+    def ckpt(self) -> str:
+        return CKPT_OF[(self.arch, self.scheme)]
+
+
+# (arch, scheme) -> checkpoint name; the checkpoint's own dtype is in CKPTS.
+CKPT_OF = {
+    ("llama", "FP8"): "llama-tensor",
+    ("llama", "FP8_DYNAMIC"): "llama-channel",
+    ("qwen2", "FP8"): "qwen2-tensor",
+    ("qwen2", "FP8_DYNAMIC"): "qwen2-channel",
+}
+CKPTS = {
+    "llama-tensor": ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16"],
+    "llama-channel": ["--arch", "llama", "--scheme", "FP8_DYNAMIC", "--dtype", "float16"],
+    "qwen2-tensor": ["--arch", "qwen2", "--scheme", "FP8", "--dtype", "float16"],
+    "qwen2-channel": ["--arch", "qwen2", "--scheme", "FP8_DYNAMIC", "--dtype", "bfloat16"],
+    # One layer fewer than llama-tensor, otherwise the same: a sidecar of another model.
+    "llama-tensor-1layer": ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16",
+                            "--layers", "1"],
+}  # fmt: skip
+
+# A pairwise covering set over (arch, scales, profile, dtype, TP).
+CASES = [
+    Case("llama-tensor-w8a16-bf16-tp1", "llama", "FP8", "w8a16", "bfloat16", 1),
+    Case("llama-tensor-w8a16-bf16-tp2", "llama", "FP8", "w8a16", "bfloat16", 2),
+    Case("llama-channel-w8a8-fp16-tp1", "llama", "FP8_DYNAMIC", "w8a8-marlin", "float16", 1),
+    Case("qwen2-tensor-w8a8-fp16-tp1", "qwen2", "FP8", "w8a8-marlin", "float16", 1),
+    # The checkpoint is bfloat16: the engine and the sidecar run it in float16.
+    Case("qwen2-channel-w8a16-fp16-tp2", "qwen2", "FP8_DYNAMIC", "w8a16", "float16", 2),
+    Case("qwen2-channel-w8a8-bf16-tp2", "qwen2", "FP8_DYNAMIC", "w8a8-marlin", "bfloat16", 2),
+]
+CASE_IDS = [c.name for c in CASES]
+BASE = CASES[0]  # the bad-input loads start from this one: llama-tensor, w8a16, bf16, TP 1
+PATHS = ("mpack-never", "mpack-require", "mpack-auto")
+
+# Bad inputs, each loaded into BASE's model (TP 1) unless it says otherwise: what is loaded,
+# what the message must be about (a regex) and two values it must name (the sidecar's and the
+# engine's), loosely.
+BAD = {
+    "tp-size": dict(sidecar="sc:" + CASES[1].name, about=r"tensor.parallel|\btp\b",
+                    needs=("2", "1")),
+    "tp-size-on-tp2": dict(sidecar="sc:" + BASE.name, tp=2, about=r"tensor.parallel|\btp\b",
+                           needs=("1", "2")),
+    "profile": dict(sidecar="sc:" + BASE.name, profile="w8a8-marlin", about="profile",
+                    needs=("w8a16", "w8a8-marlin")),
+    "act-dtype": dict(sidecar="sc:" + BASE.name, dtype="float16", about="dtype",
+                      needs=("bfloat16", "float16")),
+    "engine-version": dict(sidecar="old-engine", about="version", needs=("0.32.1", "0.33.0")),
+    "require-no-daemon": dict(sidecar="sc:" + BASE.name, attach="require", no_daemon=True,
+                              about="daemon|serve", needs=("require",)),
+    "corrupt-rank-file": dict(sidecar="corrupt", about="checksum|sha256|digest|corrupt",
+                              needs=("rank-00-of-01",)),
+    "other-layers": dict(sidecar="one-layer", about="layer", needs=("1", "2")),
+}  # fmt: skip
+
+
+# --- the world: checkpoints, sidecars, daemons, worker results ----------------------------------
+
+
+def run_cli(args: list[str], cwd: Path) -> None:
+    cmd = [main_python(), "-m", *args]
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    if p.returncode:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """``python -m mpack serve SIDECAR --rank R --device cpu`` (the main venv's), output in files."""
+
+    def __init__(self, sidecar: Path, rank: int, env: dict[str, str], workdir: Path) -> None:
+        self.out = workdir / f"serve-{sidecar.name}-r{rank}.out"
+        self.err = self.out.with_suffix(".err")
+        cmd = [main_python(), "-m", "mpack", "serve", str(sidecar), "--rank", str(rank),
+               "--device", "cpu"]  # fmt: skip
+        with open(self.out, "w") as o, open(self.err, "w") as e:
+            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=workdir)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if "READY " in self.out.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited {self.proc.returncode}: {self.err.read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"serve not READY in time: {self.err.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def make_sidecars(work: Path) -> dict[str, Path]:
+    """Every checkpoint and sidecar, two CLI processes at a time (the CI runner has 2 cores)."""
+    ck = {name: work / f"ck-{name}" for name in CKPTS}
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda n: run_cli(["mpack.fixtures", str(ck[n]), *CKPTS[n]], work), CKPTS))
+    converts = {
+        "sc:" + c.name: (ck[c.ckpt], ["--tp", str(c.tp), "--profile", c.profile,
+                                       "--act-dtype", c.dtype])
+        for c in CASES
+    }  # fmt: skip
+    converts["one-layer"] = (
+        ck["llama-tensor-1layer"],
+        ["--tp", "1", "--profile", BASE.profile, "--act-dtype", BASE.dtype],
+    )
+    out = {key: work / key.replace(":", "-") for key in converts}
+
+    def convert(key: str) -> None:
+        src, opts = converts[key]
+        run_cli(["mpack", "convert", str(src), "-o", str(out[key]), "--quiet", *opts], work)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(convert, converts))
+    base = out["sc:" + BASE.name]
+
+    # Made for another vLLM: the manifest's target.engine_version edited and written back.
+    from mpack.sidecar import load_manifest, write_manifest
+
+    out["old-engine"] = work / "sc-old-engine"
+    shutil.copytree(base, out["old-engine"])
+    manifest, _ = load_manifest(out["old-engine"])
+    manifest["target"]["engine_version"] = "0.32.1"
+    write_manifest(out["old-engine"], manifest)
+
+    # One flipped byte in the middle of the rank file's data: its checksum no longer matches.
+    out["corrupt"] = work / "sc-corrupt"
+    shutil.copytree(base, out["corrupt"])
+    rank_file = out["corrupt"] / "rank-00-of-01.safetensors"
+    with open(rank_file, "r+b") as f:
+        f.seek(rank_file.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+    out.update({"ck:" + name: path for name, path in ck.items()})
+    return out
+
+
+def jobs(paths: dict[str, Path], no_daemon_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """The loads of the TP 1 and the TP 2 workers."""
+    by_tp: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+
+    def load(case: Case, path: str, **kw: Any) -> dict[str, Any]:
+        d = {"id": f"{case.name}/{path}", "model": str(paths["ck:" + case.ckpt]),
+             "profile": case.profile, "dtype": case.dtype}  # fmt: skip
+        if path != "default":
+            sidecar = paths["sc:" + case.name]
+            d.update(load_format="mpack", sidecar=str(sidecar),
+                     extra={"sidecar": str(sidecar), "attach": path.removeprefix("mpack-")})  # fmt: skip
+        d.update(kw)
+        return d
+
+    for case in CASES:
+        by_tp[case.tp] += [load(case, p) for p in ("default", *PATHS)]
+
+    base_sc = str(paths["sc:" + BASE.name])
+    by_tp[1] += [
+        # The model directory is the sidecar: no "sidecar" key.
+        load(BASE, "model-dir", model=base_sc, load_format="mpack", sidecar=base_sc,
+             extra={"attach": "never"}),
+        # auto with no daemon reachable: a private load.
+        load(BASE, "auto-no-daemon", load_format="mpack", sidecar=base_sc,
+             extra={"sidecar": base_sc, "attach": "auto"},
+             env={"XDG_RUNTIME_DIR": str(no_daemon_dir)}),
+    ]  # fmt: skip
+    for name, bad in BAD.items():
+        sidecar = str(paths[bad["sidecar"]])
+        d = load(BASE, f"bad/{name}", load_format="mpack", sidecar=sidecar,
+                 extra={"sidecar": sidecar, "attach": bad.get("attach", "never")})  # fmt: skip
+        d.update({k: bad[k] for k in ("profile", "dtype") if k in bad})
+        if bad.get("no_daemon"):
+            d["env"] = {"XDG_RUNTIME_DIR": str(no_daemon_dir)}
+        by_tp[bad.get("tp", 1)].append(d)
+    return by_tp
+
+
+def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path) -> dict:
+    """Every rank of every job at once; ``{tp: {rank: {load id: result}}}``."""
+    procs = []
+    for tp, loads in by_tp.items():
+        out_dir = work / f"results-tp{tp}"
+        out_dir.mkdir()
+        job = work / f"job-tp{tp}.json"
+        job.write_text(json.dumps({"tp": tp, "port": free_port(), "out_dir": str(out_dir),
+                                   "loads": loads}, indent=1))  # fmt: skip
+        for rank in range(tp):
+            log = work / f"worker-tp{tp}-r{rank}.log"
+            with open(log, "w") as f:
+                p = subprocess.Popen([sys.executable, str(WORKER), str(job), str(rank)],
+                                     stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work)  # fmt: skip
+            procs.append((tp, rank, p, log, out_dir / f"rank-{rank}.json"))
+    results: dict[int, dict[int, dict]] = {1: {}, 2: {}}
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    failed = []
+    for tp, rank, p, log, out in procs:
+        try:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.returncode != 0 or not out.exists():
+            failed.append(f"worker tp{tp} rank {rank} exited {p.returncode}:\n"
+                          + log.read_text()[-6000:])  # fmt: skip
+        else:
+            results[tp][rank] = json.loads(out.read_text())
+    if failed:
+        for _, _, p, _, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        raise AssertionError("\n\n".join(failed))
+    return results
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # tests/vllm itself is a namespace package `vllm`
+    if spec is None or spec.origin is None:
+        pytest.fail(f"{sys.executable} has no vLLM: run these tests with .venv-vllm (make test)")
+    t0 = time.monotonic()
+    work = tmp_path_factory.mktemp("vllm")
+    runtime = work / "xdg-runtime"
+    no_daemon = work / "xdg-runtime-empty"
+    for d in (runtime, no_daemon):
+        d.mkdir(mode=0o700)
+    paths = make_sidecars(work)
+    t_made = time.monotonic()
+
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+    daemons = [
+        Daemon(paths["sc:" + c.name], rank, env, work) for c in CASES for rank in range(c.tp)
+    ]
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for d in daemons:
+            d.wait_ready(deadline)
+        results = run_workers(jobs(paths, no_daemon), env, work)
+    finally:
+        for d in daemons:
+            d.stop()
+    t_done = time.monotonic()
+    print(
+        f"\nvLLM loader suite: checkpoints + sidecars {t_made - t0:.1f} s, daemons + workers "
+        f"{t_done - t_made:.1f} s"
+    )
+    return {"paths": paths, "results": results}
+
+
+def ranks(world: dict[str, Any], tp: int) -> list[dict[str, Any]]:
+    return [world["results"][tp][r] for r in range(tp)]
+
+
+def ok(result: dict[str, Any]) -> dict[str, Any]:
+    assert result["ok"], f"load failed: {result['error']}\n{result.get('traceback', '')}"
+    return result
+
+
+def assert_same_tensors(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    differ = {
+        n: {k: (got[n][k], want[n][k]) for k in want[n] if got[n][k] != want[n][k]}
+        for n in sorted(set(got) & set(want))
+        if got[n] != want[n]
+    }
+    assert not (missing or extra or differ), (
+        f"{what}: the mpack model differs from DefaultModelLoader's: missing {missing}, "
+        f"extra {extra}, differing (mpack, default) {differ}"
+    )
+
+
+def rank_file_tensors(sidecar: Path, rank: int) -> set[str]:
+    from mpack.sidecar import rank_file_name, read_layout
+
+    from_manifest = json.loads((sidecar / "mpack.json").read_text())
+    tp = from_manifest["target"]["tp_size"]
+    return {t.name for t in read_layout(sidecar / rank_file_name(rank, tp)).entries}
+
+
+# --- equal to DefaultModelLoader ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_same_model_as_default_loader(world: dict[str, Any], case: Case, path: str) -> None:
+    for rank, res in enumerate(ranks(world, case.tp)):
+        default = ok(res[f"{case.name}/default"])["tensors"]
+        got = ok(res[f"{case.name}/{path}"])["tensors"]
+        assert_same_tensors(got, default, f"{case.name} {path} rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_default_loader_took_marlin(world: dict[str, Any], case: Case) -> None:
+    """The stand-ins hold: vLLM's own load prepared Marlin layers (int32 tiles, [1, Np] scales,
+    no input_scale), the same tensors the sidecar holds."""
+    sidecar = world["paths"]["sc:" + case.name]
+    for rank, res in enumerate(ranks(world, case.tp)):
+        default = ok(res[f"{case.name}/default"])["tensors"]
+        names = rank_file_tensors(sidecar, rank)
+        assert names and names <= set(default), sorted(names - set(default))
+        for name in names:
+            t = default[name]
+            leaf = name.rpartition(".")[2]
+            if leaf == "weight":
+                assert t["dtype"] == "int32" and len(t["shape"]) == 2, (name, t)
+            elif leaf == "weight_scale":
+                assert t["dtype"] == case.dtype and t["shape"][0] == 1, (name, t)
+        assert not [n for n in default if n.endswith("input_scale")]
+        if case.arch == "qwen2":
+            assert any(n.endswith("qkv_proj.bias") for n in names)
+        else:
+            assert not any(n.endswith(".bias") for n in names)
+
+
+# --- where the Marlin tensors live ----------------------------------------------------------------
+
+
+def assert_views(res: dict[str, Any], sidecar: Path, rank: int, backend: str, what: str) -> None:
+    weights = res["weights"]
+    assert weights is not None, f"{what}: the model has no _mpack_weights"
+    assert weights["backend"] == backend, f"{what}: {weights}"
+    views = res["marlin"]
+    assert set(views) == rank_file_tensors(sidecar, rank), what
+    for name, v in views.items():
+        assert v["same_ptr"] and v["same_storage"] and v["in_mapping"], (
+            f"{what}: {name} is not a view of the sidecar's allocation: {v}"
+        )
+        if backend == "host":
+            assert v["region"].startswith("/memfd:mpack:") and v["perms"].startswith("r-"), (
+                f"{what}: {name} lies in {v['perms']} {v['region']}, not the daemon's read-only "
+                "memfd mapping"
+            )
+        else:
+            assert "memfd:mpack" not in v["region"], f"{what}: {name}: {v}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_attached_weights_are_the_daemons_mapping(world: dict[str, Any], case: Case) -> None:
+    sidecar = world["paths"]["sc:" + case.name]
+    for rank, res in enumerate(ranks(world, case.tp)):
+        for path in ("mpack-require", "mpack-auto"):
+            what = f"{case.name} {path} rank {rank}"
+            assert_views(ok(res[f"{case.name}/{path}"]), sidecar, rank, "host", what)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_private_load_uses_sidecar_tensors(world: dict[str, Any], case: Case) -> None:
+    sidecar = world["paths"]["sc:" + case.name]
+    for rank, res in enumerate(ranks(world, case.tp)):
+        what = f"{case.name} mpack-never rank {rank}"
+        assert_views(ok(res[f"{case.name}/mpack-never"]), sidecar, rank, "private", what)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load", ["model-dir", "auto-no-daemon"])
+def test_other_ways_to_load_privately(world: dict[str, Any], load: str) -> None:
+    """model-dir: the model directory is the sidecar (no "sidecar" key); auto-no-daemon:
+    ``attach: auto`` with no daemon reachable loads privately."""
+    (res,) = ranks(world, 1)
+    default = ok(res[f"{BASE.name}/default"])["tensors"]
+    got = ok(res[f"{BASE.name}/{load}"])
+    assert_same_tensors(got["tensors"], default, load)
+    assert_views(got, world["paths"]["sc:" + BASE.name], 0, "private", load)
+
+
+@pytest.mark.slow
+def test_vllm_plugin_registers_the_load_format(world: dict[str, Any]) -> None:
+    """In a real deployment nothing calls ``register()`` but vLLM's plugin loading."""
+    from importlib.metadata import entry_points
+
+    if not [e for e in entry_points(group="vllm.general_plugins") if e.name == "mpack"]:
+        pytest.skip("mpack is importable but not installed here: no vllm.general_plugins entry")
+    for tp in (1, 2):
+        for rank, res in enumerate(ranks(world, tp)):
+            assert res["_plugin_registered"], f"TP {tp} rank {rank}: load format mpack unknown"
+
+
+# --- bad inputs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_refused_before_the_model(world: dict[str, Any], name: str) -> None:
+    bad = BAD[name]
+    for rank, res in enumerate(ranks(world, bad.get("tp", 1))):
+        r = res[f"{BASE.name}/bad/{name}"]
+        assert not r["ok"], f"{name}: rank {rank} loaded without an error"
+        err = r["error"]
+        assert "MpackError" in err["mro"], f"{name}: not an mpack error: {err}\n{r['traceback']}"
+        assert re.search(bad["about"], err["message"], re.I), f"{name}: {err['message']!r}"
+        for s in bad["needs"]:
+            assert s in err["message"], f"{name}: {s!r} not in {err['message']!r}"
+        assert err["linear_layers_built"] == 0, (
+            f"{name}: refused only after building {err['linear_layers_built']} linear layers: "
+            f"{err['message']}"
+        )

@@ -1,0 +1,273 @@
+"""One TP rank of vLLM 0.33.0 on the CPU: build real models, load them, digest every tensor.
+
+usage: python vllm_worker.py JOB.json RANK
+
+The parent (test_vllm_loader.py) starts one process per rank of ``job["tp"]``, all with the same
+job; they meet over gloo on ``127.0.0.1:job["port"]``. The job::
+
+    {"tp": 2, "port": 29517, "out_dir": DIR,
+     "loads": [{"id": "llama-t/default",          # a name for the results
+                "model": CKPT_OR_SIDECAR_DIR,      # EngineArgs(model=...)
+                "profile": "w8a16",                # capability the engine sees (cpu_standins)
+                "dtype": "bfloat16",               # EngineArgs(dtype=...)
+                "load_format": "auto" | "mpack",   # "auto": vLLM's DefaultModelLoader
+                "extra": {...},                    # model_loader_extra_config, or absent
+                "sidecar": DIR,                    # the sidecar the load uses (for the views check)
+                "env": {"XDG_RUNTIME_DIR": ...}},  # set for this load only
+               ...]}
+
+Distributed is set up once; every load then builds a fresh engine config (a model registers
+its attention layers in its config: two models cannot share one) and runs
+``get_model_loader(load_config).load_model(...)``. Writes ``out_dir/rank-R.json``, by load id:
+
+* ``{"ok": true, "seconds", "tensors": {name: {kind, cls, shape, dtype, sha256}}, "weights",
+  "marlin": {name: {same_ptr, same_storage, in_mapping, region, perms}}}``: every named parameter
+  and buffer; for an mpack load, the ``SharedWeights`` the loader exposes as
+  ``model._mpack_weights`` (backend, device, nbytes) and, for every tensor of the sidecar's rank
+  file, whether the model's parameter is that tensor (same address, same storage, inside the
+  allocation) and the ``/proc/self/maps`` region and permissions it lies in;
+* ``{"ok": false, "error": {type, mro, message, hint, linear_layers_built}, "traceback"}``:
+  ``linear_layers_built`` counts vLLM ``LinearBase`` layers constructed before the error (0:
+  refused before any model memory was allocated).
+
+``_plugin_registered``: whether vLLM's plugin loading (``vllm.general_plugins``, run by
+``EngineArgs``) registered load format ``mpack`` by itself, as it does in every vLLM process of a
+real deployment; ``mpack.runtime.vllm.register()`` is then called anyway (idempotent), so the
+loads also run where mpack is importable without being installed (no entry points).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import cpu_standins  # noqa: E402
+
+cpu_standins.install()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+LEAVES = ("weight", "weight_scale", "bias")
+
+
+def digest(t: torch.Tensor) -> str:
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+def tensors_of(model: nn.Module) -> dict[str, dict[str, Any]]:
+    out = {}
+    for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            out[name] = {
+                "kind": kind,
+                "cls": type(t).__name__,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "sha256": digest(t),
+            }
+    return out
+
+
+def maps() -> list[tuple[int, int, str, str]]:
+    """``/proc/self/maps`` as (start, end, perms, path)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        a, b = (int(x, 16) for x in parts[0].split("-"))
+        out.append((a, b, parts[1], parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def region_of(ptr: int, regions: list[tuple[int, int, str, str]]) -> tuple[str, str]:
+    for a, b, perms, path in regions:
+        if a <= ptr < b:
+            return perms, path
+    return "", "(unmapped)"
+
+
+def marlin_views(model: nn.Module, sidecar: str | None) -> tuple[dict | None, dict]:
+    """The loader's ``SharedWeights`` and, per rank-file tensor, where the model's copy lies."""
+    from mpack.sidecar import load_manifest
+
+    weights = getattr(model, "_mpack_weights", None)
+    info = None
+    if weights is not None:
+        info = {
+            "type": type(weights).__name__,
+            "backend": getattr(weights, "backend", None),
+            "device": getattr(weights, "device", None),
+            "nbytes": getattr(weights, "nbytes", None),
+        }
+    if sidecar is None:
+        return info, {}
+    manifest, _ = load_manifest(sidecar)
+    regions = maps()
+    out = {}
+    for layer in manifest["layers"]:
+        for leaf in LEAVES:
+            name = f"{layer}.{leaf}"
+            try:
+                p = model.get_parameter(name)
+            except AttributeError:
+                continue
+            rec: dict[str, Any] = {"ptr": p.data_ptr()}
+            rec["perms"], rec["region"] = region_of(p.data_ptr(), regions)
+            if weights is not None and name in weights:
+                w = weights[name]
+                base, size = w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()
+                rec["same_ptr"] = p.data_ptr() == w.data_ptr()
+                rec["same_storage"] = p.untyped_storage().data_ptr() == base
+                rec["in_mapping"] = base <= p.data_ptr() and p.data_ptr() + p.nbytes <= base + size
+            out[name] = rec
+    return info, out
+
+
+class LinearCount:
+    """Counts vLLM ``LinearBase`` layers built: a model refused before allocation built none."""
+
+    n = 0
+
+    @classmethod
+    def install(cls) -> None:
+        from vllm.model_executor.layers.linear import LinearBase
+
+        init = LinearBase.__init__
+
+        def counted(self: Any, *a: Any, **kw: Any) -> None:
+            cls.n += 1
+            init(self, *a, **kw)
+
+        LinearBase.__init__ = counted
+
+
+@contextlib.contextmanager
+def env(overrides: dict[str, str] | None):
+    saved = {k: os.environ.get(k) for k in overrides or {}}
+    os.environ.update(overrides or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def engine_config(load: dict[str, Any], tp: int) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    cpu_standins.set_profile(load["profile"])
+    kw: dict[str, Any] = {}
+    if load.get("load_format", "auto") != "auto":
+        kw["load_format"] = load["load_format"]
+    if load.get("extra") is not None:
+        kw["model_loader_extra_config"] = load["extra"]
+    return EngineArgs(
+        model=load["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=load["dtype"],
+        max_model_len=256,
+        tensor_parallel_size=tp,
+        linear_backend="marlin" if load["profile"] == "w8a8-marlin" else "auto",
+        **kw,
+    ).create_engine_config()
+
+
+def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    t0 = time.perf_counter()
+    LinearCount.n = 0
+    model = None
+    try:
+        with env(load.get("env")):
+            cfg = engine_config(load, tp)
+            with set_current_vllm_config(cfg):
+                loader = get_model_loader(cfg.load_config)
+                model = loader.load_model(vllm_config=cfg, model_config=cfg.model_config)
+            seconds = time.perf_counter() - t0
+            info, views = marlin_views(model, load.get("sidecar"))
+            return {
+                "ok": True,
+                "seconds": seconds,
+                "tensors": tensors_of(model),
+                "weights": info,
+                "marlin": views,
+            }
+    except Exception as e:
+        return {
+            "ok": False,
+            "seconds": time.perf_counter() - t0,
+            "error": {
+                "type": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e),
+                "hint": getattr(e, "hint", None),
+                "linear_layers_built": LinearCount.n,
+            },
+            "traceback": traceback.format_exc(),
+        }
+    finally:
+        weights = getattr(model, "_mpack_weights", None)
+        if weights is not None and hasattr(weights, "close"):
+            weights.close()
+        del model
+        gc.collect()
+
+
+def main(job_path: str, rank: int) -> int:
+    job = json.loads(Path(job_path).read_text())
+    tp = job["tp"]
+    torch.set_num_threads(1)  # one process per rank on a small machine
+
+    t0 = time.perf_counter()
+    LinearCount.install()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    first = dict(job["loads"][0], load_format="auto", extra=None)  # any config will do
+    cfg = engine_config(first, tp)  # EngineArgs loads vLLM's general plugins
+    plugin_registered = "mpack" in _LOAD_FORMAT_TO_MODEL_LOADER
+    from mpack.runtime.vllm import register
+
+    register()
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=tp,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{job['port']}",
+            backend="gloo",
+        )
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+    setup = time.perf_counter() - t0
+
+    results: dict[str, Any] = {"_setup_seconds": setup, "_plugin_registered": plugin_registered}
+    for load in job["loads"]:
+        results[load["id"]] = run_load(load, tp)
+    out = Path(job["out_dir"]) / f"rank-{rank}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.rename(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))
