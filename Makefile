@@ -15,9 +15,39 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install test test-gpu lint format demo bench clean
+# tests/vllm (the `--load-format mpack` loader against vLLM's real classes, on CPU) needs vLLM,
+# which cannot share a venv with mpack's pins: it gets its own, .venv-vllm (constraints-vllm.txt).
+# VLLM_PYTHON=... runs tests/vllm with an interpreter that already has vLLM and mpack importable
+# instead (with SYSTEM_PYTHON, the default is SYSTEM_PYTHON itself); no .venv-vllm is built then.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.mpack-installed
+ifdef VLLM_PYTHON
+VLLM_PY   := $(VLLM_PYTHON)
+VLLM_DEPS :=
+else ifdef SYSTEM_PYTHON
+VLLM_PY   := $(SYSTEM_PYTHON)
+VLLM_DEPS :=
+else
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_DEPS := $(VLLM_STAMP)
+endif
+VLLM_PYTEST_ARGS ?=
+# What `import vllm` and a CPU model load need, in two groups (see constraints-vllm.txt):
+# resolved with their own deps (a dry run first proves none of them pulls torch, CUDA or vllm),
+VLLM_REQS := packaging pydantic msgspec pyzmq cachetools blake3 cbor2 pybase64 psutil regex \
+	numpy requests tqdm pyyaml cloudpickle einops safetensors huggingface_hub tokenizers \
+	sentencepiece py-cpuinfo transformers aiohttp openai pillow uvloop prometheus_client fastapi \
+	partial_json_parser
+# and installed without theirs (their metadata would pull torch or CUDA builds back in).
+VLLM_REQS_NODEPS := compressed-tensors loguru xgrammar llguidance oss-harmony apache-tvm-ffi
+# mpack's own light deps and the test runner (mpack itself goes in with --no-deps).
+VLLM_REQS_MPACK := typer rich safetensors huggingface_hub numpy pytest
+
+.PHONY: install install-vllm test test-vllm test-gpu lint format demo bench clean
 
 install: $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,8 +59,34 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-test: $(DEPS)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# Venv pieces a step installs, in order: torch (CPU) first, vLLM with --no-deps, then the rest,
+# each `-c constraints-vllm.txt` so nothing can swap torch for a CUDA build.
+VPIP := $(VLLM_VENV)/bin/python -m pip
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VPIP) install -q --upgrade pip
+	$(VPIP) install -q -c constraints-vllm.txt torch==2.13.0
+	$(VPIP) install -q -c constraints-vllm.txt --no-deps vllm==0.33.0
+	$(VPIP) install -q -c constraints-vllm.txt --dry-run --report $(VLLM_VENV)/dry-run.json $(VLLM_REQS)
+	$(VLLM_VENV)/bin/python tests/vllm/check_dry_run.py $(VLLM_VENV)/dry-run.json
+	$(VPIP) install -q -c constraints-vllm.txt $(VLLM_REQS)
+	$(VPIP) install -q -c constraints-vllm.txt --no-deps $(VLLM_REQS_NODEPS)
+	$(VPIP) install -q --no-deps -e .
+	$(VPIP) install -q -c constraints-vllm.txt $(VLLM_REQS_MPACK)
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert not torch.version.cuda, torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+# Both suites run, and the target fails if either failed. The main venv never collects
+# tests/vllm (no vLLM there); the vLLM suite makes its checkpoints with the main venv's CLI.
+test: $(DEPS) $(VLLM_DEPS)
+	rc=0; \
+	$(PY) -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS) || rc=1; \
+	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; \
+	exit $$rc
+
+# Only the vLLM loader suite.
+test-vllm: $(DEPS) $(VLLM_DEPS)
+	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PYTEST_ARGS)
 
 # --require-gpu (tests/conftest.py): no CUDA device is an error here, not a run of skips.
 test-gpu: $(DEPS)
@@ -58,4 +114,4 @@ bench: $(DEPS)
 	$(PY) scripts/bench_runtime.py --sidecar $(BENCH_WORK)/out-cuda --json $(BENCH_OUT)/runtime.json
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache
