@@ -50,6 +50,32 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _gpu_standins() -> None:
+    """Stand-in (GPU): vLLM's flash-attention extensions (_vllm_fa2_C / _vllm_fa3_C, 480 MB) do
+    not travel to the device, and ``vllm.vllm_flash_attn`` refuses to import without them, which
+    the model loader's imports need. An empty stand-in module says FlashAttention is unsupported
+    (models then use the Triton attention backend, asked for explicitly); linear layers, the
+    Marlin ops and the loaders are vLLM's own and compiled."""
+    import types
+
+    def unsupported(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("flash attention is not on this machine (stand-in)")
+
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+    fa.__path__ = []  # a package, for `vllm.vllm_flash_attn.x` imports that are never reached
+    for name in ("flash_attn_varlen_func", "get_scheduler_metadata",
+                 "compile_flash_attn_varlen_func_from_specs"):  # fmt: skip
+        setattr(fa, name, unsupported)
+    fa.FA2_AVAILABLE = fa.FA3_AVAILABLE = False
+    fa.is_fa_version_supported = lambda *a, **k: False
+    fa.fa_version_unsupported_reason = lambda *a, **k: "flash attention stand-in"
+    sys.modules["vllm.vllm_flash_attn"] = fa
+    sys.modules["vllm.vllm_flash_attn.flash_attn_interface"] = fa
+
+
+ATTENTION = {"attention_backend": "TRITON_ATTN"}
+
+
 def _cpu_standins() -> Any:
     """tests/vllm/cpu_standins.py, installed (before vLLM is imported), for a CPU dry run."""
     sys.path.insert(0, str(REPO / "tests" / "vllm"))
@@ -127,6 +153,7 @@ def _build(case: dict[str, Any], work: Path, load: str) -> Any:
     args = EngineArgs(
         model=str(ck), dtype=case["dtype"], skip_tokenizer_init=True, enforce_eager=True,
         max_model_len=256, linear_backend="marlin", gpu_memory_utilization=0.05, **extra,
+        **(ATTENTION if _device() == "cuda" else {}),
     )  # fmt: skip
     config = args.create_engine_config()
     with set_current_vllm_config(config):
@@ -137,7 +164,7 @@ def _build(case: dict[str, Any], work: Path, load: str) -> Any:
 
 def worker(work: Path, out: Path, role: str, go: Path) -> None:
     dev = _device()
-    standins = _cpu_standins() if dev == "cpu" else None
+    standins = _cpu_standins() if dev == "cpu" else _gpu_standins()
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -148,7 +175,8 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
     register()
     first = work / "ck-llama-tensor-bfloat16"
     boot = EngineArgs(model=str(first), skip_tokenizer_init=True, enforce_eager=True,
-                      max_model_len=256, gpu_memory_utilization=0.05).create_engine_config()  # fmt: skip
+                      max_model_len=256, gpu_memory_utilization=0.05,
+                      **(ATTENTION if dev == "cuda" else {})).create_engine_config()  # fmt: skip
     with set_current_vllm_config(boot):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{29600 + (role == 'b')}",
@@ -219,6 +247,7 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
 
 
 def bench_one(ck: Path, sc: Path, path: str) -> None:
+    _gpu_standins()
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -234,7 +263,7 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
             "sidecar": str(sc), "attach": "require" if path == "attached" else "never"}}  # fmt: skip
     config = EngineArgs(model=str(ck), skip_tokenizer_init=True, enforce_eager=True,
                         max_model_len=1024, linear_backend="marlin", gpu_memory_utilization=0.5,
-                        **extra).create_engine_config()  # fmt: skip
+                        **ATTENTION, **extra).create_engine_config()  # fmt: skip
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                      distributed_init_method="tcp://127.0.0.1:29650", backend="nccl")  # fmt: skip
