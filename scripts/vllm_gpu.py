@@ -402,7 +402,7 @@ def run(a: argparse.Namespace) -> int:
         summary["all_ok"] = all(row[k] is True for row in rows.values() for k in need) and all(
             n >= 2 for n in clients.values()
         )
-    if not a.skip_bench and dev != "cpu":
+    if not a.skip_bench and dev != "cpu" and summary.get("all_ok"):
         summary["bench"] = bench(a, me, menv, venv)
     (a.out / "vllm_gpu.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "cases"}, indent=1))
