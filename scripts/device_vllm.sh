@@ -24,6 +24,7 @@ case "${PHASE:-}" in
   cat /tmp/vso/part00 .vllmdev/p2/part01 > /tmp/vso/_C_stable_libtorch.abi3.so.xz || exit 1
   (cd /tmp/vso && sha256sum -c so.sha256) || exit 1
   xz -dc /tmp/vso/_C_stable_libtorch.abi3.so.xz > "$VSITE/vllm/_C_stable_libtorch.abi3.so" || exit 1
+  cp scripts/vllm_fa_standin.py "$VSITE/vllm/vllm_flash_attn/__init__.py" || exit 1  # see its docstring
   pipi "$MSITE" .device/wheels/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$MSITE" . || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$VSITE" . || exit 1

@@ -51,26 +51,12 @@ def _device() -> str:
 
 
 def _gpu_standins() -> None:
-    """Stand-in (GPU): vLLM's flash-attention extensions (_vllm_fa2_C / _vllm_fa3_C, 480 MB) do
-    not travel to the device, and ``vllm.vllm_flash_attn`` refuses to import without them, which
-    the model loader's imports need. An empty stand-in module says FlashAttention is unsupported
-    (models then use the Triton attention backend, asked for explicitly); linear layers, the
-    Marlin ops and the loaders are vLLM's own and compiled."""
-    import types
+    """Stand-in (GPU): vLLM's flash-attention module is replaced on the device by
+    scripts/vllm_fa_standin.py (its extensions do not travel); here only checked."""
+    import vllm.vllm_flash_attn as fa
 
-    def unsupported(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("flash attention is not on this machine (stand-in)")
-
-    fa = types.ModuleType("vllm.vllm_flash_attn")
-    fa.__path__ = []  # a package, for `vllm.vllm_flash_attn.x` imports that are never reached
-    for name in ("flash_attn_varlen_func", "get_scheduler_metadata",
-                 "compile_flash_attn_varlen_func_from_specs"):  # fmt: skip
-        setattr(fa, name, unsupported)
-    fa.FA2_AVAILABLE = fa.FA3_AVAILABLE = False
-    fa.is_fa_version_supported = lambda *a, **k: False
-    fa.fa_version_unsupported_reason = lambda *a, **k: "flash attention stand-in"
-    sys.modules["vllm.vllm_flash_attn"] = fa
-    sys.modules["vllm.vllm_flash_attn.flash_attn_interface"] = fa
+    if fa.FA2_AVAILABLE or fa.FA3_AVAILABLE or "stand-in" not in (fa.__doc__ or ""):
+        print("note: vLLM's own flash attention is present", file=sys.stderr)
 
 
 ATTENTION = {"attention_backend": "TRITON_ATTN"}
