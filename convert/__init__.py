@@ -76,6 +76,6 @@ def verify(
 
     Returns a report dict; raises ``VerificationError`` if anything does not match.
     """
-    from mpack.convert.verify import run_verify
+    from mpack.convert.verifier import run_verify
 
     return run_verify(sidecar, source=source)

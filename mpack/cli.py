@@ -292,7 +292,7 @@ def verify(
       mpack verify tiny-marlin --source ./tiny-fp8 --forward
     """
     from mpack import ui
-    from mpack.convert.verify import run_verify
+    from mpack.convert.verifier import run_verify
 
     if forward:
         from mpack.runtime.protocol import parse_device

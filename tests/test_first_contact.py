@@ -386,3 +386,16 @@ def test_a_socket_daemon_serves_even_where_it_cannot_leave_a_pointer(rt) -> None
     finally:
         d.stop(signal.SIGKILL)
     assert "no-pointer" in d.stderr() and str(rt["rdir"]) in d.stderr()
+
+
+def test_the_public_verify_survives_its_own_import(tmp_path: Path) -> None:
+    """``mpack.convert.verify`` is the function on every call, not the submodule that implements
+    it (a submodule of the same name replaced the package attribute on first import)."""
+    import mpack.convert as mc
+    from mpack.fixtures import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "ck", arch="llama", scheme="FP8", layers=1)
+    mc.convert(ck, tmp_path / "sc", device="cpu")
+    for _ in range(2):
+        report = mc.verify(tmp_path / "sc", source=ck)
+        assert report["source_checked"] is True and callable(mc.verify)

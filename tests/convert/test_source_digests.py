@@ -15,7 +15,7 @@ from conftest import flip_byte
 from mpack.convert import source as source_mod
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import ResolvedSource, hash_sources
-from mpack.convert.verify import run_verify
+from mpack.convert.verifier import run_verify
 from mpack.errors import OutputExistsError, VerificationError
 from mpack.fixtures import make_checkpoint
 from mpack.sidecar import HashCancelled, load_manifest, read_layout, write_manifest
