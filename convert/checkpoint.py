@@ -260,7 +260,8 @@ def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
 
     0.20 writes only the fields it uses; 0.19 also wrote defaults (``observer``,
     ``observer_kwargs``, ``scale_dtype``, ...). Fields the installed models do not know are dropped
-    and parsing is retried, so either serialisation parses. :func:`check_quant_scheme` runs first.
+    and parsing is retried, so either serialisation parses. The caller runs
+    :func:`check_quant_scheme` first (:func:`open_checkpoint`).
     """
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -269,7 +270,6 @@ def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
     )
     from pydantic import ValidationError
 
-    check_quant_scheme(qc, where)
     try:
         return QuantizationConfig.model_validate(qc)
     except ValidationError:

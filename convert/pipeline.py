@@ -93,6 +93,7 @@ from mpack.sidecar import (
     COPIED_FILES,
     FUSIONS,
     MANIFEST_NAME,
+    MODEL_CONFIG_KEYS,
     PROFILES,
     HashingWriter,
     fsync_dir,
@@ -375,6 +376,7 @@ def output_lock(out: Path) -> Iterator[None]:
                 f"another mpack convert (pid {e.pid}) is writing {out}",
                 hint="wait for it to finish, or stop it",
             ) from None
+        clean_stale(out)  # under the lock, no work directory of OUT belongs to a live run
         yield
 
 
@@ -422,7 +424,7 @@ def existing_state(
     target: dict[str, Any],
     files: Callable[..., list[dict[str, Any]]] | None,
     common: bool,
-    source: dict[str, Any] | None = None,
+    src: ResolvedSource,
 ) -> Existing:
     """What ``out`` holds: ``absent`` | ``empty`` | ``same`` (this sidecar, intact) |
     ``other-sidecar`` | ``foreign``, with the existing manifest and digest when they could be
@@ -432,7 +434,7 @@ def existing_state(
     ``files(forms=None)`` gives the source's file records (it may wait for their hashes; ``forms``
     as in :func:`hash_sources`); None: the caller replaces any sidecar anyway (``--force``), so
     an mpack sidecar is reported as ``other-sidecar`` without hashing the source (or listing
-    differences). ``source``: the planned manifest's ``source`` without its files.
+    differences). ``src``: the source, whose manifest record is compared.
     """
     if not out.exists():
         return Existing("absent")
@@ -462,7 +464,7 @@ def existing_state(
     ]
     if same and not broken:
         return Existing("same", loaded)
-    diffs = sidecar_differences(m, target, common, {**(source or {}), "files": now})
+    diffs = sidecar_differences(m, target, common, provenance(src, now))
     diffs += [f"its {n} is missing or has the wrong size" for n in broken[:MAX_LISTED_DIFFS]]
     return Existing("other-sidecar", loaded, diffs)
 
@@ -689,12 +691,11 @@ def _run_locked(
         def source_hashes(forms: dict[str, str] | None = None) -> list[dict[str, Any]]:
             return early_hashes() if forms is None else hash_sources(src, names, forms=forms)
 
-        clean_stale(out)  # under the lock, no work directory of OUT belongs to a live run
         if out.exists():
             t = time.perf_counter()
             there = existing_state(
                 out, plan.target, None if force else source_hashes, common=COMMON_NAME in plan.files,
-                source=provenance(src, []),
+                src=src,
             )  # fmt: skip
             seconds["hash_sources"] = time.perf_counter() - t
             if there.state == "same" and there.loaded is not None and not force:
@@ -792,9 +793,7 @@ def _copy_file(a: Path, b: Path) -> dict[str, Any]:
 
 def _model_summary(ck: Checkpoint) -> dict[str, Any]:
     c = ck.text_config
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
-    return {k: c[k] for k in keys if k in c} | {"dtype": ck.dtype}
+    return {k: c[k] for k in MODEL_CONFIG_KEYS if k in c} | {"dtype": ck.dtype}
 
 
 def _write_all(plan: Plan, tmp: Path, dev: torch.device, progress: Progress | None,

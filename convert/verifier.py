@@ -16,9 +16,10 @@ Three levels, each one stricter:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -51,10 +52,9 @@ from mpack.sidecar import (
 MAX_LISTED = 20
 
 
-def _read(path: Path, layout: FileLayout, name: str) -> torch.Tensor:
+def _read(f: BinaryIO, layout: FileLayout, name: str) -> torch.Tensor:
     e = layout.entry(name)
-    with open_regular_file(path, buffering=0) as f:
-        data = bytearray(os.pread(f.fileno(), e.nbytes, e.offset))
+    data = bytearray(os.pread(f.fileno(), e.nbytes, e.offset))
     t = torch.frombuffer(data, dtype=torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
     return t.view(torch_dtype(e.dtype)).reshape(e.shape)
 
@@ -150,6 +150,16 @@ def _recorded_source(m: dict[str, Any]) -> tuple[ResolvedSource | None, str | No
 
 def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
                     src: ResolvedSource, problems: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Re-derive every tensor from the source; each sidecar file is opened once."""
+    with contextlib.ExitStack() as stack:
+        files = {
+            n: stack.enter_context(open_regular_file(sidecar / n, buffering=0)) for n in layouts
+        }
+        return _compare(files, m, layouts, src, problems)
+
+
+def _compare(files: dict[str, BinaryIO], m: dict[str, Any], layouts: dict[str, FileLayout],
+             src: ResolvedSource, problems: list[str]) -> dict[str, Any]:  # fmt: skip
     t = m["target"]
     ck = open_checkpoint(src.path)
     find_layers(ck)
@@ -168,10 +178,9 @@ def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLay
         data = read_unit(ck, unit)
         for layer in unit:
             fname = rank_file_name(layer.rank, plan.tp)
-            path, layout = sidecar / fname, layouts[fname]
             fused = fuse(layer, data)
             specs = layer.tensor_specs(t["act_dtype"])
-            got = [_read(path, layout, spec.name) for spec in specs]
+            got = [_read(files[fname], layouts[fname], spec.name) for spec in specs]
             for spec, g, w in zip(specs, got, pack(layer, fused, t["act_dtype"]), strict=True):
                 compared += 1
                 if not _same(g, w):
@@ -199,7 +208,7 @@ def _against_source(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLay
             )
         for name in sorted(names & set(plan.passthrough)):
             compared += 1
-            if not _same(_read(sidecar / COMMON_NAME, layouts[COMMON_NAME], name), ck.read(name)):
+            if not _same(_read(files[COMMON_NAME], layouts[COMMON_NAME], name), ck.read(name)):
                 problems.append(f"{COMMON_NAME}: {name} differs from the source bytes")
     return {"source_checked": True, "source": src.display,
         "source_path": str(src.path), "layers_checked": len(plan.units) * plan.tp,

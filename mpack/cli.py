@@ -7,7 +7,6 @@ exception is a bug and exits 1. ``MPACK_DEBUG=1`` shows tracebacks.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys
@@ -19,11 +18,10 @@ import typer.core
 
 from mpack import __version__
 from mpack.errors import (
-    ENVIRONMENT_ERRNOS,
     MpackError,
     UsageError,
     VerificationError,
-    environment_failure,
+    as_mpack_error,
     exit_code_for,
 )
 
@@ -43,7 +41,7 @@ _EPILOG = "\b\nEnvironment:\n" + "\n".join(f"  {k:27} {v}" for k, v in ENVIRONME
 class _Command(typer.core.TyperCommand):
     """Usage lines show positionals as ``SOURCE``, the way every CLI does (not ``{SOURCE}``)."""
 
-    def collect_usage_pieces(self, ctx: typer.core.click.Context) -> list[str]:
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return [
             p[1:-1] if p.startswith("{") and p.endswith("}") else p
             for p in super().collect_usage_pieces(ctx)
@@ -390,13 +388,6 @@ def status(
 # --- end of mpack serve / mpack status ----------------------------------------------------------
 
 
-def _as_mpack_error(exc: BaseException) -> BaseException:
-    """An ``OSError`` the machine caused becomes an ``EnvironmentFailure`` (exit 3)."""
-    if not isinstance(exc, MpackError) and getattr(exc, "errno", None) in ENVIRONMENT_ERRNOS:
-        return environment_failure(exc)  # type: ignore[arg-type]
-    return exc
-
-
 def _file_of(exc: BaseException) -> str | None:
     """The file an error names: its ``file``, else the path its message starts with."""
     if getattr(exc, "file", None):
@@ -442,15 +433,15 @@ def _print_error(exc: BaseException, code: int, *, as_json: bool) -> None:
         )
 
 
-def _click_classes(name: str) -> tuple[type[BaseException], ...]:
-    """``name`` from the click that typer runs on: typer >= 0.2x carries its own copy
-    (``typer._click``), older typers use the ``click`` package; both are looked up."""
-    found = []
-    for mod in ("typer._click.exceptions", "click.exceptions"):
-        with contextlib.suppress(ImportError, AttributeError):
-            found.append(getattr(importlib.import_module(mod), name))
-    found += [c for c in (getattr(typer.exceptions, name, None),) if c is not None]
-    return tuple(dict.fromkeys(found))
+#: The click that typer runs on: typer >= 0.2x carries its own copy (``typer._click``), older
+#: typers use the ``click`` package.
+_CLICK = getattr(typer.core, "_click", None) or importlib.import_module("click")
+
+
+def _click_error(name: str) -> type[BaseException]:
+    """click's exception class ``name`` (``Exit`` and ``Abort`` live in ``typer.exceptions``
+    when typer carries its own click)."""
+    return getattr(_CLICK.exceptions, name, None) or getattr(typer.exceptions, name)
 
 
 def _usage_error(e: Any) -> UsageError:
@@ -471,15 +462,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=args, prog_name="mpack", standalone_mode=False)
         code = result if isinstance(result, int) else 0  # --help and --version return 0
-    except _click_classes("NoArgsIsHelpError") as e:
+    except _click_error("NoArgsIsHelpError") as e:
         print(e.ctx.get_help() if e.ctx is not None else "", file=sys.stderr)  # type: ignore[attr-defined]
         code = 2
-    except _click_classes("Exit") as e:
+    except _click_error("Exit") as e:
         code = e.exit_code  # type: ignore[attr-defined]
-    except _click_classes("Abort"):
+    except _click_error("Abort"):
         print("interrupted", file=sys.stderr)
         code = 130
-    except _click_classes("UsageError") as e:
+    except _click_error("UsageError") as e:
         code = 2
         _print_error(_usage_error(e), code, as_json=as_json)
     except KeyboardInterrupt:
@@ -490,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        err = _as_mpack_error(e)
+        err = as_mpack_error(e)
         code = exit_code_for(err)
         _print_error(err, code, as_json=as_json)
     if argv is None:

@@ -116,11 +116,15 @@ def environment_failure(exc: OSError, doing: str = "") -> EnvironmentFailure:
     return EnvironmentFailure(f"{where}: {exc.strerror or exc}{what}", hint=hints.get(name))
 
 
+def as_mpack_error(exc: BaseException) -> BaseException:
+    """``exc``, or for an ``OSError`` the machine caused (``ENVIRONMENT_ERRNOS``) the
+    ``EnvironmentFailure`` that says so."""
+    environmental = isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS
+    return environment_failure(exc) if environmental and not isinstance(exc, MpackError) else exc
+
+
 def exit_code_for(exc: BaseException) -> int:
-    """The process exit code for ``exc``: its ``exit_code`` for an ``MpackError``, 3 for an
-    ``OSError`` the environment caused (``ENVIRONMENT_ERRNOS``), else 1."""
-    if isinstance(exc, MpackError):
-        return exc.exit_code
-    if isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:
-        return EnvironmentFailure.exit_code
-    return 1
+    """The process exit code for ``exc``: its ``exit_code`` for an ``MpackError`` (3 for an
+    ``OSError`` the environment caused, :func:`as_mpack_error`), else 1."""
+    exc = as_mpack_error(exc)
+    return exc.exit_code if isinstance(exc, MpackError) else 1

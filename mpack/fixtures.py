@@ -48,6 +48,8 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 SCHEMES: tuple[str, ...] = ("FP8", "FP8_DYNAMIC")
+#: integer weight presets :func:`make_int_checkpoint` writes (checkpoints mpack must refuse)
+INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 _INDEX_NAME = "model.safetensors.index.json"
@@ -86,7 +88,8 @@ def make_checkpoint(
             ``head_dim`` setting, so there it must be ``None`` or ``hidden // heads``.
         scheme: compressed-tensors preset: ``"FP8"`` (per-tensor weight scales ``[1]``, static
             per-tensor ``input_scale`` ``[1]``) or ``"FP8_DYNAMIC"`` (per-channel weight scales
-            ``[N, 1]``, dynamic per-token activations, no ``input_scale``).
+            ``[N, 1]``, dynamic per-token activations, no ``input_scale``); or one of
+            ``INT_SCHEMES`` (:func:`make_int_checkpoint`).
         dtype: model dtype, ``"bfloat16"``, ``"float16"`` or ``"float32"``: the dtype of the
             unquantized tensors and of every scale.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"200KB"``) to write several shards.
@@ -102,7 +105,7 @@ def make_checkpoint(
     scheme = scheme.upper()
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
-    if scheme not in SCHEMES:
+    if scheme not in SCHEMES + INT_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
@@ -256,6 +259,9 @@ def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> Non
             lo, hi = w.amin().reshape(1), w.amax().reshape(1)
         elif args.strategy == QuantizationStrategy.CHANNEL:
             lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        elif args.strategy == QuantizationStrategy.GROUP:  # the integer presets (INT_SCHEMES)
+            groups = w.reshape(w.shape[0], -1, args.group_size)
+            lo, hi = groups.amin(dim=2), groups.amax(dim=2)
         else:
             raise ValueError(f"weight strategy {args.strategy} is not supported here")
         scale, zero_point = calculate_qparams(lo, hi, args)
@@ -344,10 +350,6 @@ def _move_to_other_shard(out: Path, tensor_name: str) -> None:
     assert weight_map[tensor_name] != weight_map[weight_name]
 
 
-#: integer weight presets :func:`make_int_checkpoint` writes (checkpoints mpack must refuse)
-INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
-
-
 def make_int_checkpoint(
     out_dir: str | Path,
     *,
@@ -371,43 +373,11 @@ def make_int_checkpoint(
     """
     if scheme not in INT_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(INT_SCHEMES)}")
-    import torch
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = _build_config(
-        "llama", hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
-        kv_heads=kv_heads, head_dim=hidden // heads, vocab=vocab, tie_embeddings=False,
+    return make_checkpoint(
+        out_dir, arch="llama", scheme=scheme, dtype="bfloat16", hidden=hidden,
+        intermediate=intermediate, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab,
+        seed=seed,
     )  # fmt: skip
-    with torch.no_grad():
-        model = _build_model("llama", config, torch.bfloat16, seed)
-        qconfig = QuantizationConfig(
-            config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])},
-            ignore=["lm_head"],
-        )
-        apply_quantization_config(model, qconfig, show_progress=False)
-        for _, m in model.named_modules():
-            if not hasattr(m, "quantization_scheme"):
-                continue
-            args = m.quantization_scheme.weights
-            n, k = m.weight.shape
-            groups = m.weight.data.reshape(n, k // args.group_size, args.group_size)
-            scale, zero_point = calculate_qparams(groups.amin(dim=2), groups.amax(dim=2), args)
-            m.weight_scale.data.copy_(scale)
-            if hasattr(m, "weight_zero_point"):
-                m.weight_zero_point.data.copy_(zero_point)
-        compressor = ModelCompressor.from_pretrained_model(model)
-        compressor.compress_model(model)
-    model.save_pretrained(out)
-    compressor.update_config(str(out))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

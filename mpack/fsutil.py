@@ -35,6 +35,7 @@ from mpack.errors import (
 )
 
 _KINDS = (
+    (stat.S_ISREG, "a regular file"),
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO"),
     (stat.S_ISCHR, "a character device"),
@@ -45,11 +46,18 @@ _KINDS = (
 
 
 def kind_of(mode: int) -> str:
-    """``"a FIFO"``, ``"a directory"``, ... for a non-regular ``st_mode``."""
+    """``"a regular file"``, ``"a FIFO"``, ``"a directory"``, ... for an ``st_mode``."""
     for test, name in _KINDS:
         if test(mode):
             return name
     return "not a regular file"
+
+
+# The ``what``s of a sidecar's (or a checkpoint's) own files: a symlink among them gets the
+# sidecar trust-model wording from :func:`os_error`.
+_SIDECAR_WHATS = frozenset(
+    {"file", "safetensors file", "manifest", "sidecar directory", "directory"}
+)
 
 
 def os_error(e: OSError, path: str | os.PathLike, what: str = "file") -> MpackError:
@@ -63,10 +71,15 @@ def os_error(e: OSError, path: str | os.PathLike, what: str = "file") -> MpackEr
                 "follow it",
                 hint=f"remove {path}, or use a directory only you can write",
             )
+        if what in _SIDECAR_WHATS:
+            return InputError(
+                f"{path}: is a symbolic link; a sidecar's files must be regular files inside its "
+                "directory (docs/FORMAT.md, trust model)",
+                hint="replace the link with the file itself, or regenerate the sidecar",
+            )
         return InputError(
-            f"{path}: is a symbolic link; a sidecar's files must be regular files inside its "
-            "directory (docs/FORMAT.md, trust model)",
-            hint="replace the link with the file itself, or regenerate the sidecar",
+            f"{path}: is a symbolic link; a {what} must be a regular file, and links are not "
+            "followed"
         )
     if e.errno == errno.ENOTDIR:
         return InputError(
@@ -134,6 +147,14 @@ def read_capped(
 
 
 # --- lock files --------------------------------------------------------------------------------
+
+
+def is_private(st: os.stat_result, mode: int | None = None) -> bool:
+    """``st`` is owned by our effective uid and has no group or other permission bits (with
+    ``mode``: its permission bits are exactly ``mode``)."""
+    if st.st_uid != os.geteuid():
+        return False
+    return st.st_mode & 0o777 == mode if mode is not None else not st.st_mode & 0o077
 
 
 def check_safe_dir(d: str | os.PathLike, *, purpose: str) -> None:
@@ -220,7 +241,7 @@ def _check_lock_file(fd: int, path: Path) -> None:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"{path}: the lock file is {kind_of(st.st_mode)}; refusing to use it")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not is_private(st):
         raise InputError(
             f"{path}: the lock file belongs to uid {st.st_uid} with mode "
             f"{stat.filemode(st.st_mode)}; it must be ours with mode 0600. Refusing to use it",

@@ -68,6 +68,12 @@ MAX_MANIFEST = 32 * 1024 * 1024
 MAX_TP = 1024
 MAX_FILE_BYTES = 1 << 48
 MAX_DIM = 1 << 24
+#: The model dimensions a manifest's ``model.config`` records; a loader compares them with the
+#: model it loads into (runtime/vllm.py).
+MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "vocab_size")  # fmt: skip
+#: Every key ``model.config`` takes from the checkpoint's (text) config, besides ``dtype``.
+MODEL_CONFIG_KEYS = ("model_type", *MODEL_DIMS, "head_dim", "tie_word_embeddings")
 #: Safetensors dtype name of each activation dtype (scales and bias are stored in it).
 ACT_DTYPE_ST = {"bfloat16": "BF16", "float16": "F16"}
 HASH_CHUNK = 8 * 1024 * 1024
@@ -125,17 +131,12 @@ class HashCancelled(Exception):
 
 
 def sha256_file(
-    path: str | os.PathLike,
-    chunk: int = HASH_CHUNK,
-    stop: threading.Event | None = None,
-    *,
-    follow: bool = True,
+    path: str | os.PathLike, chunk: int = HASH_CHUNK, stop: threading.Event | None = None
 ) -> str:
     """Hex sha256 of a regular file, read in large sequential chunks; ``stop`` aborts it between
-    chunks. ``follow=False``: a symlink is refused (a sidecar's own files, Note [trust model for
-    files] in mpack/fsutil.py)."""
+    chunks."""
     h = hashlib.sha256()
-    with open_regular_file(path, follow=follow, buffering=0) as f:
+    with open_regular_file(path, follow=True, buffering=0) as f:
         buf = bytearray(chunk)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -146,11 +147,7 @@ def sha256_file(
 
 
 def chunk_digests(
-    path: str | os.PathLike,
-    chunk: int = CHUNK_BYTES,
-    workers: int | None = None,
-    *,
-    follow: bool = True,
+    path: str | os.PathLike, chunk: int = CHUNK_BYTES, workers: int | None = None
 ) -> list[str]:
     """sha256 of every ``chunk``-byte piece of a file (the last may be shorter), in parallel.
 
@@ -160,20 +157,24 @@ def chunk_digests(
     computes and a loader checks on many threads as the bytes stream. Since format version 2 the
     safetensors files carry only these; the small copied files also keep a whole-file sha256.
     """
-
-    fd = open_regular(path, follow=follow)
+    fd = open_regular(path, follow=True)
     try:
-        size = os.fstat(fd).st_size
-        n = max(1, -(-size // chunk))
-        with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
-            return list(
-                pool.map(
-                    lambda i: hash_fd_range(fd, Path(path), i * chunk, min((i + 1) * chunk, size)),
-                    range(n),
-                )
-            )
+        return fd_chunk_digests(fd, Path(path), chunk, os.fstat(fd).st_size, workers)
     finally:
         os.close(fd)
+
+
+def fd_chunk_digests(
+    fd: int, path: Path, chunk: int, size: int, workers: int | None = None
+) -> list[str]:
+    """:func:`chunk_digests` of the first ``size`` bytes of the open file ``fd``."""
+    n = max(1, -(-size // chunk))
+    with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
+        return list(
+            pool.map(
+                lambda i: hash_fd_range(fd, path, i * chunk, min((i + 1) * chunk, size)), range(n)
+            )
+        )
 
 
 # --- safetensors layout ------------------------------------------------------------------
@@ -487,9 +488,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors ignored
 
 
-def hash_range(path: Path, a: int, b: int, *, follow: bool = True) -> str:
+def hash_range(path: Path, a: int, b: int) -> str:
     """sha256 of bytes ``[a, b)`` of the regular file ``path`` (read back from the page cache)."""
-    fd = open_regular(path, follow=follow)
+    fd = open_regular(path, follow=True)
     try:
         return hash_fd_range(fd, path, a, b)
     finally:
@@ -675,8 +676,7 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
         raise os_error(e, sidecar, "sidecar directory") from None
     if not stat.S_ISDIR(st.st_mode):
         raise InputError(
-            f"{sidecar}: is {kind_of(st.st_mode) if not stat.S_ISREG(st.st_mode) else 'a file'}, "
-            "not a sidecar directory",
+            f"{sidecar}: is {kind_of(st.st_mode)}, not a sidecar directory",
             hint="pass the directory that `mpack convert -o DIR` wrote",
         )
     try:
@@ -754,6 +754,28 @@ def chunk_mismatch(
     return bad[0], lo, min(lo + chunk_bytes, size), len(bad)
 
 
+def _file_problems(fd: int, p: Path, f: Mapping[str, Any]) -> list[str]:
+    """How the open file ``fd`` differs from its files entry ``f`` (size, then digests)."""
+    size = os.fstat(fd).st_size
+    if size != f["size"]:
+        return [f"{f['name']}: size {size}, manifest says {f['size']}"]
+    ch = f.get("chunks")
+    if ch:  # the chunk digests cover every byte; the loader checks the same
+        got = fd_chunk_digests(fd, p, ch["bytes"], size)
+        bad = chunk_mismatch(got, ch["sha256"], ch["bytes"], size)
+        if bad:
+            i, lo, hi, nbad = bad
+            return [
+                f"{f['name']}: sha256 of bytes {lo}..{hi} is {got[i][:16]}..., "
+                f"manifest says {ch['sha256'][i][:16]}... ({nbad} of {len(got)} chunks differ)"
+            ]
+        return []
+    digest = hash_fd_range(fd, p, 0, size)
+    if digest != f["sha256"]:
+        return [f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."]
+    return []
+
+
 def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list[str]:
     """Re-hash every file listed in the manifest, and look for files it does not list; return one
     message per problem (empty = ok). Listed files must be regular files inside the sidecar
@@ -770,27 +792,8 @@ def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list
         except InputError as e:
             problems.append(f"{f['name']}: {e.message.removeprefix(str(p) + ': ')}")
             continue
-        try:
-            size = os.fstat(fd).st_size
+        try:  # one descriptor per file: the size and every digest come from the file checked
+            problems += _file_problems(fd, p, f)
         finally:
             os.close(fd)
-        if size != f["size"]:
-            problems.append(f"{f['name']}: size {size}, manifest says {f['size']}")
-            continue
-        ch = f.get("chunks")
-        if ch:  # the chunk digests cover every byte; the loader checks the same
-            got = chunk_digests(p, ch["bytes"], follow=False)
-            bad = chunk_mismatch(got, ch["sha256"], ch["bytes"], size)
-            if bad:
-                i, lo, hi, nbad = bad
-                problems.append(
-                    f"{f['name']}: sha256 of bytes {lo}..{hi} is {got[i][:16]}..., "
-                    f"manifest says {ch['sha256'][i][:16]}... ({nbad} of {len(got)} chunks differ)"
-                )
-        else:
-            digest = sha256_file(p, follow=False)
-            if digest != f["sha256"]:
-                problems.append(
-                    f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."
-                )
     return problems

@@ -29,7 +29,7 @@ def _console(stderr: bool) -> Console:
     Not on a terminal: no wrapping at 80 columns (``PIPE_WIDTH``), no colour codes."""
     c = Console(stderr=stderr, markup=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = Console(stderr=stderr, markup=False, width=PIPE_WIDTH)
+        c.width = PIPE_WIDTH
     return c
 
 
@@ -227,7 +227,7 @@ class _LogProgress:
         # one every ``every`` seconds
         wait = min(self.every, self.FIRST_LINE_S)
         while not self._stop.wait(wait):
-            _log_line(self.line())
+            write_line(sys.stderr, self.line())  # a reader that went away is not an error
             wait = self.every
 
     def __enter__(self) -> _LogProgress:
@@ -237,11 +237,6 @@ class _LogProgress:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def _log_line(text: str) -> None:
-    with contextlib.suppress(OSError, ValueError):  # a log reader that went away is not an error
-        print(text, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -433,16 +428,14 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
 def emit_ready(info: dict[str, Any]) -> None:
     """The one ``READY key=value ...`` line ``mpack serve`` prints on stdout when it serves."""
     keys = ("socket", "pid", "device", "backend", "bytes", "load_s", "rank", "digest")
-    _daemon_line(sys.stdout, "READY " + " ".join(f"{k}={info[k]}" for k in keys if k in info))
+    write_line(sys.stdout, "READY " + " ".join(f"{k}={info[k]}" for k in keys if k in info))
 
 
-def _daemon_line(stream: Any, line: str) -> None:
-    """Write and flush one line of the daemon's output; never raises. A write that fails (the
+def write_line(stream: Any, line: str) -> None:
+    """Write and flush one line of output (the daemon's log, convert's progress); never raises. A write that fails (the
     pipe's reader went away: EPIPE; a full disk) drops the line, and the stream's descriptor is
     pointed at /dev/null: later lines are dropped too, and the flush at interpreter exit cannot
     turn the daemon's clean stop into an error (Python exits 120 when it fails)."""
-    import os
-
     if stream is None:
         return
     try:
@@ -459,7 +452,7 @@ def emit_event(event: dict[str, Any]) -> None:
     """One log line on stderr per daemon event (attach, detach, refusals, bad requests)."""
     rest = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    _daemon_line(sys.stderr, f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip())
+    write_line(sys.stderr, f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip())
 
 
 def _uptime(s: float) -> str:

@@ -110,7 +110,6 @@ class Daemon:
     ) -> None:
         self.served, self.path = served, path
         self.advertise = advertise  # write a pointer for `mpack status` (a --socket daemon)
-        self.pointer: Path | None = None
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self._log = on_event
         self.hello_timeout = P.HELLO_TIMEOUT_S
@@ -126,7 +125,7 @@ class Daemon:
         """Bind, print READY (through ``on_ready``), serve until a ``STOP_SIGNALS``, clean up."""
         self._listener = _bind(self.path)
         ino = os.lstat(self.path).st_ino
-        pointer_ino = self._advertise()
+        pointer = self._advertise()
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         old_wakeup = signal.set_wakeup_fd(wake_w)
@@ -155,23 +154,24 @@ class Daemon:
             os.close(wake_r)
             os.close(wake_w)
             self._listener.close()
-            if pointer_ino is not None and self.pointer is not None:
-                P.remove_pointer(self.pointer, pointer_ino)
+            if pointer is not None:
+                P.remove_pointer(*pointer)
             _unlink_if_ours(self.path, ino)
             self.on_event({"event": "stopped", "pid": os.getpid()})
 
-    def _advertise(self) -> int | None:
+    def _advertise(self) -> tuple[Path, int] | None:
         """Write the pointer ``mpack status`` follows to a ``--socket`` daemon (Note [pointers to
-        --socket daemons] in protocol.py); its inode, or None: none needed, or it failed (logged
-        as ``no-pointer``; the daemon serves all the same, ``status --socket`` finds it)."""
+        --socket daemons] in protocol.py); its path and inode, or None: none needed, or it failed
+        (logged as ``no-pointer``; the daemon serves all the same, ``status --socket`` finds it).
+        """
         if not self.advertise:
             return None
         plan, dev = self.served.plan, self.served.device
         doc = {"socket": str(self.path), "pid": os.getpid(), "digest": plan.digest,
                "rank": plan.rank, "device": dev.key}  # fmt: skip
         try:
-            self.pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path)
-            return None if self.pointer is None else P.write_pointer(self.pointer, doc)
+            pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path)
+            return None if pointer is None else (pointer, P.write_pointer(pointer, doc))
         except (OSError, DaemonError) as e:
             self.on_event({"event": "no-pointer", "error": str(e)[:300]})
             return None
@@ -417,7 +417,7 @@ def _bind(path: Path) -> socket.socket:
 def _check_ours(path: Path, st: os.stat_result, mode: int | None = None) -> None:
     """``st``, an ``lstat`` of ``path``, must be a socket of ours (with exactly ``mode``)."""
     me = os.geteuid()
-    kind = "a regular file" if stat.S_ISREG(st.st_mode) else fsutil.kind_of(st.st_mode)
+    kind = fsutil.kind_of(st.st_mode)
     if kind != "a socket" or st.st_uid != me or (mode is not None and st.st_mode & 0o777 != mode):
         raise DaemonError(
             f"{path} is {kind} of uid {st.st_uid} with mode {stat.filemode(st.st_mode)}; the "
@@ -440,17 +440,14 @@ def _locked(path: Path, what: str) -> Iterator[None]:
     taken through ``fsutil.LockFile``: no symlink followed, ours and 0600 or refused, and the pid
     it reports read only from such a file."""
     try:
-        lock = fsutil.LockFile(path.with_name(path.name + P.LOCK_SUFFIX)).__enter__()
+        with fsutil.LockFile(path.with_name(path.name + P.LOCK_SUFFIX)):
+            yield
     except fsutil.LockHeld as held:
         kill = f"kill {held.pid}" if held.pid != "?" else "kill it"
         raise DaemonError(
             f"another daemon (pid {held.pid}) already serves {what}",
             hint=f"attach to it, check it with `mpack status`, or stop it ({kill})",
         ) from None
-    try:
-        yield
-    finally:
-        lock.__exit__(None, None, None)
 
 
 # --- entry point -------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ per-user 0700 directory (``$XDG_RUNTIME_DIR/mpack``, else ``/tmp/mpack-$UID``).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -26,11 +25,13 @@ import re
 import socket
 import stat
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpack.errors import DaemonError, ProtocolError, UsageError
+from mpack import fsutil
+from mpack.errors import DaemonError, MpackError, ProtocolError, UsageError
 
 PROTOCOL_VERSION = 1
 MAGIC = b"MPAK"
@@ -322,10 +323,11 @@ def check_socket_path(path: Path) -> None:
 # runtime directory, but ``serve --socket PATH`` listens wherever PATH is. Such a daemon also
 # writes a *pointer* there: a small JSON file ``<digest[:16]>-r<rank>-<dev>-at-<h>.ptr`` (``h``:
 # 12 hex digits of the sha256 of PATH, so daemons at different paths never share one) holding
-# ``socket``, ``pid``, ``digest``, ``rank`` and ``device``. It is created under a temporary name
-# with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600 and linked into place whole (a reader never sees
-# half of it), replaces only a regular file of ours (the pointer a killed daemon at the same
-# PATH left: we hold PATH's lock), and is removed when the daemon stops cleanly. ``status``
+# ``socket``, ``pid``, ``digest``, ``rank`` and ``device``. It is written under a fresh temporary
+# name (``tempfile.mkstemp``: O_EXCL, mode 0600) and renamed into place whole (a reader never
+# sees half of it; a rename replaces a symlink itself, never what it points at), replaces only
+# a regular file of ours (the pointer a killed daemon at the same PATH left: we hold PATH's
+# lock), and is removed when the daemon stops cleanly. ``status``
 # reads a pointer only if it is a regular file of ours with mode 0600 (no symlink followed),
 # connects to the socket it names (the client's uid check applies) and lists the daemon only if
 # it reports the same socket and pid; otherwise the pointer is listed as stale. A pointer is a
@@ -347,32 +349,30 @@ def write_pointer(pointer: Path, doc: dict[str, Any]) -> int:
         OSError: the directory refused.
     """
     data = json.dumps(doc, separators=(",", ":")).encode()
-    tmp = pointer.with_name(f".{pointer.name}.tmp-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # ours: the directory is private, the name carries our pid
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        ino = os.fstat(fd).st_ino
-    finally:
-        os.close(fd)
+    fd, tmp = tempfile.mkstemp(dir=pointer.parent, prefix=f".{pointer.name}.tmp-")
     try:
         try:
-            os.link(tmp, pointer)
-        except FileExistsError:
+            os.fchmod(fd, 0o600)  # mkstemp's 0600 less the umask: exactly what status accepts
+            os.write(fd, data)
+            ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        try:
             st = os.lstat(pointer)
+        except FileNotFoundError:
+            pass
+        else:  # a killed daemon's, at the same socket path (we hold its lock), or in the way
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise DaemonError(
                     f"{pointer} is in the way (uid {st.st_uid}, mode "
                     f"{stat.filemode(st.st_mode)}); not replacing it"
-                ) from None
-            os.unlink(pointer)  # a killed daemon's, at the same socket path (we hold its lock)
-            os.link(tmp, pointer)
-        return ino
-    finally:
-        os.unlink(tmp)
+                )
+        os.replace(tmp, pointer)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return ino
 
 
 def remove_pointer(pointer: Path, ino: int) -> None:
@@ -389,24 +389,16 @@ def read_pointer(pointer: Path) -> dict[str, Any]:
         ValueError: not a regular file of ours with mode 0600 (a symlink is not followed), too
             large, or not a pointer document; the message says which.
     """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO cannot block us
     try:
-        fd = os.open(pointer, flags)
-    except OSError as e:
-        raise ValueError(
-            "a symbolic link (not followed)" if e.errno == errno.ELOOP else str(e.strerror)
-        ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        data = os.read(fd, MAX_POINTER_BYTES + 1)
-    finally:
-        os.close(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o777 != 0o600:
-        raise ValueError(
-            f"not ours with mode 0600 (uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
-        )
+        with fsutil.open_regular_file(pointer, what="pointer", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            if not fsutil.is_private(st, 0o600):
+                raise ValueError(
+                    f"not ours with mode 0600 (uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
+                )
+            data = f.read(MAX_POINTER_BYTES + 1)
+    except MpackError as e:  # a symlink (not followed), a FIFO, a directory, ... gone
+        raise ValueError(str(e)) from None
     if len(data) > MAX_POINTER_BYTES:
         raise ValueError(f"larger than {MAX_POINTER_BYTES} bytes")
     try:

@@ -40,7 +40,13 @@ import torch
 from torch import nn
 
 from mpack.errors import DaemonError, InputError, MpackError, UnsupportedSchemeError, UsageError
-from mpack.sidecar import COMMON_NAME, MANIFEST_NAME, load_manifest
+from mpack.sidecar import (
+    COMMON_NAME,
+    MANIFEST_NAME,
+    MODEL_DIMS,
+    expected_rank_tensors,
+    load_manifest,
+)
 
 log = logging.getLogger("mpack.vllm")
 
@@ -48,11 +54,10 @@ LOAD_FORMAT = "mpack"
 ATTACH_MODES = ("auto", "require", "never")
 #: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
 EXTRA_KEYS = ("sidecar", "attach", "socket")
+#: The compressed-tensors scheme class vLLM runs each profile's layers with.
+PROFILE_SCHEMES = {"w8a16": "CompressedTensorsW8A16Fp8", "w8a8-marlin": "CompressedTensorsW8A8Fp8"}
 #: vLLM's quantization keys of the two FP8 paths that run through Marlin.
 MARLIN_QUANT_KEYS = ("w8a16_fp8", "fp8_w8a8")
-#: What the manifest's ``model.config`` and vLLM's text config must agree on.
-MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "vocab_size")  # fmt: skip
 
 
 class EngineMismatchError(UnsupportedSchemeError):
@@ -171,7 +176,7 @@ def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) 
                 f"{where}: the sidecar's {what} is {have}, the engine's is {want}", hint=hint
             )
     cfg = (manifest.get("model") or {}).get("config") or {}
-    for key in MODEL_KEYS:
+    for key in MODEL_DIMS:
         if key in cfg and key in engine["model"] and cfg[key] != engine["model"][key]:
             raise EngineMismatchError(
                 f"{where}: the sidecar was made from a model with {key} {cfg[key]}, this model "
@@ -194,11 +199,7 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
             f"(quantization {getattr(model_config, 'quantization', None)})"
         )
     profile = expected_profile(qc, capability)
-    why = (
-        f"vLLM runs this W8A8 checkpoint with CompressedTensorsW8A8Fp8 on sm {capability}"
-        if profile == "w8a8-marlin"
-        else f"vLLM runs this checkpoint with CompressedTensorsW8A16Fp8 (sm {capability})"
-    )
+    why = f"vLLM runs this checkpoint with {PROFILE_SCHEMES[profile]} on sm {capability}"
     text = model_config.hf_config.get_text_config()
     return {
         "version": vllm.__version__,
@@ -206,7 +207,7 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "profile": profile,
         "profile_why": why,
-        "model": {k: getattr(text, k) for k in MODEL_KEYS if hasattr(text, k)},
+        "model": {k: getattr(text, k) for k in MODEL_DIMS if hasattr(text, k)},
     }
 
 
@@ -334,8 +335,10 @@ def _scheme_kernel(layer: nn.Module) -> tuple[Any, Any]:
     return scheme, kernel
 
 
-def _swap_in(model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: Path) -> list[str]:
-    """Give every Marlin layer the sidecar's tensors; return the layers' names.
+def _swap_in(
+    model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: Path
+) -> dict[str, nn.Module]:
+    """Give every Marlin layer the sidecar's tensors; return the layers by name.
 
     Note [loading from a sidecar]: each parameter keeps its vLLM ``Parameter`` object (and with
     it its weight loader), and its ``.data`` becomes the sidecar's tensor itself: with an
@@ -346,12 +349,7 @@ def _swap_in(model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: 
     from vllm.model_executor.kernels.linear.scaled_mm.marlin import MarlinFP8ScaledMMLinearKernel
 
     modules = dict(model.named_modules())
-    want = (
-        "CompressedTensorsW8A8Fp8"
-        if manifest["target"]["profile"] == "w8a8-marlin"
-        else ("CompressedTensorsW8A16Fp8")
-    )
-    names = []
+    want = PROFILE_SCHEMES[manifest["target"]["profile"]]
     missing = [n for n in manifest["layers"] if n not in modules]
     if missing:
         raise EngineMismatchError(
@@ -388,14 +386,13 @@ def _swap_in(model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: 
             delattr(layer, "input_scale")
         layer.processed_weight_dims = (0, 1)
         _as_processed(scheme, ly)
-        names.append(name)
-    return names
+    return {name: modules[name] for name in manifest["layers"]}
 
 
 def _as_processed(scheme: Any, ly: dict[str, Any]) -> None:
     """What vLLM's W8A16 processing changes on the scheme itself: a per-tensor layer's scales
     become per-channel (schemes/compressed_tensors_w8a16_fp8.py)."""
-    if type(scheme).__name__ != "CompressedTensorsW8A16Fp8" or ly.get("strategy") != "tensor":
+    if type(scheme).__name__ != PROFILE_SCHEMES["w8a16"] or ly.get("strategy") != "tensor":
         return
     from compressed_tensors.quantization import QuantizationStrategy
     from vllm.model_executor.layers.quantization.compressed_tensors.utils import (
@@ -412,7 +409,8 @@ def _rest_of_model(
     """The tensors vLLM loads itself: ``common.safetensors`` from the sidecar's allocation, or,
     for a sidecar written with ``--no-passthrough``, the checkpoint's tensors other than the
     Marlin layers' (the manifest's ``shards`` name their checkpoint modules)."""
-    common = [n for n in weights if _in_common(weights, n)]
+    in_rank_file = expected_rank_tensors(weights.manifest)
+    common = [n for n in weights if n not in in_rank_file]
     if common:
         for name in common:
             yield name, weights[name]
@@ -431,28 +429,24 @@ def _rest_of_model(
             yield name, tensor
 
 
-def _in_common(weights: Any, name: str) -> bool:
-    """Whether ``name`` comes from ``common.safetensors`` (not a rank file's Marlin tensor)."""
-    layers = weights.manifest["layers"]
-    module, _, leaf = name.rpartition(".")
-    return not (module in layers and leaf in ("weight", "weight_scale", "bias"))
-
-
 def _process_others(
-    model: nn.Module, layers: list[str], model_config: Any, target: torch.device, process: Any
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    model_config: Any,
+    target: torch.device,
+    process: Any,
 ) -> None:
     """vLLM's ``process_weights_after_loading`` for every module but the Marlin layers, whose
     weights are already in Marlin's format (re-running Marlin's repack on them would be wrong)."""
-    modules = dict(model.named_modules())
-    held = {name: modules[name].quant_method for name in layers}
-    for name in layers:
-        modules[name].quant_method = None  # the loop skips modules without a quant method
+    held = {layer: layer.quant_method for layer in layers.values()}
+    for layer in held:
+        layer.quant_method = None  # the loop skips modules without a quant method
     try:
         process(model, model_config, target)
     finally:
-        for name, qm in held.items():
-            modules[name].quant_method = qm
-            modules[name].update_param_tp_status()
+        for layer, qm in held.items():
+            layer.quant_method = qm
+            layer.update_param_tp_status()
     with contextlib.suppress(RuntimeError):
         torch.accelerator.empty_cache()
 

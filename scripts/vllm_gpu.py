@@ -23,6 +23,9 @@ CompressedTensorsW8A16Fp8 as it would on such a GPU. The kernels that run are th
 
 Without a GPU the same script runs on the CPU with the stand-ins of tests/vllm/cpu_standins.py
 (a dry run of the orchestration: daemons on the host backend, gloo, no benchmark).
+
+The engine config, the model build, the tensor digests and the zero-copy check are those of the
+CPU suite's tests/vllm/vllm_worker.py; the daemons are tests/runtime/rt_helpers.py's DaemonProc.
 """
 
 from __future__ import annotations
@@ -37,11 +40,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests" / "vllm"), str(REPO / "tests" / "runtime")]
+
+import cpu_standins  # noqa: E402
+import vllm_worker as vw  # noqa: E402  (installs no stand-ins: its main() does)
+from rt_helpers import DaemonProc  # noqa: E402
+
 ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
 DTYPES = ("bfloat16", "float16")
 PROFILES = ("w8a16", "w8a8-marlin")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _device() -> str:
@@ -62,13 +71,11 @@ def _gpu_standins() -> None:
 ATTENTION = {"attention_backend": "TRITON_ATTN"}
 
 
-def _cpu_standins() -> Any:
-    """tests/vllm/cpu_standins.py, installed (before vLLM is imported), for a CPU dry run."""
-    sys.path.insert(0, str(REPO / "tests" / "vllm"))
-    import cpu_standins
-
-    cpu_standins.install()
-    return cpu_standins
+def _engine_args() -> dict[str, Any]:
+    """What the comparison adds to ``vw.engine_config``'s ``EngineArgs``: Marlin for both
+    profiles, a small share of the GPU, and (on it) Triton attention."""
+    args = {"linear_backend": "marlin", "gpu_memory_utilization": 0.05}
+    return {**args, **ATTENTION} if _device() == "cuda" else args
 
 
 def cases() -> list[dict[str, Any]]:
@@ -97,98 +104,79 @@ def prepare(work: Path) -> None:
 # --- worker (vLLM's environment) ---------------------------------------------------------------
 
 
-def _set_capability(cap: tuple[int, int], standins: Any) -> None:
+def _set_capability(profile: str, dev: str) -> None:
     """Stand-in (GPU): the compute capability vLLM sees, which decides the compressed-tensors
     scheme (W8A16 below 8.9). Nothing else is patched: platform, kernels and ops are vLLM's."""
-    if standins is not None:
-        standins.set_profile("w8a16" if cap < (8, 9) else "w8a8-marlin")
+    if dev == "cpu":
+        cpu_standins.set_profile(profile)
         return
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
+    cap = cpu_standins.CAPABILITY[profile]
     type(current_platform).get_device_capability = classmethod(
         lambda cls, device_id=0: DeviceCapability(*cap)
     )
 
 
-def _digest(t: Any) -> str:
-    import torch
-
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(b.cpu().numpy().tobytes()).hexdigest()
-
-
-def _state(model: Any) -> dict[str, tuple[list[int], str, str]]:
-    out = {}
-    for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in items:
-            out[f"{kind}:{name}"] = (list(t.shape), str(t.dtype), _digest(t))
-    return out
-
-
-def _build(case: dict[str, Any], work: Path, load: str) -> Any:
+def _init_dist(config: Any, port: int, backend: str) -> None:
+    """One rank (TP 1) of vLLM's distributed state, met on ``127.0.0.1:port``."""
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    ck = work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}"
-    extra: dict[str, Any] = {}
-    if load == "mpack":
-        extra = {"load_format": "mpack", "model_loader_extra_config": {
-            "sidecar": str(work / f"sc-{case['name']}"), "attach": "require"}}  # fmt: skip
-    args = EngineArgs(
-        model=str(ck), dtype=case["dtype"], skip_tokenizer_init=True, enforce_eager=True,
-        max_model_len=256, linear_backend="marlin", gpu_memory_utilization=0.05, **extra,
-        **(ATTENTION if _device() == "cuda" else {}),
-    )  # fmt: skip
-    config = args.create_engine_config()
     with set_current_vllm_config(config):
-        return get_model_loader(config.load_config).load_model(
-            vllm_config=config, model_config=config.model_config
-        )
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     backend=backend)  # fmt: skip
+        initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def _load(case: dict[str, Any], work: Path, mpack: bool) -> dict[str, Any]:
+    """A load of ``vw.engine_config``: vLLM's own (``mpack`` false) or attached to the daemon."""
+    ck = work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}"
+    load = {"model": str(ck), "profile": case["profile"], "dtype": case["dtype"]}
+    if mpack:
+        load.update(load_format="mpack", extra={
+            "sidecar": str(work / f"sc-{case['name']}"), "attach": "require"})  # fmt: skip
+    return load
 
 
 def worker(work: Path, out: Path, role: str, go: Path) -> None:
     dev = _device()
-    standins = _cpu_standins() if dev == "cpu" else _gpu_standins()
+    if dev == "cpu":
+        cpu_standins.install()  # before vLLM is imported
+    else:
+        _gpu_standins()
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
 
     from mpack.runtime.vllm import register
 
     register()
-    first = work / "ck-llama-tensor-bfloat16"
-    boot = EngineArgs(model=str(first), skip_tokenizer_init=True, enforce_eager=True,
-                      max_model_len=256, gpu_memory_utilization=0.05,
-                      **(ATTENTION if dev == "cuda" else {})).create_engine_config()  # fmt: skip
-    with set_current_vllm_config(boot):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{29600 + (role == 'b')}",
-                                     backend="nccl" if dev == "cuda" else "gloo")  # fmt: skip
-        initialize_model_parallel(tensor_model_parallel_size=1)
+    boot = vw.engine_config(_load(cases()[0], work, False), 1, **_engine_args())
+    _init_dist(boot, 29600 + (role == "b"), "nccl" if dev == "cuda" else "gloo")
     if dev == "cuda":
         torch.cuda.set_device(0)
     results: dict[str, Any] = {}
     held = []
     for c in cases():
-        _set_capability((8, 6) if c["profile"] == "w8a16" else (9, 0), standins)
+        _set_capability(c["profile"], dev)
         r: dict[str, Any] = {}
-        mp = _build(c, work, "mpack")
+        mp = vw.build(vw.engine_config(_load(c, work, True), 1, **_engine_args()))
         held.append(mp)
         w = mp._mpack_weights
         layers = list(w.manifest["layers"])
         r["backend"] = w.backend
-        r["zero_copy"] = all(
-            getattr(dict(mp.named_modules())[n], leaf).data_ptr() == w[f"{n}.{leaf}"].data_ptr()
-            for n in layers for leaf in ("weight", "weight_scale", "bias") if f"{n}.{leaf}" in w
-        )  # fmt: skip
-        shared = {k: (w[k].data_ptr(), _digest(w[k])) for k in w if k.rpartition(".")[0] in layers}
+        _, views = vw.marlin_views(mp, str(work / f"sc-{c['name']}"))
+        r["zero_copy"] = bool(views) and all(
+            v.get(k) for v in views.values() for k in ("same_ptr", "same_storage", "in_mapping")
+        )
+        shared = {
+            k: (w[k].data_ptr(), vw.digest(w[k])) for k in w if k.rpartition(".")[0] in layers
+        }
         if role == "a":
-            df = _build(c, work, "default")
+            df = vw.build(vw.engine_config(_load(c, work, False), 1, **_engine_args()))
             held.append(df)
-            sd, sm = _state(df), _state(mp)
+            sd, sm = vw.tensors_of(df), vw.tensors_of(mp)
             r["same_names"] = sorted(sd) == sorted(sm)
             r["differ"] = sorted(k for k in sd if sd[k] != sm.get(k))[:10]
             r["tensors"] = len(sd)
@@ -212,14 +200,14 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
             x = torch.randn(16, layer.input_size_per_partition, generator=g, device=dev,
                             dtype=getattr(torch, c["dtype"]))  # fmt: skip
             y = mods[0][n](x)[0]
-            outs[n] = _digest(y)
+            outs[n] = vw.digest(y)
             if role == "a":  # mods = (mpack, default)
                 equal &= torch.equal(y, mods[1][n](x)[0])
         if dev == "cuda":
             torch.cuda.synchronize()
         w = held[r["_models"][0]]._mpack_weights
         r["unchanged_after_forward"] = all(
-            (w[k].data_ptr(), _digest(w[k])) == v for k, v in r["_shared"].items()
+            (w[k].data_ptr(), vw.digest(w[k])) == v for k, v in r["_shared"].items()
         )
         r["outputs"] = outs
         if role == "a":
@@ -235,33 +223,22 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
 def bench_one(ck: Path, sc: Path, path: str) -> None:
     _gpu_standins()
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
 
     from mpack.runtime.vllm import register
 
     register()
-    extra: dict[str, Any] = {}
+    load = {"model": str(ck), "profile": "w8a8-marlin", "dtype": "auto"}
     if path != "default":
-        extra = {"load_format": "mpack", "model_loader_extra_config": {
-            "sidecar": str(sc), "attach": "require" if path == "attached" else "never"}}  # fmt: skip
-    config = EngineArgs(model=str(ck), skip_tokenizer_init=True, enforce_eager=True,
-                        max_model_len=1024, linear_backend="marlin", gpu_memory_utilization=0.5,
-                        **ATTENTION, **extra).create_engine_config()  # fmt: skip
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method="tcp://127.0.0.1:29650", backend="nccl")  # fmt: skip
-        initialize_model_parallel(tensor_model_parallel_size=1)
-        torch.cuda.set_device(0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model = get_model_loader(config.load_config).load_model(
-            vllm_config=config, model_config=config.model_config
-        )
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        load.update(load_format="mpack", extra={
+            "sidecar": str(sc), "attach": "require" if path == "attached" else "never"})  # fmt: skip
+    config = vw.engine_config(load, 1, max_model_len=1024, gpu_memory_utilization=0.5, **ATTENTION)
+    _init_dist(config, 29650, "nccl")
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model = vw.build(config)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({"path": path, "seconds": round(dt, 3), "param_bytes": n}), flush=True)
 
@@ -273,21 +250,7 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
-def _serve(sc: Path, env: dict[str, str], logdir: Path, dev: str) -> tuple[subprocess.Popen, Path]:
-    log = logdir / f"serve-{sc.name}.log"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "mpack", "serve", str(sc), "--device", dev],
-        env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,  # noqa: SIM115
-    )  # fmt: skip
-    return p, log
-
-
-def _wait_ready(p: subprocess.Popen, what: str, timeout: float = 180) -> str:
-    t0 = time.time()
-    line = p.stdout.readline() if p.stdout else ""
-    if not line.startswith("READY"):
-        raise SystemExit(f"{what}: no READY after {time.time() - t0:.0f} s: {line!r}")
-    return line
+READY_TIMEOUT_S = 180
 
 
 def main() -> int:
@@ -327,9 +290,9 @@ def run(a: argparse.Namespace) -> int:
     subprocess.run([*me, "prepare", "--work", str(a.work)], env=menv, check=True)
     print(f"prepare: {time.time() - t:.0f} s", flush=True)
     dev = "cuda:0" if _device() == "cuda" else "cpu"
-    daemons = [_serve(a.work / f"sc-{c['name']}", menv, a.work, dev) for c in cases()]
-    for (p, _log), c in zip(daemons, cases(), strict=True):
-        _wait_ready(p, c["name"])
+    daemons = [DaemonProc(a.work / f"sc-{c['name']}", dev, menv, a.work) for c in cases()]
+    for d in daemons:
+        d.wait_ready(READY_TIMEOUT_S)
     print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
     go = a.work / "go"
     go.unlink(missing_ok=True)
@@ -364,8 +327,8 @@ def run(a: argparse.Namespace) -> int:
     }
     go.write_text("1")
     rcs = {r: w.wait(timeout=400) for r, w in workers.items()}
-    for p, _ in daemons:
-        p.terminate()
+    for d in daemons:
+        d.proc.terminate()
     summary: dict[str, Any] = {"clients_per_daemon_while_both_attached": clients, "worker_rc": rcs}
     if all(rc == 0 for rc in rcs.values()):
         ra = json.loads((a.out / "worker-a.json").read_text())
@@ -398,15 +361,14 @@ def run(a: argparse.Namespace) -> int:
 def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[str, Any]:
     ck, sc = a.work / "ck-8b", a.work / "sc-8b"
     t = time.time()
-    repo = Path(__file__).resolve().parents[1]
     if not (ck / "config.json").is_file():
-        subprocess.run([sys.executable, str(repo / "scripts" / "synth_checkpoint.py"), str(ck),
+        subprocess.run([sys.executable, str(REPO / "scripts" / "synth_checkpoint.py"), str(ck),
                         "--layers", str(a.bench_layers)], env=menv, check=True)  # fmt: skip
     subprocess.run([sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q",
                     "--profile", "w8a8-marlin", "--device", "cuda"], env=menv, check=True)  # fmt: skip
     print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
-    p, _ = _serve(sc, menv, a.work, "cuda:0")
-    _wait_ready(p, "8b")
+    daemon = DaemonProc(sc, "cuda:0", menv, a.work)
+    daemon.wait_ready(READY_TIMEOUT_S)
     res: dict[str, Any] = {"layers": a.bench_layers}
     for path in ("default", "attached", "private"):  # the page cache is warm: convert read it all
         r = subprocess.run([*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
@@ -417,7 +379,7 @@ def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[
         else:
             res[path] = json.loads(line[-1])
         print(path, res[path] if "error" not in res[path] else "failed", flush=True)
-    p.terminate()
+    daemon.proc.terminate()
     d = res.get("default", {}).get("seconds")
     for path in ("attached", "private"):
         s = res.get(path, {}).get("seconds")

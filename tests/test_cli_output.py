@@ -1,13 +1,13 @@
 """What a new user sees (issue 12): the rendered help, errors as JSON, output in pipes and CI logs.
 
-Every run is a real ``python -m mpack ...`` subprocess with its output captured, i.e. piped, as
-in CI: what these tests read is what a CI log shows.
+Every run is a real ``mpack`` subprocess (tests/convert/helpers.py ``cli``) with its output
+captured, i.e. piped, as in CI: what these tests read is what a CI log shows.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,16 +18,9 @@ import pytest
 from mpack.fixtures import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import messages  # noqa: E402
+from helpers import cli, cli_env, messages  # noqa: E402
 
-
-def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k not in ("MPACK_DEBUG", "COLUMNS")}
-    e.update(HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "mpack", *map(str, args)],
-        capture_output=True, text=True, timeout=300, env=e,
-    )  # fmt: skip
+run = functools.partial(cli, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +73,8 @@ def test_verify_and_status_help():
 
 
 def test_python_dash_m_mpack_runs_the_cli():
-    r = run("--version")
+    r = subprocess.run([sys.executable, "-m", "mpack", "--version"], capture_output=True,
+                       text=True, timeout=60, env=cli_env())  # fmt: skip
     assert r.returncode == 0 and r.stdout.startswith("mpack ")
 
 

@@ -31,7 +31,8 @@ SINGLE = "model.safetensors"
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a CLI run: no debug tracebacks, no Hub token, the Hub offline."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MPACK_DEBUG", "HF_TOKEN")}
+    # no COLUMNS: output to a pipe is rendered as CI sees it (mpack.ui.PIPE_WIDTH)
+    env = {k: v for k, v in os.environ.items() if k not in ("MPACK_DEBUG", "HF_TOKEN", "COLUMNS")}
     env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     env.update(extra or {})
     return env

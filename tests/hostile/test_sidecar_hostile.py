@@ -10,6 +10,7 @@ real processes for the CLI.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -24,7 +25,10 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))
 
+from conftest import flip_byte  # noqa: E402
+from helpers import cli  # noqa: E402
 from sidecar_factory import make_sidecar  # noqa: E402
 
 from mpack.errors import CorruptFileError, EnvironmentFailure, InputError, exit_code_for  # noqa: E402
@@ -42,6 +46,7 @@ from mpack.sidecar import (  # noqa: E402
 )
 
 HANG_S = 20  # a consumer that has not returned by then is hung (a FIFO open blocks forever)
+mpack_cli = functools.partial(cli, timeout=HANG_S * 3)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +58,6 @@ def pristine(tmp_path_factory) -> Path:
 def sc(pristine, tmp_path) -> Path:
     """A fresh, valid copy of a TP-2 sidecar for each test to damage."""
     return Path(shutil.copytree(pristine, tmp_path / "sc"))
-
-
-def mpack_cli(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k != "MPACK_DEBUG"}
-    e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "mpack.cli", *map(str, args)],
-        capture_output=True, text=True, timeout=HANG_S * 3, env=e,
-    )  # fmt: skip
 
 
 def finishes(fn: Callable[[], Any], unblock: Path | None = None) -> BaseException | None:
@@ -308,9 +304,7 @@ def test_a_rank_file_with_other_tensors_than_the_layers_imply_is_refused_on_load
 
 
 def test_verify_fails_a_corrupted_rank_file_whose_entry_was_removed(sc):
-    data = bytearray((sc / RANK0).read_bytes())
-    data[-1] ^= 0xFF
-    (sc / RANK0).write_bytes(bytes(data))
+    flip_byte(sc / RANK0, (sc / RANK0).stat().st_size - 1)
     rewrite_manifest(sc, lambda m: m.__setitem__(
         "files", [f for f in m["files"] if f["name"] != RANK0]))  # fmt: skip
     r = mpack_cli("verify", sc)

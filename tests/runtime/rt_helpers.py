@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpack.runtime import protocol as P
-
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "probe_client.py"
 READY_TIMEOUT_S = 120.0  # a CUDA daemon initialises the driver and torch first
@@ -27,15 +25,26 @@ def child_env(runtime_root: Path) -> dict[str, str]:
 
 
 class DaemonProc:
-    """``python -m mpack.cli serve ...`` with stdout/stderr in files (never a pipe it could fill)."""
+    """``python -m mpack.cli serve ...`` with stdout/stderr in files (never a pipe it could fill).
+
+    ``python``: the interpreter (another environment's, where mpack is installed there only).
+    """
 
     _n = 0
 
-    def __init__(self, sidecar: Path, device: str, env: dict, workdir: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        sidecar: Path,
+        device: str,
+        env: dict,
+        workdir: Path,
+        *extra: str,
+        python: str = sys.executable,
+    ) -> None:
         DaemonProc._n += 1
         self.out = workdir / f"daemon-{DaemonProc._n}.out"
         self.err = workdir / f"daemon-{DaemonProc._n}.err"
-        cmd = [sys.executable, "-m", "mpack.cli", "serve", str(sidecar), "--device", device, *extra]
+        cmd = [python, "-m", "mpack.cli", "serve", str(sidecar), "--device", device, *extra]
         with open(self.out, "w") as o, open(self.err, "w") as e:
             # cwd=workdir: never the repo root, whose ./mpack would shadow the installed package.
             self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=workdir)
@@ -135,6 +144,8 @@ class Probe:
 
 
 # --- raw protocol ----------------------------------------------------------------------------
+# mpack's protocol is imported where used: scripts/vllm_gpu.py uses DaemonProc in a process
+# without mpack.
 
 
 def raw_connect(path: Path, timeout: float = 10) -> socket.socket:
@@ -144,7 +155,10 @@ def raw_connect(path: Path, timeout: float = 10) -> socket.socket:
     return s
 
 
-def frame(body: bytes, *, magic: bytes = P.MAGIC, length: int | None = None) -> bytes:
+def frame(body: bytes, *, magic: bytes | None = None, length: int | None = None) -> bytes:
+    from mpack.runtime import protocol as P
+
+    magic = P.MAGIC if magic is None else magic
     return P.HEADER.pack(magic, len(body) if length is None else length) + body
 
 
@@ -152,6 +166,8 @@ def raw_exchange(
     path: Path, data: bytes, timeout: float = 10
 ) -> tuple[dict | None, list[int], bool]:
     """Send ``data``; return (reply or None, fds received, whether the daemon then closed)."""
+    from mpack.runtime import protocol as P
+
     with raw_connect(path, timeout) as s:
         s.sendall(data)
         try:

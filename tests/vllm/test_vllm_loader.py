@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +34,10 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "runtime"))
+
+from rt_helpers import DaemonProc  # noqa: E402
+
 WORKER = HERE / "vllm_worker.py"
 WORKER_TIMEOUT_S = 600
 READY_TIMEOUT_S = 60
@@ -132,34 +135,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Daemon:
-    """``python -m mpack serve SIDECAR --rank R --device cpu`` (the main venv's), output in files."""
-
-    def __init__(self, sidecar: Path, rank: int, env: dict[str, str], workdir: Path) -> None:
-        self.out = workdir / f"serve-{sidecar.name}-r{rank}.out"
-        self.err = self.out.with_suffix(".err")
-        cmd = [main_python(), "-m", "mpack", "serve", str(sidecar), "--rank", str(rank),
-               "--device", "cpu"]  # fmt: skip
-        with open(self.out, "w") as o, open(self.err, "w") as e:
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=workdir)
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if "READY " in self.out.read_text():
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited {self.proc.returncode}: {self.err.read_text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"serve not READY in time: {self.err.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+def stop(daemon: DaemonProc) -> None:
+    try:
+        daemon.stop(timeout=20)
+    except subprocess.TimeoutExpired:
+        daemon.proc.kill()
+        daemon.proc.wait(10)
 
 
 def make_sidecars(work: Path) -> dict[str, Path]:
@@ -302,17 +283,19 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
-    daemons = [
-        Daemon(paths["sc:" + c.name], rank, env, work) for c in CASES for rank in range(c.tp)
-    ]
+    daemons = [  # the main venv's `mpack serve SIDECAR --rank R --device cpu`
+        DaemonProc(paths["sc:" + c.name], "cpu", env, work, "--rank", str(rank),
+                   python=main_python())
+        for c in CASES for rank in range(c.tp)
+    ]  # fmt: skip
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         for d in daemons:
-            d.wait_ready(deadline)
+            d.wait_ready(max(0.0, deadline - time.monotonic()))
         results = run_workers(jobs(paths, no_daemon), env, work)
     finally:
         for d in daemons:
-            d.stop()
+            stop(d)
     t_done = time.monotonic()
     print(
         f"\nvLLM loader suite: checkpoints + sidecars {t_made - t0:.1f} s, daemons + workers "

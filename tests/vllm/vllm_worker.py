@@ -34,6 +34,9 @@ its attention layers in its config: two models cannot share one) and runs
 ``EngineArgs``) registered load format ``mpack`` by itself, as it does in every vLLM process of a
 real deployment; ``mpack.runtime.vllm.register()`` is then called anyway (idempotent), so the
 loads also run where mpack is importable without being installed (no entry points).
+
+``main()`` installs the CPU stand-ins (``cpu_standins.install()``) before anything imports vLLM;
+importing this module installs nothing, so scripts/vllm_gpu.py shares its helpers on a GPU.
 """
 
 from __future__ import annotations
@@ -53,9 +56,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import cpu_standins  # noqa: E402
-
-cpu_standins.install()
-
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -167,7 +167,8 @@ def env(overrides: dict[str, str] | None):
                 os.environ[k] = v
 
 
-def engine_config(load: dict[str, Any], tp: int) -> Any:
+def engine_config(load: dict[str, Any], tp: int, **overrides: Any) -> Any:
+    """The engine config of one load; ``overrides`` replace or add ``EngineArgs`` arguments."""
     from vllm.engine.arg_utils import EngineArgs
 
     cpu_standins.set_profile(load["profile"])
@@ -176,7 +177,7 @@ def engine_config(load: dict[str, Any], tp: int) -> Any:
         kw["load_format"] = load["load_format"]
     if load.get("extra") is not None:
         kw["model_loader_extra_config"] = load["extra"]
-    return EngineArgs(
+    args = dict(
         model=load["model"],
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -185,22 +186,28 @@ def engine_config(load: dict[str, Any], tp: int) -> Any:
         tensor_parallel_size=tp,
         linear_backend="marlin" if load["profile"] == "w8a8-marlin" else "auto",
         **kw,
-    ).create_engine_config()
+    )
+    return EngineArgs(**{**args, **overrides}).create_engine_config()
 
 
-def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
+def build(cfg: Any) -> nn.Module:
+    """``get_model_loader(...).load_model(...)`` under ``cfg``: the loaded model."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
+    with set_current_vllm_config(cfg):
+        return get_model_loader(cfg.load_config).load_model(
+            vllm_config=cfg, model_config=cfg.model_config
+        )
+
+
+def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     LinearCount.n = 0
     model = None
     try:
         with env(load.get("env")):
-            cfg = engine_config(load, tp)
-            with set_current_vllm_config(cfg):
-                loader = get_model_loader(cfg.load_config)
-                model = loader.load_model(vllm_config=cfg, model_config=cfg.model_config)
+            model = build(engine_config(load, tp))
             seconds = time.perf_counter() - t0
             info, views = marlin_views(model, load.get("sidecar"))
             return {
@@ -232,6 +239,7 @@ def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
 
 
 def main(job_path: str, rank: int) -> int:
+    cpu_standins.install()  # before anything imports vLLM
     job = json.loads(Path(job_path).read_text())
     tp = job["tp"]
     torch.set_num_threads(1)  # one process per rank on a small machine
