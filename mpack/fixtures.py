@@ -74,6 +74,7 @@ def make_checkpoint(
     scale_in_other_shard: bool = False,
     tie_embeddings: bool = False,
     seed: int = 0,
+    _presets: tuple[str, ...] = SCHEMES,
 ) -> Path:
     """Write a random compressed-tensors FP8 checkpoint to ``out_dir`` and return its path.
 
@@ -88,8 +89,7 @@ def make_checkpoint(
             ``head_dim`` setting, so there it must be ``None`` or ``hidden // heads``.
         scheme: compressed-tensors preset: ``"FP8"`` (per-tensor weight scales ``[1]``, static
             per-tensor ``input_scale`` ``[1]``) or ``"FP8_DYNAMIC"`` (per-channel weight scales
-            ``[N, 1]``, dynamic per-token activations, no ``input_scale``); or one of
-            ``INT_SCHEMES`` (:func:`make_int_checkpoint`).
+            ``[N, 1]``, dynamic per-token activations, no ``input_scale``).
         dtype: model dtype, ``"bfloat16"``, ``"float16"`` or ``"float32"``: the dtype of the
             unquantized tensors and of every scale.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"200KB"``) to write several shards.
@@ -98,6 +98,7 @@ def make_checkpoint(
             two shards); the index's ``weight_map`` is updated.
         tie_embeddings: ``tie_word_embeddings`` (then no ``lm_head.weight`` is stored).
         seed: seed of the weights and of the calibration tokens.
+        _presets: the presets accepted (:func:`make_int_checkpoint` passes ``INT_SCHEMES``).
 
     Same arguments give byte-identical safetensors files.
     """
@@ -105,8 +106,8 @@ def make_checkpoint(
     scheme = scheme.upper()
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
-    if scheme not in SCHEMES + INT_SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(SCHEMES)}")
+    if scheme not in _presets:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(_presets)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
     if heads % kv_heads:
@@ -350,34 +351,20 @@ def _move_to_other_shard(out: Path, tensor_name: str) -> None:
     assert weight_map[tensor_name] != weight_map[weight_name]
 
 
-def make_int_checkpoint(
-    out_dir: str | Path,
-    *,
-    scheme: str = "W4A16",
-    hidden: int = 256,
-    intermediate: int = 512,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    vocab: int = 1000,
-    seed: int = 0,
-) -> Path:
+def make_int_checkpoint(out_dir: str | Path, *, scheme: str = "W4A16", **dims: Any) -> Path:
     """Write a random compressed-tensors *integer weight-only* checkpoint (llm-compressor's
     ``W4A16`` and friends), as llm-compressor writes one, and return its path.
 
-    Not something mpack converts: these are real examples of what it must refuse by name. Same
-    model as :func:`make_checkpoint` (Llama, ``bfloat16``); the preset is applied to every
-    ``Linear`` but ``lm_head``, weight scales (and zero points of ``*_ASYM``) are min-max per
-    group of ``group_size`` input channels, and ``ModelCompressor`` packs the weights
-    (``pack-quantized``: ``X.weight_packed`` int32, ``X.weight_scale``, ``X.weight_shape``).
+    Not something mpack converts: these are real examples of what it must refuse by name. The
+    model of :func:`make_checkpoint` (Llama, ``bfloat16``; ``dims``: its dimension and ``seed``
+    arguments); the preset is applied to every ``Linear`` but ``lm_head``, weight scales (and
+    zero points of ``*_ASYM``) are min-max per group of ``group_size`` input channels, and
+    ``ModelCompressor`` packs the weights (``pack-quantized``: ``X.weight_packed`` int32,
+    ``X.weight_scale``, ``X.weight_shape``).
     """
-    if scheme not in INT_SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(INT_SCHEMES)}")
     return make_checkpoint(
-        out_dir, arch="llama", scheme=scheme, dtype="bfloat16", hidden=hidden,
-        intermediate=intermediate, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab,
-        seed=seed,
-    )  # fmt: skip
+        out_dir, arch="llama", scheme=scheme, dtype="bfloat16", _presets=INT_SCHEMES, **dims
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
