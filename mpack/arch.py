@@ -1,0 +1,151 @@
+"""Architecture rules: how vLLM 0.33.0 fuses and splits the linears of the models mpack knows.
+
+The one owner of these rules (SPEC §6): which architectures have them, which checkpoint modules
+fuse into which vLLM linear and in what row order, which linears are row-parallel, the order of
+the linears in a decoder layer, how the model dimensions are read from a (text) config, which TP
+sizes fit them, and which rows of the K/V heads each rank holds. ``convert``'s planner, the
+verification model and the vLLM loader all use them.
+
+It imports neither torch nor anything else of mpack.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: Architectures whose fusion and TP rules mpack knows (vLLM's Llama family).
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: Column-parallel fused linear -> its checkpoint shards, in row order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: Row-parallel linears (input features split across ranks), kept under their own names.
+ROW_PARALLEL = ("o_proj", "down_proj")
+#: Shards of ``qkv_proj`` that hold K/V heads (replicated when TP exceeds the KV heads).
+KV_SHARDS = ("k_proj", "v_proj")
+#: Within a decoder layer, the linears in the order the forward pass uses them.
+LEAF_ORDER = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
+
+
+def fused_name(module: str) -> str | None:
+    """The vLLM linear a checkpoint module belongs to (``...self_attn.q_proj`` ->
+    ``...self_attn.qkv_proj``; a row-parallel module is its own); None: not a Llama-family one."""
+    parent, _, leaf = module.rpartition(".")
+    if leaf in ROW_PARALLEL:
+        return module
+    fused = next((f for f, shards in FUSED.items() if leaf in shards), None)
+    return None if fused is None else f"{parent}.{fused}"
+
+
+def shard_modules(name: str) -> list[str]:
+    """The checkpoint modules of vLLM linear ``name``, in row order."""
+    parent, _, leaf = name.rpartition(".")
+    return [f"{parent}.{s}" for s in FUSED[leaf]] if leaf in FUSED else [name]
+
+
+def parallel_style(name: str) -> str:
+    """``column`` | ``row`` for a vLLM linear of the Llama family."""
+    return "row" if name.rpartition(".")[2] in ROW_PARALLEL else "column"
+
+
+_NUM = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders ``layers.10`` after ``layers.9``."""
+    return [int(p) if p.isdigit() else p for p in _NUM.split(name)]
+
+
+def layer_order(name: str) -> tuple[Any, ...]:
+    """Sort key of a linear: by decoder layer, then as the forward pass uses them."""
+    parent, _, leaf = name.rpartition(".")
+    block = parent.rpartition(".")[0] if leaf in LEAF_ORDER else parent
+    return (natural_key(block), LEAF_ORDER.get(leaf, len(LEAF_ORDER)), natural_key(name))
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model dimensions the fusion and TP rules use."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+def dims_of(architecture: str | None, config: Mapping[str, Any]) -> Dims:
+    """Read :class:`Dims` from a (text) config. Qwen2 ignores ``head_dim`` (vLLM's rule).
+
+    Raises:
+        KeyError, TypeError, ValueError: a dimension is missing or not a number.
+    """
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    inter = int(config["intermediate_size"])
+    head_dim = hidden // heads
+    if architecture != "Qwen2ForCausalLM" and config.get("head_dim"):
+        head_dim = int(config["head_dim"])
+    return Dims(heads, kv, head_dim, inter)
+
+
+def tp_problem(dims: Dims, tp: int) -> str | None:
+    """Why ``tp`` does not fit the model (SPEC §1: H % T == 0, I % T == 0, and Hkv % T == 0
+    when T <= Hkv, else T % Hkv == 0); None when it fits."""
+    if dims.heads % tp:
+        return f"--tp {tp} does not divide num_attention_heads={dims.heads}"
+    if dims.intermediate % tp:
+        return f"--tp {tp} does not divide intermediate_size={dims.intermediate}"
+    kv = dims.kv_heads
+    if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+        return (
+            f"--tp {tp} does not fit num_key_value_heads={kv} "
+            "(it must divide the KV heads, or be a multiple of them)"
+        )
+    return None
+
+
+def kv_split(dims: Dims, tp: int) -> tuple[int, int]:
+    """``(KV heads per rank, ranks sharing one KV group)``: ranks replicate K/V heads when TP
+    exceeds the KV heads."""
+    if tp >= dims.kv_heads:
+        return 1, tp // dims.kv_heads
+    return dims.kv_heads // tp, 1
+
+
+def shard_rows(dims: Dims, name: str, tp: int, rank: int) -> list[tuple[int, int]] | None:
+    """Rows ``[r0, r1)`` of each shard of column-parallel linear ``name`` that ``rank`` holds
+    (SPEC §6); None for a row-parallel linear (it splits its input features instead)."""
+    leaf = name.rpartition(".")[2]
+    d = dims.head_dim
+    if leaf == "qkv_proj":
+        nq = dims.heads // tp
+        nkv, rep = kv_split(dims, tp)
+        kv = ((rank // rep) * nkv * d, (rank // rep + 1) * nkv * d)
+        return [(rank * nq * d, (rank + 1) * nq * d), kv, kv]
+    if leaf == "gate_up_proj":
+        per = dims.intermediate // tp
+        return [(rank * per, (rank + 1) * per)] * 2
+    return None
+
+
+def distinct_ranks(shard: str, dims: Dims, tp: int) -> list[int]:
+    """Ranks whose rows of ``shard`` are distinct: one per KV group for K/V shards (the others
+    replicate them), every rank otherwise. Concatenated in this order they give the full rows."""
+    if shard in KV_SHARDS:
+        return list(range(0, tp, kv_split(dims, tp)[1]))
+    return list(range(tp))
+
+
+def expected_rows(dims: Dims) -> dict[str, int]:
+    """Output channels (N) of each shard of the whole (TP 1) model."""
+    d = dims.head_dim
+    return {
+        "q_proj": dims.heads * d, "k_proj": dims.kv_heads * d, "v_proj": dims.kv_heads * d,
+        "gate_proj": dims.intermediate, "up_proj": dims.intermediate,
+    }  # fmt: skip
+
+
+def expected_cols(dims: Dims) -> dict[str, int]:
+    """Input channels (K) of each row-parallel linear of the whole (TP 1) model."""
+    return {"o_proj": dims.heads * dims.head_dim, "down_proj": dims.intermediate}

@@ -1,0 +1,94 @@
+"""The target: what vLLM 0.33.0's FP8 Marlin kernel takes, as plain facts (SPEC §1, §3.3, §7).
+
+This module is the one owner of every fact about the target that more than one part of mpack
+uses: the engine and kernel a sidecar is made for, the profiles and fusions, the activation
+dtypes (storage code, exponent fold, largest foldable scale, unit roundoff), the padding rule
+and the names, dtypes and shapes of the packed tensors of one layer. ``convert`` writes by them,
+``mpack.sidecar`` checks rank files against them, the runtime and the vLLM loader compare with
+them. How the bytes are arranged inside those tensors belongs to :mod:`mpack.convert.marlin`.
+
+It imports neither torch nor anything else of mpack, so every layer can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE = "vllm"
+ENGINE_VERSION = "0.33.0"
+KERNEL = "marlin-fp8"
+#: ``w8a16``: FP8 weights, 16-bit activations; ``w8a8-marlin``: an FP8 W8A8 checkpoint run by
+#: Marlin (tensor-strategy shards requantized to one scale, SPEC §6).
+PROFILES = ("w8a16", "w8a8-marlin")
+#: ``vllm``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names; ``none``: checkpoint names.
+FUSIONS = ("vllm", "none")
+
+#: The packed tile: 64 output channels by 16 input channels (SPEC §5).
+TILE_N = 64
+TILE_K = 16
+#: Checkpoint tensor suffixes of a quantized linear that the packed layer replaces.
+WEIGHT, SCALE, BIAS = "weight", "weight_scale", "bias"
+
+
+@dataclass(frozen=True)
+class ActDtype:
+    """One activation dtype of the kernel. Scales and bias are stored in it."""
+
+    name: str  # "bfloat16" | "float16": the name torch, transformers and vLLM use
+    st: str  # its safetensors dtype code
+    exp_fold: float  # SPEC §7.5: the exponent-bias fold multiplied into the scales
+    fold_limit: float  # SPEC §1: the largest scale that stays finite after the fold
+    unit_roundoff: float  # 2**-(mantissa bits + 1), for error bounds
+
+
+ACT_DTYPES: dict[str, ActDtype] = {
+    "bfloat16": ActDtype("bfloat16", "BF16", 2.0**120, 255.0, 2.0**-9),
+    "float16": ActDtype("float16", "F16", 2.0**8, 255.875, 2.0**-11),
+}
+
+
+def act_dtype(name: str) -> ActDtype:
+    """The :class:`ActDtype` called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return ACT_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"activation dtype must be one of {', '.join(ACT_DTYPES)}, got {name!r}"
+        ) from None
+
+
+def _roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def padded_nk(n: int, k: int) -> tuple[int, int]:
+    """The padded ``(Np, Kp)`` of a layer with ``n`` output and ``k`` input channels (SPEC §3.3).
+
+    Candidates ``(roundup(n, 64), roundup(k, 128))`` and ``(roundup(n, 128), roundup(k, 64))``;
+    the smaller ``Np*Kp`` wins, then the smaller ``Np+Kp``, then the first.
+    """
+    if n <= 0 or k <= 0:
+        raise ValueError(f"layer dims must be positive, got N={n}, K={k}")
+    a = (_roundup(n, 64), _roundup(k, 128))
+    b = (_roundup(n, 128), _roundup(k, 64))
+    return min((a, b), key=lambda c: (c[0] * c[1], c[0] + c[1]))  # min() keeps the first on ties
+
+
+def packed_weight_shape(np_: int, kp: int) -> tuple[int, int]:
+    """int32 ``[Kp/16, 4*Np]``: one row per 16 input channels, 4 words per output channel."""
+    return (kp // TILE_K, 4 * np_)
+
+
+def packed_specs(
+    name: str, np_: int, kp: int, act: str, bias: bool
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(tensor name, safetensors dtype, shape)`` of one packed layer's tensors, in file order:
+    the weight, the scales ``[1, Np]``, and the bias ``[Np]`` when the layer has one."""
+    st = act_dtype(act).st
+    specs = [
+        (f"{name}.{WEIGHT}", "I32", packed_weight_shape(np_, kp)),
+        (f"{name}.{SCALE}", st, (1, np_)),
+    ]
+    if bias:
+        specs.append((f"{name}.{BIAS}", st, (np_,)))
+    return specs

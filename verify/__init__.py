@@ -1,0 +1,1 @@
+"""Verification: checksums, re-derivation from the source, and forward equivalence (docs/ARCHITECTURE.md)."""
