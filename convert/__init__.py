@@ -74,8 +74,18 @@ def verify(
 ) -> dict[str, Any]:
     """Check a sidecar's files against its manifest and (with a source) against the checkpoint.
 
-    Returns a report dict; raises ``VerificationError`` if anything does not match.
-    """
-    from mpack.convert.verifier import run_verify
+    Kept for compatibility: verification lives in :func:`mpack.verify.verify`, which this
+    forwards to on each call. It is the one place ``mpack.convert`` imports ``mpack.verify``
+    (which itself uses ``mpack.convert``), so the import waits for the call.
 
-    return run_verify(sidecar, source=source)
+    Returns:
+        The report dict ``mpack verify --json`` prints (:meth:`mpack.verify.Verification.report`).
+
+    Raises:
+        VerificationError: listing every problem, if anything does not match.
+    """
+    from mpack.verify import verify as verify_sidecar
+
+    result = verify_sidecar(sidecar, source=source)
+    result.raise_for_failure()
+    return result.report()

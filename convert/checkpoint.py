@@ -2,8 +2,9 @@
 
 Reading is in two steps. :func:`open_checkpoint` parses ``config.json`` (the quantization
 config with compressed-tensors' own pydantic models), the shard index and every safetensors
-header — no tensor data. :func:`validate` then checks every quantized layer (scheme, scale
-values, shapes) before any heavy work, reading only the small scale tensors. Problems raise an
+header — no tensor data. :func:`find_layers` then checks every quantized layer's scheme and
+shapes, and :func:`check_scale_values` its scale values, before any heavy work, reading only the
+small scale tensors. Problems raise an
 ``InputError`` naming the file, layer and value, with what to do.
 
 A quantized linear ``X`` is ``X.weight`` of dtype F8_E4M3 plus ``X.weight_scale`` (SPEC §1);
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,18 +27,20 @@ from mpack.errors import (
     SourceNotFoundError,
     UnsupportedSchemeError,
 )
-from mpack.sidecar import TensorEntry, read_layout, torch_dtype
+from mpack.iokit import pread_pieces
+from mpack.sidecar import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    SINGLE_NAME,
+    TensorEntry,
+    read_layout,
+    torch_dtype,
+)
+from mpack.target import ACT_DTYPES, BIAS, SCALE, WEIGHT
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-
-WEIGHT, SCALE, INPUT_SCALE, BIAS = "weight", "weight_scale", "input_scale", "bias"
+INPUT_SCALE = "input_scale"
 #: Parts of a quantized linear that the sidecar consumes (never passed through).
 LINEAR_PARTS = (WEIGHT, SCALE, INPUT_SCALE, BIAS, "weight_zero_point", "input_zero_point")
-
-
-FOLD_LIMITS = {"bfloat16": 255.0, "float16": 255.875}  # SPEC §1: larger scales fold to inf
 
 
 @dataclass(frozen=True)
@@ -111,52 +113,24 @@ class Checkpoint:
     def read_pieces(self, name: str, pieces: list[tuple[memoryview, int]]) -> None:
         """Fill each ``(buffer, skip)`` with tensor ``name``'s bytes from ``skip`` on.
 
-        Large reads are split into ``READ_PIECE`` preads that run at once on a small pool
-        (page-cache copies on several cores, a deeper disk queue); the split happens here only,
-        so callers never nest pool work. Raises ``CorruptFileError`` if the file is truncated.
+        Large reads run as several preads at once (:func:`mpack.iokit.pread_pieces`). Raises
+        ``CorruptFileError`` if the file is truncated.
         """
         t = self.tensors[name]
         path = self.root / t.file
-        jobs = []
+        at = []
         for out, skip in pieces:
             view = memoryview(out).cast("B")
             if skip + len(view) > t.nbytes:
                 raise ValueError(f"{name}: {len(view)} bytes from {skip} pass the end ({t.nbytes})")
-            jobs += [
-                (view[a : a + READ_PIECE], t.offset + skip + a)
-                for a in range(0, len(view), READ_PIECE)
-            ]
-        if not jobs:
+            if len(view):
+                at.append((view, t.offset + skip))
+        if not at:
             return
         with open(path, "rb", buffering=0) as f:
-            if len(jobs) == 1:
-                _pread_into(f.fileno(), *jobs[0], path, name)
-                return
-            for fut in [
-                _read_pool().submit(_pread_into, f.fileno(), v, off, path, name) for v, off in jobs
-            ]:
-                fut.result()
-
-
-READ_PIECE = 16 * 1024 * 1024
-READ_WORKERS = 4
-_READ_POOL: ThreadPoolExecutor | None = None
-
-
-def _read_pool() -> ThreadPoolExecutor:
-    global _READ_POOL
-    if _READ_POOL is None:
-        _READ_POOL = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="mpack-pread")
-    return _READ_POOL
-
-
-def _pread_into(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            raise CorruptFileError(f"{path}: tensor {name!r} is truncated at byte {offset + got}")
-        got += n
+            short = pread_pieces(f.fileno(), at)
+        if short is not None:
+            raise CorruptFileError(f"{path}: tensor {name!r} is truncated at byte {short}")
 
 
 # --- quantization config ------------------------------------------------------------------
@@ -325,6 +299,14 @@ def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoi
         SourceNotFoundError, CorruptFileError, UnsupportedSchemeError: with the file at fault.
     """
     root = Path(root)
+    config, qconfig = _read_config(root, scheme)
+    files, weight_map = _shard_files(root)
+    tensors = _shard_tensors(root, files, weight_map)
+    return Checkpoint(root=root, config=config, qconfig=qconfig, files=files, tensors=tensors)
+
+
+def _read_config(root: Path, scheme: bool) -> tuple[dict[str, Any], Any]:
+    """``config.json`` and, with ``scheme``, its quantization config parsed by compressed-tensors."""
     cfg_path = root / CONFIG_NAME
     if not cfg_path.is_file():
         raise SourceNotFoundError(f"{root}: no {CONFIG_NAME}: not a Hugging Face model directory")
@@ -339,8 +321,12 @@ def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoi
             hint="mpack converts compressed-tensors FP8 checkpoints (e.g. RedHatAI/*-FP8)",
         )
     check_quant_scheme(qc, cfg_path)
-    qconfig = parse_quant_config(qc, cfg_path) if scheme else None
+    return config, parse_quant_config(qc, cfg_path) if scheme else None
 
+
+def _shard_files(root: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files (from the index, else the single file, else every one) and the
+    index's weight map, if there is an index."""
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None
     if index_path.is_file():
@@ -357,7 +343,14 @@ def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoi
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise SourceNotFoundError(f"{root}: no safetensors files (and no {INDEX_NAME})")
+    return files, weight_map
 
+
+def _shard_tensors(
+    root: Path, files: list[str], weight_map: dict[str, str] | None
+) -> dict[str, SourceTensor]:
+    """Every tensor of every shard, from the headers; each name once, where the index says."""
+    index_path = root / INDEX_NAME
     tensors: dict[str, SourceTensor] = {}
     for fname in files:
         path = root / fname
@@ -365,21 +358,17 @@ def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoi
             raise SourceNotFoundError(
                 f"{index_path}: lists shard {fname}, which does not exist in {root}"
             )
-        layout = read_layout(path)
-        for e in layout.entries:
+        for e in read_layout(path).entries:
             if e.name in tensors:
                 raise CorruptFileError(
                     f"{path}: tensor {e.name!r} also appears in {tensors[e.name].file}"
                 )
             tensors[e.name] = _source_tensor(e, fname)
-    if weight_map is not None:
-        for name, fname in weight_map.items():
-            if name not in tensors or tensors[name].file != fname:
-                found = tensors[name].file if name in tensors else "no shard"
-                raise CorruptFileError(
-                    f"{index_path}: maps {name!r} to {fname}, but it is in {found}"
-                )
-    return Checkpoint(root=root, config=config, qconfig=qconfig, files=files, tensors=tensors)
+    for name, fname in (weight_map or {}).items():
+        if name not in tensors or tensors[name].file != fname:
+            found = tensors[name].file if name in tensors else "no shard"
+            raise CorruptFileError(f"{index_path}: maps {name!r} to {fname}, but it is in {found}")
+    return tensors
 
 
 def _source_tensor(e: TensorEntry, fname: str) -> SourceTensor:
@@ -504,7 +493,7 @@ def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dty
             f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} (must be finite and > 0)",
             hint="the checkpoint's scales are broken; re-quantize it",
         )
-    limit = FOLD_LIMITS[act_dtype]
+    limit = ACT_DTYPES[act_dtype].fold_limit  # SPEC §1: larger scales fold to inf
     big = scale > limit
     if big.any():
         i = int(big.nonzero()[0])
@@ -512,7 +501,7 @@ def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dty
             f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} and would become inf "
             f"after Marlin's exponent fold in {act_dtype}",
             hint=(
-                "use --act-dtype float16 (limit 255.875) or a checkpoint with smaller scales"
+                f"use --act-dtype float16 (limit {ACT_DTYPES['float16'].fold_limit}) or a checkpoint with smaller scales"
                 if act_dtype == "bfloat16"
                 else "this checkpoint's scales are too large for Marlin; re-quantize it with smaller scales"
             ),

@@ -30,16 +30,15 @@ import hashlib
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Executor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mpack import cudadrv
 from mpack.convert import marlin
-from mpack.errors import MpackError
+from mpack.errors import UsageError
 
 __all__ = [
     "CudaKernelError",
@@ -64,15 +63,15 @@ _MAX_GRID_Y = 65535
 _NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
 
-class CudaKernelError(MpackError, RuntimeError):
-    """NVRTC or the CUDA driver refused to build, load or launch the repack kernel."""
+#: NVRTC or the CUDA driver refused to build, load or launch the repack kernel (the one CUDA
+#: error class, :class:`mpack.cudadrv.CudaError`, under the name this module always had).
+CudaKernelError = cudadrv.CudaError
 
 
 _lock = threading.RLock()
-# device ordinal -> (CUmodule, {vec: CUfunction}); device ordinal -> (ok, reason); ordinal -> ctx
+# device ordinal -> (CUmodule, {vec: CUfunction}); device ordinal -> (ok, reason)
 _modules: dict[int, tuple[Any, dict[int, Any]]] = {}
 _probed: dict[int, tuple[bool, str | None]] = {}
-_contexts: dict[int, Any] = {}
 _last_reason: list[str | None] = [None]
 
 
@@ -100,25 +99,15 @@ def cache_dir() -> Path:
 
 # --- NVRTC -----------------------------------------------------------------------------------
 
-
-def _nvrtc_ok(result: Any, what: str) -> list[Any]:
-    """Unpack a cuda-bindings ``(nvrtcResult, *values)`` tuple; raise on an error."""
-    from cuda.bindings import nvrtc
-
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        name = nvrtc.nvrtcGetErrorString(err)[1] or b"?"
-        raise CudaKernelError(f"NVRTC call {what} failed: {name.decode()}")
-    return values
+_NEEDED_BY = "the fused repack kernel"
 
 
 def _program_log(prog: Any) -> str:
-    from cuda.bindings import nvrtc
-
+    n = cudadrv.nvrtc(_NEEDED_BY)
     try:
-        (size,) = _nvrtc_ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        size = cudadrv.check_nvrtc(n.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         buf = b" " * size
-        _nvrtc_ok(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        cudadrv.check_nvrtc(n.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         return buf.rstrip(b"\0").decode(errors="replace").strip()
     except Exception:  # the log is a courtesy; the compile error is raised by the caller
         return ""
@@ -126,9 +115,7 @@ def _program_log(prog: Any) -> str:
 
 def nvrtc_version() -> tuple[int, int]:
     """(major, minor) of the NVRTC library cuda-bindings loads; raises if there is none."""
-    from cuda.bindings import nvrtc
-
-    major, minor = _nvrtc_ok(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    major, minor = cudadrv.check_nvrtc(cudadrv.nvrtc(_NEEDED_BY).nvrtcVersion(), "nvrtcVersion")
     return int(major), int(minor)
 
 
@@ -160,8 +147,6 @@ def compile_kernel(
         CudaKernelError: the compile failed (the message carries NVRTC's log).
         OSError: the source file is missing.
     """
-    from cuda.bindings import nvrtc
-
     src_path = kernel_source_path()
     src = src_path.read_bytes()
     target = _target(arch, ptx)
@@ -174,29 +159,31 @@ def compile_kernel(
     )
     if use_cache and cached.is_file():
         return cached.read_bytes()
-
-    (prog,) = _nvrtc_ok(
-        nvrtc.nvrtcCreateProgram(src, src_path.name.encode(), 0, [], []), "nvrtcCreateProgram"
-    )
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CudaKernelError(
-                f"NVRTC {major}.{minor} could not compile {src_path} for {target}:\n"
-                f"{_program_log(prog)}"
-            )
-        if ptx:
-            (size,) = _nvrtc_ok(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = b" " * size
-            _nvrtc_ok(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
-        else:
-            (size,) = _nvrtc_ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            image = b" " * size
-            _nvrtc_ok(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    failed = f"NVRTC {major}.{minor} could not compile {src_path} for {target}"
+    image = _nvrtc_compile(src, src_path.name, opts, ptx, failed)
     if use_cache:
         _write_atomically(cached, image)
+    return image
+
+
+def _nvrtc_compile(src: bytes, name: str, opts: list[bytes], ptx: bool, failed: str) -> bytes:
+    """Compile one NVRTC program: the PTX or the cubin. A failed compile raises
+    ``CudaKernelError`` with ``failed`` and NVRTC's log."""
+    n = cudadrv.nvrtc(_NEEDED_BY)
+    ok = cudadrv.check_nvrtc
+    prog = ok(n.nvrtcCreateProgram(src, name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        (err,) = n.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != n.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaKernelError(f"{failed}:\n{_program_log(prog)}")
+        if ptx:
+            image = b" " * ok(n.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            ok(n.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+        else:
+            image = b" " * ok(n.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            ok(n.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+    finally:
+        n.nvrtcDestroyProgram(prog)
     return image
 
 
@@ -219,38 +206,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
 # --- CUDA driver -----------------------------------------------------------------------------
 
 
-def _cu_ok(result: Any, what: str) -> Any:
-    """Unpack a cuda-bindings ``(CUresult, *values)`` tuple; raise on an error."""
-    from cuda.bindings import driver
-
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = driver.cuGetErrorName(err)[1] or b"?"
-        text = driver.cuGetErrorString(err)[1] or b""
-        raise CudaKernelError(f"CUDA driver call {what} failed: {name.decode()} ({text.decode()})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-@contextmanager
-def _on_device(ordinal: int) -> Iterator[Any]:
-    """Make device ``ordinal``'s primary context (torch's) current for the driver calls inside."""
-    from cuda.bindings import driver
-
-    ctx = _contexts.get(ordinal)
-    if ctx is None:
-        _cu_ok(driver.cuInit(0), "cuInit")
-        dev = _cu_ok(driver.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-        ctx = _cu_ok(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _contexts[ordinal] = ctx  # retained for the life of the process, as torch does
-    _cu_ok(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        yield driver
-    finally:
-        driver.cuCtxPopCurrent()
-
-
 def _functions(ordinal: int) -> dict[int, Any]:
     """The kernel's entry points on device ``ordinal``, compiled and loaded on first use."""
     with _lock:
@@ -258,10 +213,10 @@ def _functions(ordinal: int) -> dict[int, Any]:
         if hit is None:
             cc = torch.cuda.get_device_capability(ordinal)
             image = compile_kernel(cc)
-            with _on_device(ordinal) as d:
-                module = _cu_ok(d.cuModuleLoadData(image), "cuModuleLoadData")
+            with cudadrv.on_device(ordinal) as d:
+                module = cudadrv.check(d.cuModuleLoadData(image), "cuModuleLoadData")
                 funcs = {
-                    vec: _cu_ok(d.cuModuleGetFunction(module, name.encode()), name)
+                    vec: cudadrv.check(d.cuModuleGetFunction(module, name.encode()), name)
                     for vec, name in KERNEL_NAMES.items()
                 }
             hit = _modules[ordinal] = (module, funcs)
@@ -298,8 +253,8 @@ def _launch(
     ]
     params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
     grid_x, grid_y = -(-kp // BLOCK_K), -(-np_ // BLOCK_N)
-    with _on_device(ordinal) as d:
-        _cu_ok(
+    with cudadrv.on_device(ordinal) as d:
+        cudadrv.check(
             d.cuLaunchKernel(
                 func,
                 grid_x,
@@ -375,12 +330,10 @@ def _probe(ordinal: int) -> tuple[bool, str | None]:
     if os.environ.get("MPACK_NO_CUDA_KERNEL", "") not in ("", "0"):
         return False, "turned off by MPACK_NO_CUDA_KERNEL"
     try:
-        from cuda.bindings import driver, nvrtc  # noqa: F401
-    except ImportError as e:
-        return False, (
-            f"cuda-bindings is not importable ({e}): "
-            "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')"
-        )
+        cudadrv.driver(_NEEDED_BY)
+        cudadrv.nvrtc(_NEEDED_BY)
+    except UsageError as e:
+        return False, f"{e}: {e.hint}"
     try:
         if not torch.cuda.is_available():
             return False, "no CUDA device"

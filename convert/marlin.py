@@ -27,13 +27,16 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import torch
 
+from mpack import iokit, target
+from mpack.sidecar import torch_dtype
+
 __all__ = [
-    "ACT_DTYPES",
     "SCALE_PERM",
+    "TORCH_ACT_DTYPES",
     "broadcast_scales",
     "fold_factor",
     "marlin_padded_nk",
@@ -49,8 +52,10 @@ __all__ = [
     "unrepack",
 ]
 
-#: Activation dtypes the kernel supports, by name.
-ACT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The torch dtype of each activation dtype of the kernel (the facts: :data:`mpack.target.ACT_DTYPES`).
+TORCH_ACT_DTYPES: dict[str, torch.dtype] = {
+    name: torch_dtype(a.st) for name, a in target.ACT_DTYPES.items()
+}
 
 #: Position ``m`` of every 32-channel group takes channel ``SCALE_PERM[m]`` (SPEC §7.4).
 SCALE_PERM: tuple[int, ...] = (
@@ -75,25 +80,12 @@ _WORD_AXES_INV = tuple(_WORD_AXES.index(i) for i in range(6))
 #: Input bytes per block of the CPU repack (Note [repack in blocks]): about one core's L2.
 REPACK_BLOCK_BYTES = 1 << 20
 
-_EXP_FOLD = {torch.float16: 2.0**8, torch.bfloat16: 2.0**120}
+_EXP_FOLD = {TORCH_ACT_DTYPES[name]: a.exp_fold for name, a in target.ACT_DTYPES.items()}
 _FP8_MAX = 448.0
 
 
-def _roundup(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def marlin_padded_nk(n: int, k: int) -> tuple[int, int]:
-    """The padded ``(Np, Kp)`` for a layer with ``n`` output and ``k`` input channels (SPEC §3.3).
-
-    Candidates ``(roundup(n, 64), roundup(k, 128))`` and ``(roundup(n, 128), roundup(k, 64))``;
-    the smaller ``Np*Kp`` wins, then the smaller ``Np+Kp``, then the first.
-    """
-    if n <= 0 or k <= 0:
-        raise ValueError(f"layer dims must be positive, got N={n}, K={k}")
-    a = (_roundup(n, 64), _roundup(k, 128))
-    b = (_roundup(n, 128), _roundup(k, 64))
-    return min((a, b), key=lambda c: (c[0] * c[1], c[0] + c[1]))  # min() keeps the first on ties
+#: The padding rule (SPEC §3.3) belongs to the target's facts; re-exported for the layout's users.
+marlin_padded_nk = target.padded_nk
 
 
 def _as_bytes(w: torch.Tensor) -> torch.Tensor:
@@ -142,7 +134,7 @@ def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     if n % 64 or k % 16:
         raise ValueError(f"repack needs N % 64 == 0 and K % 16 == 0, got N={n}, K={k}")
     w = _as_bytes(wck).contiguous()
-    out = torch.empty((k // 16, 4 * n), dtype=torch.int32, device=w.device)
+    out = torch.empty(target.packed_weight_shape(n, k), dtype=torch.int32, device=w.device)
     tiles = out.view(k // 16, n // 64, 8, 4, 4, 2)  # (kt, nt, t8, kmid, w, h)
     step = n // 64 if w.is_cuda else max(1, REPACK_BLOCK_BYTES // (64 * k))  # n-tiles per block
 
@@ -181,7 +173,7 @@ def block_workers() -> int:
 @contextlib.contextmanager
 def block_pool(workers: int | None = None) -> Iterator[Executor]:
     """Threads for :func:`repack`'s blocks (Note [repack in blocks])."""
-    with ThreadPoolExecutor(workers or block_workers(), thread_name_prefix="mpack-repack") as p:
+    with iokit.pool("repack", workers or block_workers()) as p:
         yield p
 
 

@@ -6,16 +6,16 @@ returns, the whole sidecar layout is known and every rejection has already happe
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpack.convert.checkpoint import BIAS, SCALE, WEIGHT, Checkpoint, passthrough_names
-from mpack.convert.marlin import marlin_padded_nk
+from mpack import arch, target
+from mpack.arch import Dims
+from mpack.convert.checkpoint import Checkpoint, passthrough_names
 from mpack.errors import UnsupportedSchemeError, UsageError
 from mpack.sidecar import (
-    ACT_DTYPE_ST,
     COMMON_NAME,
+    CONFIG_NAME,
     FORMAT,
     FORMAT_VERSION,
     FileLayout,
@@ -23,12 +23,6 @@ from mpack.sidecar import (
     rank_file_name,
     target_of,
 )
-
-#: Architectures whose fusion and TP rules mpack knows (vLLM's Llama family).
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-#: fused output suffix -> checkpoint shard suffixes, in row order
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -65,14 +59,10 @@ class OutLayer:
         return [p.width for p in self.pieces]
 
     def tensor_specs(self, act_dtype: str) -> list[TensorSpec]:
-        dt = ACT_DTYPE_ST[act_dtype]
-        specs = [
-            TensorSpec(f"{self.name}.{WEIGHT}", "I32", (self.kp // 16, 4 * self.np_)),
-            TensorSpec(f"{self.name}.{SCALE}", dt, (1, self.np_)),
+        return [
+            TensorSpec(*spec)
+            for spec in target.packed_specs(self.name, self.np_, self.kp, act_dtype, self.has_bias)
         ]
-        if self.has_bias:
-            specs.append(TensorSpec(f"{self.name}.{BIAS}", dt, (self.np_,)))
-        return specs
 
 
 @dataclass
@@ -114,171 +104,139 @@ class Plan:
 # --- model dimensions ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Dims:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-
-
 def model_dims(ck: Checkpoint) -> Dims:
-    c = ck.text_config
     try:
-        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        kv = int(c.get("num_key_value_heads") or heads)
-        inter = int(c["intermediate_size"])
+        return arch.dims_of(ck.architecture, ck.text_config)
     except (KeyError, TypeError, ValueError) as e:
         raise UnsupportedSchemeError(
-            f"{ck.root / 'config.json'}: missing or bad model dimension {e}"
+            f"{ck.root / CONFIG_NAME}: missing or bad model dimension {e}"
         ) from None
-    head_dim = hidden // heads
-    if ck.architecture != "Qwen2ForCausalLM" and c.get("head_dim"):
-        head_dim = int(c["head_dim"])
-    return Dims(heads, kv, head_dim, inter)
 
 
 def check_tp(ck: Checkpoint, dims: Dims, tp: int) -> None:
-    """SPEC §1: H % T == 0, I % T == 0, and Hkv % T == 0 when T <= Hkv, else T % Hkv == 0."""
-    where = ck.root / "config.json"
-    fix = "choose a --tp that divides them"
-    if dims.heads % tp:
+    """The TP size must fit the heads and the MLP (:func:`mpack.arch.tp_problem`)."""
+    problem = arch.tp_problem(dims, tp)
+    if problem:
         raise UnsupportedSchemeError(
-            f"{where}: --tp {tp} does not divide num_attention_heads={dims.heads}", hint=fix
-        )
-    if dims.intermediate % tp:
-        raise UnsupportedSchemeError(
-            f"{where}: --tp {tp} does not divide intermediate_size={dims.intermediate}", hint=fix
-        )
-    if (tp <= dims.kv_heads and dims.kv_heads % tp) or (tp > dims.kv_heads and tp % dims.kv_heads):
-        raise UnsupportedSchemeError(
-            f"{where}: --tp {tp} does not fit num_key_value_heads={dims.kv_heads} "
-            "(it must divide the KV heads, or be a multiple of them)",
-            hint=fix,
+            f"{ck.root / CONFIG_NAME}: {problem}", hint="choose a --tp that divides them"
         )
 
 
 # --- planning -----------------------------------------------------------------------------
 
 
-_LAYER_NUM = re.compile(r"(\d+)")
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in _LAYER_NUM.split(name)]
-
-
 def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
     """Group quantized modules into vLLM's fused linears: [(out_name, [modules in row order])]."""
-    arch = ck.architecture
-    if arch not in LLAMA_FAMILY:
+    if ck.architecture not in arch.LLAMA_FAMILY:
         raise UnsupportedSchemeError(
-            f"{ck.root / 'config.json'}: architecture {arch!r} has no fusion/TP rules in mpack "
-            f"(known: {', '.join(LLAMA_FAMILY)})",
+            f"{ck.root / CONFIG_NAME}: architecture {ck.architecture!r} has no fusion/TP rules in "
+            f"mpack (known: {', '.join(arch.LLAMA_FAMILY)})",
             hint="use --fuse none --tp 1 to pack every layer under its checkpoint name",
         )
     groups: dict[str, list[str]] = {}
     for module in ck.layers:
-        parent, _, leaf = module.rpartition(".")
-        if leaf in ROW_PARALLEL:
-            groups[module] = [module]
-            continue
-        fused = next((f for f, shards in FUSED.items() if leaf in shards), None)
-        if fused is None:
+        name = arch.fused_name(module)
+        if name is None:
+            leaf = module.rpartition(".")[2]
             what = "a quantized lm_head" if leaf == "lm_head" else f"quantized module {module!r}"
             raise UnsupportedSchemeError(
                 f"{ck.root}: {what} is not part of vLLM's fused Llama-family linears",
                 hint="use --fuse none --tp 1, or a checkpoint that leaves it unquantized (ignore)",
             )
-        groups.setdefault(f"{parent}.{fused}", []).append(module)
-    out = []
+        groups.setdefault(name, []).append(module)
     for name, members in groups.items():
-        leaf = name.rpartition(".")[2]
-        if leaf in FUSED:
-            parent = name.rpartition(".")[0]
-            want = [f"{parent}.{s}" for s in FUSED[leaf]]
-            missing = [m for m in want if m not in members]
-            if missing:
-                raise UnsupportedSchemeError(
-                    f"{ck.root}: {name} needs {', '.join(want)}; quantized FP8 {', '.join(missing)} not found"
-                )
-            members = want
-        out.append((name, members))
-    return sorted(out, key=lambda g: _layer_order(g[0]))
-
-
-#: Within a decoder layer, outputs go in the order the forward pass uses them.
-_LEAF_ORDER = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
-
-
-def _layer_order(name: str) -> tuple[Any, ...]:
-    parent, _, leaf = name.rpartition(".")
-    block = parent.rpartition(".")[0] if leaf in _LEAF_ORDER else parent
-    return (_natural_key(block), _LEAF_ORDER.get(leaf, len(_LEAF_ORDER)), _natural_key(name))
+        want = arch.shard_modules(name)
+        missing = [m for m in want if m not in members]
+        if missing:
+            raise UnsupportedSchemeError(
+                f"{ck.root}: {name} needs {', '.join(want)}; quantized FP8 {', '.join(missing)} not found"
+            )
+        groups[name] = want
+    return sorted(groups.items(), key=lambda g: arch.layer_order(g[0]))
 
 
 def _slices(
     ck: Checkpoint, dims: Dims, name: str, members: list[str], tp: int, rank: int
 ) -> tuple[list[Piece], str]:
     """Rows/cols of each member on ``rank`` (SPEC §6) and the parallel style."""
-    leaf = name.rpartition(".")[2]
     L = ck.layers
-    d = dims.head_dim
+    style = arch.parallel_style(name)
+    rows = arch.shard_rows(dims, name, tp, rank) if tp > 1 else None
+    if rows is not None:
+        return [Piece(m, r, (0, L[m].k)) for m, r in zip(members, rows, strict=True)], style
     if tp == 1:
-        return [
-            Piece(m, (0, L[m].n), (0, L[m].k)) for m in members
-        ], "column" if leaf in FUSED else "row"
-    if leaf == "qkv_proj":
-        nq = dims.heads // tp
-        nkv, rep = (1, tp // dims.kv_heads) if tp >= dims.kv_heads else (dims.kv_heads // tp, 1)
-        q, k, v = members
-        kvr = ((rank // rep) * nkv * d, (rank // rep + 1) * nkv * d)
-        return [
-            Piece(q, (rank * nq * d, (rank + 1) * nq * d), (0, L[q].k)),
-            Piece(k, kvr, (0, L[k].k)),
-            Piece(v, kvr, (0, L[v].k)),
-        ], "column"
-    if leaf == "gate_up_proj":
-        per = dims.intermediate // tp
-        return [Piece(m, (rank * per, (rank + 1) * per), (0, L[m].k)) for m in members], "column"
+        return [Piece(m, (0, L[m].n), (0, L[m].k)) for m in members], style
     (m,) = members
     per = L[m].k // tp
-    return [Piece(m, (0, L[m].n), (rank * per, (rank + 1) * per))], "row"
+    return [Piece(m, (0, L[m].n), (rank * per, (rank + 1) * per))], style
 
 
 def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> None:
-    d = dims.head_dim
-    want_n = {
-        "q_proj": dims.heads * d, "k_proj": dims.kv_heads * d, "v_proj": dims.kv_heads * d,
-        "gate_proj": dims.intermediate, "up_proj": dims.intermediate,
-    }  # fmt: skip
-    want_k = {"o_proj": dims.heads * d, "down_proj": dims.intermediate}
-    ks = {ck.layers[m].k for m in members}
-    if len(ks) != 1:
-        raise UnsupportedSchemeError(
-            f"{ck.root}: {name}: fused shards have different K {sorted(ks)}"
-        )
-    strategies = {ck.layers[m].strategy for m in members}
-    if len(strategies) != 1:
-        raise UnsupportedSchemeError(
-            f"{ck.root}: {name}: fused shards mix strategies {sorted(strategies)}"
-        )
-    biases = {ck.layers[m].has_bias for m in members}
-    if len(biases) != 1:
+    layers = [ck.layers[m] for m in members]
+    for what, values in (
+        ("have different K", {ly.k for ly in layers}),
+        ("mix strategies", {ly.strategy for ly in layers}),
+    ):
+        if len(values) != 1:
+            raise UnsupportedSchemeError(f"{ck.root}: {name}: fused shards {what} {sorted(values)}")
+    if len({ly.has_bias for ly in layers}) != 1:
         raise UnsupportedSchemeError(
             f"{ck.root}: {name}: some fused shards have a bias and some do not"
         )
-    for m in members:
+    want_n, want_k = arch.expected_rows(dims), arch.expected_cols(dims)
+    for m, ly in zip(members, layers, strict=True):
         sub = m.rpartition(".")[2]
-        ly = ck.layers[m]
         if sub in want_n and ly.n != want_n[sub]:
             raise UnsupportedSchemeError(
-                f"{ck.root}: {m}.weight has N={ly.n}, config.json implies {want_n[sub]} (heads/head_dim/intermediate)"
+                f"{ck.root}: {m}.weight has N={ly.n}, {CONFIG_NAME} implies {want_n[sub]} (heads/head_dim/intermediate)"
             )
         if sub in want_k and ly.k != want_k[sub]:
             raise UnsupportedSchemeError(
-                f"{ck.root}: {m}.weight has K={ly.k}, config.json implies {want_k[sub]}"
+                f"{ck.root}: {m}.weight has K={ly.k}, {CONFIG_NAME} implies {want_k[sub]}"
             )
+
+
+def _groups(
+    ck: Checkpoint, fusion: str, tp: int
+) -> tuple[list[tuple[str, list[str]]], Dims | None]:
+    """The output layers and their checkpoint modules; the model dims when fusing."""
+    if fusion == "none":
+        if tp != 1:
+            raise UsageError(
+                f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
+            )
+        return sorted(((m, [m]) for m in ck.layers), key=lambda g: arch.natural_key(g[0])), None
+    groups = _group_vllm(ck)
+    dims = model_dims(ck)
+    check_tp(ck, dims, tp)
+    for name, members in groups:
+        _check_shapes(ck, dims, name, members)
+    return groups, dims
+
+
+def _out_layer(
+    ck: Checkpoint, name: str, members: list[str], dims: Dims | None, tp: int, rank: int,
+    profile: str,
+) -> OutLayer:  # fmt: skip
+    """``name`` on ``rank``: its pieces and padded dims."""
+    if dims is None:
+        m = members[0]
+        pieces, parallel = [Piece(m, (0, ck.layers[m].n), (0, ck.layers[m].k))], "none"
+    else:
+        pieces, parallel = _slices(ck, dims, name, members, tp, rank)
+    n = sum(p.width for p in pieces)
+    k = pieces[0].cols[1] - pieces[0].cols[0]
+    if k % 4:
+        raise UnsupportedSchemeError(
+            f"{ck.root}: {name} on rank {rank}: K slice {k} is not a multiple of 4"
+        )
+    np_, kp = target.padded_nk(n, k)
+    first = ck.layers[members[0]]
+    return OutLayer(
+        name=name, rank=rank, pieces=pieces, n=n, k=k, np_=np_, kp=kp, strategy=first.strategy,
+        parallel=parallel, has_bias=first.has_bias,
+        requant=profile == "w8a8-marlin" and first.strategy == "tensor",
+    )  # fmt: skip
 
 
 def make_plan(
@@ -291,52 +249,11 @@ def make_plan(
         UnsupportedSchemeError: an unknown architecture for fusion, a TP size that does not fit,
             shapes that disagree with config.json.
     """
-    if fusion == "none" and tp != 1:
-        raise UsageError(
-            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
-        )
-    if fusion == "vllm":
-        groups = _group_vllm(ck)
-        dims = model_dims(ck)
-        check_tp(ck, dims, tp)
-        for name, members in groups:
-            _check_shapes(ck, dims, name, members)
-    else:
-        groups = sorted(((m, [m]) for m in ck.layers), key=lambda g: _natural_key(g[0]))
-        dims = None
-    units: list[list[OutLayer]] = []
-    for name, members in groups:
-        unit = []
-        for rank in range(tp):
-            if dims is None:
-                m = members[0]
-                pieces, parallel = [Piece(m, (0, ck.layers[m].n), (0, ck.layers[m].k))], "none"
-            else:
-                pieces, parallel = _slices(ck, dims, name, members, tp, rank)
-            n = sum(p.width for p in pieces)
-            k = pieces[0].cols[1] - pieces[0].cols[0]
-            if k % 4:
-                raise UnsupportedSchemeError(
-                    f"{ck.root}: {name} on rank {rank}: K slice {k} is not a multiple of 4"
-                )
-            np_, kp = marlin_padded_nk(n, k)
-            first = ck.layers[members[0]]
-            unit.append(
-                OutLayer(
-                    name=name,
-                    rank=rank,
-                    pieces=pieces,
-                    n=n,
-                    k=k,
-                    np_=np_,
-                    kp=kp,
-                    strategy=first.strategy,
-                    parallel=parallel,
-                    has_bias=first.has_bias,
-                    requant=profile == "w8a8-marlin" and first.strategy == "tensor",
-                )  # fmt: skip
-            )
-        units.append(unit)
+    groups, dims = _groups(ck, fusion, tp)
+    units = [
+        [_out_layer(ck, name, members, dims, tp, rank, profile) for rank in range(tp)]
+        for name, members in groups
+    ]
     plan = Plan(
         ck, profile, act_dtype, tp, fusion, units, passthrough_names(ck) if passthrough else []
     )

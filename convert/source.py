@@ -16,7 +16,6 @@ import re
 import stat
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,13 @@ from mpack.errors import (
     environment_failure,
 )
 from mpack.fsutil import read_capped
+from mpack.iokit import HashCancelled, chunk_spans, hash_range, pool, sha256_file
 from mpack.sidecar import (
     CHUNK_BYTES,
     COPIED_FILES,
+    INDEX_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST,
-    HashCancelled,
-    hash_range,
-    sha256_file,
 )
 
 #: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
@@ -237,7 +235,7 @@ def _snapshot(
 def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:
     """The files a conversion uses: the shards, the index, and the copied config/tokenizer files."""
     names = set(shards)
-    for extra in ("model.safetensors.index.json", *COPIED_FILES):
+    for extra in (INDEX_NAME, *COPIED_FILES):
         if (src.path / extra).is_file():
             names.add(extra)
     return sorted(names)
@@ -281,7 +279,7 @@ def hash_sources(
         elif form == "sha256" or size == 0:
             jobs.append((name, 0, -1))  # -1: the whole file, one stream
         else:
-            jobs += [(name, a, min(a + CHUNK_BYTES, size)) for a in range(0, size, CHUNK_BYTES)]
+            jobs += [(name, a, b) for a, b in chunk_spans(size, CHUNK_BYTES)]
 
     def run(job: tuple[str, int, int]) -> str:
         if stop is not None and stop.is_set():
@@ -291,8 +289,8 @@ def hash_sources(
                 return sha256_file(src.path / job[0], stop=stop)
             return hash_range(src.path / job[0], job[1], job[2])
 
-    with ThreadPoolExecutor(workers or hash_workers(), thread_name_prefix="mpack-hash") as pool:
-        digests = list(pool.map(run, jobs))
+    with pool("hash", workers or hash_workers()) as p:
+        digests = list(p.map(run, jobs))
     for (name, _, end), digest in zip(jobs, digests, strict=True):
         rec = records[name]
         if end < 0:

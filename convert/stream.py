@@ -14,13 +14,10 @@ Three stages run at once, each on its own thread, with bounded queues between th
   (:class:`mpack.sidecar.HashingWriter`, which starts the disk writeback and the chunk hashing
   behind it), and hands the piece back to the ring.
 
-Note [staging rings]: every buffer on the host side of the GPU is a fixed piece of pinned
-memory (``PIECE`` bytes, ``IN_PIECES`` + ``OUT_PIECES`` of them: 256 MiB in all). Fresh
-pageable buffers cost a page fault per 4 KiB, and pageable copies go through the driver's own
-bounce buffer at a fraction of the link's speed; a reused pinned ring costs neither, and bounds
-memory whatever the layer size. A piece is reused only after the copy that last used it has
-finished: :class:`Ring` waits on its CUDA event before handing it out (the writer is done with a
-piece when it gives it back).
+The staging rings (Note [staging rings] in mpack/iokit.py): every buffer on the host side of
+the GPU is a piece of one of two pinned rings (``PIECE`` bytes, ``IN_PIECES`` + ``OUT_PIECES``
+of them: 256 MiB in all), bounded whatever the layer size. A piece is reused only after the
+copy that last used it has finished (the writer is done with a piece when it gives it back).
 """
 
 from __future__ import annotations
@@ -30,88 +27,27 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mpack.convert.checkpoint import BIAS, Checkpoint, read_scale
+from mpack import iokit
+from mpack.convert.checkpoint import Checkpoint
 from mpack.convert.plan import OutLayer, Plan
 from mpack.convert.timeline import Timeline
+from mpack.convert.transform import read_unit
+from mpack.iokit import Aborted, PinnedRing, Slot, get_or_abort, put_or_abort
 from mpack.sidecar import HashingWriter, rank_file_name
 
 PIECE = 16 * 1024 * 1024
 IN_PIECES = 8
 OUT_PIECES = 8
 READS_AT_ONCE = 4  # pinned pieces filled by parallel preads before their copies are queued
-STALL_S = 300.0  # a stage that waits this long for a buffer reports a stall instead of hanging
 UNITS_AHEAD = 3  # units read (and on the GPU) before the transform needs them
 WRITE_QUEUE = 16  # CPU path: result tensors waiting for the writer
 
 Transform = Callable[[OutLayer, dict[str, torch.Tensor]], list[torch.Tensor]]
-
-
-class Aborted(Exception):
-    """Another stage failed; this one stops (the first error is the one reported)."""
-
-
-@dataclass
-class Slot:
-    buf: torch.Tensor  # pinned uint8 [PIECE]
-    waits: list[Any] = field(default_factory=list)  # torch.cuda.Event
-
-
-class Ring:
-    """Fixed pinned pieces, handed out only once their last user is done (Note [staging rings])."""
-
-    def __init__(self, count: int, piece: int, abort: threading.Event) -> None:
-        self.count = count
-        self._free: queue.Queue[Slot] = queue.Queue()
-        self._abort = abort
-        for _ in range(count):
-            self._free.put(Slot(torch.empty(piece, dtype=torch.uint8, pin_memory=True)))
-
-    def acquire(self) -> Slot:
-        start = time.monotonic()
-        while True:
-            try:
-                slot = self._free.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if self._abort.is_set():
-                    raise Aborted from None
-                if time.monotonic() - start > STALL_S:
-                    raise RuntimeError(
-                        f"convert stalled: no staging buffer freed in {STALL_S:.0f} s"
-                    ) from None
-        for w in slot.waits:
-            w.synchronize()
-        slot.waits = []
-        return slot
-
-    def release(self, slot: Slot, *waits: Any) -> None:
-        slot.waits = list(waits)
-        self._free.put(slot)
-
-
-def _put(q: queue.Queue, item: Any, abort: threading.Event) -> None:
-    while True:
-        try:
-            q.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            if abort.is_set():
-                raise Aborted from None
-
-
-def _get(q: queue.Queue, abort: threading.Event) -> Any:
-    while True:
-        try:
-            return q.get(timeout=0.1)
-        except queue.Empty:
-            if abort.is_set():
-                raise Aborted from None
 
 
 @dataclass
@@ -121,23 +57,6 @@ class WriteItem:
     data: Any  # bytes-like (a numpy array or a memoryview: both have ``nbytes``)
     slot: Slot | None = None
     ready: Any = None  # torch.cuda.Event to wait for before reading ``data``
-
-
-def read_unit(
-    ck: Checkpoint,
-    unit: list[OutLayer],
-    read_weight: Callable[[str], torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor the unit's layers need: weights as uint8 ``[N, K]`` (read by
-    ``read_weight``, default: into CPU memory), scales as float32, biases as stored."""
-    src: dict[str, torch.Tensor] = {}
-    for module in dict.fromkeys(p.module for p in unit[0].pieces):
-        wname = f"{module}.weight"
-        src[wname] = (read_weight or ck.read)(wname).view(torch.uint8)
-        src[f"{module}.weight_scale"] = read_scale(ck, module)
-        if unit[0].has_bias:
-            src[f"{module}.{BIAS}"] = ck.read(f"{module}.{BIAS}")
-    return src
 
 
 class Streamer:
@@ -157,26 +76,18 @@ class Streamer:
         self.timeline = timeline or Timeline()
         self.transform, self.on_written, self.on_unit = transform, on_written, on_unit
         self.abort = threading.Event()
-        self.busy = {
-            "read": 0.0,
-            "transform": 0.0,
-            "write": 0.0,
-            "read_wait": 0.0,
-            "write_wait": 0.0,
-        }
         self.cuda = device.type == "cuda"
         self._units: queue.Queue = queue.Queue(UNITS_AHEAD)
         self._writes: queue.Queue = queue.Queue(0 if self.cuda else WRITE_QUEUE)
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.compute_stream = torch.cuda.Stream(device)
-            self.in_ring = Ring(IN_PIECES, PIECE, self.abort)
-            self.out_ring = Ring(OUT_PIECES, PIECE, self.abort)
+            self.in_ring = PinnedRing(IN_PIECES, PIECE, abort=self.abort, name="convert")
+            self.out_ring = PinnedRing(OUT_PIECES, PIECE, abort=self.abort, name="convert")
 
     def _mark(self, stage: str, start: float, what: str = "") -> float:
-        """Account ``start`` .. now to ``stage`` (busy seconds and the timeline); return now."""
+        """Record ``start`` .. now on ``stage``'s lane of the timeline; return now."""
         now = time.perf_counter()
-        self.busy[stage] += now - start
         self.timeline.add(stage.split("_")[0], what or stage, start, now)
         return now
 
@@ -189,8 +100,8 @@ class Streamer:
                 t = time.perf_counter()
                 src, ready = self._read_unit(ck, unit)
                 self._mark("read", t, "unit")
-                _put(self._units, (unit, src, ready), self.abort)
-            _put(self._units, None, self.abort)
+                put_or_abort(self._units, (unit, src, ready), self.abort)
+            put_or_abort(self._units, None, self.abort)
         except BaseException:
             self.abort.set()
             raise
@@ -217,14 +128,11 @@ class Streamer:
             t = time.perf_counter()
             slots = [self.in_ring.acquire() for _ in group]
             self.timeline.add("read", "wait-ring", t, time.perf_counter())
-            ck.read_pieces(name, [(memoryview(s.buf.numpy())[: b - a], a)
-                                  for s, (a, b) in zip(slots, group, strict=True)])  # fmt: skip
-            with torch.cuda.stream(self.copy_stream):
-                for s, (a, b) in zip(slots, group, strict=True):
-                    dev[a:b].copy_(s.buf[: b - a], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(self.copy_stream)
-                    self.in_ring.release(s, ev)
+            pairs = list(zip(slots, group, strict=True))
+            ck.read_pieces(name, [(s.view[: b - a], a) for s, (a, b) in pairs])
+            for s, (a, b) in pairs:
+                s.to_device(dev[a:b], self.copy_stream)
+                self.in_ring.release(s)
         return dev
 
     # --- write --------------------------------------------------------------------------
@@ -233,7 +141,7 @@ class Streamer:
         try:
             while True:
                 t = time.perf_counter()
-                item = _get(self._writes, self.abort)
+                item = get_or_abort(self._writes, self.abort)
                 if item is None:
                     return
                 if item.ready is not None:
@@ -257,23 +165,21 @@ class Streamer:
             assert flat.numel() == entry.nbytes, spec.name
             if not flat.is_cuda:
                 item = WriteItem(w, entry.offset, flat.numpy())
-                _put(self._writes, item, self.abort)
+                put_or_abort(self._writes, item, self.abort)
                 continue
             for a in range(0, entry.nbytes, PIECE):
                 b = min(a + PIECE, entry.nbytes)
                 t = time.perf_counter()
                 slot = self.out_ring.acquire()
                 self.timeline.add("transform", "wait-ring", t, time.perf_counter())
-                slot.buf[: b - a].copy_(flat[a:b], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.compute_stream)
-                view = memoryview(slot.buf.numpy())[: b - a]
-                _put(self._writes, WriteItem(w, entry.offset + a, view, slot, ev), self.abort)
+                ev = slot.from_device(flat[a:b], self.compute_stream)
+                item = WriteItem(w, entry.offset + a, slot.view[: b - a], slot, ev)
+                put_or_abort(self._writes, item, self.abort)
 
     # --- the run ------------------------------------------------------------------------
 
     def run(self) -> None:
-        with ThreadPoolExecutor(2, thread_name_prefix="mpack-stream") as pool:
+        with iokit.pool("stream", 2) as pool:
             reader = pool.submit(self._read_loop)
             writer = pool.submit(self._write_loop)
             try:
@@ -284,7 +190,7 @@ class Streamer:
                     self._mark("transform", t, "unit")
                     if self.on_unit:
                         self.on_unit(i + 1)
-                _put(self._writes, None, self.abort)
+                put_or_abort(self._writes, None, self.abort)
             except BaseException:
                 self.abort.set()
                 # the first failure wins: a stage's own error over the Aborted it caused here
@@ -299,8 +205,7 @@ class Streamer:
     def _incoming(self) -> Iterator[tuple[list[OutLayer], dict[str, torch.Tensor], Any]]:
         while True:
             t = time.perf_counter()
-            item = _get(self._units, self.abort)
-            self.busy["read_wait"] += time.perf_counter() - t
+            item = get_or_abort(self._units, self.abort)
             self.timeline.add("transform", "wait-read", t, time.perf_counter())
             if item is None:
                 return

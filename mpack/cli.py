@@ -20,7 +20,6 @@ from mpack import __version__
 from mpack.errors import (
     MpackError,
     UsageError,
-    VerificationError,
     as_mpack_error,
     exit_code_for,
 )
@@ -125,14 +124,15 @@ def layout(
     Example:
       mpack layout 6144 4096
     """
-    from mpack import ui
-    from mpack.convert.marlin import ACT_DTYPES, marlin_padded_nk
+    from mpack import target, ui
 
-    if act_dtype not in ACT_DTYPES:
-        raise UsageError(f"--act-dtype must be one of {', '.join(ACT_DTYPES)}, got {act_dtype!r}")
+    if act_dtype not in target.ACT_DTYPES:
+        raise UsageError(
+            f"--act-dtype must be one of {', '.join(target.ACT_DTYPES)}, got {act_dtype!r}"
+        )
     if n <= 0 or k <= 0 or k % 4:
         raise UsageError(f"N and K must be positive and K a multiple of 4, got N={n}, K={k}")
-    np_, kp = marlin_padded_nk(n, k)
+    np_, kp = target.padded_nk(n, k)
     ui.emit_layout(n=n, k=k, np_=np_, kp=kp, act_dtype=act_dtype, as_json=json_out)
 
 
@@ -148,65 +148,75 @@ Sidecar = Annotated[
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
 
+# --- mpack convert's options ---------------------------------------------------------------
+
+OutOpt = Annotated[
+    str,
+    typer.Option(
+        "--out", "-o", metavar="DIR", help="Sidecar directory to write (created atomically)."
+    ),
+]
+RevisionOpt = Annotated[
+    str | None,
+    typer.Option(metavar="REV", help="Hub branch, tag or commit (repo ids only). [default: main]"),
+]
+ProfileOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="[w8a16|w8a8-marlin]",
+        help="w8a16: vLLM's W8A16 path, weight bytes unchanged; w8a8-marlin: W8A8 forced onto "
+        "Marlin, per-tensor shards requantized to their max scale.",
+    ),
+]
+ConvertActDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--act-dtype",
+        metavar=ACT_DTYPE_CHOICES,
+        help="Activation dtype the kernel runs in; scales and bias are stored in it. "
+        "[default: the checkpoint's dtype]",
+    ),
+]
+TpOpt = Annotated[
+    int, typer.Option("--tp", metavar="N", help="Tensor-parallel size: one rank file per rank.")
+]
+FuseOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="[vllm|none]",
+        help="vllm: vLLM's fused qkv_proj / gate_up_proj names; none: checkpoint names (tp 1).",
+    ),
+]
+ConvertDeviceOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="[auto|cpu|cuda|cuda:N]",
+        help="Where the transform runs (identical bytes on each); auto: CUDA when present.",
+    ),
+]
+NoPassthroughOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-passthrough", help="Leave out common.safetensors (embeddings, norms, lm_head)."
+    ),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Redo an up-to-date sidecar, or replace another.")
+]
+
 
 @command
 def convert(
     source: Source,
-    out: Annotated[
-        str,
-        typer.Option(
-            "--out", "-o", metavar="DIR", help="Sidecar directory to write (created atomically)."
-        ),
-    ],
-    revision: Annotated[
-        str | None,
-        typer.Option(
-            metavar="REV", help="Hub branch, tag or commit (repo ids only). [default: main]"
-        ),
-    ] = None,
-    profile: Annotated[
-        str,
-        typer.Option(
-            metavar="[w8a16|w8a8-marlin]",
-            help="w8a16: vLLM's W8A16 path, weight bytes unchanged; w8a8-marlin: W8A8 forced onto "
-            "Marlin, per-tensor shards requantized to their max scale.",
-        ),
-    ] = "w8a16",
-    act_dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--act-dtype",
-            metavar=ACT_DTYPE_CHOICES,
-            help="Activation dtype the kernel runs in; scales and bias are stored in it. "
-            "[default: the checkpoint's dtype]",
-        ),
-    ] = None,
-    tp: Annotated[
-        int, typer.Option("--tp", metavar="N", help="Tensor-parallel size: one rank file per rank.")
-    ] = 1,
-    fuse: Annotated[
-        str,
-        typer.Option(
-            metavar="[vllm|none]",
-            help="vllm: vLLM's fused qkv_proj / gate_up_proj names; none: checkpoint names (tp 1).",
-        ),
-    ] = "vllm",
-    device: Annotated[
-        str,
-        typer.Option(
-            metavar="[auto|cpu|cuda|cuda:N]",
-            help="Where the transform runs (identical bytes on each); auto: CUDA when present.",
-        ),
-    ] = "auto",
-    no_passthrough: Annotated[
-        bool,
-        typer.Option(
-            "--no-passthrough", help="Leave out common.safetensors (embeddings, norms, lm_head)."
-        ),
-    ] = False,
-    force: Annotated[
-        bool, typer.Option("--force", help="Redo an up-to-date sidecar, or replace another.")
-    ] = False,
+    out: OutOpt,
+    revision: RevisionOpt = None,
+    profile: ProfileOpt = "w8a16",
+    act_dtype: ConvertActDtypeOpt = None,
+    tp: TpOpt = 1,
+    fuse: FuseOpt = "vllm",
+    device: ConvertDeviceOpt = "auto",
+    no_passthrough: NoPassthroughOpt = False,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -219,25 +229,33 @@ def convert(
     """
     if json_out and quiet:
         raise UsageError("--json and --quiet contradict each other; pick one")
-    from mpack.convert.scheme_check import SchemeCheck
+    result = _run_convert(
+        source, out, show_progress=not (json_out or quiet), revision=revision, profile=profile,
+        act_dtype=act_dtype, tp=tp, fuse=fuse, device=device, passthrough=not no_passthrough,
+        force=force,
+    )  # fmt: skip
+    from mpack import ui
 
-    # A local source's compressed-tensors check starts now, in a forked child, so that its
-    # imports overlap this process's torch import (Note [scheme check in a child]).
-    early = SchemeCheck(source) if (Path(source) / "config.json").is_file() else None
+    ui.emit_convert(result, as_json=json_out, quiet=quiet)
+
+
+def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) -> Any:
+    """:func:`mpack.convert.pipeline.run_convert` with progress lines, and a local source's
+    compressed-tensors check started first, in a forked child, so that its imports overlap this
+    process's torch import (Note [scheme check in a child])."""
+    from mpack.convert.scheme_check import SchemeCheck
+    from mpack.sidecar import CONFIG_NAME
+
+    early = SchemeCheck(source) if (Path(source) / CONFIG_NAME).is_file() else None
     try:
         from mpack import ui
         from mpack.convert.pipeline import run_convert
 
-        with ui.convert_progress(enabled=not (json_out or quiet)) as progress:
-            result = run_convert(
-                source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp,
-                fuse=fuse, device=device, passthrough=not no_passthrough, force=force,
-                progress=progress, scheme_check=early,
-            )  # fmt: skip
+        with ui.convert_progress(enabled=show_progress) as progress:
+            return run_convert(source, out, progress=progress, scheme_check=early, **options)
     finally:
         if early is not None:
             early.cancel()
-    ui.emit_convert(result, as_json=json_out, quiet=quiet)
 
 
 @command
@@ -290,26 +308,14 @@ def verify(
       mpack verify tiny-marlin --source ./tiny-fp8 --forward
     """
     from mpack import ui
-    from mpack.convert.verifier import run_verify
+    from mpack.verify import verify as verify_sidecar
 
     if forward:
-        from mpack.runtime.protocol import parse_device
-
-        parse_device(device)  # a device that is not there fails now, not after the re-derivation
         ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
-    report = run_verify(sidecar, source=source)
-    if forward:
-        if not report["source_checked"]:
-            raise UsageError("--forward needs the source checkpoint: pass --source")
-        from mpack.runtime.equivalence import forward_check
-
-        report["forward"] = forward_check(sidecar, report["source_path"], device=device)
-    ui.emit_verify(report, as_json=json_out)
-    if forward and not report["forward"]["ok"]:
-        raise VerificationError(
-            f"{sidecar}: model outputs from the sidecar differ from the reference beyond the tolerance",
-            hint="see the table above; docs/EQUIVALENCE.md explains the tolerance",
-        )
+    result = verify_sidecar(sidecar, source=source, forward=forward, device=device)
+    if not result.problems:  # what matched; also shown when the model outputs differ
+        ui.emit_verify(result.report(), as_json=json_out)
+    result.raise_for_failure()
 
 
 # --- mpack serve / mpack status (runtime; mpack/runtime/daemon.py, docs/RUNTIME.md) ---------

@@ -87,6 +87,11 @@ class EnvironmentFailure(MpackError, OSError):
     exit_code = 3
 
 
+class CudaError(MpackError, RuntimeError):
+    """The CUDA driver or NVRTC refused a call: building, loading or launching a kernel, or
+    allocating, exporting or mapping device memory (mpack/cudadrv.py)."""
+
+
 class ProtocolError(MpackError, ConnectionError):
     """A peer that broke the serve/attach protocol (bad size, version, schema)."""
 

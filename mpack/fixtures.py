@@ -35,6 +35,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mpack.sidecar import INDEX_NAME
+
 if TYPE_CHECKING:
     import torch
 
@@ -52,7 +54,6 @@ SCHEMES: tuple[str, ...] = ("FP8", "FP8_DYNAMIC")
 INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
-_INDEX_NAME = "model.safetensors.index.json"
 _CALIB_BATCH = 2
 _CALIB_SEQ = 32
 
@@ -102,27 +103,9 @@ def make_checkpoint(
 
     Same arguments give byte-identical safetensors files.
     """
-    arch = arch.lower()
-    scheme = scheme.upper()
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
-    if scheme not in _presets:
-        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(_presets)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    if head_dim is None and hidden % heads:
-        raise ValueError(
-            f"hidden ({hidden}) must be a multiple of heads ({heads}) when head_dim is not given"
-        )
-    if arch == "qwen2" and head_dim not in (None, hidden // heads):
-        raise ValueError(
-            f"qwen2 derives head_dim from hidden // heads = {hidden // heads}, "
-            f"got head_dim={head_dim}"
-        )
-    if scale_in_other_shard and max_shard_size is None:
-        raise ValueError("scale_in_other_shard needs max_shard_size (at least two shards)")
+    arch, scheme = arch.lower(), scheme.upper()
+    _check_args(arch, scheme, _presets, dtype, hidden, heads, kv_heads, head_dim,
+                scale_in_other_shard, max_shard_size)  # fmt: skip
 
     import torch
     from compressed_tensors.compressors import ModelCompressor
@@ -163,6 +146,32 @@ def make_checkpoint(
     if scale_in_other_shard:
         _move_to_other_shard(out, "model.layers.0.self_attn.q_proj.weight_scale")
     return out
+
+
+def _check_args(
+    arch: str, scheme: str, _presets: tuple[str, ...], dtype: str, hidden: int, heads: int,
+    kv_heads: int, head_dim: int | None, scale_in_other_shard: bool, max_shard_size: Any,
+) -> None:  # fmt: skip
+    """``ValueError`` for arguments of :func:`make_checkpoint` that cannot make a checkpoint."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
+    if scheme not in _presets:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(_presets)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None and hidden % heads:
+        raise ValueError(
+            f"hidden ({hidden}) must be a multiple of heads ({heads}) when head_dim is not given"
+        )
+    if arch == "qwen2" and head_dim not in (None, hidden // heads):
+        raise ValueError(
+            f"qwen2 derives head_dim from hidden // heads = {hidden // heads}, "
+            f"got head_dim={head_dim}"
+        )
+    if scale_in_other_shard and max_shard_size is None:
+        raise ValueError("scale_in_other_shard needs max_shard_size (at least two shards)")
 
 
 def _build_config(
@@ -233,14 +242,11 @@ def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> Non
     running min/max of each layer's input and updates ``input_scale`` before the layer's
     fake-quantized forward uses it.
     """
-    import torch
     from compressed_tensors.quantization import (
         QuantizationConfig,
-        QuantizationStrategy,
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     qconfig = QuantizationConfig(
         config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])},
@@ -252,6 +258,17 @@ def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> Non
     ]
     if not quantized:
         raise RuntimeError("apply_quantization_config matched no Linear layer")
+
+    _set_weight_scales(quantized)
+    input_args = quantized[0][1].quantization_scheme.input_activations
+    if input_args is not None and not input_args.dynamic:
+        _calibrate_inputs(model, quantized, vocab, seed)
+
+
+def _set_weight_scales(quantized: list[tuple[str, Any]]) -> None:
+    """Min-max weight scales (and zero points) per tensor, channel or group."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.utils import calculate_qparams
 
     for _, m in quantized:
         args = m.quantization_scheme.weights
@@ -270,9 +287,11 @@ def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> Non
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(zero_point)
 
-    input_args = quantized[0][1].quantization_scheme.input_activations
-    if input_args is None or input_args.dynamic:
-        return
+
+def _calibrate_inputs(model: Any, quantized: list[tuple[str, Any]], vocab: int, seed: int) -> None:
+    """Static input scales from one calibration forward pass (see :func:`_quantize`)."""
+    import torch
+    from compressed_tensors.quantization.utils import calculate_qparams
 
     running: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -315,10 +334,10 @@ def _move_to_other_shard(out: Path, tensor_name: str) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    index_path = out / _INDEX_NAME
+    index_path = out / INDEX_NAME
     if not index_path.is_file():
         raise ValueError(
-            f"scale_in_other_shard needs a sharded checkpoint, but {out} has no {_INDEX_NAME}: "
+            f"scale_in_other_shard needs a sharded checkpoint, but {out} has no {INDEX_NAME}: "
             "use a smaller max_shard_size"
         )
     index = json.loads(index_path.read_text())

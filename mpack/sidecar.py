@@ -23,16 +23,15 @@ import json
 import os
 import stat
 import struct
-import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mpack import __version__
+from mpack import __version__, target
 from mpack.errors import CorruptFileError, FormatVersionError, InputError, SourceNotFoundError
 from mpack.fsutil import kind_of, open_regular, open_regular_file, os_error, read_capped
+from mpack.iokit import FileWriter, fd_chunk_digests, hash_fd_range
 
 FORMAT = "mpack-sidecar"
 FORMAT_VERSION = 2
@@ -42,15 +41,16 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "mpack.json"
 COMMON_NAME = "common.safetensors"
 ALIGN = 64
-KERNEL = "marlin-fp8"
-ENGINE = "vllm"
-ENGINE_VERSION = "0.33.0"
-PROFILES = ("w8a16", "w8a8-marlin")
-FUSIONS = ("vllm", "none")
+#: The model's config, copied from the source; loaders build the model from it.
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+#: A Hugging Face checkpoint's weights: one file, or shards listed by an index.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 #: Source files copied into the sidecar verbatim when present.
 COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -74,9 +74,6 @@ MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
               "num_key_value_heads", "vocab_size")  # fmt: skip
 #: Every key ``model.config`` takes from the checkpoint's (text) config, besides ``dtype``.
 MODEL_CONFIG_KEYS = ("model_type", *MODEL_DIMS, "head_dim", "tie_word_embeddings")
-#: Safetensors dtype name of each activation dtype (scales and bias are stored in it).
-ACT_DTYPE_ST = {"bfloat16": "BF16", "float16": "F16"}
-HASH_CHUNK = 8 * 1024 * 1024
 #: Files also carry the sha256 of every CHUNK_BYTES piece (Note [chunk digests]).
 CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -121,60 +118,6 @@ def regenerate_hint_of(manifest: Mapping[str, Any], sidecar: str | os.PathLike) 
     """``regenerate it: <command>`` for a sidecar, its source taken from the manifest."""
     src = manifest.get("source") if isinstance(manifest.get("source"), Mapping) else {}
     return "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), sidecar)
-
-
-# --- hashing ---------------------------------------------------------------------------
-
-
-class HashCancelled(Exception):
-    """A hash stopped early because its ``stop`` event was set (the run it served failed)."""
-
-
-def sha256_file(
-    path: str | os.PathLike, chunk: int = HASH_CHUNK, stop: threading.Event | None = None
-) -> str:
-    """Hex sha256 of a regular file, read in large sequential chunks; ``stop`` aborts it between
-    chunks."""
-    h = hashlib.sha256()
-    with open_regular_file(path, follow=True, buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            if stop is not None and stop.is_set():
-                raise HashCancelled(str(path))
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def chunk_digests(
-    path: str | os.PathLike, chunk: int = CHUNK_BYTES, workers: int | None = None
-) -> list[str]:
-    """sha256 of every ``chunk``-byte piece of a file (the last may be shorter), in parallel.
-
-    Note [chunk digests]: one sha256 stream runs at ~1.2 GB/s on a server core, slower than an
-    NVMe disk, so a loader that checks only the whole-file sha256 is hash-bound, and so is a
-    writer that computes one. The manifest therefore lists per-chunk digests, which the writer
-    computes and a loader checks on many threads as the bytes stream. Since format version 2 the
-    safetensors files carry only these; the small copied files also keep a whole-file sha256.
-    """
-    fd = open_regular(path, follow=True)
-    try:
-        return fd_chunk_digests(fd, Path(path), chunk, os.fstat(fd).st_size, workers)
-    finally:
-        os.close(fd)
-
-
-def fd_chunk_digests(
-    fd: int, path: Path, chunk: int, size: int, workers: int | None = None
-) -> list[str]:
-    """:func:`chunk_digests` of the first ``size`` bytes of the open file ``fd``."""
-    n = max(1, -(-size // chunk))
-    with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
-        return list(
-            pool.map(
-                lambda i: hash_fd_range(fd, path, i * chunk, min((i + 1) * chunk, size)), range(n)
-            )
-        )
 
 
 # --- safetensors layout ------------------------------------------------------------------
@@ -281,44 +224,16 @@ def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
     path = Path(path)
     with open_regular_file(path, follow=follow, what="safetensors file") as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file")
-        (hlen,) = struct.unpack("<Q", prefix)
-        if hlen > MAX_HEADER or 8 + hlen > size:
-            raise CorruptFileError(
-                f"{path}: header length {hlen} does not fit in a file of {size} bytes "
-                "(truncated, or not a safetensors file)"
-            )
-        raw = f.read(hlen)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, RecursionError) as e:
-        raise CorruptFileError(f"{path}: malformed safetensors header ({e})") from None
+        prefix, raw = _read_header(f, path, size)
+    header = _parse_header(raw, path)
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
         raise CorruptFileError(f"{path}: __metadata__ is not a JSON object")
-    start = 8 + hlen
-    entries: list[TensorEntry] = []
-    for name, info in header.items():
-        try:
-            dtype, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = (
-                dtype in DTYPE_SIZES
-                and all(_is_count(d) for d in shape)
-                and _is_count(a)
-                and _is_count(b)
-                and a <= b
-                and b - a == TensorSpec(name, dtype, shape).nbytes
-            )
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
-        entries.append(TensorEntry(name, dtype, shape, start + a, b - a))
-    entries.sort(key=lambda e: e.offset)
+    start = 8 + len(raw)
+    entries = sorted(
+        (_header_entry(name, info, start, path) for name, info in header.items()),
+        key=lambda e: e.offset,
+    )
     pos = start
     for e in entries:
         if e.offset != pos:
@@ -334,31 +249,65 @@ def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
     return FileLayout(header=prefix + raw, entries=entries, size=size, metadata=dict(meta))
 
 
+def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[bytes, bytes]:
+    """The 8-byte length prefix and the JSON header bytes, bounded by the file and MAX_HEADER."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file")
+    (hlen,) = struct.unpack("<Q", prefix)
+    if hlen > MAX_HEADER or 8 + hlen > size:
+        raise CorruptFileError(
+            f"{path}: header length {hlen} does not fit in a file of {size} bytes "
+            "(truncated, or not a safetensors file)"
+        )
+    return prefix, f.read(hlen)
+
+
+def _parse_header(raw: bytes, path: Path) -> dict[str, Any]:
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, RecursionError) as e:
+        raise CorruptFileError(f"{path}: malformed safetensors header ({e})") from None
+    return header
+
+
+def _header_entry(name: str, info: Any, start: int, path: Path) -> TensorEntry:
+    """One tensor's header entry, checked: a known dtype, counts for dims and offsets, and a
+    byte range as long as the shape says."""
+    try:
+        dtype, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        ok = (
+            dtype in DTYPE_SIZES
+            and all(_is_count(d) for d in shape)
+            and _is_count(a)
+            and _is_count(b)
+            and a <= b
+            and b - a == TensorSpec(name, dtype, shape).nbytes
+        )
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
+    return TensorEntry(name, dtype, shape, start + a, b - a)
+
+
 def _is_count(x: Any) -> bool:
     """A non-negative JSON integer (not a bool, not a float such as 2.0)."""
     return type(x) is int and x >= 0
 
 
-class HashingWriter:
-    """Writes one planned safetensors file front to back, hashing every byte as it goes.
+class HashingWriter(FileWriter):
+    """Writes one planned safetensors file front to back, its header first, hashing every byte:
+    :class:`mpack.iokit.FileWriter` (chunk digests and write-behind behind the writes) with the
+    file's :class:`FileLayout`.
 
-    Writes must come in file order (the planner guarantees it); each tensor's bytes may arrive
-    in several chunks, and :meth:`write_at` is done with them when it returns. Two kinds of work
-    overlap the caller's next write (both release the GIL):
-
-    - the per-chunk sha256 list (Note [chunk digests]): each ``chunk_bytes`` piece is re-read
-      from the page cache and hashed on a shared pool as soon as the writer has passed its end;
-    - write-behind (Note [write-behind]): every ``FLUSH_BYTES`` written, the kernel is asked to
-      start writing that range to disk, so the final fsync finds little left to do.
-
-    ``finish()`` checks that every planned byte was written, fsyncs, and returns
-    ``(size, sha256)``; ``chunks`` then holds the chunk digests (``chunk_bytes=None``: none).
-    The whole-file sha256 is computed in :meth:`write_at` itself; ``whole_file=False`` (what
-    ``mpack convert`` uses) skips it, and ``finish`` returns None for it: one sha256 stream is
-    slower than the disk, and the chunk digests alone cover every byte.
+    Writes must come in file order (the planner guarantees it). ``finish()`` returns
+    ``(size, sha256)`` (``whole_file=False``, what ``mpack convert`` uses: None for the sha256)
+    and leaves the ``chunk_bytes`` digests in ``chunks`` (Note [chunk digests] in
+    mpack/iokit.py).
     """
-
-    FLUSH_BYTES = 32 * 1024 * 1024
 
     def __init__(
         self,
@@ -367,147 +316,9 @@ class HashingWriter:
         chunk_bytes: int | None = CHUNK_BYTES,
         whole_file: bool = True,
     ) -> None:
-        self.path = Path(path)
+        super().__init__(path, layout.size, chunk_bytes, whole_file)
         self.layout = layout
-        self.chunk_bytes = chunk_bytes
-        self.chunks: list[str] = []
-        self._f: BinaryIO = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()
-        self._h = hashlib.sha256() if whole_file else None
-        self._pos = 0
-        self._flushed = 0
-        self._chunk_futs: list[Future[str]] = []
-        self._flushes: list[Future[None]] = []
-        self._write(layout.header)
-
-    def _write(self, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        done = 0
-        while done < len(mv):
-            done += self._f.write(mv[done:])
-        if self._h is not None:
-            self._h.update(mv)
-        self._pos += len(mv)
-        if self._pos - self._flushed >= self.FLUSH_BYTES:
-            self._flush_behind()
-        if self.chunk_bytes:
-            while (len(self._chunk_futs) + 1) * self.chunk_bytes <= self._pos:
-                self._submit_chunk(len(self._chunk_futs))
-
-    def _flush_behind(self) -> None:
-        start, self._flushed = self._flushed, self._pos
-        if _sync_file_range is not None:
-            fut = _background().submit(start_writeback, self._f.fileno(), start, self._pos - start)
-            self._flushes = [f for f in self._flushes if not f.done()] + [fut]
-
-    def _submit_chunk(self, i: int) -> None:
-        assert self.chunk_bytes
-        a = i * self.chunk_bytes
-        b = min(a + self.chunk_bytes, self._pos)
-        self._chunk_futs.append(_background().submit(hash_range, self.path, a, b))
-
-    @property
-    def position(self) -> int:
-        return self._pos
-
-    def write_at(self, offset: int, data: Any) -> None:
-        """Append ``data`` (bytes-like, e.g. a numpy array) at ``offset``, which must be the end.
-        ``data`` may be reused as soon as this returns."""
-        if offset != self._pos:
-            raise AssertionError(
-                f"{self.path.name}: write at {offset}, but the file is at {self._pos}"
-            )
-        self._write(data)
-
-    def fence(self) -> threading.Event:
-        """An event set once every buffer passed to :meth:`write_at` so far is no longer read:
-        always already set, since :meth:`write_at` hashes and writes before it returns."""
-        ev = threading.Event()
-        ev.set()
-        return ev
-
-    def finish(self) -> tuple[int, str | None]:
-        if self._pos != self.layout.size:
-            raise AssertionError(f"{self.path.name}: wrote {self._pos} of {self.layout.size} bytes")
-        if self.chunk_bytes and (
-            not self._chunk_futs or len(self._chunk_futs) * self.chunk_bytes < self._pos
-        ):
-            self._submit_chunk(len(self._chunk_futs))  # the last, shorter chunk (or an empty file)
-        for fut in self._flushes:
-            fut.result()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self.chunks = [f.result() for f in self._chunk_futs]
-        return self._pos, self._h.hexdigest() if self._h is not None else None
-
-    def close(self) -> None:
-        for fut in self._chunk_futs + self._flushes:
-            fut.cancel()
-        if not self._f.closed:
-            self._f.close()
-
-
-# Note [write-behind]: Linux starts writing dirty pages back only past dirty_background_ratio
-# (10 % of memory by default: ~13 GB on a 128 GB host), so a 9 GB sidecar would sit in the page
-# cache until the final fsync and then be flushed in one serial wait as long as the disk write
-# itself. sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without waiting for
-# it, so the disk writes while the pipeline still reads and transforms; fsync at the end waits
-# only for the tail. Where the call does not exist (not Linux), writes fall back to plain
-# page-cache writes and the final fsync.
-def _load_sync_file_range() -> Any:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-_BG: ThreadPoolExecutor | None = None
-_BG_LOCK = threading.Lock()
-
-
-def _background() -> ThreadPoolExecutor:
-    """One shared pool for chunk hashing and write-behind requests (many files, one process)."""
-    global _BG
-    with _BG_LOCK:
-        if _BG is None:
-            _BG = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="mpack-bg")
-        return _BG
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk, without
-    waiting (Note [write-behind]); a no-op where sync_file_range does not exist."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors ignored
-
-
-def hash_range(path: Path, a: int, b: int) -> str:
-    """sha256 of bytes ``[a, b)`` of the regular file ``path`` (read back from the page cache)."""
-    fd = open_regular(path, follow=True)
-    try:
-        return hash_fd_range(fd, path, a, b)
-    finally:
-        os.close(fd)
-
-
-def hash_fd_range(fd: int, path: Path, a: int, b: int) -> str:
-    """sha256 of bytes ``[a, b)`` of the open file ``fd`` (``path`` names it in errors)."""
-    h = hashlib.sha256()
-    pos = a
-    while pos < b:
-        data = os.pread(fd, min(HASH_CHUNK, b - pos), pos)
-        if not data:
-            raise CorruptFileError(f"{path}: file shrank while hashing")
-        h.update(data)
-        pos += len(data)
-    return h.hexdigest()
+        self.write_at(0, layout.header)
 
 
 # --- manifest ----------------------------------------------------------------------------
@@ -540,9 +351,9 @@ def new_manifest(*, target: Mapping[str, Any], source: Mapping[str, Any], model:
 
 def target_of(*, profile: str, act_dtype: str, tp: int, fusion: str) -> dict[str, Any]:
     return {
-        "kernel": KERNEL,
-        "engine": ENGINE,
-        "engine_version": ENGINE_VERSION,
+        "kernel": target.KERNEL,
+        "engine": target.ENGINE,
+        "engine_version": target.ENGINE_VERSION,
         "profile": profile,
         "act_dtype": act_dtype,
         "tp_size": tp,
@@ -617,8 +428,8 @@ def _check_target(t: dict[str, Any], where: str | os.PathLike) -> None:
         raise CorruptFileError(
             f"{where}: target tp_size is {str(tp)[:40]}, not an integer in 1..{MAX_TP}"
         )
-    allowed = {"kernel": (KERNEL,), "profile": PROFILES, "act_dtype": tuple(ACT_DTYPE_ST),
-               "fusion": FUSIONS}  # fmt: skip
+    allowed = {"kernel": (target.KERNEL,), "profile": target.PROFILES,
+               "act_dtype": tuple(target.ACT_DTYPES), "fusion": target.FUSIONS}  # fmt: skip
     for key, values in allowed.items():
         if t[key] not in values:
             raise CorruptFileError(
@@ -699,14 +510,12 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
 def expected_rank_tensors(m: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor a rank file must hold, as implied by the manifest's ``layers`` (FORMAT.md):
     name -> (safetensors dtype, shape). Every rank holds the same names and shapes."""
-    dt = ACT_DTYPE_ST[m["target"]["act_dtype"]]
-    out = {}
-    for name, ly in m["layers"].items():
-        out[f"{name}.weight"] = ("I32", (ly["kp"] // 16, 4 * ly["np"]))
-        out[f"{name}.weight_scale"] = (dt, (1, ly["np"]))
-        if ly["bias"]:
-            out[f"{name}.bias"] = (dt, (ly["np"],))
-    return out
+    act = m["target"]["act_dtype"]
+    return {
+        t: (dt, shape)
+        for name, ly in m["layers"].items()
+        for t, dt, shape in target.packed_specs(name, ly["np"], ly["kp"], act, ly["bias"])
+    }
 
 
 def rank_tensor_problems(layout: FileLayout, m: Mapping[str, Any], name: str) -> list[str]:

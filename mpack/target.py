@@ -2,7 +2,7 @@
 
 This module is the one owner of every fact about the target that more than one part of mpack
 uses: the engine and kernel a sidecar is made for, the profiles and fusions, the activation
-dtypes (storage code, exponent fold, largest foldable scale, unit roundoff), the padding rule
+dtypes (storage code, exponent fold, largest foldable scale), the padding rule
 and the names, dtypes and shapes of the packed tensors of one layer. ``convert`` writes by them,
 ``mpack.sidecar`` checks rank files against them, the runtime and the vLLM loader compare with
 them. How the bytes are arranged inside those tensors belongs to :mod:`mpack.convert.marlin`.
@@ -38,12 +38,11 @@ class ActDtype:
     st: str  # its safetensors dtype code
     exp_fold: float  # SPEC §7.5: the exponent-bias fold multiplied into the scales
     fold_limit: float  # SPEC §1: the largest scale that stays finite after the fold
-    unit_roundoff: float  # 2**-(mantissa bits + 1), for error bounds
 
 
 ACT_DTYPES: dict[str, ActDtype] = {
-    "bfloat16": ActDtype("bfloat16", "BF16", 2.0**120, 255.0, 2.0**-9),
-    "float16": ActDtype("float16", "F16", 2.0**8, 255.875, 2.0**-11),
+    "bfloat16": ActDtype("bfloat16", "BF16", 2.0**120, 255.0),
+    "float16": ActDtype("float16", "F16", 2.0**8, 255.875),
 }
 
 

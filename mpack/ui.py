@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -17,6 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from mpack import target
+from mpack.sidecar import DTYPE_SIZES
 
 #: Width of output that goes to a pipe or a file: wide enough that no digest or path is broken
 #: across lines (a table still takes only the width its cells need).
@@ -105,16 +109,11 @@ def human_bytes(n: int) -> str:
 
 
 def emit_layout(*, n: int, k: int, np_: int, kp: int, act_dtype: str, as_json: bool) -> None:
-    doc = {
-        "N": n,
-        "K": k,
-        "Np": np_,
-        "Kp": kp,
-        "padded": (np_, kp) != (n, k),
-        "weight": {"dtype": "int32", "shape": [kp // 16, 4 * np_], "bytes": kp * np_},
-        "weight_scale": {"dtype": act_dtype, "shape": [1, np_], "bytes": 2 * np_},
-        "bias": {"dtype": act_dtype, "shape": [np_], "bytes": 2 * np_},
-    }
+    doc: dict[str, Any] = {"N": n, "K": k, "Np": np_, "Kp": kp, "padded": (np_, kp) != (n, k)}
+    for name, st, shape in target.packed_specs("", np_, kp, act_dtype, bias=True):
+        dtype = "int32" if st == "I32" else act_dtype
+        nbytes = math.prod(shape) * DTYPE_SIZES[st]
+        doc[name.lstrip(".")] = {"dtype": dtype, "shape": list(shape), "bytes": nbytes}
     if as_json:
         print_json(doc)
         return
@@ -426,9 +425,11 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
 
 
 def emit_ready(info: dict[str, Any]) -> None:
-    """The one ``READY key=value ...`` line ``mpack serve`` prints on stdout when it serves."""
-    keys = ("socket", "pid", "device", "backend", "bytes", "load_s", "rank", "digest")
-    write_line(sys.stdout, "READY " + " ".join(f"{k}={info[k]}" for k in keys if k in info))
+    """The one ``READY key=value ...`` line ``mpack serve`` prints on stdout when it serves
+    (its format: :func:`mpack.runtime.spawn.format_ready`)."""
+    from mpack.runtime.spawn import format_ready
+
+    write_line(sys.stdout, format_ready(info))
 
 
 def write_line(stream: Any, line: str) -> None:

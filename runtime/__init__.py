@@ -9,7 +9,8 @@
 
 Modules: protocol (wire format, socket naming), layout (where each byte goes), loader (verified
 pipelined fill, ``load``), host (memfd backend), cuda_vmm (CUDA VMM backend, cuda-bindings
-imported lazily), daemon (``serve``), client (``attach``, status), weights (``SharedWeights``).
+imported lazily), daemon (``serve``), client (``attach``, status), weights (``SharedWeights``), spawn (start
+and stop a daemon process from code: the READY fields, the logs), vllm (``--load-format mpack``).
 Importing this package imports neither torch nor cuda-bindings and never initialises CUDA.
 The protocol and the lifecycle guarantees are specified in docs/RUNTIME.md.
 """

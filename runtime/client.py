@@ -95,42 +95,12 @@ def attach(
     hint = f"start one: mpack serve {sidecar} --rank {rank} --device {dev.label}"
     sock = _connect(path, what, hint, timeout)
     try:
-        hello = {
-            "type": P.ATTACH,
-            "digest": digest,
-            "rank": rank,
-            "device": dev.key,
-            "pid": os.getpid(),
-        }
+        hello = {"type": P.ATTACH, "digest": digest, "rank": rank, "device": dev.key,
+                 "pid": os.getpid()}  # fmt: skip
         reply, fds = _request(sock, hello, path)
         try:
-            if reply["type"] != P.ATTACHED:
-                raise ProtocolError(f"the daemon at {path} answered attach with {reply['type']!r}")
-            got = (reply.get("digest"), reply.get("rank"), reply.get("device"))
-            if got != (digest, rank, dev.key):
-                raise DaemonError(
-                    f"the daemon at {path} serves digest {str(got[0])[:16]}... rank {got[1]} on "
-                    f"{got[2]}, not {what} (digest {digest[:16]}..., {dev.key})",
-                    hint="pass the right --socket, or none to use the default",
-                )
-            size, data_size = reply.get("size"), reply.get("data_size")
-            if not (type(size) is int and type(data_size) is int and 0 < data_size <= size):
-                raise ProtocolError(f"the daemon at {path} sent sizes {size!r}, {data_size!r}")
-            tensors = tensors_from_wire(reply.get("tensors"), data_size)
-            if len(fds) != 1:
-                raise ProtocolError(f"the daemon at {path} sent {len(fds)} descriptors, not 1")
-            backend = "host" if dev.kind == "cpu" else "cuda"
-            if reply.get("backend") != backend:
-                raise ProtocolError(f"the daemon at {path} serves backend {reply.get('backend')!r}")
-            if dev.kind == "cpu":
-                from mpack.runtime.host import map_readonly
-
-                base = map_readonly(fds[0], size)
-            else:
-                from mpack.runtime.cuda_vmm import map_readonly as map_device
-
-                assert dev.ordinal is not None
-                base = map_device(fds[0], size, dev.ordinal)
+            size, tensors = _check_attached(reply, fds, path, (digest, rank, dev), what)
+            base = _map(fds[0], size, dev)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -146,10 +116,52 @@ def attach(
         digest=digest,
         rank=rank,
         device=dev.label,
-        backend=backend,
+        backend=_backend(dev),
         nbytes=size,
         lease=sock,
     )
+
+
+def _backend(dev: P.Device) -> str:
+    return "host" if dev.kind == "cpu" else "cuda"
+
+
+def _check_attached(
+    reply: dict[str, Any], fds: list[int], path: Path, asked: tuple[str, int, P.Device], what: str
+) -> tuple[int, list[Any]]:
+    """The daemon's ``attached`` reply, checked against what was asked for: the mapping's size
+    and its tensors."""
+    digest, rank, dev = asked
+    if reply["type"] != P.ATTACHED:
+        raise ProtocolError(f"the daemon at {path} answered attach with {reply['type']!r}")
+    got = (reply.get("digest"), reply.get("rank"), reply.get("device"))
+    if got != (digest, rank, dev.key):
+        raise DaemonError(
+            f"the daemon at {path} serves digest {str(got[0])[:16]}... rank {got[1]} on "
+            f"{got[2]}, not {what} (digest {digest[:16]}..., {dev.key})",
+            hint="pass the right --socket, or none to use the default",
+        )
+    size, data_size = reply.get("size"), reply.get("data_size")
+    if not (type(size) is int and type(data_size) is int and 0 < data_size <= size):
+        raise ProtocolError(f"the daemon at {path} sent sizes {size!r}, {data_size!r}")
+    tensors = tensors_from_wire(reply.get("tensors"), data_size)
+    if len(fds) != 1:
+        raise ProtocolError(f"the daemon at {path} sent {len(fds)} descriptors, not 1")
+    if reply.get("backend") != _backend(dev):
+        raise ProtocolError(f"the daemon at {path} serves backend {reply.get('backend')!r}")
+    return size, tensors
+
+
+def _map(fd: int, size: int, dev: P.Device) -> Any:
+    """Map the daemon's memory read-only in this process: host ``mmap`` or CUDA VMM."""
+    if dev.kind == "cpu":
+        from mpack.runtime.host import map_readonly
+
+        return map_readonly(fd, size)
+    from mpack.runtime.cuda_vmm import map_readonly as map_device
+
+    assert dev.ordinal is not None
+    return map_device(fd, size, dev.ordinal)
 
 
 def status_of(path: Path, *, timeout: float = 5.0) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """CUDA backend (``--device cuda:N``): one VMM allocation per served rank, shared by POSIX fd.
 
-Uses the CUDA driver's virtual memory management API through cuda-bindings, imported lazily
-(``import mpack.runtime`` never loads it nor initialises CUDA). No torch.multiprocessing, no
-legacy cudaIpc handles (they cannot map read-only and die with the exporter).
+Uses the CUDA driver's virtual memory management API through :mod:`mpack.cudadrv`, which
+imports cuda-bindings lazily (``import mpack.runtime`` never loads it nor initialises CUDA). No
+torch.multiprocessing, no legacy cudaIpc handles (they cannot map read-only and die with the
+exporter).
 
 Note [read-only CUDA mapping]: the daemon creates the allocation with ``cuMemCreate``
 (requesting POSIX-fd handles), maps it read-write only to fill it, then unmaps it and keeps just
@@ -21,11 +22,9 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from mpack.errors import MpackError, UsageError
+from mpack.cudadrv import check, device, init, on_device
 from mpack.runtime.loader import CudaDest, FillStats, fill
 
 if TYPE_CHECKING:
@@ -33,65 +32,11 @@ if TYPE_CHECKING:
 
     from mpack.runtime.layout import Plan
 
-_state: dict[str, Any] = {"init": False, "ctx": {}}
-
-
-def _driver() -> Any:
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        raise UsageError(
-            "--device cuda needs the cuda-bindings package",
-            hint="pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')",
-        ) from None
-    return driver
-
-
-def _check(result: Any, what: str) -> Any:
-    """Unpack a cuda-bindings ``(CUresult, *values)`` tuple; raise on an error."""
-    d = _driver()
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != d.CUresult.CUDA_SUCCESS:
-        name = d.cuGetErrorName(err)[1] or b"?"
-        text = d.cuGetErrorString(err)[1] or b""
-        raise MpackError(
-            f"CUDA driver call {what} failed: {name.decode()} ({text.decode()})",
-            hint="check the device (nvidia-smi), free memory and the driver version",
-        )
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def _init() -> Any:
-    d = _driver()
-    if not _state["init"]:
-        _check(d.cuInit(0), "cuInit")
-        _state["init"] = True
-    return d
-
-
-@contextmanager
-def _on_device(ordinal: int) -> Iterator[Any]:
-    """Make the device's primary context (the one torch uses) current for driver calls."""
-    d = _init()
-    ctx = _state["ctx"].get(ordinal)
-    if ctx is None:
-        dev = _check(d.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-        ctx = _check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _state["ctx"][ordinal] = ctx  # retained for the life of the process
-    _check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        yield d
-    finally:
-        d.cuCtxPopCurrent()
-
 
 def device_uuid(ordinal: int) -> str:
     """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` of CUDA device ``ordinal`` (as nvidia-smi)."""
-    d = _init()
-    dev = _check(d.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-    raw = _check(d.cuDeviceGetUuid(dev), "cuDeviceGetUuid").bytes
+    d = init()
+    raw = check(d.cuDeviceGetUuid(device(ordinal)), "cuDeviceGetUuid").bytes
     h = (raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)).hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
@@ -137,15 +82,15 @@ class DeviceMapping:
 
 
 def _unmap(ptr: int, size: int, ordinal: int) -> None:
-    with _on_device(ordinal) as d:
+    with on_device(ordinal) as d:
         d.cuMemUnmap(ptr, size)
         d.cuMemAddressFree(ptr, size)
 
 
 def _map(d: Any, handle: Any, size: int, ordinal: int, *, writable: bool) -> DeviceMapping:
-    ptr = _check(d.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+    ptr = check(d.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
     try:
-        _check(d.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+        check(d.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
         try:
             desc = d.CUmemAccessDesc()
             desc.location = _location(d, ordinal)
@@ -155,7 +100,7 @@ def _map(d: Any, handle: Any, size: int, ordinal: int, *, writable: bool) -> Dev
                 if writable
                 else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
             )
-            _check(d.cuMemSetAccess(ptr, size, [desc], 1), "cuMemSetAccess")
+            check(d.cuMemSetAccess(ptr, size, [desc], 1), "cuMemSetAccess")
         except BaseException:
             d.cuMemUnmap(ptr, size)
             raise
@@ -177,25 +122,25 @@ class DeviceExport:
     def create(cls, plan: Plan, ordinal: int) -> DeviceExport:
         """Allocate (rounded up to the granularity), fill while verifying, export.
 
-        Raises what ``loader.fill`` raises, or ``MpackError`` for a failed driver call.
+        Raises what ``loader.fill`` raises, or ``CudaError`` for a failed driver call.
         """
-        with _on_device(ordinal) as d:
+        with on_device(ordinal) as d:
             prop = d.CUmemAllocationProp()
             prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
             prop.location = _location(d, ordinal)
             prop.requestedHandleTypes = _posix_fd(d)
-            gran = _check(
+            gran = check(
                 d.cuMemGetAllocationGranularity(
                     prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
                 ),
                 "cuMemGetAllocationGranularity",
             )
             size = (plan.size + gran - 1) // gran * gran
-            handle = _check(d.cuMemCreate(size, prop, 0), f"cuMemCreate({size} bytes)")
+            handle = check(d.cuMemCreate(size, prop, 0), f"cuMemCreate({size} bytes)")
             fd = -1
             try:
                 fd = int(
-                    _check(
+                    check(
                         d.cuMemExportToShareableHandle(handle, _posix_fd(d), 0),
                         "cuMemExportToShareableHandle",
                     )
@@ -211,7 +156,7 @@ class DeviceExport:
         except BaseException:
             rw.unmap()
             os.close(fd)
-            with _on_device(ordinal) as d:
+            with on_device(ordinal) as d:
                 d.cuMemRelease(handle)
             raise
         rw.unmap()  # the daemon keeps no mapping at all, only the handle and the fd
@@ -221,7 +166,7 @@ class DeviceExport:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-            with _on_device(self.ordinal) as d:
+            with on_device(self.ordinal) as d:
                 d.cuMemRelease(self.handle)
 
 
@@ -233,8 +178,8 @@ def map_readonly(fd: int, size: int, ordinal: int) -> torch.Tensor:
     import torch
 
     torch.cuda.init()
-    with _on_device(ordinal) as d:
-        handle = _check(
+    with on_device(ordinal) as d:
+        handle = check(
             d.cuMemImportFromShareableHandle(fd, _posix_fd(d)), "cuMemImportFromShareableHandle"
         )
         try:

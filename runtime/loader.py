@@ -2,28 +2,30 @@
 
 Note [the fill pipeline]: each file is read front to back in ``CHUNK``-byte pieces into a ring
 of ``DEPTH`` slots. A slot is either the destination itself (host memory: read straight into
-the memfd mapping or tensor, no staging copy) or a pinned host buffer whose bytes then go to the
-GPU by an asynchronous copy on a side stream. While the next piece is read, earlier pieces are
-checked against the manifest's per-chunk digests (Note [chunk digests] in mpack/sidecar.py): a
-chunk read in one piece is hashed on a pool of ``HASH_WORKERS`` threads, a longer one (a
-version-1 file, which lists only its whole-file sha256: one chunk) piece by piece on one thread. ``readinto`` and ``hashlib`` release the GIL, so disk, hashing and
-H2D copies overlap. A slot is reused only after its hash and its copy finished. Every digest
-must match the manifest, and each file's first bytes must equal the header that was parsed when
-planning (so the layout describes exactly the bytes loaded); otherwise the load fails and
-nothing is served.
+the memfd mapping or tensor, no staging copy) or a piece of a pinned ring (``mpack.iokit``'s
+``PinnedRing``) whose bytes then go to the GPU by an asynchronous copy on a side stream. While
+the next piece is read, earlier pieces are checked against the manifest's per-chunk digests
+(Note [chunk digests] in mpack/iokit.py): a chunk read in one piece is hashed on a pool of
+``HASH_WORKERS`` threads, a longer one (a version-1 file, which lists only its whole-file
+sha256: one chunk) piece by piece on one thread. ``readinto`` and ``hashlib`` release the GIL,
+so disk, hashing and H2D copies overlap. A slot is reused only after its hash and its copy
+finished. Every digest must match the manifest, and each file's first bytes must equal the
+header that was parsed when planning (so the layout describes exactly the bytes loaded);
+otherwise the load fails and nothing is served.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from mpack import iokit
 from mpack.errors import CorruptFileError, VerificationError
 from mpack.fsutil import open_regular_file
+from mpack.iokit import ChunkDigester, PinnedRing, read_full
 from mpack.runtime.layout import Plan, Region, plan_rank
 from mpack.runtime.protocol import parse_device
 from mpack.sidecar import CHUNK_BYTES, chunk_mismatch, regenerate_hint_of
@@ -67,37 +69,28 @@ class HostDest:
 
 
 class CudaDest:
-    """A uint8 CUDA tensor, filled through ``depth`` pinned staging buffers and async copies."""
+    """A uint8 CUDA tensor, filled through a ring of ``depth`` pinned pieces (Note [staging
+    rings] in mpack/iokit.py) and asynchronous copies on a side stream."""
 
     def __init__(self, dst: torch.Tensor, *, depth: int = DEPTH, chunk: int = CHUNK) -> None:
         import torch
 
-        self.torch = torch
         self.dst = dst  # uint8 [size] on a CUDA device
         self.stream = torch.cuda.Stream(device=dst.device)
-        self.pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
-        self.views = [memoryview(p.numpy()) for p in self.pinned]
-        self.events: list[torch.cuda.Event | None] = [None] * depth
+        self.ring = PinnedRing(depth, chunk)
 
     def slot(self, i: int, offset: int, n: int) -> memoryview:
-        return self.views[i][:n]
+        return self.ring.slots[i].view[:n]
 
     def submit(self, i: int, offset: int, n: int) -> None:
-        with self.torch.cuda.stream(self.stream):
-            self.dst[offset : offset + n].copy_(self.pinned[i][:n], non_blocking=True)
-            ev = self.torch.cuda.Event()
-            ev.record(self.stream)
-        self.events[i] = ev
+        self.ring.slots[i].to_device(self.dst[offset : offset + n], self.stream)
 
     def wait(self, i: int) -> None:
-        ev = self.events[i]
-        if ev is not None:
-            ev.synchronize()
+        self.ring.slots[i].ready()
 
     def finish(self) -> None:
         self.stream.synchronize()
-        for v in self.views:
-            v.release()
+        self.ring.close()
 
 
 @dataclass(frozen=True)
@@ -106,28 +99,13 @@ class FillStats:
     seconds: float
 
 
-def read_full(f, view: memoryview) -> int:
-    """``readinto`` until ``view`` is full or the file ends; the number of bytes read."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-def _chunk_digest(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
-
-
 def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH) -> FillStats:
     """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
 
     Every file is checked chunk by chunk against the manifest (``Region.chunk_sha256``; a
     version-1 file without chunk digests is one chunk with its whole-file sha256). A chunk that
     fits in one ``chunk``-byte read is hashed on a pool of ``HASH_WORKERS`` threads; a larger one
-    is hashed piece by piece, in order, on one thread.
+    is hashed piece by piece, in order, on one thread (:class:`mpack.iokit.ChunkDigester`).
 
     Raises:
         VerificationError: a chunk whose sha256 differs from the manifest.
@@ -137,51 +115,49 @@ def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPT
     pending: list[Future | None] = [None] * depth
     k = 0
     try:
-        with (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpack-hash") as ordered,
-            ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="mpack-chunk") as pool,
-        ):
+        with iokit.pool("hash", 1) as ordered, iokit.pool("chunk", HASH_WORKERS) as pool:
             for r in plan.regions:
-                k, digests = _fill_region(r, dest, pool, ordered, pending, k, chunk, depth)
+                digester = ChunkDigester(r.chunk_bytes, r.size, pool=pool, ordered=ordered)
+                k = _fill_region(r, dest, digester, pending, k, chunk, depth)
                 for i, p in enumerate(pending):  # the file's last pieces
                     if p is not None:
                         p.result()
                         pending[i] = None
-                got = [d.result() for d in digests] or [hashlib.sha256().hexdigest()]
-                bad = chunk_mismatch(got, r.chunk_sha256, r.chunk_bytes, r.size)
-                if bad:
-                    _, lo, hi, nbad = bad
-                    raise VerificationError(
-                        f"{r.path}: sha256 of bytes {lo}..{hi} does not match the manifest's chunk "
-                        f"sha256 ({nbad} of {len(got)} chunks differ): the file is damaged or was "
-                        "modified; refusing to serve it",
-                        hint=regenerate_hint_of(plan.manifest, plan.sidecar),
-                    )
+                _verify(plan, r, digester.digests())
     finally:
         dest.finish()  # also on failure: no copy may still be writing into memory about to go
     return FillStats(plan.size, time.perf_counter() - t0)
 
 
+def _verify(plan: Plan, r: Region, got: list[str]) -> None:
+    """Raise ``VerificationError`` unless the chunk digests ``got`` of ``r`` are the manifest's."""
+    bad = chunk_mismatch(got, r.chunk_sha256, r.chunk_bytes, r.size)
+    if bad:
+        _, lo, hi, nbad = bad
+        raise VerificationError(
+            f"{r.path}: sha256 of bytes {lo}..{hi} does not match the manifest's chunk "
+            f"sha256 ({nbad} of {len(got)} chunks differ): the file is damaged or was "
+            "modified; refusing to serve it",
+            hint=regenerate_hint_of(plan.manifest, plan.sidecar),
+        )
+
+
 def _fill_region(
     r: Region,
     dest: Destination,
-    pool: ThreadPoolExecutor,
-    ordered: ThreadPoolExecutor,
+    digester: ChunkDigester,
     pending: list[Future | None],
     k: int,
     chunk: int,
     depth: int,
-) -> tuple[int, list[Future]]:
-    """Read ``r`` in pieces that never cross a chunk boundary; one digest future per chunk."""
-    digests: list[Future] = []
-    h = None  # the current chunk's hash when it spans several pieces
+) -> int:
+    """Read ``r`` into ring slots ``k, k + 1, ...`` (mod ``depth``) in pieces that never cross a
+    chunk boundary, each handed to ``digester``; the next slot's ``k``."""
     with open_regular_file(r.path, buffering=0) as f:  # no symlink, FIFO or device
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         pos = 0
         while pos < r.size:
-            in_chunk = pos % r.chunk_bytes
-            chunk_left = min(r.chunk_bytes - in_chunk, r.size - pos)
-            n = min(chunk, chunk_left)
+            n = digester.next_piece(chunk)
             i = k % depth
             if pending[i] is not None:
                 pending[i].result()
@@ -192,20 +168,12 @@ def _fill_region(
             if pos < len(r.head) and view[: len(r.head) - pos] != r.head[pos : pos + n]:
                 raise CorruptFileError(f"{r.path}: header changed while loading")
             dest.submit(i, r.offset + pos, n)
-            if in_chunk == 0 and n == chunk_left:  # the whole chunk in one piece: any thread
-                pending[i] = pool.submit(_chunk_digest, view)
-                digests.append(pending[i])
-            else:  # pieces of one chunk: in order, on the one ordered thread
-                if in_chunk == 0:
-                    h = hashlib.sha256()
-                pending[i] = ordered.submit(h.update, view)
-                if n == chunk_left:
-                    digests.append(ordered.submit(h.hexdigest))
+            pending[i] = digester.add(view)  # still reads the slot until it is done
             pos += n
             k += 1
         if f.read(1):
             raise CorruptFileError(f"{r.path}: file grew while loading")
-    return k, digests
+    return k
 
 
 def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> SharedWeights:

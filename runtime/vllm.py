@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpack import arch
 from mpack.errors import DaemonError, InputError, MpackError, UnsupportedSchemeError, UsageError
 from mpack.sidecar import (
     COMMON_NAME,
@@ -175,6 +176,13 @@ def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) 
             raise EngineMismatchError(
                 f"{where}: the sidecar's {what} is {have}, the engine's is {want}", hint=hint
             )
+    made_from = (manifest.get("model") or {}).get("architecture")
+    if made_from not in arch.LLAMA_FAMILY or made_from != engine["architecture"]:
+        raise EngineMismatchError(
+            f"{where}: the sidecar was made from a {made_from} model, this model is a "
+            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(arch.LLAMA_FAMILY)}",
+            hint="serve the sidecar of this model (mpack inspect shows what a sidecar holds)",
+        )
     cfg = (manifest.get("model") or {}).get("config") or {}
     for key in MODEL_DIMS:
         if key in cfg and key in engine["model"] and cfg[key] != engine["model"][key]:
@@ -208,6 +216,7 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
         "profile": profile,
         "profile_why": why,
         "model": {k: getattr(text, k) for k in MODEL_DIMS if hasattr(text, k)},
+        "architecture": (getattr(model_config.hf_config, "architectures", None) or [None])[0],
     }
 
 
@@ -260,6 +269,25 @@ def _device_label(target: torch.device) -> str:
 # --- the loader ----------------------------------------------------------------------------------
 
 
+def checked_sidecar(
+    opts: Options, vllm_config: Any, model_config: Any
+) -> tuple[Path, dict[str, Any]]:
+    """The sidecar to load and its manifest, once everything the engine fixes agrees with it
+    (before any model memory); the model's FP8 linears are then put on Marlin."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp != 1:
+        raise UsageError(
+            f"--load-format mpack does not support pipeline parallelism "
+            f"(--pipeline-parallel-size {pp})",
+            hint="use tensor parallelism (mpack convert --tp N)",
+        )
+    sidecar = sidecar_dir(opts, model_config.model)
+    manifest, _ = load_manifest(sidecar)
+    check_target(manifest, _engine_facts(vllm_config, model_config), sidecar)
+    force_marlin(vllm_config)
+    return sidecar, manifest
+
+
 @functools.cache
 def loader_class() -> type:
     """vLLM's ``DefaultModelLoader`` subclass for ``--load-format mpack`` (built once)."""
@@ -292,17 +320,7 @@ def loader_class() -> type:
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            pp = vllm_config.parallel_config.pipeline_parallel_size
-            if pp != 1:
-                raise UsageError(
-                    f"--load-format mpack does not support pipeline parallelism "
-                    f"(--pipeline-parallel-size {pp})",
-                    hint="use tensor parallelism (mpack convert --tp N)",
-                )
-            sidecar = sidecar_dir(self.options, model_config.model)
-            manifest, _ = load_manifest(sidecar)
-            check_target(manifest, _engine_facts(vllm_config, model_config), sidecar)
-            force_marlin(vllm_config)
+            sidecar, manifest = checked_sidecar(self.options, vllm_config, model_config)
             load_device = vllm_config.load_config.device or vllm_config.device_config.device
             target = torch.device(load_device)
             rank = get_tensor_model_parallel_rank()

@@ -34,7 +34,7 @@ def write_bytes(path: Path, nbytes: int, behind: bool = False) -> float:
     """Seconds to write ``nbytes`` sequentially and fsync them. ``behind``: also ask the kernel
     to start writing every 32 MiB as soon as it is written (as mpack's writer does), so that
     the disk works during the writes instead of in the final fsync."""
-    from mpack.sidecar import start_writeback
+    from mpack.iokit import start_writeback
 
     buf = memoryview(os.urandom(CHUNK))  # slices of a memoryview copy nothing
     t = time.perf_counter()

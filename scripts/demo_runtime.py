@@ -21,6 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mpack.errors import DaemonError
+from mpack.runtime.spawn import DaemonHandle
+
 
 def _client(sidecar: str, rank: int, write: bool) -> int:
     """One attached process: report what it sees (and, with ``write``, try to write)."""
@@ -45,6 +48,48 @@ def _client(sidecar: str, rank: int, write: bool) -> int:
     return 0
 
 
+def _readers(py: str, me: str, a: argparse.Namespace, env: dict) -> list[subprocess.Popen]:
+    """Two attached processes; what each sees is printed. They stay attached until released."""
+    print("== two processes attach")
+    return [subprocess.Popen([py, me, a.sidecar, "--rank", str(a.rank), "--client", "read"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)]  # fmt: skip
+
+
+def _same(readers: list[subprocess.Popen]) -> bool:
+    seen = [json.loads(p.stdout.readline()) for p in readers]  # type: ignore[union-attr]
+    for s in seen:
+        print(f"client {s['pid']}: {s['tensors']} tensors, {s['bytes']} bytes, sha256 of all tensor bytes "
+              f"{s['sha256'][:16]}..., memfd inode {s['inode']}")  # fmt: skip
+    same = seen[0]["sha256"] == seen[1]["sha256"] and seen[0]["inode"] == seen[1]["inode"]
+    print(f"both see identical bytes, from the same memory: {'yes' if same else 'NO'}")
+    return same
+
+
+def _write_refused(py: str, me: str, a: argparse.Namespace, env: dict) -> bool:
+    print("== a third process writes into a shared tensor")
+    w = subprocess.run([py, me, a.sidecar, "--rank", str(a.rank), "--client", "write"],
+                       capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    refused = w.returncode < 0 and '"wrote"' not in w.stdout
+    how = (
+        f"killed by {signal.Signals(-w.returncode).name}"
+        if w.returncode < 0
+        else f"exit {w.returncode}"
+    )
+    print(f"writer: {how}: the write was {'refused' if refused else 'NOT refused'}")
+    return refused
+
+
+def _still_serving(serve: DaemonHandle, py: str, a: argparse.Namespace, env: dict) -> bool:
+    alive = serve.alive()
+    st = subprocess.run(
+        [py, "-m", "mpack.cli", "status", a.sidecar], capture_output=True, text=True, env=env
+    )
+    print(st.stdout.rstrip())
+    print(f"daemon still serving: {'yes' if alive and st.returncode == 0 else 'NO'}")
+    return alive and st.returncode == 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sidecar")
@@ -58,59 +103,29 @@ def main() -> int:
     me = str(Path(__file__).resolve())
     run_dir = tempfile.mkdtemp(prefix="mpack-demo-")
     env = {**os.environ, "XDG_RUNTIME_DIR": run_dir, "PYTHONUNBUFFERED": "1"}
-    log = Path(run_dir, "serve.log")
     print(f"== mpack serve {a.sidecar} --rank {a.rank} --device cpu")
-    with open(log, "w") as err:
-        serve = subprocess.Popen([py, "-m", "mpack.cli", "serve", a.sidecar, "--rank", str(a.rank),
-                                  "--device", "cpu"], stdout=subprocess.PIPE, stderr=err, text=True,
-                                 env=env)  # fmt: skip
+    serve = DaemonHandle(a.sidecar, rank=a.rank, device="cpu", env=env)
     readers: list[subprocess.Popen] = []
     ok = False
     try:
-        assert serve.stdout is not None
-        ready = serve.stdout.readline().strip()
-        if not ready.startswith("READY"):
-            serve.wait(30)
-            print(log.read_text(), file=sys.stderr)
+        try:
+            serve.wait_ready()
+        except DaemonError:  # it exited (or hangs: stopped below); its own words say why
+            print(serve.stderr(), file=sys.stderr)
             return 1
-        print(ready)
-
-        print("== two processes attach")
-        for _ in range(2):
-            readers.append(subprocess.Popen([py, me, a.sidecar, "--rank", str(a.rank), "--client", "read"],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))  # fmt: skip
-        seen = [json.loads(p.stdout.readline()) for p in readers]  # type: ignore[union-attr]
-        for s in seen:
-            print(f"client {s['pid']}: {s['tensors']} tensors, {s['bytes']} bytes, sha256 of all tensor bytes "
-                  f"{s['sha256'][:16]}..., memfd inode {s['inode']}")  # fmt: skip
-        same = seen[0]["sha256"] == seen[1]["sha256"] and seen[0]["inode"] == seen[1]["inode"]
-        print(f"both see identical bytes, from the same memory: {'yes' if same else 'NO'}")
-
-        print("== a third process writes into a shared tensor")
-        w = subprocess.run([py, me, a.sidecar, "--rank", str(a.rank), "--client", "write"],
-                           capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-        refused = w.returncode < 0 and '"wrote"' not in w.stdout
-        how = (
-            f"killed by {signal.Signals(-w.returncode).name}"
-            if w.returncode < 0
-            else f"exit {w.returncode}"
-        )
-        print(f"writer: {how}: the write was {'refused' if refused else 'NOT refused'}")
-        alive = serve.poll() is None
-        st = subprocess.run(
-            [py, "-m", "mpack.cli", "status", a.sidecar], capture_output=True, text=True, env=env
-        )
-        print(st.stdout.rstrip())
-        print(f"daemon still serving: {'yes' if alive and st.returncode == 0 else 'NO'}")
-        ok = same and refused and alive and st.returncode == 0
+        print(serve.stdout().strip())
+        readers = _readers(py, me, a, env)
+        same = _same(readers)
+        refused = _write_refused(py, me, a, env)
+        ok = same and refused and _still_serving(serve, py, a, env)
     finally:
         for p in readers:
             if p.poll() is None:
                 p.communicate("\n", timeout=30)
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGTERM)
-            code = serve.wait(30)
+        if serve.alive():
+            code = serve.stop(signal.SIGTERM, 30)
             print(f"== daemon stopped (SIGTERM): exit {code}")
+        serve.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0 if ok else 1
 

@@ -25,7 +25,8 @@ Without a GPU the same script runs on the CPU with the stand-ins of tests/vllm/c
 (a dry run of the orchestration: daemons on the host backend, gloo, no benchmark).
 
 The engine config, the model build, the tensor digests and the zero-copy check are those of the
-CPU suite's tests/vllm/vllm_worker.py; the daemons are tests/runtime/rt_helpers.py's DaemonProc.
+CPU suite's tests/vllm/vllm_worker.py; the daemons are started and stopped by mpack.runtime.spawn
+(imported from mpack's environment: this process itself may have neither environment on its path).
 """
 
 from __future__ import annotations
@@ -41,11 +42,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "vllm"), str(REPO / "tests" / "runtime")]
+sys.path[:0] = [str(REPO / "tests" / "vllm")]
 
 import cpu_standins  # noqa: E402
 import vllm_worker as vw  # noqa: E402  (installs no stand-ins: its main() does)
-from rt_helpers import DaemonProc  # noqa: E402
 
 ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
@@ -253,6 +253,17 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 READY_TIMEOUT_S = 180
 
 
+def _spawn_module(mpack_env: str) -> Any:
+    """``mpack.runtime.spawn``, from mpack's environment (``--mpack-env``, appended to this
+    process's path: it only fills in what this process lacks)."""
+    for p in filter(None, mpack_env.split(os.pathsep)):
+        if p not in sys.path:
+            sys.path.append(p)
+    from mpack.runtime import spawn
+
+    return spawn
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["run", "prepare", "worker", "bench-one"])
@@ -290,9 +301,11 @@ def run(a: argparse.Namespace) -> int:
     subprocess.run([*me, "prepare", "--work", str(a.work)], env=menv, check=True)
     print(f"prepare: {time.time() - t:.0f} s", flush=True)
     dev = "cuda:0" if _device() == "cuda" else "cpu"
-    daemons = [DaemonProc(a.work / f"sc-{c['name']}", dev, menv, a.work) for c in cases()]
+    sp = _spawn_module(a.mpack_env)
+    daemons = [sp.DaemonHandle(a.work / f"sc-{c['name']}", device=dev, env=menv, cwd=a.work,
+                               log_dir=a.work, timeout=READY_TIMEOUT_S) for c in cases()]  # fmt: skip
     for d in daemons:
-        d.wait_ready(READY_TIMEOUT_S)
+        d.wait_ready()
     print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
     go = a.work / "go"
     go.unlink(missing_ok=True)
@@ -328,7 +341,7 @@ def run(a: argparse.Namespace) -> int:
     go.write_text("1")
     rcs = {r: w.wait(timeout=400) for r, w in workers.items()}
     for d in daemons:
-        d.proc.terminate()
+        d.stop()
     summary: dict[str, Any] = {"clients_per_daemon_while_both_attached": clients, "worker_rc": rcs}
     if all(rc == 0 for rc in rcs.values()):
         ra = json.loads((a.out / "worker-a.json").read_text())
@@ -367,9 +380,9 @@ def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[
     subprocess.run([sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q",
                     "--profile", "w8a8-marlin", "--device", "cuda"], env=menv, check=True)  # fmt: skip
     print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
-    daemon = DaemonProc(sc, "cuda:0", menv, a.work)
-    daemon.wait_ready(READY_TIMEOUT_S)
     res: dict[str, Any] = {"layers": a.bench_layers}
+    daemon = _spawn_module(a.mpack_env).spawn(sc, device="cuda:0", env=menv, cwd=a.work,
+                                              log_dir=a.work, timeout=READY_TIMEOUT_S)  # fmt: skip
     for path in ("default", "attached", "private"):  # the page cache is warm: convert read it all
         r = subprocess.run([*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
                            env=venv, capture_output=True, text=True)  # fmt: skip
@@ -379,7 +392,7 @@ def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[
         else:
             res[path] = json.loads(line[-1])
         print(path, res[path] if "error" not in res[path] else "failed", flush=True)
-    daemon.proc.terminate()
+    daemon.stop()
     d = res.get("default", {}).get("seconds")
     for path in ("attached", "private"):
         s = res.get(path, {}).get("seconds")

@@ -59,12 +59,12 @@ def test_click_usage_error_is_exit_2():
 
 
 def test_internal_error_is_exit_1_traceback_only_with_debug(monkeypatch, capsys):
-    from mpack.convert import marlin
+    from mpack import target
 
     def broken(n, k):
         raise RuntimeError("synthetic bug")
 
-    monkeypatch.setattr(marlin, "marlin_padded_nk", broken)
+    monkeypatch.setattr(target, "padded_nk", broken)
     monkeypatch.delenv("MPACK_DEBUG", raising=False)
     assert cli.main(["layout", "64", "128"]) == 1
     err = capsys.readouterr().err
@@ -75,12 +75,12 @@ def test_internal_error_is_exit_1_traceback_only_with_debug(monkeypatch, capsys)
 
 
 def test_mpack_error_prints_hint(monkeypatch, capsys):
-    from mpack.convert import marlin
+    from mpack import target
 
     def refuse(n, k):
         raise InputError(f"layer x: N={n} is odd", hint="run `mpack layout --help`")
 
-    monkeypatch.setattr(marlin, "marlin_padded_nk", refuse)
+    monkeypatch.setattr(target, "padded_nk", refuse)
     assert cli.main(["layout", "64", "128"]) == 2
     err = capsys.readouterr().err
     assert "error: layer x: N=64 is odd" in err and "hint: run `mpack layout --help`" in err

@@ -25,15 +25,25 @@ DIST_NAME = "mpack-marlin"
 # A CPU-only view of the machine, GPU box included: torch.cuda.is_available() is False under it.
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 GPU_MODULE = "tests/runtime/test_runtime_cuda.py"  # every test in it is marked gpu
+# Where convert/cuda_repack.py's kernel_source_path() looks in an installed wheel.
+KERNEL_SOURCE = "mpack/cuda/marlin_repack.cu"
+
+
+# Not copied for the build: hidden folders (.git, venvs, caches, carried data) and earlier
+# outputs. A stale build/ would put files into the wheel that the tree no longer has.
+NOT_SOURCE = shutil.ignore_patterns(".*", "__pycache__", "build", "dist", "*.egg-info", "demo-out")
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The wheel built from the tree, and the build's whole output (pip -v shows the backend's)."""
+    """The wheel built from a copy of the tree (without build outputs), and the build's whole
+    output (pip -v shows the backend's)."""
     dist = tmp_path_factory.mktemp("dist")
+    tree = tmp_path_factory.mktemp("tree") / "src"
+    shutil.copytree(REPO, tree, ignore=NOT_SOURCE)
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-         "-w", str(dist), str(REPO)],
+         "-w", str(dist), str(tree)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:]
@@ -57,8 +67,10 @@ def test_wheel_is_mpack_marlin_with_the_mpack_command(built: tuple[Path, str]) -
     scripts = _dist_info(wheel, "entry_points.txt")
     assert re.search(r"^\[console_scripts\]\nmpack = mpack\.cli:main$", scripts, re.M), scripts
     with zipfile.ZipFile(wheel) as z:
-        tops = {m.split("/")[0] for m in z.namelist() if not m.split("/")[0].endswith(".dist-info")}
-    assert tops == {"mpack"}, tops
+        names = z.namelist()
+    tops = {m.split("/")[0] for m in names if not m.split("/")[0].endswith(".dist-info")}
+    assert tops == {"mpack"}, tops  # no top-level `cuda`: it would meet cuda-bindings' namespace
+    assert KERNEL_SOURCE in names, sorted(n for n in names if "cuda" in n)
 
 
 @pytest.mark.slow
@@ -106,6 +118,12 @@ def test_wheel_in_fresh_venv(built: tuple[Path, str], tmp_path: Path) -> None:
         [str(py), "-m", "mpack.cli", "--help"], capture_output=True, text=True, cwd=tmp_path
     )
     assert r.returncode == 0 and "layout" in r.stdout, r.stderr
+    src = subprocess.check_output(
+        [str(py), "-c", "from mpack.convert.cuda_repack import kernel_source_path as k; "
+         "p = k(); print(p if p.is_file() else 'missing: ' + str(p))"],
+        text=True, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "MPACK_REPACK_SOURCE"},
+    )  # fmt: skip
+    assert src.strip() == str(fresh_site / KERNEL_SOURCE), src
     script = fresh_site / "bin" / "mpack"
     assert script.exists(), "the wheel must declare the `mpack` console script"
 

@@ -1,1 +1,17 @@
-"""Verification: checksums, re-derivation from the source, and forward equivalence (docs/ARCHITECTURE.md)."""
+"""Verification: checksums, re-derivation from the source, and forward equivalence (docs/ARCHITECTURE.md).
+
+One entry point, :func:`verify`, returning a :class:`Verification` (what was checked, every
+problem found); ``mpack verify`` prints it. The layer may use the core, ``mpack.convert`` (to
+re-derive what a conversion writes) and ``mpack.runtime`` (to load a sidecar as an engine
+would); neither of those imports it (``mpack.convert.verify`` forwards here, on each call).
+
+* :mod:`mpack.verify.check`: the entry point and the file checks (no torch at import);
+* :mod:`mpack.verify.rederive`: finding the source, re-deriving every tensor from it;
+* :mod:`mpack.verify.reference`: the reference Marlin FP8 linear (what the packed bytes mean);
+* :mod:`mpack.verify.model`: a transformers model run from a sidecar's weights;
+* :mod:`mpack.verify.forward`: its outputs against transformers on the source checkpoint.
+"""
+
+from mpack.verify.check import Verification, verify
+
+__all__ = ["Verification", "verify"]

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from mpack.sidecar import read_layout, sha256_file
+from mpack.iokit import sha256_file
+from mpack.sidecar import read_layout
 
 Proc = subprocess.CompletedProcess
 
@@ -101,7 +102,7 @@ def explain(r: Proc) -> str:
 
 def tmp_dirs(out: Path) -> list[Path]:
     """Hidden work (and old-sidecar) directories of runs for ``out`` (either naming)."""
-    from mpack.convert.pipeline import work_dirs
+    from mpack.convert.staging import work_dirs
 
     return work_dirs(out)
 

@@ -35,7 +35,7 @@ from helpers import (  # noqa: E402
     tensor_range,
 )
 
-from mpack.convert.pipeline import lock_path, work_dirs  # noqa: E402
+from mpack.convert.staging import lock_path, work_dirs  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 
 TP = ("--tp", "2", "--device", "cpu")  # the options of the shared sidecar
@@ -77,7 +77,8 @@ def stats(directory: Path) -> dict[str, tuple[int, int]]:
 
 def patch_manifest_sha(sidecar: Path, name: str) -> None:
     """Make mpack.json's digests (and size) of ``name`` match the file as it is now."""
-    from mpack.sidecar import chunk_digests, write_manifest
+    from mpack.iokit import chunk_digests
+    from mpack.sidecar import write_manifest
 
     m = manifest(sidecar)
     (entry,) = [f for f in m["files"] if f["name"] == name]

@@ -116,7 +116,7 @@ def test_golden_scales_and_bias(golden):
     t, index = load_vectors(golden / "vectors" / "scales.safetensors")
     assert index
     for sid, info in index.items():
-        for name, dt in m.ACT_DTYPES.items():
+        for name, dt in m.TORCH_ACT_DTYPES.items():
             expect = t[f"{sid}.{name}"]
             if sid.startswith("bias"):
                 src = t[f"{sid}.bias_f32"]
@@ -282,7 +282,7 @@ def test_gpu_matches_cpu_golden(golden):
         assert got.is_cuda and torch.equal(got.cpu(), t[f"{lid}.packed"]), lid
     t, index = load_vectors(golden / "vectors" / "scales.safetensors")
     for sid, info in index.items():
-        for name, dt in m.ACT_DTYPES.items():
+        for name, dt in m.TORCH_ACT_DTYPES.items():
             src = t[f"{sid}.bias_f32" if sid.startswith("bias") else f"{sid}.scale_f32"].cuda()
             fn = m.pack_bias if sid.startswith("bias") else m.pack_scales
             got = fn(src, dt, info["Np"]).cpu()

@@ -13,12 +13,13 @@ import pytest
 from conftest import flip_byte
 
 from mpack.convert import source as source_mod
+from mpack.convert import verify as run_verify
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import ResolvedSource, hash_sources
-from mpack.convert.verifier import run_verify
 from mpack.errors import OutputExistsError, VerificationError
 from mpack.fixtures import make_checkpoint
-from mpack.sidecar import HashCancelled, load_manifest, read_layout, write_manifest
+from mpack.iokit import HashCancelled
+from mpack.sidecar import load_manifest, read_layout, write_manifest
 
 CHUNK = 4096  # small enough that every shard of a tiny checkpoint spans many chunks
 

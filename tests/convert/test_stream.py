@@ -29,7 +29,8 @@ from mpack.convert.scheme_check import SchemeCheck  # noqa: E402
 from mpack.convert.stream import Streamer  # noqa: E402
 from mpack.errors import CorruptFileError, UnsupportedSchemeError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
-from mpack.sidecar import FileLayout, HashingWriter, TensorSpec, chunk_digests  # noqa: E402
+from mpack.iokit import chunk_digests  # noqa: E402
+from mpack.sidecar import FileLayout, HashingWriter, TensorSpec  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_streamer_transform_error_stops_every_stage(ckpt: Path, tmp_path: Path) 
         calls.append(layer.name)
         if len(calls) == 3:
             raise RuntimeError("transform failed on purpose")
-        from mpack.convert.pipeline import transform
+        from mpack.convert.transform import transform
 
         return transform(layer, src, plan.act_dtype)
 
@@ -206,7 +207,7 @@ def test_streamer_read_error_is_the_one_reported(ckpt: Path, tmp_path: Path) -> 
     assert last.offset > min(t.offset for t in weights)  # earlier units read fine
     os.truncate(src / last.file, last.offset + 1)  # that weight loses all but one byte
     writers = _writers(plan, tmp_path)
-    from mpack.convert.pipeline import transform
+    from mpack.convert.transform import transform
 
     def xf(layer, s):
         return transform(layer, s, plan.act_dtype)
@@ -225,10 +226,11 @@ def test_passthrough_copy_through_small_reused_buffers(
 ) -> None:
     """Pass-through tensors copied 4 KiB at a time through one reused buffer: the same sidecar
     as with the defaults."""
+    from mpack import iokit
     from mpack.convert import pipeline
 
     a = pipeline.run_convert(ckpt, tmp_path / "a", device="cpu")
-    monkeypatch.setattr(pipeline, "COPY_CHUNK", 4096)
+    monkeypatch.setattr(iokit, "COPY_BYTES", 4096)
     b = pipeline.run_convert(ckpt, tmp_path / "b", device="cpu")
     assert a.manifest["files"] == b.manifest["files"]
 
@@ -273,13 +275,12 @@ def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path) -> None:
 def test_copied_file_record_comes_from_one_read(tmp_path: Path, monkeypatch, n: int) -> None:
     """A copied file's record (sha256 and chunk digests, computed while copying) equals the
     digests of the copy, whatever its size against the chunk and copy sizes."""
-    from mpack.convert import pipeline
+    from mpack import iokit
 
-    monkeypatch.setattr(pipeline, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(pipeline, "COPY_CHUNK", 300)
+    monkeypatch.setattr(iokit, "COPY_BYTES", 300)
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_bytes(random.Random(n).randbytes(n))
-    rec = pipeline._copy_file(a, b)
+    rec = iokit.copy_file(a, b, 1000)
     body = b.read_bytes()
     assert body == a.read_bytes()
     assert rec["name"] == "b.json" and rec["size"] == n

@@ -25,13 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))  # test
 from conftest import flip_byte  # noqa: E402
 from helpers import cli, cli_env, explain, manifest, snapshot, tensor_range  # noqa: E402
 
-from mpack.convert.pipeline import (  # noqa: E402
-    _work_path,
-    lock_path,
-    run_convert,
-    work_dirs,
-)
+from mpack.convert.pipeline import run_convert  # noqa: E402
 from mpack.convert.source import SourceChangedError  # noqa: E402
+from mpack.convert.staging import _work_path, lock_path, work_dirs  # noqa: E402
 from mpack.errors import BusyError, InputError, UsageError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from rt_helpers import DaemonProc, child_env, fd_count, raw_connect, wait_for  # noqa: E402
 from sidecar_factory import make_sidecar  # noqa: E402
 
-from mpack.errors import UsageError  # noqa: E402
+from mpack.errors import DaemonError, UsageError  # noqa: E402
 from mpack.runtime import attach, load  # noqa: E402
 from mpack.runtime import protocol as P  # noqa: E402
 from mpack.runtime.client import status_of  # noqa: E402
@@ -58,14 +58,12 @@ def _serve_expecting_refusal(sc: Path, sock: Path, env: dict, cwd: Path) -> tupl
     """Run ``serve --socket sock``; (exit code, stderr). A daemon that serves is stopped at once
     and the test fails."""
     d = DaemonProc(sc, "cpu", env, cwd, "--socket", str(sock))
-    deadline = time.monotonic() + 120
-    while d.proc.poll() is None and time.monotonic() < deadline:
-        if "READY" in d.out.read_text():
-            d.stop(signal.SIGKILL)
-            pytest.fail(f"serve started serving at {sock} instead of refusing")
-        time.sleep(0.05)
-    rc = d.stop(signal.SIGKILL)
-    return rc, d.stderr()
+    try:
+        d.wait_ready()
+    except DaemonError:  # it exited first (or hangs, which the exit code shows)
+        return d.stop(signal.SIGKILL), d.stderr()
+    d.stop(signal.SIGKILL)
+    pytest.fail(f"serve started serving at {sock} instead of refusing")
 
 
 def _assert_clean_refusal(rc: int, err: str, *needles: str) -> None:
@@ -242,7 +240,7 @@ def test_a_sticky_world_writable_socket_directory_works(sc, env, tmp_path, stick
     sock = sticky / "x.sock"
     d = DaemonProc(sc, "cpu", env, tmp_path, "--socket", str(sock))
     try:
-        assert d.wait_ready()["socket"] == str(sock)
+        assert d.wait_ready().socket == sock
         st = os.lstat(sock)
         assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600
         assert os.lstat(_lock_of(sock)).st_mode & 0o777 == 0o600

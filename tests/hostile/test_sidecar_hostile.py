@@ -32,6 +32,7 @@ from helpers import cli  # noqa: E402
 from sidecar_factory import make_sidecar  # noqa: E402
 
 from mpack.errors import CorruptFileError, EnvironmentFailure, InputError, exit_code_for  # noqa: E402
+from mpack.iokit import sha256_file  # noqa: E402
 from mpack.runtime import attach, load  # noqa: E402
 from mpack.runtime.layout import plan_rank  # noqa: E402
 from mpack.sidecar import (  # noqa: E402
@@ -42,7 +43,6 @@ from mpack.sidecar import (  # noqa: E402
     manifest_bytes,
     rank_file_name,
     read_layout,
-    sha256_file,
 )
 
 HANG_S = 20  # a consumer that has not returned by then is hung (a FIFO open blocks forever)

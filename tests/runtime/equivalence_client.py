@@ -14,8 +14,8 @@ import sys
 import torch
 
 from mpack.runtime import attach
-from mpack.runtime.equivalence import teacher_forced_logits
-from mpack.runtime.model import build_model, greedy_generate
+from mpack.verify.forward import teacher_forced_logits
+from mpack.verify.model import build_model, greedy_generate
 
 
 def main() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from mpack.runtime import protocol as P
+from mpack.runtime.client import status_of
+from mpack.runtime.spawn import DaemonHandle
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "probe_client.py"
@@ -24,13 +27,14 @@ def child_env(runtime_root: Path) -> dict[str, str]:
     return {**os.environ, "XDG_RUNTIME_DIR": str(runtime_root), "PYTHONUNBUFFERED": "1"}
 
 
-class DaemonProc:
-    """``python -m mpack.cli serve ...`` with stdout/stderr in files (never a pipe it could fill).
+class DaemonProc(DaemonHandle):
+    """``python -m mpack.cli serve SIDECAR --device D *extra`` (``mpack.runtime.spawn``'s
+    handle), not waited for: ``wait_ready()`` waits up to ``READY_TIMEOUT_S``.
 
+    Its stdout and stderr stay in ``workdir`` (``out_path``, ``err_path``), which is also its
+    working directory: never the repo root, whose ./mpack would shadow an installed package.
     ``python``: the interpreter (another environment's, where mpack is installed there only).
     """
-
-    _n = 0
 
     def __init__(
         self,
@@ -41,45 +45,10 @@ class DaemonProc:
         *extra: str,
         python: str = sys.executable,
     ) -> None:
-        DaemonProc._n += 1
-        self.out = workdir / f"daemon-{DaemonProc._n}.out"
-        self.err = workdir / f"daemon-{DaemonProc._n}.err"
-        cmd = [python, "-m", "mpack.cli", "serve", str(sidecar), "--device", device, *extra]
-        with open(self.out, "w") as o, open(self.err, "w") as e:
-            # cwd=workdir: never the repo root, whose ./mpack would shadow the installed package.
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=workdir)
-        self.ready: dict[str, str] = {}
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def socket(self) -> Path:
-        return Path(self.ready["socket"])
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.out.read_text().splitlines():
-                if line.startswith("READY "):
-                    self.ready = dict(kv.split("=", 1) for kv in line.split()[1:])
-                    return self.ready
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited {self.proc.returncode}: {self.stderr()}")
-            time.sleep(0.02)
-        raise AssertionError(f"serve not READY within {timeout} s: {self.stderr()}")
-
-    def stderr(self) -> str:
-        return self.err.read_text()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+        super().__init__(
+            sidecar, device=device, args=extra, python=python, env=env, cwd=workdir,
+            log_dir=workdir, timeout=READY_TIMEOUT_S,
+        )  # fmt: skip
 
 
 class Probe:
@@ -144,8 +113,6 @@ class Probe:
 
 
 # --- raw protocol ----------------------------------------------------------------------------
-# mpack's protocol is imported where used: scripts/vllm_gpu.py uses DaemonProc in a process
-# without mpack.
 
 
 def raw_connect(path: Path, timeout: float = 10) -> socket.socket:
@@ -156,8 +123,6 @@ def raw_connect(path: Path, timeout: float = 10) -> socket.socket:
 
 
 def frame(body: bytes, *, magic: bytes | None = None, length: int | None = None) -> bytes:
-    from mpack.runtime import protocol as P
-
     magic = P.MAGIC if magic is None else magic
     return P.HEADER.pack(magic, len(body) if length is None else length) + body
 
@@ -166,8 +131,6 @@ def raw_exchange(
     path: Path, data: bytes, timeout: float = 10
 ) -> tuple[dict | None, list[int], bool]:
     """Send ``data``; return (reply or None, fds received, whether the daemon then closed)."""
-    from mpack.runtime import protocol as P
-
     with raw_connect(path, timeout) as s:
         s.sendall(data)
         try:
@@ -182,8 +145,6 @@ def raw_exchange(
 
 
 def status(path: Path) -> dict[str, Any]:
-    from mpack.runtime.client import status_of
-
     return status_of(path)
 
 

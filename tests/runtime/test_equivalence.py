@@ -1,7 +1,7 @@
 """Model-output equivalence, end to end, the way an engine would use a sidecar: converted,
 served by a daemon, attached from two separate processes, each running the model on the
 attached bytes. The reference is transformers on the original checkpoint
-(runtime/equivalence.py, Note [equivalence tolerance] for the tolerances)."""
+(verify/forward.py, Note [equivalence tolerance] for the tolerances)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from rt_helpers import DaemonProc, child_env
 
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
-from mpack.runtime.equivalence import FP32_TOL, forward_check, reference_model, score
-from mpack.runtime.model import greedy_generate
+from mpack.verify.forward import REL_TOL, forward_check, reference_model, score
+from mpack.verify.model import greedy_generate
 
 HERE = Path(__file__).resolve().parent
 CLIENT = HERE / "equivalence_client.py"
@@ -148,7 +148,7 @@ def test_tp2_two_daemons_match_tp1(checkpoints, tmp_path):
     a, b = tp2[0]["float32"], tp1[0]["float32"]
     assert torch.equal(a["tokens"], b["tokens"])
     scale = refs["float32"][1].abs().max().item()
-    assert (a["tf_logits"] - b["tf_logits"]).abs().max().item() <= FP32_TOL * scale
+    assert (a["tf_logits"] - b["tf_logits"]).abs().max().item() <= REL_TOL["float32"] * scale
 
 
 @pytest.mark.gpu
@@ -165,7 +165,8 @@ def test_gpu_served_model_matches_reference(checkpoints, tmp_path, model, profil
 def test_reference_linear_equals_dense_on_8b_shapes():
     """marlin_linear == x @ dequant(W)^T + b in fp32, on random layers of the Llama-3.1-8B shapes."""
     from mpack.convert import marlin
-    from mpack.convert.linear import marlin_linear
+    from mpack.target import padded_nk
+    from mpack.verify.reference import marlin_linear
 
     g = torch.Generator().manual_seed(0)
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
@@ -173,7 +174,7 @@ def test_reference_linear_equals_dense_on_8b_shapes():
         w8[(w8 & 0x7F) == 0x7F] = 0  # no NaN codes
         scale = torch.rand(n, generator=g) * 1e-3 + 1e-5
         bias = torch.randn(n, generator=g)
-        np_, kp = marlin.marlin_padded_nk(n, k)
+        np_, kp = padded_nk(n, k)
         packed = marlin.pack_weight(w8, np_, kp)
         s = marlin.pack_scales(scale, torch.bfloat16, np_)
         b = marlin.pack_bias(bias, torch.bfloat16, np_)

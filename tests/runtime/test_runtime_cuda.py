@@ -35,7 +35,8 @@ def test_export_import_read_only_and_freed(plan):
     import torch
     from cuda.bindings import driver as d
 
-    from mpack.runtime.cuda_vmm import DeviceExport, _check, _location, map_readonly
+    from mpack.cudadrv import check
+    from mpack.runtime.cuda_vmm import DeviceExport, _location, map_readonly
     from mpack.runtime.weights import build_views
 
     torch.empty(1, device="cuda:0")
@@ -48,7 +49,7 @@ def test_export_import_read_only_and_freed(plan):
     finally:
         os.close(fd)
     assert base.device == torch.device("cuda", 0) and base.dtype == torch.uint8
-    flags = _check(d.cuMemGetAccess(_location(d, 0), base.data_ptr()), "cuMemGetAccess")
+    flags = check(d.cuMemGetAccess(_location(d, 0), base.data_ptr()), "cuMemGetAccess")
     assert int(flags) == int(d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)
     views = build_views(base, plan.tensors)
     want = expected_tensors(plan.sidecar, 0)

@@ -170,7 +170,8 @@ def _with_chunks(src: Path, dst: Path, chunk: int) -> dict:
     """A copy of a sidecar whose manifest lists ``chunk``-byte digests for its safetensors files."""
     import shutil
 
-    from mpack.sidecar import MANIFEST_NAME, chunk_digests
+    from mpack.iokit import chunk_digests
+    from mpack.sidecar import MANIFEST_NAME
 
     shutil.copytree(src, dst)
     m = json.loads((dst / MANIFEST_NAME).read_text())
@@ -184,7 +185,7 @@ def _with_chunks(src: Path, dst: Path, chunk: int) -> dict:
 def test_chunk_digests_match_whole_file_bytes(sidecar, tmp_path):
     import hashlib
 
-    from mpack.sidecar import chunk_digests
+    from mpack.iokit import chunk_digests
 
     path = sidecar / rank_file_name(0, 2)
     data = path.read_bytes()

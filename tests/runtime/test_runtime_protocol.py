@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from mpack import ui
 from mpack.errors import DaemonError, UsageError
 from mpack.runtime import protocol as P
+from mpack.runtime import spawn as S
 
 
 def test_frame_round_trip_and_version_is_added():
@@ -139,12 +141,40 @@ def test_too_long_socket_paths_are_refused():
         P.check_socket_path(Path("/tmp/" + "x" * 120))
 
 
+READY_INFO = {"socket": "/run/user/1000/mpack/3f0c-r0-cpu.sock", "pid": 4242, "device": "cpu",
+              "backend": "host", "bytes": 1625472, "load_s": 0.008, "rank": 0,
+              "digest": "ab" * 32, "tp_size": 1}  # fmt: skip
+
+
+def test_the_ready_line_round_trips(capsys):
+    line = S.format_ready(READY_INFO)
+    assert line.startswith("READY socket=/run/user/1000/mpack/3f0c-r0-cpu.sock pid=4242 ")
+    assert "tp_size" not in line  # only READY_KEYS
+    r = S.parse_ready(line + "\n")
+    assert r == S.Ready(Path(READY_INFO["socket"]), 4242, "cpu", "host", 1625472, 0.008, 0,
+                        "ab" * 32, {k: str(READY_INFO[k]) for k in S.READY_KEYS})  # fmt: skip
+    ui.emit_ready(READY_INFO)  # what `mpack serve` prints
+    assert capsys.readouterr().out == line + "\n"
+
+
+def test_other_lines_are_not_ready_and_a_broken_ready_line_is_an_error():
+    for other in ("", "READYsocket=/x", "2026-12-01T12:00:00 mpack serve: attached"):
+        assert S.parse_ready(other) is None
+    with pytest.raises(DaemonError, match="malformed READY line"):
+        S.parse_ready("READY")
+    broken = S.format_ready({**READY_INFO, "pid": "x"})
+    with pytest.raises(DaemonError, match="malformed READY line"):
+        S.parse_ready(broken)
+    with pytest.raises(DaemonError, match="'digest'"):
+        S.parse_ready(S.format_ready({k: v for k, v in READY_INFO.items() if k != "digest"}))
+
+
 def test_importing_the_runtime_loads_neither_torch_nor_cuda_bindings(tmp_path):
     code = (
         "import sys\n"
         "import mpack.runtime, mpack.runtime.protocol, mpack.runtime.layout, mpack.runtime.loader\n"
         "import mpack.runtime.host, mpack.runtime.cuda_vmm, mpack.runtime.daemon\n"
-        "import mpack.runtime.client, mpack.runtime.weights\n"
+        "import mpack.runtime.client, mpack.runtime.weights, mpack.runtime.spawn\n"
         "print(json.dumps(sorted(m for m in ('torch', 'cuda.bindings', 'numpy') if m in sys.modules)))\n"
     )
     r = subprocess.run(

@@ -41,6 +41,7 @@ from sidecar_factory import digest_of_tensors, expected_tensors, make_sidecar
 from mpack.errors import DaemonError, UsageError
 from mpack.runtime import attach
 from mpack.runtime import protocol as P
+from mpack.runtime.spawn import DaemonHandle, spawn
 
 HERE = Path(__file__).resolve().parent
 DEVICES = [
@@ -493,7 +494,7 @@ def test_daemon_sigkill_leaves_clients_working_and_a_new_daemon_starts(world):
     assert d.stop(signal.SIGKILL) == -signal.SIGKILL
     assert p1.cmd("check")["digest"] == _expected(sc)  # mappings outlive the daemon
     d2 = world.daemon(sc)
-    assert d2.wait_ready()["socket"] == d.ready["socket"]  # the stale socket was replaced
+    assert d2.wait_ready().socket == d.socket  # the stale socket was replaced
     inodes |= memfd_inodes_of(d2.pid) if not world.cuda else set()
     p2 = world.probe(sc)
     assert p2.read()["digest"] == _expected(sc)
@@ -539,6 +540,40 @@ def test_a_signal_stops_the_daemon_cleanly(world, sig):
     assert not sock.exists()
     assert not sock.with_name(sock.name + P.LOCK_SUFFIX).exists()
     assert "Traceback" not in d.stderr()
+
+
+def test_spawn_hands_back_the_ready_fields_and_stops_the_daemon(world):
+    """mpack.runtime.spawn, the harness of the tests, the demo and the benchmarks."""
+    sc = world.sidecar(13)
+    from mpack.sidecar import load_manifest
+
+    with spawn(sc, device=world.device, env=world.env, cwd=world.root, timeout=120) as d:
+        r = d.ready
+        assert r is not None and r.pid == d.pid and d.alive()
+        assert r.socket == d.socket and r.socket.exists() and r.rank == 0
+        assert r.digest == d.digest == load_manifest(sc)[1]
+        assert r.backend == ("cuda" if world.cuda else "host") and r.load_s >= 0
+        assert r.bytes >= sum(f.stat().st_size for f in sc.glob("*.safetensors"))
+        assert d.ready_s is not None and d.ready_s >= r.load_s
+        assert status(d.socket)["pid"] == d.pid
+    assert d.proc.returncode == 0 and not r.socket.exists()
+
+
+def test_spawn_says_why_a_daemon_exited_before_ready(world, served):
+    sc, d = served
+    with pytest.raises(DaemonError, match="exited with code 2 before READY") as e:
+        spawn(sc, device=world.device, env=world.env, cwd=world.root, timeout=120)
+    assert "already serves" in str(e.value) and f"pid {d.pid}" in str(e.value)
+    assert d.alive()
+
+
+def test_a_daemon_not_ready_in_time_is_left_running(world):
+    with DaemonHandle(world.sidecar(13), device=world.device, env=world.env, cwd=world.root) as d:
+        with pytest.raises(DaemonError, match="not READY within 0.001 s"):
+            d.wait_ready(0.001)  # not even the interpreter is up yet
+        assert d.alive() and d.ready is None
+        assert d.wait_ready(120).pid == d.pid
+        assert d.stop() == 0
 
 
 def test_100_attach_detach_cycles_leak_nothing(world, served, runtime_env):

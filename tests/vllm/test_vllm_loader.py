@@ -111,6 +111,8 @@ BAD = {
     "act-dtype": dict(sidecar="sc:" + BASE.name, dtype="float16", about="dtype",
                       needs=("bfloat16", "float16")),
     "engine-version": dict(sidecar="old-engine", about="version", needs=("0.32.1", "0.33.0")),
+    "architecture": dict(sidecar="other-arch", about="model",
+                         needs=("Qwen3ForCausalLM", "LlamaForCausalLM")),
     "require-no-daemon": dict(sidecar="sc:" + BASE.name, attach="require", no_daemon=True,
                               about="daemon|serve", needs=("require",)),
     "corrupt-rank-file": dict(sidecar="corrupt", about="checksum|sha256|digest|corrupt",
@@ -175,6 +177,12 @@ def make_sidecars(work: Path) -> dict[str, Path]:
     manifest, _ = load_manifest(out["old-engine"])
     manifest["target"]["engine_version"] = "0.32.1"
     write_manifest(out["old-engine"], manifest)
+    # Made from another architecture (same dims): the manifest's model.architecture edited.
+    out["other-arch"] = work / "sc-other-arch"
+    shutil.copytree(base, out["other-arch"])
+    manifest, _ = load_manifest(out["other-arch"])
+    manifest["model"]["architecture"] = "Qwen3ForCausalLM"
+    write_manifest(out["other-arch"], manifest)
 
     # One flipped byte in the middle of the rank file's data: its checksum no longer matches.
     out["corrupt"] = work / "sc-corrupt"

@@ -8,7 +8,7 @@ what vLLM itself computes from the same checkpoint on that path. The reference's
 of the packed layers are rounded to the activation dtype, as the sidecar (and vLLM) store them
 (Note [act-dtype scales and bias]).
 
-The **sidecar path** is :func:`mpack.runtime.model.build_model` on the sidecar's tensors, every
+The **sidecar path** is :func:`mpack.verify.model.build_model` on the sidecar's tensors, every
 linear layer computed by the reference Marlin FP8 linear from the packed bytes.
 
 Note [equivalence tolerance]: run in float32, both sides compute the same products of exactly
@@ -16,10 +16,11 @@ dequantized weights (fp8 x scale is exact in fp32; both use the same act-dtype s
 and differ only in summation order, so their logits agree to ~1e-6 and greedy decoding must give
 identical tokens; one act-dtype ulp on one layer's scales or bias exceeds the bound. Run in the
 activation dtype, every layer's activations are rounded to bf16/fp16 at different points on the
-two sides; with unit roundoff ``u`` (2^-9 bf16, 2^-11 fp16) the logits may differ by a few ``u``
-per layer relative to their size, so we allow ``ATOL_UNITS * u * max|logit|`` and compare greedy
-choices only where the reference's top-2 margin exceeds twice that bound (elsewhere either token
-is a correct rounding of a near-tie).
+two sides, so the logits may differ by a few of that dtype's roundings per layer relative to
+their size: we allow ``REL_TOL[dtype] * max|logit|`` (``2^-5`` bf16, ``2^-7`` fp16: 4 and 8 times
+the dtype's machine epsilon, ``2^-7`` and ``2^-10``) and compare greedy choices only where the
+reference's top-2 margin exceeds twice that bound (elsewhere either token is a correct rounding of
+a near-tie).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-ATOL_UNITS = 16
-UNIT_ROUNDOFF = {"bfloat16": 2.0**-9, "float16": 2.0**-11, "float32": 2.0**-24}
-FP32_TOL = 1e-4  # relative to max |logit|; the observed gap is ~1e-6
+from mpack.sidecar import CONFIG_NAME, torch_dtype
+from mpack.target import act_dtype
+
+#: Allowed logit difference relative to max |logit|, by compute dtype (Note [equivalence
+#: tolerance]); in float32 the observed gap is ~1e-6.
+REL_TOL = {"bfloat16": 2.0**-5, "float16": 2.0**-7, "float32": 1e-4}
 
 
 def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: Any) -> Any:
@@ -42,33 +46,38 @@ def reference_model(source: str | os.PathLike, manifest: dict[str, Any], dtype: 
     bytes and the max scale. Every packed layer's scales and bias are then rounded to the
     activation dtype (Note [act-dtype scales and bias]).
     """
-    import torch
     from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
     model.apply(disable_quantization)
     if manifest["target"]["profile"] == "w8a8-marlin":
-        from mpack.convert.checkpoint import open_checkpoint, read_scale
-        from mpack.convert.marlin import requantize_shards
-
-        ck = open_checkpoint(source)
-        with torch.no_grad():
-            for ly in manifest["layers"].values():
-                if not ly["requantized"]:
-                    continue
-                mods = [s["module"] for s in ly["shards"]]
-                w = torch.cat([ck.read(f"{m}.weight") for m in mods])  # fp8 [N, K], every shard
-                widths = [ck.tensors[f"{m}.weight"].shape[0] for m in mods]
-                q, s_max = requantize_shards(
-                    w, torch.cat([read_scale(ck, m) for m in mods]), widths
-                )
-                for mod, qm in zip(mods, q.split(widths), strict=True):
-                    module = model.get_submodule(mod)  # compressed-tensors dequantizes on the fly
-                    _set(module, "weight", qm.view(torch.float8_e4m3fn))
-                    _set(module, "weight_scale", torch.full_like(module.weight_scale, s_max))
+        _requantize(model, source, manifest)
     _round_to_act_dtype(model, manifest)
     return model
+
+
+def _requantize(model: Any, source: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """The ``w8a8-marlin`` reference: every requantized layer's shards get the requantized bytes
+    and the max shard scale (SPEC §4), as the sidecar holds them."""
+    import torch
+
+    from mpack.convert.checkpoint import open_checkpoint, read_scale
+    from mpack.convert.marlin import requantize_shards
+
+    ck = open_checkpoint(source)
+    with torch.no_grad():
+        for ly in manifest["layers"].values():
+            if not ly["requantized"]:
+                continue
+            mods = [s["module"] for s in ly["shards"]]
+            w = torch.cat([ck.read(f"{m}.weight") for m in mods])  # fp8 [N, K], every shard
+            widths = [ck.tensors[f"{m}.weight"].shape[0] for m in mods]
+            q, s_max = requantize_shards(w, torch.cat([read_scale(ck, m) for m in mods]), widths)
+            for mod, qm in zip(mods, q.split(widths), strict=True):
+                module = model.get_submodule(mod)  # compressed-tensors dequantizes on the fly
+                _set(module, "weight", qm.view(torch.float8_e4m3fn))
+                _set(module, "weight_scale", torch.full_like(module.weight_scale, s_max))
 
 
 def _set(module: Any, name: str, value: Any) -> None:
@@ -90,9 +99,7 @@ def _round_to_act_dtype(model: Any, manifest: dict[str, Any]) -> None:
     """
     import torch
 
-    from mpack.convert.marlin import ACT_DTYPES
-
-    act = ACT_DTYPES[manifest["target"]["act_dtype"]]
+    act = torch_dtype(act_dtype(manifest["target"]["act_dtype"]).st)
     with torch.no_grad():
         for ly in manifest["layers"].values():
             for shard in ly["shards"]:
@@ -112,6 +119,11 @@ def teacher_forced_logits(model: Any, input_ids: Any, tokens: Any) -> Any:
         return model(seq[:, :-1], use_cache=False).logits[:, input_ids.shape[1] - 1 :].float()
 
 
+def tolerance(dtype_name: str, max_abs_logit: float) -> float:
+    """The allowed logit difference of a run in ``dtype_name`` (Note [equivalence tolerance])."""
+    return REL_TOL[dtype_name] * max_abs_logit
+
+
 def score(
     ref_tokens: Any, ref_logits: Any, our_tokens: Any, our_tf_logits: Any, dtype_name: str
 ) -> dict[str, Any]:
@@ -126,7 +138,7 @@ def score(
 
     diff = (our_tf_logits - ref_logits).abs().max().item()
     scale = ref_logits.abs().max().item()
-    tol = (FP32_TOL if dtype_name == "float32" else ATOL_UNITS * UNIT_ROUNDOFF[dtype_name]) * scale
+    tol = tolerance(dtype_name, scale)
     top2 = ref_logits.topk(2, dim=-1).values
     decisive = (top2[..., 0] - top2[..., 1]) > 2 * tol
     agree = (our_tf_logits.argmax(-1) == ref_tokens) | ~decisive
@@ -146,7 +158,7 @@ def score(
 
 def compare(ours: Any, ref: Any, input_ids: Any, steps: int, dtype_name: str) -> dict[str, Any]:
     """Greedy-decode both; score ours against the reference (free-running and teacher-forced)."""
-    from mpack.runtime.model import greedy_generate
+    from mpack.verify.model import greedy_generate
 
     ref_tokens, ref_logits = greedy_generate(ref, input_ids, steps)
     our_tokens, _ = greedy_generate(ours, input_ids, steps)
@@ -169,13 +181,13 @@ def forward_check(
     import torch
 
     from mpack.runtime.loader import load
-    from mpack.runtime.model import build_model
     from mpack.sidecar import load_manifest
+    from mpack.verify.model import build_model
 
     manifest, _ = load_manifest(sidecar)
     tp = manifest["target"]["tp_size"]
     ranks = [load(sidecar, rank=r, device=device) for r in range(tp)]
-    vocab = int(json.loads((Path(sidecar) / "config.json").read_text()).get("vocab_size", 1000))
+    vocab = int(json.loads((Path(sidecar) / CONFIG_NAME).read_text()).get("vocab_size", 1000))
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (prompts, prompt_len), generator=g).to(device)
     act = manifest["target"]["act_dtype"]

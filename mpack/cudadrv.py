@@ -1,0 +1,127 @@
+"""The CUDA driver and NVRTC through cuda-bindings: the one import, error class and context.
+
+Both users of the driver go through here: :mod:`mpack.convert.cuda_repack` (build, load and
+launch the repack kernel) and :mod:`mpack.runtime.cuda_vmm` (allocate, export and map device
+memory). What they share:
+
+* :func:`driver` / :func:`nvrtc`: the ``cuda.bindings`` modules, imported on first use, or a
+  ``UsageError`` that says which package to install;
+* :func:`check` / :func:`check_nvrtc`: unpack a cuda-bindings ``(result, *values)`` tuple and
+  raise :class:`CudaError`, naming the call, when the result is not success;
+* :func:`on_device`: device ``N``'s primary context (the one torch uses) made current for the
+  driver calls inside a ``with`` block, so driver objects and torch tensors live in one context.
+
+Importing this module imports neither cuda-bindings nor touches CUDA: both happen on the first
+call that needs them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from mpack.errors import CudaError, UsageError
+
+__all__ = ["CudaError", "check", "check_nvrtc", "device", "driver", "init", "nvrtc", "on_device"]
+
+#: How to get cuda-bindings (the ``cuda`` extra).
+INSTALL_HINT = "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')"
+
+_lock = threading.Lock()
+_contexts: dict[int, Any] = {}  # device ordinal -> its retained primary context
+_initialised = [False]
+
+
+def driver(needed_by: str = "--device cuda") -> ModuleType:
+    """``cuda.bindings.driver``; raises ``UsageError`` ("``needed_by`` needs the cuda-bindings
+    package", with the install command) where it is not installed."""
+    try:
+        from cuda.bindings import driver as d
+    except ImportError:
+        raise _missing(needed_by) from None
+    return d
+
+
+def nvrtc(needed_by: str = "--device cuda") -> ModuleType:
+    """``cuda.bindings.nvrtc``; raises like :func:`driver`."""
+    try:
+        from cuda.bindings import nvrtc as n
+    except ImportError:
+        raise _missing(needed_by) from None
+    return n
+
+
+def _missing(needed_by: str) -> UsageError:
+    return UsageError(f"{needed_by} needs the cuda-bindings package", hint=INSTALL_HINT)
+
+
+def _values(values: list[Any]) -> Any:
+    """None, the one value, or a tuple of them (how cuda-bindings calls return)."""
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a driver call's ``(CUresult, *values)``: None, the value, or a tuple of values.
+
+    Raises:
+        CudaError: the result is not ``CUDA_SUCCESS`` (the message names ``what`` and the
+            driver's error name and text).
+    """
+    d = driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != d.CUresult.CUDA_SUCCESS:
+        name = d.cuGetErrorName(err)[1] or b"?"
+        text = d.cuGetErrorString(err)[1] or b""
+        raise CudaError(
+            f"CUDA driver call {what} failed: {name.decode()} ({text.decode()})",
+            hint="check the device (nvidia-smi), free memory and the driver version",
+        )
+    return _values(values)
+
+
+def check_nvrtc(result: Any, what: str) -> Any:
+    """Unpack an NVRTC call's ``(nvrtcResult, *values)`` like :func:`check`; raises
+    :class:`CudaError` on an error."""
+    n = nvrtc()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != n.nvrtcResult.NVRTC_SUCCESS:
+        name = n.nvrtcGetErrorString(err)[1] or b"?"
+        raise CudaError(f"NVRTC call {what} failed: {name.decode()}")
+    return _values(values)
+
+
+def init() -> ModuleType:
+    """The driver module, ``cuInit`` called (once per process)."""
+    d = driver()
+    if not _initialised[0]:
+        check(d.cuInit(0), "cuInit")
+        _initialised[0] = True
+    return d
+
+
+def device(ordinal: int) -> Any:
+    """The driver's ``CUdevice`` for CUDA device ``ordinal``."""
+    return check(init().cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+
+
+@contextmanager
+def on_device(ordinal: int) -> Iterator[ModuleType]:
+    """Make device ``ordinal``'s primary context (torch's) current for the driver calls inside;
+    yields the driver module. The context is retained for the life of the process, as torch
+    does."""
+    d = init()
+    with _lock:
+        ctx = _contexts.get(ordinal)
+        if ctx is None:
+            ctx = check(d.cuDevicePrimaryCtxRetain(device(ordinal)), "cuDevicePrimaryCtxRetain")
+            _contexts[ordinal] = ctx
+    check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        yield d
+    finally:
+        d.cuCtxPopCurrent()

@@ -1,0 +1,226 @@
+"""mpack/arch.py: vLLM's fusion and TP rules (SPEC §6), checked against cases derived by hand
+and against the golden checkpoints' real configs and weight shapes.
+
+The hand cases are the SPEC's formulas worked out for the golden model's dimensions (4 heads,
+2 KV heads, head_dim 64, intermediate 512): which rows of q, k, v, gate and up each rank holds
+at TP 1, 2 and 4. The coverage tests then check, over many model shapes, that the ranks' rows
+cover every row exactly once (q, gate, up) or, for k and v, that the ``distinct_ranks`` partition
+them and every other rank holds a copy of its group's rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from mpack import arch
+from mpack.arch import Dims
+
+GOLDEN_DIMS = Dims(heads=4, kv_heads=2, head_dim=64, intermediate=512)
+QKV = "model.layers.0.self_attn.qkv_proj"
+GATE_UP = "model.layers.0.mlp.gate_up_proj"
+
+# (tp, rank) -> rows of (q, k, v), worked out from SPEC §6 for GOLDEN_DIMS:
+# TP 1: everything. TP 2: 2 q heads and 1 KV head per rank. TP 4: 1 q head per rank; 4 ranks on
+# 2 KV heads, so ranks 0 and 1 share KV head 0 (rows 0..64) and ranks 2 and 3 share KV head 1.
+QKV_ROWS = {
+    (1, 0): [(0, 256), (0, 128), (0, 128)],
+    (2, 0): [(0, 128), (0, 64), (0, 64)],
+    (2, 1): [(128, 256), (64, 128), (64, 128)],
+    (4, 0): [(0, 64), (0, 64), (0, 64)],
+    (4, 1): [(64, 128), (0, 64), (0, 64)],
+    (4, 2): [(128, 192), (64, 128), (64, 128)],
+    (4, 3): [(192, 256), (64, 128), (64, 128)],
+}
+
+
+@pytest.mark.parametrize("tp, rank", sorted(QKV_ROWS))
+def test_qkv_rows_of_the_golden_model_by_hand(tp: int, rank: int) -> None:
+    assert arch.shard_rows(GOLDEN_DIMS, QKV, tp, rank) == QKV_ROWS[tp, rank]
+    per = 512 // tp
+    assert arch.shard_rows(GOLDEN_DIMS, GATE_UP, tp, rank) == [(rank * per, (rank + 1) * per)] * 2
+
+
+def test_kv_split_and_distinct_ranks_of_the_golden_model() -> None:
+    # (KV heads per rank, ranks sharing one KV group)
+    assert [arch.kv_split(GOLDEN_DIMS, tp) for tp in (1, 2, 4)] == [(2, 1), (1, 1), (1, 2)]
+    assert arch.distinct_ranks("k_proj", GOLDEN_DIMS, 4) == [0, 2]
+    assert arch.distinct_ranks("v_proj", GOLDEN_DIMS, 4) == [0, 2]
+    assert arch.distinct_ranks("q_proj", GOLDEN_DIMS, 4) == [0, 1, 2, 3]
+    assert arch.distinct_ranks("k_proj", GOLDEN_DIMS, 2) == [0, 1]
+    assert arch.distinct_ranks("gate_proj", GOLDEN_DIMS, 2) == [0, 1]
+    # 8 heads over 4 KV heads at TP 8: pairs of ranks share a KV head
+    assert arch.kv_split(Dims(8, 4, 32, 512), 8) == (1, 2)
+    assert arch.distinct_ranks("v_proj", Dims(8, 4, 32, 512), 8) == [0, 2, 4, 6]
+
+
+def test_row_parallel_linears_have_no_row_slices() -> None:
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
+        assert arch.shard_rows(GOLDEN_DIMS, name, 2, 1) is None
+        assert arch.parallel_style(name) == "row"
+    assert arch.parallel_style(QKV) == arch.parallel_style(GATE_UP) == "column"
+
+
+@pytest.mark.parametrize(
+    "dims, tp, problem",
+    [
+        (GOLDEN_DIMS, 1, None),
+        (GOLDEN_DIMS, 2, None),
+        (GOLDEN_DIMS, 4, None),
+        (GOLDEN_DIMS, 3, "--tp 3 does not divide num_attention_heads=4"),
+        (GOLDEN_DIMS, 8, "--tp 8 does not divide num_attention_heads=4"),
+        (Dims(4, 2, 64, 510), 4, "--tp 4 does not divide intermediate_size=510"),
+        (Dims(6, 3, 32, 512), 2, "--tp 2 does not fit num_key_value_heads=3"),  # T <= Hkv
+        (Dims(6, 3, 32, 516), 3, None),
+        (Dims(6, 3, 32, 516), 6, None),  # T > Hkv and T % Hkv == 0: replicated
+        (Dims(12, 4, 32, 512), 2, None),
+        (Dims(12, 4, 32, 516), 6, "--tp 6 does not fit num_key_value_heads=4"),  # T > Hkv
+        (Dims(8, 4, 32, 512), 8, None),
+        (Dims(9, 3, 64, 1536), 3, None),  # SmolLM2-135M
+        (Dims(9, 3, 64, 1536), 9, "--tp 9 does not divide intermediate_size=1536"),
+    ],
+)  # fmt: skip
+def test_tp_problem_follows_spec_1(dims: Dims, tp: int, problem: str | None) -> None:
+    """SPEC §1: H % T == 0, I % T == 0, and Hkv % T == 0 when T <= Hkv, else T % Hkv == 0."""
+    got = arch.tp_problem(dims, tp)
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith(problem), got
+
+
+def _fitting() -> list[tuple[Dims, int]]:
+    """Every (dims, tp) that fits, over a grid of head counts and TP sizes."""
+    grid = itertools.product((1, 2, 3, 4, 6, 8, 12, 16), (1, 2, 3, 4, 8), range(1, 17))
+    dims = [(Dims(heads, kv, 16, 96), tp) for heads, kv, tp in grid if heads % kv == 0]
+    return [(d, tp) for d, tp in dims if arch.tp_problem(d, tp) is None]
+
+
+FITTING = _fitting()
+
+
+def test_the_grid_has_replicated_and_split_kv_cases() -> None:
+    assert any(tp > d.kv_heads for d, tp in FITTING)
+    assert any(1 < tp < d.kv_heads for d, tp in FITTING)
+    assert len(FITTING) > 40
+
+
+def _rows(dims: Dims, name: str, tp: int) -> list[list[tuple[int, int]]]:
+    return [arch.shard_rows(dims, name, tp, r) for r in range(tp)]
+
+
+@pytest.mark.parametrize("dims, tp", FITTING, ids=lambda v: str(v))
+def test_ranks_cover_q_gate_and_up_rows_once(dims: Dims, tp: int) -> None:
+    d = dims.head_dim
+    for name, shard, total in ((QKV, 0, dims.heads * d), (GATE_UP, 0, dims.intermediate),
+                               (GATE_UP, 1, dims.intermediate)):  # fmt: skip
+        rows = [r[shard] for r in _rows(dims, name, tp)]
+        assert rows[0][0] == 0 and rows[-1][1] == total
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows)), rows
+        assert all(hi - lo == total // tp for lo, hi in rows)
+
+
+@pytest.mark.parametrize("dims, tp", FITTING, ids=lambda v: str(v))
+def test_distinct_ranks_partition_k_and_v_and_the_rest_replicate(dims: Dims, tp: int) -> None:
+    total = dims.kv_heads * dims.head_dim
+    rows = _rows(dims, QKV, tp)
+    for shard, which in ((1, "k_proj"), (2, "v_proj")):
+        distinct = arch.distinct_ranks(which, dims, tp)
+        parts = [rows[r][shard] for r in distinct]
+        assert parts[0][0] == 0 and parts[-1][1] == total
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(parts)), parts
+        for r in range(tp):  # every rank holds one of those parts, whole
+            owner = max(x for x in distinct if x <= r)
+            assert rows[r][shard] == rows[owner][shard]
+        assert len(distinct) == min(tp, dims.kv_heads)
+    assert all(rows[r][1] == rows[r][2] for r in range(tp))  # k and v alike
+
+
+# --- names and order ------------------------------------------------------------------------
+
+
+def test_fused_name_and_shard_modules_agree() -> None:
+    p = "model.layers.7"
+    assert arch.fused_name(f"{p}.self_attn.k_proj") == f"{p}.self_attn.qkv_proj"
+    assert arch.fused_name(f"{p}.mlp.up_proj") == f"{p}.mlp.gate_up_proj"
+    assert arch.fused_name(f"{p}.self_attn.o_proj") == f"{p}.self_attn.o_proj"
+    others = ("lm_head", "model.embed_tokens", f"{p}.mlp.experts.0.w1", f"{p}.self_attn.qkv_proj")
+    for other in others:
+        assert arch.fused_name(other) is None, other
+    assert arch.shard_modules(f"{p}.self_attn.qkv_proj") == [
+        f"{p}.self_attn.q_proj",
+        f"{p}.self_attn.k_proj",
+        f"{p}.self_attn.v_proj",
+    ]
+    assert arch.shard_modules(f"{p}.mlp.gate_up_proj") == [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
+    assert arch.shard_modules(f"{p}.mlp.down_proj") == [f"{p}.mlp.down_proj"]
+    for name in (f"{p}.self_attn.qkv_proj", f"{p}.mlp.gate_up_proj", f"{p}.self_attn.o_proj"):
+        assert {arch.fused_name(m) for m in arch.shard_modules(name)} == {name}
+
+
+def test_layer_order_is_by_layer_then_forward_pass() -> None:
+    forward = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    want = [f"model.layers.{i}.{leaf}" for i in range(12) for leaf in forward]
+    shuffled = want[:]
+    random.Random(0).shuffle(shuffled)
+    assert sorted(shuffled, key=arch.layer_order) == want
+    assert sorted(want) != want  # string order would put layers.10 before layers.2
+
+
+def test_natural_key_orders_numbers_by_value() -> None:
+    names = ["model.layers.10.mlp.up_proj", "model.layers.9.mlp.up_proj",
+             "model.layers.1.mlp.up_proj", "lm_head"]  # fmt: skip
+    assert sorted(names, key=arch.natural_key) == [names[3], names[2], names[1], names[0]]
+
+
+# --- dimensions from real configs -------------------------------------------------------------
+
+
+def _golden_input(golden: Path) -> Path:
+    return golden / "cases" / "tiny-llama-tensor-w8a16-bf16-tp1" / "input"
+
+
+def test_dims_of_the_golden_config_and_its_weight_shapes(golden: Path) -> None:
+    ck = _golden_input(golden)
+    cfg = json.loads((ck / "config.json").read_text())
+    dims = arch.dims_of(cfg["architectures"][0], cfg)
+    assert dims == GOLDEN_DIMS
+    with safe_open(str(ck / "model.safetensors"), framework="pt") as f:
+        shape = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 - not a dict
+    for i in range(cfg["num_hidden_layers"]):
+        for sub, n in arch.expected_rows(dims).items():
+            where = "self_attn" if sub in ("q_proj", "k_proj", "v_proj") else "mlp"
+            assert shape[f"model.layers.{i}.{where}.{sub}.weight"][0] == n, sub
+        for sub, k in arch.expected_cols(dims).items():
+            where = "self_attn" if sub == "o_proj" else "mlp"
+            assert shape[f"model.layers.{i}.{where}.{sub}.weight"][1] == k, sub
+
+
+def test_dims_of_head_dim_rules() -> None:
+    cfg = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 512, "head_dim": 32}  # fmt: skip
+    assert arch.dims_of("Qwen3ForCausalLM", cfg).head_dim == 32
+    assert arch.dims_of("LlamaForCausalLM", cfg).head_dim == 32
+    assert arch.dims_of("Qwen2ForCausalLM", cfg).head_dim == 64  # vLLM's Qwen2 ignores head_dim
+    assert arch.dims_of(None, {**cfg, "head_dim": None}).head_dim == 64
+    no_kv = {k: v for k, v in cfg.items() if k != "num_key_value_heads"}
+    assert arch.dims_of("LlamaForCausalLM", no_kv).kv_heads == 4  # MHA: KV heads = heads
+    assert arch.dims_of("LlamaForCausalLM", {**cfg, "num_key_value_heads": None}).kv_heads == 4
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [({"intermediate_size": None}, TypeError), ({"hidden_size": "wide"}, ValueError),
+     ({"num_attention_heads": [4]}, TypeError)],
+)  # fmt: skip
+def test_dims_of_refuses_missing_and_non_numeric_dims(edit: dict, error: type) -> None:
+    cfg = {"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512, **edit}
+    with pytest.raises(error):
+        arch.dims_of("LlamaForCausalLM", cfg)
+    with pytest.raises(KeyError):
+        arch.dims_of("LlamaForCausalLM", {"hidden_size": 256, "num_attention_heads": 4})

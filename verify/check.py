@@ -1,0 +1,185 @@
+"""``mpack verify``: its one entry point, :func:`verify`, and its result, :class:`Verification`.
+
+Three checks, each one stricter, and a fourth on request:
+
+1. every file's size and sha256 against the manifest (:func:`mpack.sidecar.check_files`), every
+   safetensors header parses, and the tensor names and shapes are exactly the ones the
+   manifest's layer table implies;
+2. with the source checkpoint (given; else the one the manifest records, if it is here:
+   :func:`mpack.verify.rederive.find_source`), every Marlin tensor re-derived and compared byte
+   for byte, and the pass-through tensors compared with their source bytes. When no source is
+   found, ``source_note`` says why and how to get one;
+3. the layout read backwards: each weight, scale and bias unpacks to the source's values;
+4. with ``forward``: token ids run through a model built from the sidecar and through
+   transformers on the source, greedy tokens and logits compared (:mod:`mpack.verify.forward`).
+
+Checks 2 to 4 run only when the ones before found nothing. This module imports no torch: the
+re-derivation and the forward check load it when they run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpack.errors import InputError, UsageError, VerificationError
+from mpack.sidecar import (
+    COMMON_NAME,
+    FileLayout,
+    check_files,
+    load_manifest,
+    rank_file_name,
+    rank_tensor_problems,
+    read_layout,
+    regenerate_hint_of,
+)
+
+__all__ = ["MAX_LISTED", "Verification", "verify"]
+
+#: Problems listed one by one in the error; the rest are counted.
+MAX_LISTED = 20
+
+
+@dataclass
+class Verification:
+    """What :func:`verify` checked, and every problem it found (none: the sidecar is sound)."""
+
+    sidecar: str
+    digest: str  # the manifest digest
+    files_checked: int
+    source_checked: bool = False
+    layers_checked: int = 0  # packed layers re-derived, once per rank
+    tensors_compared: int = 0
+    source_note: str | None = None  # why the source was not checked, for people
+    source: str | None = None  # the source re-derived from, as people name it
+    source_path: str | None = None  # its local directory
+    forward: dict[str, Any] | None = None  # :func:`mpack.verify.forward.forward_check`'s report
+    problems: list[str] = field(default_factory=list)  # file and re-derivation mismatches
+    hint: str | None = None  # with problems: the command that regenerates the sidecar
+
+    @property
+    def ok(self) -> bool:
+        """No problem, and the model outputs match where they were compared."""
+        return not self.problems and (self.forward is None or bool(self.forward["ok"]))
+
+    def report(self) -> dict[str, Any]:
+        """The facts ``mpack verify --json`` prints (besides ``ok``): ``source`` and
+        ``source_path`` when the source was checked, ``forward`` when it ran."""
+        keys = ["sidecar", "digest", "files_checked", "source_checked", "layers_checked",
+                "tensors_compared", "source_note"]  # fmt: skip
+        if self.source_checked:
+            keys += ["source", "source_path"]
+        if self.forward is not None:
+            keys.append("forward")
+        return {k: getattr(self, k) for k in keys}
+
+    def error(self) -> VerificationError | None:
+        """The error this result stands for: every problem listed, else model outputs that
+        differ; None when :attr:`ok`."""
+        if self.problems:
+            n = len(self.problems)
+            listed = self.problems[:MAX_LISTED]
+            if n > MAX_LISTED:
+                listed.append(f"... and {n - MAX_LISTED} more")
+            return VerificationError(
+                f"{self.sidecar}: {n} problem(s):\n  " + "\n  ".join(listed), hint=self.hint
+            )
+        if not self.ok:
+            return VerificationError(
+                f"{self.sidecar}: model outputs from the sidecar differ from the reference "
+                "beyond the tolerance",
+                hint="see the table above; docs/EQUIVALENCE.md explains the tolerance",
+            )
+        return None
+
+    def raise_for_failure(self) -> None:
+        """Raise :meth:`error`, if there is one."""
+        err = self.error()
+        if err is not None:
+            raise err
+
+
+def verify(
+    sidecar: str | os.PathLike,
+    *,
+    source: str | os.PathLike | None = None,
+    revision: str | None = None,
+    forward: bool = False,
+    device: str = "cpu",
+) -> Verification:
+    """Verify ``sidecar``: checksums, re-derivation from its source, and optionally the model
+    outputs (see the module docstring).
+
+    Args:
+        source: the checkpoint to re-derive from, a directory or a Hub repo id; default: the one
+            the manifest records, if it is here (never downloaded).
+        revision: with a Hub repo id as ``source``, the commit, branch or tag; default: the
+            commit the manifest records (for a Hub-sourced sidecar), else ``main``.
+        forward: also compare the model outputs (needs the source checkpoint).
+        device: where the forward check runs: ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Returns:
+        A :class:`Verification`; its ``problems`` list every mismatch found (call
+        :meth:`Verification.raise_for_failure` to turn them into a ``VerificationError``).
+
+    Raises:
+        MpackError: no readable manifest; a given source that cannot be resolved; with
+            ``forward``, a device that is not here (before any other work) or no source found
+            (``UsageError``).
+    """
+    if revision is not None and source is None:
+        raise UsageError(f"revision {revision} applies to a given source; pass source too")
+    if forward:
+        from mpack.runtime.protocol import parse_device
+
+        parse_device(device)  # a device that is not there fails now, not after the re-derivation
+    path = Path(sidecar)
+    m, digest = load_manifest(path)
+    problems, layouts = _check_files(path, m)
+    result = Verification(str(path), digest, len(m["files"]), problems=problems)
+    _check_source(result, path, m, layouts, None if source is None else str(source), revision)
+    if result.problems:
+        result.hint = regenerate_hint_of(m, path)
+    elif forward:
+        if not result.source_checked:
+            raise UsageError("--forward needs the source checkpoint: pass --source")
+        from mpack.verify.forward import forward_check
+
+        result.forward = forward_check(path, result.source_path, device=device)
+    return result
+
+
+def _check_files(sidecar: Path, m: dict[str, Any]) -> tuple[list[str], dict[str, FileLayout]]:
+    """Checks 1: the problems found, and the layout of every safetensors file that parses."""
+    problems = check_files(sidecar, m)
+    tp = m["target"]["tp_size"]
+    layouts: dict[str, FileLayout] = {}
+    listed = {f["name"] for f in m["files"]}
+    for name in [rank_file_name(rank, tp) for rank in range(tp)] + [COMMON_NAME]:
+        if name not in listed:
+            continue  # every rank file is listed (check_manifest); common.safetensors may not be
+        try:
+            layouts[name] = read_layout(sidecar / name, follow=False)
+        except InputError as e:
+            problems.append(str(e))
+            continue
+        if name != COMMON_NAME:
+            problems += rank_tensor_problems(layouts[name], m, name)
+    return problems, layouts
+
+
+def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
+                  layouts: dict[str, FileLayout], source: str | None,
+                  revision: str | None) -> None:  # fmt: skip
+    """Checks 2 and 3, when the source is found and checks 1 found nothing."""
+    from mpack.verify.rederive import find_source, rederive
+
+    src, result.source_note = find_source(source, revision, m)
+    if src is None or result.problems:
+        return
+    result.layers_checked, result.tensors_compared = rederive(
+        sidecar, m, layouts, src, result.problems
+    )
+    result.source_checked, result.source, result.source_path = True, src.display, str(src.path)
