@@ -85,7 +85,7 @@ def attach(
         ProtocolError: a daemon that broke the protocol.
         FormatVersionError, CorruptFileError, UsageError: the sidecar or arguments.
     """
-    from mpack.runtime.weights import SharedWeights, build_views
+    from mpack.runtime.weights import SharedWeights
 
     manifest, digest = load_manifest(sidecar)
     check_rank(manifest, rank)
@@ -104,14 +104,13 @@ def attach(
         finally:
             for fd in fds:
                 os.close(fd)
-        views = build_views(base, tensors)
-        del base
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)  # from here on the connection is only the lease
     return SharedWeights(
-        views,
+        base,
+        tensors,
         manifest=manifest,
         digest=digest,
         rank=rank,

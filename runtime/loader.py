@@ -184,7 +184,7 @@ def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> S
     """
     import torch
 
-    from mpack.runtime.weights import SharedWeights, build_views
+    from mpack.runtime.weights import SharedWeights
 
     kind, ordinal = parse_device(device)
     plan = plan_rank(sidecar, rank)
@@ -197,7 +197,8 @@ def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> S
         buf = torch.empty(plan.size, dtype=torch.uint8, device=label)
         fill(plan, CudaDest(buf))
     return SharedWeights(
-        build_views(buf, plan.tensors),
+        buf,
+        plan.tensors,
         manifest=plan.manifest,
         digest=plan.digest,
         rank=rank,

@@ -25,22 +25,24 @@ if TYPE_CHECKING:
     from mpack.sidecar import TensorEntry
 
 
-def build_views(base: torch.Tensor, tensors: list[TensorEntry]) -> dict[str, torch.Tensor]:
-    """Views of ``base`` (uint8 [size], any device) by byte offset: no data is copied, except
-    for Note [unaligned tail tensors].
+def view_of(base: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    """Tensor ``e`` as a view of ``base`` (uint8 [size], any device) by byte offset: no data
+    is copied, except for Note [unaligned tail tensors].
 
     Note [unaligned tail tensors]: a torch view of another dtype must start at a multiple of
     its element size. Every 64-multiple-sized tensor of a sidecar is 64-aligned (docs/FORMAT.md),
     but the odd-sized tail of ``common.safetensors`` MAY start anywhere; such a tensor (a few
     bytes: a norm, a scalar) becomes a private copy instead of a view.
     """
-    out = {}
-    for e in tensors:
-        raw = base[e.offset : e.offset + e.nbytes]  # uint8 [nbytes]
-        if e.offset % DTYPE_SIZES[e.dtype]:
-            raw = raw.clone()  # Note [unaligned tail tensors]
-        out[e.name] = raw.view(torch_dtype(e.dtype)).view(e.shape)  # dtype [*shape]
-    return out
+    raw = base[e.offset : e.offset + e.nbytes]  # uint8 [nbytes]
+    if e.offset % DTYPE_SIZES[e.dtype]:
+        raw = raw.clone()  # Note [unaligned tail tensors]
+    return raw.view(torch_dtype(e.dtype)).view(e.shape)  # dtype [*shape]
+
+
+def build_views(base: torch.Tensor, tensors: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``tensors`` as a view of ``base`` (:func:`view_of`)."""
+    return {e.name: view_of(base, e) for e in tensors}
 
 
 class SharedWeights(Mapping[str, "torch.Tensor"]):
@@ -51,11 +53,17 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
     ``host`` or ``cuda`` for :func:`attach`) and ``nbytes`` (bytes of the allocation).
     Attached tensors are read-only: a write fails in the writing process only. Use ``close()``
     or a ``with`` block; see Note [lifetime of a mapping].
+
+    Note [views on first use]: making a tensor view costs a few microseconds of Python and torch
+    per tensor; an engine may touch only some tensors, and attaching must not cost more with more
+    tensors. So the views are made when a tensor is first looked up, and kept: the second lookup
+    returns the same tensor object. Iterating and ``len`` make none.
     """
 
     def __init__(
         self,
-        tensors: dict[str, torch.Tensor],
+        base: torch.Tensor,
+        tensors: list[TensorEntry],
         *,
         manifest: dict[str, Any],
         digest: str,
@@ -65,7 +73,9 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
         nbytes: int,
         lease: socket.socket | None = None,
     ) -> None:
-        self._tensors: dict[str, torch.Tensor] | None = tensors
+        self._base: torch.Tensor | None = base
+        self._entries = {e.name: e for e in tensors}
+        self._views: dict[str, torch.Tensor] = {}
         self.manifest = manifest
         self.digest = digest
         self.rank = rank
@@ -74,27 +84,38 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
         self.nbytes = nbytes
         self._lease = lease
 
-    def _live(self) -> dict[str, torch.Tensor]:
-        if self._tensors is None:
+    def _live(self) -> torch.Tensor:
+        if self._base is None:
             raise ValueError("these SharedWeights are closed")
-        return self._tensors
+        return self._base
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._live()[name]
+        """The tensor ``name``, a view made on first use (Note [views on first use])."""
+        base = self._live()
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = view_of(base, self._entries[name])
+        return view
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._live())
+        self._live()
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._live())
+        self._live()
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        self._live()
+        return name in self._entries
 
     @property
     def closed(self) -> bool:
-        return self._tensors is None
+        return self._base is None
 
     def close(self) -> None:
         """End the lease and drop this object's references (Note [lifetime of a mapping])."""
-        self._tensors = None
+        self._base, self._views = None, {}
         if self._lease is not None:
             self._lease.close()
             self._lease = None

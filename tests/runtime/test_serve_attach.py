@@ -655,3 +655,47 @@ def test_attach_errors_are_clear(world, served, runtime_env):
     with pytest.raises(DaemonError, match="refused: this daemon serves digest"):
         attach(other, device=world.device, socket=d.socket)
     assert d.alive()
+
+
+# --- what attaching costs ----------------------------------------------------------------------
+
+
+def test_views_are_made_on_first_use_and_kept(world, served, runtime_env):
+    """Note [views on first use]: attaching makes no tensor view; a lookup makes one, once."""
+    sc, d = served
+    with attach(sc, device=world.device, socket=d.socket) as w:
+        assert len(w) == len(list(w)) > 0 and w._views == {}
+        name = next(iter(w))
+        first = w[name]
+        assert w[name] is first and list(w._views) == [name]
+        assert first.untyped_storage().data_ptr() == w._base.untyped_storage().data_ptr()
+        assert len(w._views) == 1  # iterating and len made no other view
+    with pytest.raises(ValueError, match="closed"):
+        w[name]
+
+
+def test_a_non_canonical_manifest_is_served_under_the_digest_of_its_bytes(world, runtime_env):
+    """Note [manifest digest]: the digest is the sha256 of the mpack.json bytes as they are, so
+    a hand-edited manifest (same content, another encoding) names its own served sidecar."""
+    import hashlib
+
+    import torch
+
+    from mpack.sidecar import MANIFEST_NAME, digest_of, load_manifest
+
+    sc = world.root / "sidecar-reindented"
+    if not sc.exists():
+        shutil.copytree(world.sidecar(0), sc)
+    path = sc / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps(m, indent=4))  # valid, not the canonical encoding
+    _, digest = load_manifest(sc)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest() != digest_of(m)
+    d = world.daemon(sc)
+    ready = d.wait_ready()
+    assert ready.digest == digest
+    with attach(sc, device=world.device, socket=d.socket) as w:
+        assert w.digest == digest
+        got = {k: w[k].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes() for k in w}
+        assert digest_of_tensors(got) == _expected(world.sidecar(0))
+    d.stop()
