@@ -158,11 +158,16 @@ OutOpt = Annotated[
 ]
 RevisionOpt = Annotated[
     str | None,
-    typer.Option(metavar="REV", help="Hub branch, tag or commit (repo ids only). [default: main]"),
+    typer.Option(
+        "--revision",
+        metavar="REV",
+        help="Hub branch, tag or commit (repo ids only). [default: main]",
+    ),
 ]
 ProfileOpt = Annotated[
     str,
     typer.Option(
+        "--profile",
         metavar="[w8a16|w8a8-marlin]",
         help="w8a16: vLLM's W8A16 path, weight bytes unchanged; w8a8-marlin: W8A8 forced onto "
         "Marlin, per-tensor shards requantized to their max scale.",
@@ -183,6 +188,7 @@ TpOpt = Annotated[
 FuseOpt = Annotated[
     str,
     typer.Option(
+        "--fuse",
         metavar="[vllm|none]",
         help="vllm: vLLM's fused qkv_proj / gate_up_proj names; none: checkpoint names (tp 1).",
     ),
@@ -190,6 +196,7 @@ FuseOpt = Annotated[
 ConvertDeviceOpt = Annotated[
     str,
     typer.Option(
+        "--device",
         metavar="[auto|cpu|cuda|cuda:N]",
         help="Where the transform runs (identical bytes on each); auto: CUDA when present.",
     ),
@@ -279,6 +286,7 @@ def verify(
     source: Annotated[
         str | None,
         typer.Option(
+            "--source",
             metavar="SOURCE",
             help="Re-derive every tensor from this checkpoint (directory or Hub repo id). "
             "[default: the recorded local path, or the recorded Hub repo and commit if it is in "

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import typer
 
 from mpack import cli
 from mpack.errors import (
@@ -102,3 +103,28 @@ def test_mpack_error_prints_hint(monkeypatch, capsys):
 def test_error_table(exc, code, base):
     assert exit_code_for(exc) == code
     assert isinstance(exc, base)
+
+
+def test_every_option_names_its_flags() -> None:
+    """Each option declares its flag names itself: typer releases differ in the name they derive
+    from a parameter that has a metavar but no name (typer 0.27 made `--source` into `--SOURCE`)."""
+    import inspect
+    import typing
+
+    from mpack import cli
+
+    missing = []
+    for command in cli.app.registered_commands:
+        fn = command.callback
+        for name, hint in typing.get_type_hints(fn, include_extras=True).items():
+            infos = [
+                m
+                for m in getattr(hint, "__metadata__", ())
+                if isinstance(m, typer.models.OptionInfo)
+            ]
+            # with Annotated, the first name passed to typer.Option lands in ``default``
+            names = [*infos[0].param_decls, infos[0].default] if infos else []
+            if infos and not any(isinstance(n, str) and n.startswith("--") for n in names):
+                missing.append(f"{fn.__name__}({name})")
+        assert inspect.signature(fn).parameters  # the walk saw the command's parameters
+    assert not missing, f"options without explicit flag names: {missing}"
