@@ -106,12 +106,14 @@ demo: $(DEPS)
 BENCH_OUT ?= bench-out
 BENCH_WORK ?= /tmp/mpack-bench
 
-# On a GPU machine: every benchmark, its JSON in $(BENCH_OUT)/, the plot in docs/.
+# On a GPU machine: every benchmark, its JSON in $(BENCH_OUT)/, the plot in docs/; bench_vs_tools
+# appends its table to docs/BENCHMARKS.md (on bench_convert's checkpoint: one 9 GB copy on disk).
 bench: $(DEPS)
 	mkdir -p $(BENCH_OUT)
 	$(PY) scripts/bench_repack.py --json $(BENCH_OUT)/repack.json
 	$(PY) scripts/bench_convert.py --workdir $(BENCH_WORK) --json $(BENCH_OUT)/convert.json --plot docs/bench_convert.png
 	$(PY) scripts/bench_runtime.py --sidecar $(BENCH_WORK)/out-cuda --json $(BENCH_OUT)/runtime.json
+	$(PY) scripts/bench_vs_tools.py --workdir $(BENCH_WORK) --src $(BENCH_WORK)/llama8b-fp8-32l --json $(BENCH_OUT)/vs_tools.json --md docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache

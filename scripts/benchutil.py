@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -37,3 +43,66 @@ def proc_status_bytes(pid: int, keys: tuple[str, ...]) -> int:
     except OSError:
         return 0
     return sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(keys))
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One finished process: its wall time (s), the peak RSS seen (bytes), exit code, stderr's end."""
+
+    wall: float
+    peak_rss: int
+    returncode: int
+    stderr: str
+
+
+def run_timed(
+    cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Timed:
+    """Run ``cmd`` to its end, stdout discarded; its wall time from start to exit and its peak
+    RSS, ``VmHWM`` read from /proc every 20 ms by a thread while it runs (wait4's ``ru_maxrss``
+    would include the pages this parent had when it forked). Interrupted, the child is killed."""
+    with tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=cwd)
+        peak, done = [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], proc_status_bytes(p.pid, ("VmHWM:",)))
+                done.wait(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            code = p.wait()
+        except BaseException:
+            p.kill()
+            p.wait()
+            raise
+        finally:
+            wall = time.perf_counter() - t
+            done.set()
+            sampler.join()
+        err.seek(0)
+        tail = err.read()[-4000:].decode(errors="replace")
+    return Timed(wall, peak[0], code, tail)
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP raise ``SystemExit(128 + signal)``: ``finally`` blocks then end the
+    benchmark's children, as they do on Ctrl-C."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def scratch_dir(prefix: str) -> tuple[Path, dict[str, str]]:
+    """A fresh directory under /tmp (a short path: a Unix socket can live there) for children to
+    run in, and their environment: a private ``XDG_RUNTIME_DIR`` inside it, unbuffered Python.
+
+    The children's working directory is not the checkout: a ``mpack/`` folder there would
+    shadow an editable install's ``mpack`` for ``python -m mpack``.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    (tmp / "xdg").mkdir(mode=0o700)
+    return tmp, {**os.environ, "XDG_RUNTIME_DIR": str(tmp / "xdg"), "PYTHONUNBUFFERED": "1"}

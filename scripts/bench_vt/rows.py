@@ -1,0 +1,242 @@
+"""The run (``Bench``), its peers and its rows: each ``row_*`` measures one thing in fresh
+processes and returns ``report.Row`` s (scripts/bench_vs_tools.py's docstring says how).
+
+Peers are measured once per page-cache state and shared by the rows that need them
+(``peer_cp``): every row is against a peer of the same run, on the same disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench_rt.procs import BenchError, Child
+from bench_rt.system import ensure_warm, evict
+from benchutil import run_timed
+
+from .report import Row, gib, secs
+
+SCRIPTS = Path(__file__).resolve().parents[1]
+SCRIPT = SCRIPTS / "bench_vs_tools.py"  # this benchmark's workers (bench_vt/workers.py)
+RT_SCRIPT = SCRIPTS / "bench_runtime.py"  # bench_runtime's workers: its load_file peer
+
+
+@dataclass
+class Bench:
+    """One run: the options, the work directory (``src`` unless --src, ``out``: the sidecar,
+    ``cp-dst``), the
+    scratch directory (children's working directory, logs, the socket), their environment, what
+    was measured (``peers``, ``rows``) and the lines said along the way (skips, warnings)."""
+
+    args: argparse.Namespace
+    work: Path
+    tmp: Path
+    env: dict[str, str]
+    peers: dict[str, Any] = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def src(self) -> Path:
+        return Path(self.args.src).resolve() if self.args.src else self.work / "src"
+
+    @property
+    def out(self) -> Path:
+        return self.work / "out"
+
+    def src_files(self) -> list[Path]:
+        return sorted(self.src.glob("*.safetensors"))
+
+    def say(self, line: str) -> None:
+        """Print a line and keep it for the table's notes (a skip, a warning)."""
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def save(self) -> None:
+        """Write --json (after every row: what ran survives an interrupted run)."""
+        if self.args.json_out:
+            doc = {"meta": self.meta, "peers": self.peers, "lines": self.lines,
+                   "rows": [r.to_json() for r in self.rows]}  # fmt: skip
+            Path(self.args.json_out).write_text(json.dumps(doc, indent=2, default=str))
+
+    def worker(self, script: Path, kind: str, args: dict[str, Any]) -> Child:
+        cmd = [sys.executable, str(script), "--_worker", kind, "--_args", json.dumps(args)]
+        return Child(kind, cmd, self.env, self.tmp)
+
+    def run_worker(self, script: Path, kind: str, args: dict[str, Any], key: str) -> Any:
+        """One worker in a fresh process, to its ``key`` line; that line's ``key``."""
+        c = self.worker(script, kind, args)
+        try:
+            return c.read_json(key, 1800)[key]
+        finally:
+            c.end(None, 60)
+
+
+# --- page cache, fresh outputs, timed processes --------------------------------------------------
+
+
+def cache_state(b: Bench, files: list[Path], temp: str) -> dict[str, Any]:
+    """Make ``files`` warm (read once unless cached) or cold (``--cold drop``: drop_caches, and
+    POSIX_FADV_DONTNEED on the files in any case); what was done."""
+    if temp == "warm":
+        return {"resident_before": ensure_warm(files)}
+    state = evict(files, "drop")
+    if "drop_caches" not in b.meta:
+        b.meta["drop_caches"] = state["drop_caches"]
+        if not state["drop_caches"]:
+            b.say("--cold drop: drop_caches not allowed here (needs root and a writable /proc/sys): "
+                  "cold rows evict only their input files (POSIX_FADV_DONTNEED); libraries stay "
+                  "cached")  # fmt: skip
+    if not state["cold"]:
+        frac = state["resident_after"]
+        b.say("WARNING: a cold row's input was not cold: "
+              + ("unknown" if frac is None else f"{frac:.0%} still cached"))  # fmt: skip
+    return state
+
+
+def fresh(path: Path) -> None:
+    """Remove ``path`` and write every dirty page back: no measurement inherits the previous
+    one's writeback."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+
+
+def timed_cli(b: Bench, cmd: list[str], files: list[Path], temp: str, out: Path | None) -> dict:
+    """``cmd`` in a fresh process after ``fresh(out)`` and ``cache_state``: wall, peak RSS."""
+    if out is not None:
+        fresh(out)
+    state = cache_state(b, files, temp)
+    r = run_timed(cmd, env=b.env, cwd=b.tmp)
+    if r.returncode:
+        raise BenchError(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr}")
+    return {"wall": r.wall, "peak_rss": r.peak_rss, "state": state}
+
+
+def peer_cp(b: Bench, temp: str) -> dict[str, Any]:
+    """``cp -r SRC DST`` into a fresh DST, then ``sync``, ``--reps`` times (measured once per
+    page-cache state, shared by the rows): the best ``cp`` and ``cp + sync`` seconds."""
+    key = f"cp-{temp}"
+    if key in b.peers:
+        return b.peers[key]
+    dst, runs = b.work / "cp-dst", []
+    for _ in range(b.args.reps):
+        r = timed_cli(b, ["cp", "-r", str(b.src), str(dst)], b.src_files(), temp, dst)
+        t = time.perf_counter()
+        os.sync()
+        r["sync"] = time.perf_counter() - t
+        runs.append(r)
+    fresh(dst)
+    p = b.peers[key] = {"cp": min(r["wall"] for r in runs),
+                        "cp_sync": min(r["wall"] + r["sync"] for r in runs), "runs": runs}  # fmt: skip
+    print(f"  cp -r ({temp}): {secs(p['cp'])}, with sync {secs(p['cp_sync'])}", flush=True)
+    return p
+
+
+def cp_row(b: Bench, key: str, what: str, runs: list[dict], temp: str) -> Row:
+    """A row of CLI runs against ``cp -r`` (and ``cp -r`` + ``sync``) of the same state."""
+    p = peer_cp(b, temp)
+    best = min(r["wall"] for r in runs)
+    rss = max(r["peak_rss"] for r in runs)
+    notes = [f"peak RSS {gib(rss)}"] if rss else []
+    return Row(key, what, best, now=secs(best), peer=p["cp"], peer2=p["cp_sync"],
+               peer_text=f"cp -r {secs(p['cp'])} (+ sync {secs(p['cp_sync'])})", notes=notes,
+               runs={"runs": runs, "peak_rss": rss})  # fmt: skip
+
+
+WARM_UP = r"""
+import json, sys, time
+t = time.perf_counter()
+import torch, compressed_tensors
+import mpack.cli, mpack.convert.pipeline, mpack.runtime.client, mpack.runtime.loader, mpack.verify
+out = {"import_s": time.perf_counter() - t}
+if sys.argv[1] == "cuda":
+    from mpack.convert import cuda_repack
+    t = time.perf_counter()
+    out.update(kernel=cuda_repack.available(torch.device("cuda", 0)),
+               reason=cuda_repack.unavailable_reason(), kernel_s=time.perf_counter() - t)
+print(json.dumps(out))
+"""
+
+
+def warm_up(b: Bench, cuda: bool) -> None:
+    """One untimed process before the rows: the imports of the CLI and the workers (their
+    bytecode is written then, where a fresh install has none) and, with ``cuda``, the fused
+    repack kernel built into its cache: no warm row pays a one-time cost."""
+    r = subprocess.run([sys.executable, "-c", WARM_UP, "cuda" if cuda else "cpu"], env=b.env,
+                       cwd=b.tmp, capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        raise BenchError(f"warm-up failed ({r.returncode}): {r.stderr[-2000:]}")
+    w = b.meta["warm_up"] = json.loads(r.stdout)
+    print(f"warm-up: imports {w['import_s']:.2f} s" + (f", repack kernel {w['kernel']} in "
+          f"{w['kernel_s']:.2f} s" if cuda else ""), flush=True)  # fmt: skip
+    if cuda and not w["kernel"]:
+        b.say(f"the fused repack kernel is not available ({w['reason']}): convert uses torch ops")
+
+
+# --- convert, verify ------------------------------------------------------------------------------
+
+
+def convert_cmd(src: Path, out: Path, dev: str, cores: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "mpack", "convert", str(src), "-o", str(out), "--device", dev,
+           "--quiet", "--force"]  # fmt: skip
+    return cmd if cores is None else ["taskset", "-c", f"0-{cores - 1}", *cmd]
+
+
+def row_convert(b: Bench, dev: str, cores: int | None, temp: str) -> Row:
+    """The CLI convert, a fresh output each time, ``--reps`` times; against ``cp -r``."""
+    peer_cp(b, temp)  # the peer first: a failed copy stops the row before the long part
+    cmd = convert_cmd(b.src, b.out, dev, cores)
+    runs = [timed_cli(b, cmd, b.src_files(), temp, b.out) for _ in range(b.args.reps)]
+    key = f"convert-{dev}" + (f"-{cores}c" if cores else "") + ("-cold" if temp == "cold" else "")
+    how = f"`taskset -c 0-{cores - 1}` " if cores else ""
+    what = f"{how}`mpack convert --device {dev}`, CLI, " + (
+        "warm" if temp == "warm" else "page cache dropped"
+    )
+    return cp_row(b, key, what, runs, temp)
+
+
+def ensure_sidecar(b: Bench, dev: str) -> None:
+    """Make ``out`` (untimed) unless a row already did: verify, load and attach read it."""
+    if not (b.out / "mpack.json").is_file():
+        print(f"  converting {b.src} -> {b.out} ({dev}, untimed)", flush=True)
+        timed_cli(b, convert_cmd(b.src, b.out, dev, None), b.src_files(), "warm", b.out)
+
+
+def sidecar_files(b: Bench) -> list[Path]:
+    return sorted(b.out.glob("*.safetensors"))
+
+
+def row_verify(b: Bench, dev: str) -> Row:
+    """``mpack verify OUT --source SRC``, warm, ``--reps`` times; against ``cp -r``."""
+    ensure_sidecar(b, dev)
+    peer_cp(b, "warm")
+    cmd = [sys.executable, "-m", "mpack", "verify", str(b.out), "--source", str(b.src)]
+    files = b.src_files() + sidecar_files(b)
+    runs = [timed_cli(b, cmd, files, "warm", None) for _ in range(b.args.reps)]
+    return cp_row(b, "verify", "`mpack verify OUT --source SRC`", runs, "warm")
+
+
+def row_rss(b: Bench, dev: str, small: Path) -> Row:
+    """Peak RSS of the CLI convert (``dev``, warm) of the full model against a smaller one's."""
+    key = f"convert-{dev}"
+    big = next((r.runs["peak_rss"] for r in b.rows if r.key == key and r.error is None), None)
+    cmd = convert_cmd(b.src, b.out, dev, None)
+    if big is None:
+        big = timed_cli(b, cmd, b.src_files(), "warm", b.out)["peak_rss"]
+    out = b.work / "out-small"
+    files = sorted(small.glob("*.safetensors"))
+    r = timed_cli(b, convert_cmd(small, out, dev, None), files, "warm", out)
+    fresh(out)
+    layers = json.loads((small / "config.json").read_text())["num_hidden_layers"]
+    return Row("rss", f"peak RSS of `mpack convert --device {dev}`, {b.args.layers} vs {layers} layers",
+               big, unit="GiB", now=gib(big), peer=r["peak_rss"],
+               peer_text=f"{gib(r['peak_rss'])} at {layers} layer(s)", runs={"small": r, "big": big})  # fmt: skip

@@ -1,0 +1,95 @@
+"""The measuring processes: scripts/bench_vs_tools.py run with ``--_worker KIND --_args JSON`` in a
+fresh process, reporting JSON lines on stdout (``emit``) and taking commands on stdin.
+
+- ``load``: ``mpack.runtime.load`` of one rank, timed after the imports and CUDA init;
+- ``attach``: one client: imports, CUDA init, says ready, waits for ``go`` (the barrier), then
+  times ``attach`` and the first touch of one tensor; holds the mapping until stdin closes.
+
+Note [first touch]: the first touch of a tensor is ``w[name].data_ptr()`` and its first element
+read back with ``.item()`` (a device-to-host copy, which waits for the device): proof that the
+bytes are reachable, and no kernel. A kernel (a sum, say) would be loaded on its first launch
+(CUDA loads kernels lazily), a cost of any first use of that kernel in the process, not of
+reaching the weights. Start-up is reported apart: ``import_s`` (torch and mpack's client
+modules) and ``cuda_s`` (bench_runtime's ``_cuda_init``: CUDA init, a first allocation, a
+first kernel and copy back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench_rt.workers import _cuda_init, emit
+
+
+def w_load(a: dict[str, Any]) -> None:
+    """``mpack.runtime.load(sidecar, rank, device)`` timed up to a synchronize, after CUDA init."""
+    t0 = time.perf_counter()
+    import torch
+
+    import mpack.runtime.loader  # noqa: F401 - imports are not load time
+    import mpack.runtime.weights  # noqa: F401
+    from mpack.runtime import load
+
+    dev = a["device"]
+    t1 = time.perf_counter()
+    if dev != "cpu":
+        _cuda_init(torch, dev)
+    t2 = time.perf_counter()
+    w = load(a["sidecar"], rank=a["rank"], device=dev)
+    if dev != "cpu":
+        torch.cuda.synchronize(dev)
+    dt = time.perf_counter() - t2
+    emit({"load": {"seconds": dt, "tensors": len(w), "bytes": w.nbytes, "import_s": t1 - t0,
+                   "cuda_s": t2 - t1}})  # fmt: skip
+    w.close()
+
+
+def _client_start(dev: str) -> tuple[Callable[..., Any], float, float]:
+    """What a client does before the barrier: torch, mpack's client modules, CUDA init (Note
+    [first touch]). (attach, import seconds, CUDA seconds)."""
+    t0 = time.perf_counter()
+    import torch
+
+    import mpack.runtime.client  # noqa: F401 - imports are not attach latency
+    import mpack.runtime.weights  # noqa: F401
+    from mpack.runtime import attach
+
+    if dev != "cpu":
+        import mpack.runtime.cuda_vmm  # noqa: F401
+
+        with contextlib.suppress(ImportError):
+            from cuda.bindings import driver  # noqa: F401
+    else:
+        import mpack.runtime.host  # noqa: F401
+    t1 = time.perf_counter()
+    if dev != "cpu":
+        _cuda_init(torch, dev)
+    return attach, t1 - t0, time.perf_counter() - t1
+
+
+def w_attach(a: dict[str, Any]) -> None:
+    """Start up, say ready, wait for ``go``; then time ``attach`` and the first touch."""
+    dev, name = a["device"], a["tensor"]
+    attach, import_s, cuda_s = _client_start(dev)
+    emit({"ready": os.getpid(), "import_s": import_s, "cuda_s": cuda_s})
+    if sys.stdin.readline().strip() != "go":
+        return
+    t0 = time.perf_counter()
+    w = attach(a["sidecar"], rank=a["rank"], device=dev, socket=a["socket"])
+    t1 = time.perf_counter()
+    t = w[name]
+    t.data_ptr()
+    seen = t.flatten()[0].item()  # a view, then a copy to the host that waits for the device
+    t2 = time.perf_counter()
+    emit({"attach_ms": (t1 - t0) * 1e3, "touch_ms": (t2 - t1) * 1e3, "total_ms": (t2 - t0) * 1e3,
+          "tensors": len(w), "seen": float(seen)})  # fmt: skip
+    sys.stdin.read()  # hold the mapping until the round ends (stdin closed)
+    w.close()
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {"load": w_load, "attach": w_attach}
