@@ -47,7 +47,7 @@ from mpack.convert.checkpoint import (
     open_checkpoint,
     read_scale,
 )
-from mpack.convert.plan import Plan, make_plan
+from mpack.convert.plan import Plan, check_fusion_tp, make_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
@@ -233,10 +233,7 @@ def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str) -> N
         raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
-    if fuse == "none" and tp != 1:
-        raise UsageError(
-            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
-        )
+    check_fusion_tp(fuse, tp)
 
 
 def _act_dtype(ck: Checkpoint, requested: str | None) -> str:

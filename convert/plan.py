@@ -161,11 +161,9 @@ def _slices(
     """Rows/cols of each member on ``rank`` (SPEC §6) and the parallel style."""
     L = ck.layers
     style = arch.parallel_style(name)
-    rows = arch.shard_rows(dims, name, tp, rank) if tp > 1 else None
+    rows = arch.shard_rows(dims, name, tp, rank)  # at TP 1: every row (_check_shapes)
     if rows is not None:
         return [Piece(m, r, (0, L[m].k)) for m, r in zip(members, rows, strict=True)], style
-    if tp == 1:
-        return [Piece(m, (0, L[m].n), (0, L[m].k)) for m in members], style
     (m,) = members
     per = L[m].k // tp
     return [Piece(m, (0, L[m].n), (rank * per, (rank + 1) * per))], style
@@ -196,15 +194,20 @@ def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> 
             )
 
 
+def check_fusion_tp(fusion: str, tp: int) -> None:
+    """``--fuse none`` packs layers under their checkpoint names, which only TP 1 can."""
+    if fusion == "none" and tp != 1:
+        raise UsageError(
+            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
+        )
+
+
 def _groups(
     ck: Checkpoint, fusion: str, tp: int
 ) -> tuple[list[tuple[str, list[str]]], Dims | None]:
     """The output layers and their checkpoint modules; the model dims when fusing."""
     if fusion == "none":
-        if tp != 1:
-            raise UsageError(
-                f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
-            )
+        check_fusion_tp(fusion, tp)
         return sorted(((m, [m]) for m in ck.layers), key=lambda g: arch.natural_key(g[0])), None
     groups = _group_vllm(ck)
     dims = model_dims(ck)

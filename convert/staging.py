@@ -216,7 +216,7 @@ class Existing:
 def existing_state(
     out: Path,
     target: dict[str, Any],
-    files: Callable[..., list[dict[str, Any]]] | None,
+    files: SourceRecords | None,
     common: bool,
     src: ResolvedSource,
 ) -> Existing:
@@ -403,7 +403,7 @@ def _current(
         return None
     with tl.span("main", "hash-sources"):
         there = existing_state(out, target, files, common=common, src=src)
-    if there.state == "same" and there.loaded is not None and files is not None:
+    if there.state == "same" and there.loaded is not None:  # "same" only with ``files``
         return there.loaded
     if there.state == "foreign":
         raise OutputExistsError(

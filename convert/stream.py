@@ -85,12 +85,6 @@ class Streamer:
             self.in_ring = PinnedRing(IN_PIECES, PIECE, abort=self.abort, name="convert")
             self.out_ring = PinnedRing(OUT_PIECES, PIECE, abort=self.abort, name="convert")
 
-    def _mark(self, stage: str, start: float, what: str = "") -> float:
-        """Record ``start`` .. now on ``stage``'s lane of the timeline; return now."""
-        now = time.perf_counter()
-        self.timeline.add(stage.split("_")[0], what or stage, start, now)
-        return now
-
     # --- read ---------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
@@ -99,7 +93,7 @@ class Streamer:
             for unit in self.plan.units:
                 t = time.perf_counter()
                 src, ready = self._read_unit(ck, unit)
-                self._mark("read", t, "unit")
+                self.timeline.add("read", "unit", t, time.perf_counter())
                 put_or_abort(self._units, (unit, src, ready), self.abort)
             put_or_abort(self._units, None, self.abort)
         except BaseException:
@@ -146,11 +140,11 @@ class Streamer:
                     return
                 if item.ready is not None:
                     item.ready.synchronize()
-                t1 = self._mark("write_wait", t, "wait")
+                t1 = self.timeline.add("write", "wait", t, time.perf_counter())
                 item.writer.write_at(item.offset, item.data)
                 if item.slot is not None:
                     self.out_ring.release(item.slot)
-                self._mark("write", t1, item.writer.path.name)
+                self.timeline.add("write", item.writer.path.name, t1, time.perf_counter())
                 self.on_written(item.data.nbytes)
         except BaseException:
             self.abort.set()
@@ -187,7 +181,7 @@ class Streamer:
                     t = time.perf_counter()
                     self._transform_unit(unit, src, ready)
                     del src
-                    self._mark("transform", t, "unit")
+                    self.timeline.add("transform", "unit", t, time.perf_counter())
                     if self.on_unit:
                         self.on_unit(i + 1)
                 put_or_abort(self._writes, None, self.abort)

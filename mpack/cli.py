@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 
-from mpack import __version__
+from mpack import __version__, target
 from mpack.errors import (
     MpackError,
     UsageError,
@@ -57,7 +57,10 @@ app = typer.Typer(
 )
 command = app.command(cls=_Command)
 
-ACT_DTYPE_CHOICES = "[bfloat16|float16]"
+#: Metavars that list the choices of an option; the names come from :mod:`mpack.target`.
+ACT_DTYPE_CHOICES = f"[{'|'.join(target.ACT_DTYPES)}]"
+PROFILE_CHOICES = f"[{'|'.join(target.PROFILES)}]"
+FUSION_CHOICES = f"[{'|'.join(target.FUSIONS)}]"
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document (also for errors) instead of text.")
 ]
@@ -124,7 +127,7 @@ def layout(
     Example:
       mpack layout 6144 4096
     """
-    from mpack import target, ui
+    from mpack import ui
 
     if act_dtype not in target.ACT_DTYPES:
         raise UsageError(
@@ -168,7 +171,7 @@ ProfileOpt = Annotated[
     str,
     typer.Option(
         "--profile",
-        metavar="[w8a16|w8a8-marlin]",
+        metavar=PROFILE_CHOICES,
         help="w8a16: vLLM's W8A16 path, weight bytes unchanged; w8a8-marlin: W8A8 forced onto "
         "Marlin, per-tensor shards requantized to their max scale.",
     ),
@@ -189,7 +192,7 @@ FuseOpt = Annotated[
     str,
     typer.Option(
         "--fuse",
-        metavar="[vllm|none]",
+        metavar=FUSION_CHOICES,
         help="vllm: vLLM's fused qkv_proj / gate_up_proj names; none: checkpoint names (tp 1).",
     ),
 ]

@@ -23,8 +23,7 @@ PROFILES = ("w8a16", "w8a8-marlin")
 #: ``vllm``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names; ``none``: checkpoint names.
 FUSIONS = ("vllm", "none")
 
-#: The packed tile: 64 output channels by 16 input channels (SPEC §5).
-TILE_N = 64
+#: Input channels per row of the packed weight (the tile is 64 output x 16 input, SPEC §5).
 TILE_K = 16
 #: Checkpoint tensor suffixes of a quantized linear that the packed layer replaces.
 WEIGHT, SCALE, BIAS = "weight", "weight_scale", "bias"

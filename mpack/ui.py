@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 import threading
@@ -20,7 +19,6 @@ from rich.table import Table
 from rich.text import Text
 
 from mpack import target
-from mpack.sidecar import DTYPE_SIZES
 
 #: Width of output that goes to a pipe or a file: wide enough that no digest or path is broken
 #: across lines (a table still takes only the width its cells need).
@@ -109,10 +107,12 @@ def human_bytes(n: int) -> str:
 
 
 def emit_layout(*, n: int, k: int, np_: int, kp: int, act_dtype: str, as_json: bool) -> None:
+    from mpack.sidecar import TensorSpec
+
     doc: dict[str, Any] = {"N": n, "K": k, "Np": np_, "Kp": kp, "padded": (np_, kp) != (n, k)}
     for name, st, shape in target.packed_specs("", np_, kp, act_dtype, bias=True):
         dtype = "int32" if st == "I32" else act_dtype
-        nbytes = math.prod(shape) * DTYPE_SIZES[st]
+        nbytes = TensorSpec(name, st, shape).nbytes
         doc[name.lstrip(".")] = {"dtype": dtype, "shape": list(shape), "bytes": nbytes}
     if as_json:
         print_json(doc)
@@ -433,10 +433,11 @@ def emit_ready(info: dict[str, Any]) -> None:
 
 
 def write_line(stream: Any, line: str) -> None:
-    """Write and flush one line of output (the daemon's log, convert's progress); never raises. A write that fails (the
-    pipe's reader went away: EPIPE; a full disk) drops the line, and the stream's descriptor is
-    pointed at /dev/null: later lines are dropped too, and the flush at interpreter exit cannot
-    turn the daemon's clean stop into an error (Python exits 120 when it fails)."""
+    """Write and flush one line of output (the daemon's log, convert's progress); never raises.
+    A write that fails (the pipe's reader went away: EPIPE; a full disk) drops the line, and the
+    stream's descriptor is pointed at /dev/null: later lines are dropped too, and the flush at
+    interpreter exit cannot turn the daemon's clean stop into an error (Python exits 120 when it
+    fails)."""
     if stream is None:
         return
     try:

@@ -427,13 +427,13 @@ def _rest_of_model(
     """The tensors vLLM loads itself: ``common.safetensors`` from the sidecar's allocation, or,
     for a sidecar written with ``--no-passthrough``, the checkpoint's tensors other than the
     Marlin layers' (the manifest's ``shards`` name their checkpoint modules)."""
-    in_rank_file = expected_rank_tensors(weights.manifest)
+    manifest = weights.manifest
+    in_rank_file = expected_rank_tensors(manifest)
     common = [n for n in weights if n not in in_rank_file]
     if common:
         for name in common:
             yield name, weights[name]
         return
-    manifest = weights.manifest
     if (Path(model_config.model) / MANIFEST_NAME).is_file():
         raise InputError(
             f"{model_config.model}: the sidecar has no {COMMON_NAME} (written with "

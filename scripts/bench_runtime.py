@@ -52,12 +52,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,9 +76,14 @@ from bench_rt.sections import (  # noqa: E402
     section_torch_mp,
 )
 from bench_rt.workers import WORKERS  # noqa: E402
-
-LLAMA_8B_LAYERS, LLAMA_8B_VOCAB = 32, 128256  # scripts/synth_checkpoint.py's defaults
-
+from benchutil import (  # noqa: E402
+    LLAMA_8B_LAYERS,
+    LLAMA_8B_VOCAB,
+    exit_on_signals,
+    scratch_dir,
+    synth,
+    synth_present,
+)
 
 # --- setup ---------------------------------------------------------------------------------------
 
@@ -91,21 +93,12 @@ def prepare_sidecar(a: argparse.Namespace, env: dict[str, str], cwd: Path) -> Pa
         return Path(a.sidecar).resolve()
     work = Path(a.workdir).resolve()
     src, out = work / "src", work / "sidecar"
-    cfg = src / "config.json"
-    if cfg.is_file():
-        c = json.loads(cfg.read_text())
-        if (c["num_hidden_layers"], c["vocab_size"]) != (a.layers, a.vocab):
-            raise SystemExit(f"{src} has {c['num_hidden_layers']} layers and vocab "
-                             f"{c['vocab_size']}, not {a.layers} and {a.vocab}: use another "
-                             "--workdir")  # fmt: skip
+    have_src = synth_present(src, a.layers, a.vocab)
     if (out / "mpack.json").is_file():
         print(f"reusing {out}", flush=True)
         return out
-    if not cfg.is_file():
-        t = time.perf_counter()
-        subprocess.run([sys.executable, str(HERE / "synth_checkpoint.py"), str(src), "--layers",
-                        str(a.layers), "--vocab", str(a.vocab)], check=True, env=env, cwd=cwd)  # fmt: skip
-        print(f"generated {src} in {time.perf_counter() - t:.1f} s", flush=True)
+    if not have_src:
+        synth(src, a.layers, a.vocab, env, cwd)
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out),
                     "--device", a.device, "--quiet"], check=True, env=env, cwd=cwd)  # fmt: skip
@@ -214,14 +207,8 @@ def main() -> int:
     if a._worker:
         WORKERS[a._worker](json.loads(a._args))
         return 0
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # so that `finally` ends every child
-        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    tmp = Path(tempfile.mkdtemp(prefix="brt-", dir="/tmp"))  # short: the socket lives here
-    # The runtime directory is not the children's working directory: a `mpack/` folder there
-    # would shadow an editable install's `mpack` for `python -m mpack.cli`.
-    (tmp / "xdg").mkdir(mode=0o700)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp / "xdg"), "PYTHONUNBUFFERED": "1"}
+    exit_on_signals()  # so that `finally` ends every child
+    tmp, env = scratch_dir("brt-")  # short: the socket lives here
     try:
         bench(a, tmp, env)
     finally:

@@ -45,9 +45,7 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -60,9 +58,15 @@ from bench_vt.report import Row, append_markdown, machine, markdown, print_table
 from bench_vt.rows import Bench, row_convert, row_rss, row_verify, warm_up  # noqa: E402
 from bench_vt.runtime_rows import row_load, rows_attach  # noqa: E402
 from bench_vt.workers import WORKERS  # noqa: E402
-from benchutil import exit_on_signals, scratch_dir  # noqa: E402
+from benchutil import (  # noqa: E402
+    LLAMA_8B_LAYERS,
+    LLAMA_8B_VOCAB,
+    exit_on_signals,
+    scratch_dir,
+    synth,
+    synth_present,
+)
 
-LLAMA_8B_LAYERS, LLAMA_8B_VOCAB = 32, 128256  # scripts/synth_checkpoint.py's defaults
 GROUPS = ("convert", "load", "attach", "convert-cold", "load-cold", "verify", "rss")
 Step = tuple[str, str, Callable[[], "Row | list[Row]"]]
 
@@ -106,19 +110,8 @@ def parse_args() -> argparse.Namespace:
 
 def ensure_checkpoint(b: Bench, path: Path, layers: int) -> None:
     """``path`` as scripts/synth_checkpoint.py makes it with ``layers`` (made when missing)."""
-    cfg = path / "config.json"
-    if cfg.is_file():
-        c = json.loads(cfg.read_text())
-        if (c["num_hidden_layers"], c["vocab_size"]) != (layers, b.args.vocab):
-            raise SystemExit(f"{path} has {c['num_hidden_layers']} layers and vocab "
-                             f"{c['vocab_size']}, not {layers} and {b.args.vocab}: use another "
-                             "--workdir")  # fmt: skip
-        return
-    t = time.perf_counter()
-    subprocess.run([sys.executable, str(HERE / "synth_checkpoint.py"), str(path), "--layers",
-                    str(layers), "--vocab", str(b.args.vocab)], check=True, env=b.env, cwd=b.tmp,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
-    print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)
+    if not synth_present(path, layers, b.args.vocab):
+        synth(path, layers, b.args.vocab, b.env, b.tmp, quiet=True)
 
 
 def usable_devices(b: Bench) -> list[str]:
@@ -246,7 +239,6 @@ def main() -> int:
             kill_all()
             finish(b)
     finally:
-        kill_all()
         shutil.rmtree(tmp, ignore_errors=True)
     return 1 if any(r.error for r in b.rows) else 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+#: scripts/synth_checkpoint.py's defaults (its LLAMA_8B; that module imports torch).
+LLAMA_8B_LAYERS, LLAMA_8B_VOCAB = 32, 128256
 
 
 def drop_caches() -> bool:
@@ -106,3 +110,29 @@ def scratch_dir(prefix: str) -> tuple[Path, dict[str, str]]:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     (tmp / "xdg").mkdir(mode=0o700)
     return tmp, {**os.environ, "XDG_RUNTIME_DIR": str(tmp / "xdg"), "PYTHONUNBUFFERED": "1"}
+
+
+def synth_present(path: Path, layers: int, vocab: int) -> bool:
+    """Whether ``path`` holds a checkpoint (its ``config.json``); one of other dimensions than
+    ``layers`` and ``vocab`` ends the run."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    c = json.loads(cfg.read_text())
+    if (c["num_hidden_layers"], c["vocab_size"]) != (layers, vocab):
+        raise SystemExit(f"{path} has {c['num_hidden_layers']} layers and vocab "
+                         f"{c['vocab_size']}, not {layers} and {vocab}: use another "
+                         "--workdir")  # fmt: skip
+    return True
+
+
+def synth(
+    path: Path, layers: int, vocab: int, env: dict[str, str], cwd: Path, quiet: bool = False
+) -> None:
+    """``scripts/synth_checkpoint.py PATH --layers L --vocab V`` in a child process (``quiet``:
+    its stdout discarded); says how long it took."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "synth_checkpoint.py"),
+                    str(path), "--layers", str(layers), "--vocab", str(vocab)], check=True,
+                   env=env, cwd=cwd, stdout=subprocess.DEVNULL if quiet else None)  # fmt: skip
+    print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)

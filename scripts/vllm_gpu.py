@@ -309,23 +309,9 @@ def run(a: argparse.Namespace) -> int:
     print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
     go = a.work / "go"
     go.unlink(missing_ok=True)
+    wcmd = [*me, "worker", "--work", str(a.work), "--out", str(a.out), "--go", str(go)]
     workers = {
-        role: _spawn(
-            [
-                *me,
-                "worker",
-                "--work",
-                str(a.work),
-                "--out",
-                str(a.out),
-                "--role",
-                role,
-                "--go",
-                str(go),
-            ],
-            venv,
-            a.out / f"worker-{role}.log",
-        )  # fmt: skip
+        role: _spawn([*wcmd, "--role", role], venv, a.out / f"worker-{role}.log")
         for role in ("a", "b")
     }
     deadline = time.time() + 400

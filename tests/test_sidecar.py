@@ -236,25 +236,30 @@ def test_read_layout_follow_decides_on_symlinks(tmp_path: Path) -> None:
 # --- check_manifest: bounds and refusals -------------------------------------------------------
 
 
+def _parent(m: dict[str, Any], path: str) -> tuple[Any, Any]:
+    """The container of ``a.b.c`` in the manifest, and its last key (list indices as numbers)."""
+    *keys, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    node = m
+    for k in keys:
+        node = node[k]
+    return node, last
+
+
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    """An edit that sets ``a.b.c`` of the manifest to ``value`` (list indices as numbers)."""
+    """An edit that sets ``a.b.c`` of the manifest to ``value``."""
 
     def edit(m: dict[str, Any]) -> None:
-        *keys, last = [int(k) if k.isdigit() else k for k in path.split(".")]
-        node = m
-        for k in keys:
-            node = node[k]
+        node, last = _parent(m, path)
         node[last] = value
 
     return edit
 
 
 def _drop(path: str) -> Callable[[dict[str, Any]], None]:
+    """An edit that removes ``a.b.c`` from the manifest."""
+
     def edit(m: dict[str, Any]) -> None:
-        *keys, last = path.split(".")
-        node = m
-        for k in keys:
-            node = node[k]
+        node, last = _parent(m, path)
         del node[last]
 
     return edit

@@ -16,7 +16,6 @@ without any network call; :func:`find_source`), :func:`rederive`
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,8 +32,9 @@ from mpack.convert.source import (
     resolve_source,
 )
 from mpack.convert.transform import fuse, pack, read_unit
-from mpack.errors import SourceNotFoundError
+from mpack.errors import CorruptFileError, SourceNotFoundError
 from mpack.fsutil import open_regular_file
+from mpack.iokit import pread_pieces
 from mpack.sidecar import COMMON_NAME, FileLayout, rank_file_name, torch_dtype
 from mpack.target import act_dtype
 
@@ -92,10 +92,14 @@ def _recorded_source(m: dict[str, Any]) -> tuple[ResolvedSource | None, str | No
 
 
 def _read(f: BinaryIO, layout: FileLayout, name: str) -> torch.Tensor:
+    """Tensor ``name`` of the sidecar file ``f``, read into a new CPU tensor (a single ``pread``
+    returns at most 2 GiB: :func:`mpack.iokit.pread_pieces` reads it whole)."""
     e = layout.entry(name)
-    data = bytearray(os.pread(f.fileno(), e.nbytes, e.offset))
-    t = torch.frombuffer(data, dtype=torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
-    return t.view(torch_dtype(e.dtype)).reshape(e.shape)
+    out = torch.empty(e.nbytes, dtype=torch.uint8)  # every byte is read below
+    short = pread_pieces(f.fileno(), [(memoryview(out.numpy()), e.offset)])
+    if short is not None:
+        raise CorruptFileError(f"tensor {name!r} of a sidecar file is truncated at byte {short}")
+    return out.view(torch_dtype(e.dtype)).reshape(e.shape)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -143,6 +144,30 @@ class Child:
     def kill_all(cls) -> None:
         for c in list(cls.live):
             c.end(signal.SIGKILL, 10)
+
+
+def worker(script: Path, kind: str, args: dict[str, Any], env: dict[str, str], cwd: Path) -> Child:
+    """A benchmark's measuring process: ``SCRIPT --_worker KIND --_args JSON``."""
+    cmd = [sys.executable, str(script), "--_worker", kind, "--_args", json.dumps(args)]
+    return Child(kind, cmd, env, cwd)
+
+
+def run_worker(
+    script: Path,
+    kind: str,
+    args: dict[str, Any],
+    key: str,
+    timeout: float,
+    env: dict[str, str],
+    cwd: Path,
+) -> Any:
+    """One worker to its first line holding ``key``: that line's ``key``; then its stdin is
+    closed (it exits)."""
+    c = worker(script, kind, args, env, cwd)
+    try:
+        return c.read_json(key, timeout)[key]
+    finally:
+        c.end(None, 60)
 
 
 @contextlib.contextmanager

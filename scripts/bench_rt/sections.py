@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +23,7 @@ from benchutil import proc_status_bytes
 from mpack.runtime.spawn import DaemonHandle
 
 from . import GB, MiB
-from .procs import CLIENT_TIMEOUT_S, Child, own_groups, serve
+from .procs import CLIENT_TIMEOUT_S, Child, own_groups, run_worker, serve, worker
 from .report import gbps, gib, meta
 from .system import OWN_MEMORY, ensure_warm, evict, host_memory, mem_summary
 from .workers import DEPTH
@@ -67,15 +65,10 @@ class Ctx:
         return self.tmp / "s.sock"
 
     def worker(self, kind: str, args: dict[str, Any]) -> Child:
-        cmd = [sys.executable, str(SCRIPT), "--_worker", kind, "--_args", json.dumps(args)]
-        return Child(kind, cmd, self.env, self.tmp)
+        return worker(SCRIPT, kind, args, self.env, self.tmp)
 
     def run_worker(self, kind: str, args: dict[str, Any], key: str, timeout: float) -> Any:
-        c = self.worker(kind, args)
-        try:
-            return c.read_json(key, timeout)[key]
-        finally:
-            c.end(None, 60)
+        return run_worker(SCRIPT, kind, args, key, timeout, self.env, self.tmp)
 
     def serve(self) -> contextlib.AbstractContextManager[DaemonHandle]:
         """``mpack serve`` in a fresh process, READY, stopped when the block ends (``procs.serve``)."""

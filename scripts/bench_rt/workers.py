@@ -194,25 +194,38 @@ def w_safetensors(a: dict[str, Any]) -> None:
                           "cold_state": state, "probe": _probe(torch, tensors[a["probe"]])}})  # fmt: skip
 
 
+def client_start(dev: str) -> tuple[Callable[..., Any], float, float]:
+    """What a client does before it attaches: import torch and mpack's client modules for
+    ``dev`` (imports are not attach latency), then on CUDA ``_cuda_init``. (``attach``, import
+    seconds, CUDA seconds)."""
+    t0 = time.perf_counter()
+    import torch
+
+    import mpack.runtime.client  # noqa: F401
+    import mpack.runtime.weights  # noqa: F401
+    from mpack.runtime import attach
+
+    if dev != "cpu":
+        import mpack.runtime.cuda_vmm  # noqa: F401
+
+        with contextlib.suppress(ImportError):
+            from cuda.bindings import driver  # noqa: F401
+    else:
+        import mpack.runtime.host  # noqa: F401
+    t1 = time.perf_counter()
+    if dev != "cpu":
+        _cuda_init(torch, dev)
+    return attach, t1 - t0, time.perf_counter() - t1
+
+
 def w_attach_client(a: dict[str, Any]) -> None:
     """Init, say ready, then on each ``attach`` line: (re)attach and report the times."""
     import gc
 
     import torch
 
-    import mpack.runtime.client  # noqa: F401 - imports are not attach latency
-    import mpack.runtime.weights  # noqa: F401
-    from mpack.runtime import attach
-
-    dev, cuda = a["device"], a["device"] != "cpu"
-    if cuda:
-        import mpack.runtime.cuda_vmm  # noqa: F401
-
-        with contextlib.suppress(ImportError):
-            from cuda.bindings import driver  # noqa: F401
-        _cuda_init(torch, dev)
-    else:
-        import mpack.runtime.host  # noqa: F401
+    dev = a["device"]
+    attach, _, _ = client_start(dev)
     emit({"ready": os.getpid()})
     w = None
     while line := sys.stdin.readline():

@@ -100,10 +100,6 @@ def secs(x: float) -> str:
     return f"{x:.2f} s"
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 # --- the table -----------------------------------------------------------------------------------
 
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_rt.procs import BenchError, Child
+from bench_rt.procs import BenchError, Child, run_worker, worker
+from bench_rt.report import gib
 from bench_rt.system import ensure_warm, evict
 from benchutil import run_timed
 
-from .report import Row, gib, secs
+from .report import Row, secs
 
 SCRIPTS = Path(__file__).resolve().parents[1]
 SCRIPT = SCRIPTS / "bench_vs_tools.py"  # this benchmark's workers (bench_vt/workers.py)
@@ -32,9 +33,9 @@ RT_SCRIPT = SCRIPTS / "bench_runtime.py"  # bench_runtime's workers: its load_fi
 @dataclass
 class Bench:
     """One run: the options, the work directory (``src`` unless --src, ``out``: the sidecar,
-    ``cp-dst``), the
-    scratch directory (children's working directory, logs, the socket), their environment, what
-    was measured (``peers``, ``rows``) and the lines said along the way (skips, warnings)."""
+    ``cp-dst``), the scratch directory (children's working directory, logs, the socket), their
+    environment, what was measured (``peers``, ``rows``) and the lines said along the way (skips,
+    warnings)."""
 
     args: argparse.Namespace
     work: Path
@@ -69,16 +70,11 @@ class Bench:
             Path(self.args.json_out).write_text(json.dumps(doc, indent=2, default=str))
 
     def worker(self, script: Path, kind: str, args: dict[str, Any]) -> Child:
-        cmd = [sys.executable, str(script), "--_worker", kind, "--_args", json.dumps(args)]
-        return Child(kind, cmd, self.env, self.tmp)
+        return worker(script, kind, args, self.env, self.tmp)
 
     def run_worker(self, script: Path, kind: str, args: dict[str, Any], key: str) -> Any:
         """One worker in a fresh process, to its ``key`` line; that line's ``key``."""
-        c = self.worker(script, kind, args)
-        try:
-            return c.read_json(key, 1800)[key]
-        finally:
-            c.end(None, 60)
+        return run_worker(script, kind, args, key, 1800, self.env, self.tmp)
 
 
 # --- page cache, fresh outputs, timed processes --------------------------------------------------

@@ -2,8 +2,9 @@
 fresh process, reporting JSON lines on stdout (``emit``) and taking commands on stdin.
 
 - ``load``: ``mpack.runtime.load`` of one rank, timed after the imports and CUDA init;
-- ``attach``: one client: imports, CUDA init, says ready, waits for ``go`` (the barrier), then
-  times ``attach`` and the first touch of one tensor; holds the mapping until stdin closes.
+- ``attach``: one client: imports, CUDA init (bench_rt's ``client_start``), says ready, waits
+  for ``go`` (the barrier), then times ``attach`` and the first touch of one tensor; holds the
+  mapping until stdin closes.
 
 Note [first touch]: the first touch of a tensor is ``w[name].data_ptr()`` and its first element
 read back with ``.item()`` (a device-to-host copy, which waits for the device): proof that the
@@ -16,14 +17,13 @@ first kernel and copy back).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bench_rt.workers import _cuda_init, emit
+from bench_rt.workers import _cuda_init, client_start, emit
 
 
 def w_load(a: dict[str, Any]) -> None:
@@ -49,33 +49,10 @@ def w_load(a: dict[str, Any]) -> None:
     w.close()
 
 
-def _client_start(dev: str) -> tuple[Callable[..., Any], float, float]:
-    """What a client does before the barrier: torch, mpack's client modules, CUDA init (Note
-    [first touch]). (attach, import seconds, CUDA seconds)."""
-    t0 = time.perf_counter()
-    import torch
-
-    import mpack.runtime.client  # noqa: F401 - imports are not attach latency
-    import mpack.runtime.weights  # noqa: F401
-    from mpack.runtime import attach
-
-    if dev != "cpu":
-        import mpack.runtime.cuda_vmm  # noqa: F401
-
-        with contextlib.suppress(ImportError):
-            from cuda.bindings import driver  # noqa: F401
-    else:
-        import mpack.runtime.host  # noqa: F401
-    t1 = time.perf_counter()
-    if dev != "cpu":
-        _cuda_init(torch, dev)
-    return attach, t1 - t0, time.perf_counter() - t1
-
-
 def w_attach(a: dict[str, Any]) -> None:
     """Start up, say ready, wait for ``go``; then time ``attach`` and the first touch."""
     dev, name = a["device"], a["tensor"]
-    attach, import_s, cuda_s = _client_start(dev)
+    attach, import_s, cuda_s = client_start(dev)
     emit({"ready": os.getpid(), "import_s": import_s, "cuda_s": cuda_s})
     if sys.stdin.readline().strip() != "go":
         return

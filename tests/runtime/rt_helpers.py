@@ -122,9 +122,8 @@ def raw_connect(path: Path, timeout: float = 10) -> socket.socket:
     return s
 
 
-def frame(body: bytes, *, magic: bytes | None = None, length: int | None = None) -> bytes:
-    magic = P.MAGIC if magic is None else magic
-    return P.HEADER.pack(magic, len(body) if length is None else length) + body
+def frame(body: bytes, *, length: int | None = None) -> bytes:
+    return P.HEADER.pack(P.MAGIC, len(body) if length is None else length) + body
 
 
 def raw_exchange(
@@ -144,8 +143,7 @@ def raw_exchange(
         return reply, fds, closed
 
 
-def status(path: Path) -> dict[str, Any]:
-    return status_of(path)
+status = status_of
 
 
 # --- /proc -----------------------------------------------------------------------------------

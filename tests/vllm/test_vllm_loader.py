@@ -137,14 +137,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop(daemon: DaemonProc) -> None:
-    try:
-        daemon.stop(timeout=20)
-    except subprocess.TimeoutExpired:
-        daemon.proc.kill()
-        daemon.proc.wait(10)
-
-
 def make_sidecars(work: Path) -> dict[str, Path]:
     """Every checkpoint and sidecar, two CLI processes at a time (the CI runner has 2 cores)."""
     ck = {name: work / f"ck-{name}" for name in CKPTS}
@@ -303,7 +295,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         results = run_workers(jobs(paths, no_daemon), env, work)
     finally:
         for d in daemons:
-            stop(d)
+            d.stop(timeout=20)  # SIGKILL if it has not stopped by then
     t_done = time.monotonic()
     print(
         f"\nvLLM loader suite: checkpoints + sidecars {t_made - t0:.1f} s, daemons + workers "
