@@ -114,8 +114,25 @@ def _scheme_verdict(root: Path) -> tuple[str, Any]:
         return "crash", f"{type(e).__name__}: {e}"
 
 
+def child_verdict(root: Path, *, lean: bool = True) -> tuple[str, Any]:
+    """The verdict as the child reaches it: first with compressed-tensors imported lean (Note
+    [lean import] in :mod:`mpack.convert.ctlean`), then, unless that said ``ok``, again with the
+    full import, whose verdict is the one reported. ``lean=False`` (or ``MPACK_CT_IMPORT=full``):
+    the full import only."""
+    from mpack.convert import ctlean
+
+    if lean and os.environ.get("MPACK_CT_IMPORT", "") != "full" and ctlean.install():
+        try:
+            verdict = _scheme_verdict(root)
+        finally:
+            ctlean.uninstall()
+        if verdict[0] == "ok":
+            return verdict
+    return _scheme_verdict(root)
+
+
 def _scheme_child(root: str, conn: Any) -> None:
     try:
-        conn.send(_scheme_verdict(Path(root)))
+        conn.send(child_verdict(Path(root)))
     finally:
         conn.close()

@@ -1,0 +1,112 @@
+"""compressed-tensors' config models without its package-wide imports (Note [lean import]).
+
+Used only inside the scheme check's child process (:mod:`mpack.convert.scheme_check`), never in a
+process that goes on to use compressed-tensors for anything else.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = "compressed_tensors"
+
+# Note [lean import]: `import compressed_tensors` runs every package's __init__, which re-exports
+# everything: its model-offloading helpers import transformers and torch.distributed.tensor. That
+# is 3.0 s after torch on this 2-core machine and 8.3 s on the H200 host, longer than the stream
+# of an 8B model, so the scheme check's verdict was the last thing a warm `mpack convert` waited
+# for. The check needs three pydantic models (QuantizationConfig, QuantizationScheme,
+# QuantizationArgs) and `match_name`. So the child installs a finder under which each package of
+# compressed_tensors is created without running its __init__: a name looked up on the package is
+# found, on first use, in the submodules that __init__ imports from, in its order (what its
+# `from .x import *` lines would have bound). The models and validators are compressed-tensors'
+# own code, imported from their own files; only the package-wide re-exports that the parse never
+# touches are left out. A refusal or a failure under the lean import is not trusted: the child
+# then runs the check again with the full import (scheme_check._scheme_child), so a good
+# checkpoint can only get faster and a bad one gets the same error. tests/convert/test_ctlean.py
+# checks that both imports reach the same verdict on good and bad configs, and that the lean one
+# leaves transformers' model code and torch.distributed.tensor unimported.
+
+
+def _reexport_sources(init: Path) -> list[str]:
+    """The submodules a package's ``__init__.py`` imports from (``from .x import ...``), in order."""
+    tree = ast.parse(init.read_text(encoding="utf-8"), filename=str(init))
+    return [
+        node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+    ]
+
+
+class _LazyPackageLoader(importlib.abc.Loader):
+    """Creates a package whose names resolve on first use from its re-export sources."""
+
+    def __init__(self, init: Path) -> None:
+        self.init = init
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None  # the default module object
+
+    def exec_module(self, module: ModuleType) -> None:
+        name, sources = module.__name__, _reexport_sources(self.init)
+
+        def lookup(attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            for sub in sources:
+                mod = importlib.import_module(f"{name}.{sub}")
+                if hasattr(mod, attr):
+                    value = getattr(mod, attr)
+                    setattr(module, attr, value)
+                    return value
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+
+        module.__getattr__ = lookup  # type: ignore[method-assign]
+
+
+class _LazyPackages(importlib.abc.MetaPathFinder):
+    """Every package under ``compressed_tensors`` is made by :class:`_LazyPackageLoader`; its
+    plain modules are found and run as usual."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != ROOT and not fullname.startswith(ROOT + "."):
+            return None
+        real = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if real is None or real.submodule_search_locations is None or real.origin is None:
+            return real
+        spec = importlib.machinery.ModuleSpec(
+            fullname, _LazyPackageLoader(Path(real.origin)), origin=real.origin, is_package=True
+        )
+        spec.submodule_search_locations = list(real.submodule_search_locations)
+        return spec
+
+
+_FINDER = _LazyPackages()
+
+
+def install() -> bool:
+    """Import compressed-tensors lean from now on in this process; False (nothing done) when it
+    is already imported."""
+    if any(m == ROOT or m.startswith(ROOT + ".") for m in sys.modules):
+        return False
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    return True
+
+
+def uninstall() -> None:
+    """Back to the normal import: the finder removed, and every compressed_tensors module
+    imported under it forgotten, so that the next import runs the package __init__ files."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for m in [m for m in sys.modules if m == ROOT or m.startswith(ROOT + ".")]:
+        del sys.modules[m]

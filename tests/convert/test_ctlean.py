@@ -1,0 +1,115 @@
+"""The scheme check's lean import of compressed-tensors (Note [lean import] in convert/ctlean.py).
+
+Each check runs in a fresh interpreter (a real child process): one that has not imported
+compressed-tensors, as the forked check of `mpack convert` has not. Real checkpoints from
+``make_checkpoint``, good and bad.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+
+from helpers import edit_config, weight_args  # noqa: E402
+
+from mpack.fixtures import make_checkpoint  # noqa: E402
+
+# In a fresh interpreter: the verdict with the lean import, then with the full import, and
+# which heavy modules the lean import left out.
+_BOTH = """
+import json, sys
+from pathlib import Path
+from mpack.convert import ctlean
+from mpack.convert.scheme_check import _scheme_verdict, child_verdict
+root = Path(sys.argv[1])
+assert ctlean.install()
+lean = _scheme_verdict(root)
+heavy = sorted(m for m in ("torch.distributed.tensor", "compressed_tensors.offload",
+                           "transformers.modeling_utils") if m in sys.modules)
+ctlean.uninstall()
+full = _scheme_verdict(root)
+print(json.dumps({"lean": lean, "full": full, "heavy": heavy,
+                  "child": child_verdict(root)}))
+"""
+
+
+def _verdicts(root: Path) -> dict:
+    r = subprocess.run([sys.executable, "-c", _BOTH, str(root)], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ctlean") / "ck", arch="qwen2")
+
+
+def test_lean_import_reaches_the_full_verdict_without_the_heavy_modules(good: Path) -> None:
+    v = _verdicts(good)
+    assert v["lean"][0] == "ok", v
+    assert v["lean"] == v["full"] == v["child"]
+    assert v["heavy"] == []
+
+
+def test_lean_import_per_channel(tmp_path: Path) -> None:
+    ck = make_checkpoint(tmp_path / "ch", scheme="FP8_DYNAMIC")
+    v = _verdicts(ck)
+    assert v["lean"][0] == "ok" and v["lean"] == v["full"], v
+    assert {s for s, *_ in v["lean"][1].values()} == {"channel"}
+
+
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (lambda c: weight_args(c).update(strategy="group", group_size=128), "strategy 'group'"),
+        (lambda c: c["quantization_config"].update(ignore=["re:.*up_proj"]), "ignore lists"),
+        (lambda c: weight_args(c).update(num_bits="eight"), "num_bits"),
+        (lambda c: weight_args(c).update(strategy="diagonal"), "strategy"),
+    ],
+    ids=["group", "ignored", "pydantic-type", "pydantic-enum"],
+)
+def test_lean_import_refuses_what_the_full_import_refuses(
+    good: Path, tmp_path: Path, edit, expect
+) -> None:
+    """Bad configs: the lean parse gives the full parse's error, word for word; the child
+    reports the full import's verdict (a refusal is always confirmed by it)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    edit_config(bad, edit)
+    v = _verdicts(bad)
+    assert v["full"][0] == "error", v
+    assert v["lean"] == v["full"] == v["child"]
+    assert expect in v["full"][1][2]
+
+
+def test_child_falls_back_to_the_full_import(good: Path) -> None:
+    """A lean import that cannot resolve a name (here: a finder refusing every compressed_tensors
+    module) is not the verdict: the full import's is."""
+    code = (
+        "import sys, json\nfrom pathlib import Path\n"
+        "from mpack.convert import ctlean\n"
+        "from mpack.convert.scheme_check import child_verdict\n"
+        "class Broken(ctlean._LazyPackages):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.startswith('compressed_tensors.quantization'):\n"
+        "            raise ImportError('refused by the test')\n"
+        "        return super().find_spec(name, path, target)\n"
+        "ctlean._FINDER = Broken()\n"
+        "print(json.dumps(child_verdict(Path(sys.argv[1]))))\n"
+        "print('compressed_tensors.offload' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(good)], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    verdict, full_import = r.stdout.strip().splitlines()[-2:]
+    assert json.loads(verdict)[0] == "ok"
+    assert full_import == "True"  # the verdict came from the full import
