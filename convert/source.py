@@ -30,7 +30,14 @@ from mpack.errors import (
     environment_failure,
 )
 from mpack.fsutil import read_capped
-from mpack.iokit import HashCancelled, chunk_spans, hash_range, pool, sha256_file
+from mpack.iokit import (
+    HashCancelled,
+    chunk_spans,
+    hash_range,
+    pool,
+    sha256_file,
+    usable_cores,
+)
 from mpack.sidecar import (
     CHUNK_BYTES,
     COPIED_FILES,
@@ -244,7 +251,7 @@ def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:
 def hash_workers() -> int:
     """Threads for source hashing: enough to outrun one disk, few enough to leave the pipeline
     its cores (it reads, transforms, writes and hashes its output at the same time)."""
-    return max(2, min(8, (os.cpu_count() or 2) // 2))
+    return max(2, min(8, usable_cores() // 2))
 
 
 def hash_sources(

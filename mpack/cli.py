@@ -250,13 +250,18 @@ def convert(
 
 
 def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) -> Any:
-    """:func:`mpack.convert.pipeline.run_convert` with progress lines, and a local source's
-    compressed-tensors check started first, in a forked child, so that its imports overlap this
-    process's torch import (Note [scheme check in a child])."""
+    """:func:`mpack.convert.pipeline.run_convert` with progress lines. For a local source, two
+    things start before this process imports torch, so that they overlap its imports: the
+    compressed-tensors check, in a forked child (Note [scheme check in a child]), and the kernel's
+    read-ahead of the shards (Note [prefetch] in mpack/iokit.py)."""
     from mpack.convert.scheme_check import SchemeCheck
+    from mpack.iokit import prefetch
     from mpack.sidecar import CONFIG_NAME
 
-    early = SchemeCheck(source) if (Path(source) / CONFIG_NAME).is_file() else None
+    early = None
+    if (Path(source) / CONFIG_NAME).is_file():
+        early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
+        prefetch(sorted(Path(source).glob("*.safetensors")))
     try:
         from mpack import ui
         from mpack.convert.pipeline import run_convert

@@ -96,3 +96,44 @@ def test_ring_hands_out_pieces_in_order_and_stops() -> None:
 def test_shared_pools_are_made_once() -> None:
     assert iokit.shared_pool("bg") is iokit.shared_pool("bg")
     assert iokit.shared_pool("pread")._max_workers == iokit.SHARED_WORKERS["pread"]
+
+
+# --- cores and prefetch ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_usable_cores_follows_the_affinity() -> None:
+    """Under `taskset -c 0` mpack sizes its pools for one core, not for the machine."""
+    import subprocess
+    import sys
+
+    code = "import os; os.sched_setaffinity(0, {0}); from mpack import iokit; print(iokit.usable_cores(), iokit.DIGEST_WORKERS)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "1"]
+    assert iokit.usable_cores() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this OS")
+def test_prefetch_asks_for_the_files_in_order_within_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WILLNEED for each file in order until the budget is spent; a missing file is skipped."""
+    sizes = {"a": 3000, "b": 5000, "c": 7000}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    asked: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_WILLNEED
+        asked.append((os.fstat(fd).st_size, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    paths = [tmp_path / "a", tmp_path / "missing", tmp_path / "b", tmp_path / "c"]
+    t = iokit.prefetch(paths, budget=6000)
+    assert t is not None
+    t.join(10)
+    assert not t.is_alive()
+    assert asked == [(3000, 3000), (5000, 3000)]  # c is past the budget
