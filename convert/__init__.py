@@ -58,7 +58,7 @@ def convert(
         ``bytes_written`` (0 when up to date) and ``timeline``.
 
     Raises:
-        MpackError: bad input (a subclass with ``exit_code`` 2), before anything is written;
+        MpackError: bad input (a subclass with ``exit_code`` 2), with nothing written at ``out``;
             e.g. ``OutputExistsError`` when ``out`` holds another sidecar and ``force`` is off.
     """
     from mpack.convert.pipeline import run_convert

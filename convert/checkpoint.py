@@ -18,9 +18,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mpack.errors import (
     CorruptFileError,
@@ -37,6 +35,9 @@ from mpack.sidecar import (
     torch_dtype,
 )
 from mpack.target import ACT_DTYPES, BIAS, SCALE, WEIGHT
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: planning needs none
+    import torch
 
 INPUT_SCALE = "input_scale"
 #: Parts of a quantized linear that the sidecar consumes (never passed through).
@@ -100,6 +101,8 @@ class Checkpoint:
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor from disk into a new CPU tensor, in its stored dtype (fp8 as
         ``torch.float8_e4m3fn``)."""
+        import torch
+
         t = self.tensors[name]
         out = torch.empty(t.nbytes, dtype=torch.uint8)  # no zero-fill: every byte is read below
         self.read_into(name, memoryview(out.numpy()))
@@ -480,11 +483,15 @@ def _check_scheme(ck: Checkpoint, module: str, where: str) -> str:
 
 def read_scale(ck: Checkpoint, module: str) -> torch.Tensor:
     """A layer's scales as float32 ``[1]`` (tensor) or ``[N]`` (channel); exact cast."""
+    import torch
+
     return ck.read(f"{module}.{SCALE}").reshape(-1).to(torch.float32)
 
 
 def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dtype: str) -> None:
     """Reject NaN/inf/<=0 scales and scales that overflow when folded (SPEC §1, §7)."""
+    import torch
+
     name = f"{module}.{SCALE}"
     bad = ~torch.isfinite(scale) | (scale <= 0)
     if bad.any():

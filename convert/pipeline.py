@@ -5,16 +5,19 @@ Order of work (ARCHITECTURE.md "Data flow"), as :func:`run_convert` reads:
 1. resolve the source, take ``-o``'s lock and stamp the source files; hashing them starts on a
    thread, and with compressed-tensors not yet imported, its check of the config starts in a
    forked child (Note [scheme check in a child] in :mod:`mpack.convert.scheme_check`);
-2. parse every header, validate every layer (scales included) and plan every output tensor
-   (:mod:`mpack.convert.plan`) — any bad input is reported here, before a byte is written;
+2. parse every header, validate every layer's structure and plan every output tensor
+   (:mod:`mpack.convert.plan`), from the headers alone: no torch yet;
 3. if OUT already holds this sidecar (same source files, same target), stop: up to date
    (:func:`mpack.convert.staging.staged_sidecar`, which owns the output directory);
-4. stream the fused layers into a hidden work directory through three stages on their own
-   threads — read (from the shards, on CUDA into pinned staging rings and on to the GPU on a copy
-   stream), transform (:mod:`mpack.convert.transform`, on the chosen device), write (at the
-   planned offset, chunk digests and disk writeback behind it) — with a few units in flight
-   (:mod:`mpack.convert.stream`), so memory is bounded whatever the model; the pass-through
-   tensors are copied meanwhile, the config and tokenizer files after;
+4. in a hidden work directory: start copying the pass-through tensors on a thread, then import
+   torch, check the device and every layer's scale values (Note [torch off the critical path]:
+   the copy and the source hashing run while the interpreter imports), and stream the fused
+   layers through three stages on their own threads — read (from the shards, on CUDA into
+   pinned staging rings and on to the GPU on a copy stream), transform
+   (:mod:`mpack.convert.transform`, on the chosen device), write (at the planned offset, chunk
+   digests and disk writeback behind it) — with a few units in flight
+   (:mod:`mpack.convert.stream`), so memory is bounded whatever the model; the config and
+   tokenizer files are copied after;
 5. wait for the source hashes and the scheme check's verdict, check that no source file changed
    under the run (Note [stable source] in :mod:`mpack.convert.source`), write the manifest last,
    and swap the work directory into place (Note [atomic output] in
@@ -34,11 +37,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mpack.convert import marlin
 from mpack.convert.checkpoint import (
     Checkpoint,
     check_scale_values,
@@ -63,11 +63,9 @@ from mpack.convert.source import (
     stamp_sources,
 )
 from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
-from mpack.convert.stream import Streamer
 from mpack.convert.timeline import Timeline
-from mpack.convert.transform import transform
 from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
-from mpack.iokit import copy_file, copy_tensors, pool
+from mpack.iokit import Aborted, copy_file, copy_tensors, pool
 from mpack.sidecar import (
     CHUNK_BYTES,
     COMMON_NAME,
@@ -79,6 +77,9 @@ from mpack.sidecar import (
 )
 from mpack.target import ACT_DTYPES, FUSIONS, PROFILES
 
+if TYPE_CHECKING:  # Note [torch off the critical path]: imported once the copy has started
+    import torch
+
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
 
 #: ``ConvertResult.seconds`` key -> the timeline's ``(lane, what)`` it sums (what None: the
@@ -86,6 +87,8 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "l
 #: the work was done.
 SECONDS: dict[str, tuple[str, str | None]] = {
     "validate": ("main", "validate"),  # from the start of the run: options, source, plan
+    "import_torch": ("main", "torch"),  # torch imported, the device checked (and CUDA started)
+    "validate_values": ("main", "validate-values"),  # every layer's scales
     "hash_sources": ("main", "hash-sources"),  # deciding whether OUT is up to date
     "finish": ("main", "finish"),
     "wait_source_hashes": ("main", "wait-source-hashes"),
@@ -150,7 +153,8 @@ def run_convert(
     """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar at ``out``.
 
     See :func:`mpack.convert.convert` for the arguments. Raises an ``MpackError`` (exit code 2)
-    for bad input, before anything is written. ``scheme_check``: the check of this source,
+    for bad input, with nothing written at ``out`` (some checks finish while the work
+    directory fills; it is removed then). ``scheme_check``: the check of this source,
     already started by the caller (the CLI forks it before importing torch); it is used when its
     directory is the resolved source, and cancelled otherwise.
 
@@ -162,8 +166,7 @@ def run_convert(
     nothing written (Note [stable source] in :mod:`mpack.convert.source`).
     """
     tl = Timeline()
-    _check_options(profile, act_dtype, tp, fuse)
-    dev = resolve_device(device)
+    _check_options(profile, act_dtype, tp, fuse, device)
     out = output_path(out)
     src = resolve_source(str(source), revision, show_progress=progress is not None)
     check_apart(out, src.path)
@@ -181,7 +184,7 @@ def run_convert(
                 return ConvertResult(
                     out, m, digest, up_to_date=True, seconds=_seconds(tl, done=False)
                 )
-            written = _write_all(plan, stage.work, dev, progress, tl)
+            written = _write_all(plan, stage.work, device, watch.check, progress, tl)
             with tl.span("main", "copy-files"):
                 copied = [
                     copy_file(src.path / n, stage.work / n, CHUNK_BYTES)
@@ -204,16 +207,29 @@ def run_convert(
 # --- options ------------------------------------------------------------------------------
 
 
+_DEVICE_HELP = "--device must be auto, cpu, cuda or cuda:<i>, got {!r}"
+
+
+def check_device_name(device: str) -> None:
+    """``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:<i>`` (whether it is here is for
+    :func:`resolve_device`); no torch needed."""
+    kind, _, index = device.partition(":")
+    if device not in ("auto", "cpu", "cuda") and not (kind == "cuda" and index.isdigit()):
+        raise UsageError(_DEVICE_HELP.format(device))
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> CUDA when present, else CPU; ``cpu``; ``cuda`` / ``cuda:i``."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise UsageError(f"--device must be auto, cpu, cuda or cuda:<i>, got {device!r}") from None
+        raise UsageError(_DEVICE_HELP.format(device)) from None
     if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu, cuda or cuda:<i>, got {device!r}")
+        raise UsageError(_DEVICE_HELP.format(device))
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(
@@ -224,7 +240,7 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str) -> None:
+def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str, device: str) -> None:
     if profile not in PROFILES:
         raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     if act_dtype is not None and act_dtype not in ACT_DTYPES:
@@ -234,6 +250,7 @@ def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str) -> N
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
     check_fusion_tp(fuse, tp)
+    check_device_name(device)
 
 
 def _act_dtype(ck: Checkpoint, requested: str | None) -> str:
@@ -353,18 +370,26 @@ def _open_and_plan(
     passthrough: bool,
 ) -> tuple[Checkpoint, Plan]:
     """Parse every header, find and validate every layer (SPEC §1), plan every output tensor.
-    With the scheme check in a child, its error comes first: the same order as inline."""
-    try:
+    With the scheme check in a child, its error comes first: the same order as inline. The scale
+    values are checked later, once torch is imported (:func:`_write_all`)."""
+    with _child_error_first(check):
         ck = open_checkpoint(src.path, scheme=not check.in_child)
         find_layers(ck)
         plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp,
                          fusion=fuse, passthrough=passthrough)  # fmt: skip
-        validate_values(ck, plan)
+    return ck, plan
+
+
+@contextlib.contextmanager
+def _child_error_first(check: SchemeCheck) -> Iterator[None]:
+    """An input error raised in the block gives way to the scheme check's own error, if the
+    check (in a child) finds one: the error an inline check would have raised first."""
+    try:
+        yield
     except MpackError:
         if check.in_child:
             check.result()
         raise
-    return ck, plan
 
 
 def validate_values(ck: Checkpoint, plan: Plan) -> None:
@@ -377,13 +402,25 @@ def validate_values(ck: Checkpoint, plan: Plan) -> None:
 
 
 def _write_all(
-    plan: Plan, work: Path, dev: torch.device, progress: Progress | None, tl: Timeline
+    plan: Plan,
+    work: Path,
+    device: str,
+    check: SchemeCheck,
+    progress: Progress | None,
+    tl: Timeline,
 ) -> dict[str, dict[str, Any]]:
     """Stream every output file into ``work``; return ``{file: {size, chunks}}``.
 
-    The Marlin layers go through :class:`mpack.convert.stream.Streamer` (read, transform and
-    write on their own threads, pinned staging rings on CUDA); pass-through tensors are copied
-    on another thread, into their own file, at the same time. Each file hashes as it is written
+    Note [torch off the critical path]: a fresh process spends its first seconds importing torch
+    (3.4 s warm on the H200 host, more cold) and starting CUDA. Nothing before the Marlin layers
+    needs it: resolving the source, planning from the headers, the output's lock and work
+    directory, the source hashes, and the pass-through tensors (a plain byte copy into their
+    own file, a quarter of an 8B model's bytes). So this module imports torch only here, after
+    the pass-through copy has started on its thread: the copy and the hashing run while the
+    interpreter imports. Then the device is checked and every layer's scale values (an error
+    stops the copy, and the work directory goes), and the Marlin layers go through
+    :class:`mpack.convert.stream.Streamer` (read, transform and write on their own threads,
+    pinned staging rings on CUDA). Each file hashes as it is written
     (:class:`mpack.sidecar.HashingWriter`).
     """
     with contextlib.ExitStack() as stack:
@@ -392,14 +429,53 @@ def _write_all(
             count = _Counter(progress, plan)
             for w in writers.values():
                 count.add_bytes(w.position)
-            # CPU: the repack's blocks on a pool of threads (Note [repack in blocks])
-            pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
-            xf = functools.partial(transform, act_dtype=plan.act_dtype, pool=pool)
-            streamer = Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl)
-        with tl.span("main", "stream"):
-            _stream(streamer, plan.ckpt, writers, count.add_bytes, tl)
+        stop = threading.Event()
+        with pool("copy", 1) as copier:
+            copied = None
+            if COMMON_NAME in writers:
+                bump = functools.partial(_bump_unless, stop, count.add_bytes)
+                copied = copier.submit(copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME],
+                                       bump, tl)  # fmt: skip
+            try:
+                with tl.span("main", "torch"):
+                    dev = resolve_device(device)
+                with tl.span("main", "validate-values"), _child_error_first(check):
+                    validate_values(plan.ckpt, plan)
+                with tl.span("main", "stream"):
+                    _stream_layers(plan, writers, dev, count, tl, stack)
+            except BaseException:
+                stop.set()  # the copy stops at its next piece
+                raise
+            if copied is not None:
+                copied.result()
         with tl.span("main", "finish"):
             return {name: _finish(w) for name, w in writers.items()}
+
+
+def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> None:
+    """``bump(n)``, or raise ``Aborted`` once ``stop`` is set (the copy's way out)."""
+    if stop.is_set():
+        raise Aborted("convert stopped")
+    bump(n)
+
+
+def _stream_layers(
+    plan: Plan,
+    writers: dict[str, HashingWriter],
+    dev: torch.device,
+    count: _Counter,
+    tl: Timeline,
+    stack: contextlib.ExitStack,
+) -> None:
+    """The Marlin layers of every rank through the streamer, on ``dev``."""
+    from mpack.convert import marlin
+    from mpack.convert.stream import Streamer
+    from mpack.convert.transform import transform
+
+    # CPU: the repack's blocks on a pool of threads (Note [repack in blocks])
+    pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
+    xf = functools.partial(transform, act_dtype=plan.act_dtype, pool=pool)
+    Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl).run()
 
 
 def _open_writers(plan: Plan, work: Path, stack: contextlib.ExitStack) -> dict[str, HashingWriter]:
@@ -433,28 +509,6 @@ class _Counter:
     def unit_done(self, i: int) -> None:
         if self.progress:
             self.progress("layers", i, self.units)
-
-
-def _stream(
-    streamer: Streamer,
-    ck: Checkpoint,
-    writers: dict[str, HashingWriter],
-    bump: Callable[[int], None],
-    tl: Timeline,
-) -> None:
-    """Run ``streamer``; meanwhile copy the pass-through tensors on another thread."""
-    with pool("copy", 1) as copier:
-        copied = None
-        if COMMON_NAME in writers:
-            copied = copier.submit(copy_tensors, ck.read_into, writers[COMMON_NAME], bump, tl)
-        try:
-            streamer.run()
-        except BaseException:
-            if copied is not None:
-                copied.cancel()
-            raise
-        if copied is not None:
-            copied.result()
 
 
 def _finish(w: HashingWriter) -> dict[str, Any]:

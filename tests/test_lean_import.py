@@ -24,3 +24,15 @@ def test_importing_every_module_does_not_initialise_cuda():
         "print(torch.cuda.is_initialized())\n"
     )
     assert _run(code) == "False"
+
+
+def test_convert_pipeline_imports_torch_only_when_it_streams():
+    """Note [torch off the critical path]: planning a conversion needs no torch, so the CLI
+    starts the pass-through copy and the hashing before the interpreter imports it."""
+    code = (
+        "import sys\n"
+        "import mpack.convert.pipeline, mpack.convert.checkpoint, mpack.convert.plan\n"
+        "import mpack.convert.staging, mpack.convert.source, mpack.convert.scheme_check\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert _run(code) == "False"
