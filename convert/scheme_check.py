@@ -25,6 +25,9 @@ from mpack.errors import MpackError
 # error is the same, word for word, as the inline check's. Where compressed-tensors is already
 # imported (a library caller, the tests) or fork is unavailable, the check runs inline. The CLI
 # starts the child for a local source first thing, before it imports torch (see mpack.cli).
+# Even in a child, the full import (torch, then 8.3 s of compressed-tensors on the H200 host) was
+# longer than the whole stream, so the warm CLI waited for it: the child imports only the config
+# models it needs (Note [lean import] in mpack/convert/ctlean.py).
 
 
 class SchemeCheck:
