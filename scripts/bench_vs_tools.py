@@ -32,6 +32,8 @@ kernel into its cache: no warm row pays a first-run cost. Rows (``--only`` takes
   its first element read back; Note [first touch] in bench_vt/workers.py): max and median; attach
   only and first touch only in the notes.
 - **rss**: peak RSS of the convert CLI of the full model against one of ``--rss-layers`` layers.
+- **imports**: the compressed-tensors check of SRC in a fresh process, as convert's child runs
+  it (lean import) against the full import, and ``import torch`` alone: what each choice costs.
 
 ``--reps`` runs of each (the best is the row's figure; all are in ``--json``). The table, printed
 last: what | now | peer | ratio | target | met? | before (issue 15's figures, on the H200).
@@ -55,7 +57,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_rt.procs import kill_all  # noqa: E402
 from bench_vt.report import Row, append_markdown, machine, markdown, print_table  # noqa: E402
-from bench_vt.rows import Bench, row_convert, row_rss, row_verify, warm_up  # noqa: E402
+from bench_vt.rows import Bench, row_convert, row_imports, row_rss, row_verify, warm_up  # noqa: E402
 from bench_vt.runtime_rows import row_load, rows_attach  # noqa: E402
 from bench_vt.workers import WORKERS  # noqa: E402
 from benchutil import (  # noqa: E402
@@ -67,7 +69,7 @@ from benchutil import (  # noqa: E402
     synth_present,
 )
 
-GROUPS = ("convert", "load", "attach", "convert-cold", "load-cold", "verify", "rss")
+GROUPS = ("convert", "load", "attach", "convert-cold", "load-cold", "verify", "rss", "imports")
 Step = tuple[str, str, Callable[[], "Row | list[Row]"]]
 
 
@@ -155,6 +157,7 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
         ("convert-cold", f"convert {first} cold", partial(row_convert, b, first, None, "cold")),
         ("load-cold", f"load {rt} cold", partial(row_load, b, rt, first, "cold")),
         ("verify", "verify", partial(row_verify, b, first)),
+        ("imports", "imports", partial(row_imports, b)),
     ]
     small, layers = b.work / f"src-{b.args.rss_layers}l", b.args.rss_layers
     if 0 < layers < b.args.layers:

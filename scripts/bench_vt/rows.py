@@ -236,3 +236,33 @@ def row_rss(b: Bench, dev: str, small: Path) -> Row:
     return Row("rss", f"peak RSS of `mpack convert --device {dev}`, {b.args.layers} vs {layers} layers",
                big, unit="GiB", now=gib(big), peer=r["peak_rss"],
                peer_text=f"{gib(r['peak_rss'])} at {layers} layer(s)", runs={"small": r, "big": big})  # fmt: skip
+
+
+SCHEME_CHECK = (
+    "import sys; from pathlib import Path; from mpack.convert.scheme_check import child_verdict; "
+    "v = child_verdict(Path(sys.argv[1])); assert v[0] == 'ok', v"
+)
+
+
+def row_imports(b: Bench) -> Row:
+    """What the compressed-tensors check of the source costs, in a fresh process, warm: as
+    convert's child runs it (the lean import, Note [lean import]) against the full import
+    (``MPACK_CT_IMPORT=full``); ``import torch`` alone in the notes."""
+
+    def best(cmd: list[str], env: dict[str, str]) -> float:
+        walls = []
+        for _ in range(b.args.reps):
+            r = run_timed(cmd, env=env, cwd=b.tmp)
+            if r.returncode:
+                raise BenchError(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr}")
+            walls.append(r.wall)
+        return min(walls)
+
+    check = [sys.executable, "-c", SCHEME_CHECK, str(b.src)]
+    lean = best(check, b.env)
+    full = best(check, {**b.env, "MPACK_CT_IMPORT": "full"})
+    torch_s = best([sys.executable, "-c", "import torch"], b.env)
+    return Row("scheme-check", "compressed-tensors check of SRC, fresh process (convert's child)",
+               lean, now=f"{secs(lean)} (lean import)", peer=full,
+               peer_text=f"full import {secs(full)}", runs={"lean": lean, "full": full, "torch": torch_s},
+               notes=[f"`import torch` alone: {secs(torch_s)}"])  # fmt: skip
