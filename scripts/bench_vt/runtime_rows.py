@@ -128,6 +128,11 @@ def attach_row(n: int, docs: list[dict[str, Any]], name: str, cuda: bool) -> Row
         f"{_mm(docs, 'start_s', fmt='.2f')} s, of which import torch + mpack "
         f"{_mm(docs, 'import_s', fmt='.2f')} s{init}",
     ]
+    steps = docs[0].get("phases_ms") or {}
+    if steps:  # medians over the clients; the rest is checks and building the result
+        med = {k: statistics.median(d["phases_ms"].get(k, 0.0) for d in docs) for k in steps}
+        parts = ", ".join(f"{k.lstrip('_')} {v:.1f}" for k, v in med.items())
+        notes.append(f"where attach's time goes, median ms: {parts}")
     if len({d["seen"] for d in docs}) > 1:
         notes.append(
             f"WARNING: the clients read different values: {sorted({d['seen'] for d in docs})}"

@@ -49,10 +49,35 @@ def w_load(a: dict[str, Any]) -> None:
     w.close()
 
 
+#: The steps of ``attach`` (module-level functions of mpack.runtime.client), timed apart.
+ATTACH_PHASES = ("load_manifest", "_connect", "_request", "_map")
+
+
+def _time_phases(phases: dict[str, float]) -> None:
+    """Wrap each of ``ATTACH_PHASES`` in mpack.runtime.client so that its milliseconds add up in
+    ``phases``: where an attach's time goes (the rest is checks and building the result)."""
+    from mpack.runtime import client
+
+    for fn in ATTACH_PHASES:
+        real = getattr(client, fn)
+
+        def timed(*args: Any, _real: Any = real, _fn: str = fn, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _real(*args, **kw)
+            finally:
+                phases[_fn] = phases.get(_fn, 0.0) + (time.perf_counter() - t) * 1e3
+
+        setattr(client, fn, timed)
+
+
 def w_attach(a: dict[str, Any]) -> None:
-    """Start up, say ready, wait for ``go``; then time ``attach`` and the first touch."""
+    """Start up, say ready, wait for ``go``; then time ``attach`` (and its steps) and the first
+    touch."""
     dev, name = a["device"], a["tensor"]
     attach, import_s, cuda_s = client_start(dev)
+    phases: dict[str, float] = {}
+    _time_phases(phases)
     emit({"ready": os.getpid(), "import_s": import_s, "cuda_s": cuda_s})
     if sys.stdin.readline().strip() != "go":
         return
@@ -64,7 +89,7 @@ def w_attach(a: dict[str, Any]) -> None:
     seen = t.flatten()[0].item()  # a view, then a copy to the host that waits for the device
     t2 = time.perf_counter()
     emit({"attach_ms": (t1 - t0) * 1e3, "touch_ms": (t2 - t1) * 1e3, "total_ms": (t2 - t0) * 1e3,
-          "tensors": len(w), "seen": float(seen)})  # fmt: skip
+          "tensors": len(w), "seen": float(seen), "phases_ms": phases})  # fmt: skip
     sys.stdin.read()  # hold the mapping until the round ends (stdin closed)
     w.close()
 
