@@ -51,23 +51,30 @@ def proc_status_bytes(pid: int, keys: tuple[str, ...]) -> int:
 
 @dataclass(frozen=True)
 class Timed:
-    """One finished process: its wall time (s), the peak RSS seen (bytes), exit code, stderr's end."""
+    """One finished process: its wall time (s), the peak RSS seen (bytes), exit code, stderr's end
+    (and its stdout, when kept)."""
 
     wall: float
     peak_rss: int
     returncode: int
     stderr: str
+    stdout: str = ""
 
 
 def run_timed(
-    cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    keep_stdout: bool = False,
 ) -> Timed:
-    """Run ``cmd`` to its end, stdout discarded; its wall time from start to exit and its peak
+    """Run ``cmd`` to its end, stdout discarded unless ``keep_stdout``; its wall time from start to exit and its peak
     RSS, ``VmHWM`` read from /proc every 20 ms by a thread while it runs (wait4's ``ru_maxrss``
     would include the pages this parent had when it forked). Interrupted, the child is killed."""
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
         t = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=cwd)
+        stdout = out if keep_stdout else subprocess.DEVNULL
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=env, cwd=cwd)
         peak, done = [0], threading.Event()
 
         def sample() -> None:
@@ -89,7 +96,9 @@ def run_timed(
             sampler.join()
         err.seek(0)
         tail = err.read()[-4000:].decode(errors="replace")
-    return Timed(wall, peak[0], code, tail)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return Timed(wall, peak[0], code, tail, text)
 
 
 def exit_on_signals() -> None:

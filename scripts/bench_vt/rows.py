@@ -107,14 +107,18 @@ def fresh(path: Path) -> None:
 
 
 def timed_cli(b: Bench, cmd: list[str], files: list[Path], temp: str, out: Path | None) -> dict:
-    """``cmd`` in a fresh process after ``fresh(out)`` and ``cache_state``: wall, peak RSS."""
+    """``cmd`` in a fresh process after ``fresh(out)`` and ``cache_state``: wall, peak RSS, and
+    for ``--json`` commands (convert) the ``seconds`` of its phases, as ``phases``."""
     if out is not None:
         fresh(out)
     state = cache_state(b, files, temp)
-    r = run_timed(cmd, env=b.env, cwd=b.tmp)
+    r = run_timed(cmd, env=b.env, cwd=b.tmp, keep_stdout="--json" in cmd)
     if r.returncode:
         raise BenchError(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr}")
-    return {"wall": r.wall, "peak_rss": r.peak_rss, "state": state}
+    got = {"wall": r.wall, "peak_rss": r.peak_rss, "state": state}
+    if "--json" in cmd:
+        got["phases"] = json.loads(r.stdout).get("seconds", {})
+    return got
 
 
 def peer_cp(b: Bench, temp: str) -> dict[str, Any]:
@@ -143,6 +147,9 @@ def cp_row(b: Bench, key: str, what: str, runs: list[dict], temp: str) -> Row:
     best = min(r["wall"] for r in runs)
     rss = max(r["peak_rss"] for r in runs)
     notes = [f"peak RSS {gib(rss)}"] if rss else []
+    phases = min(runs, key=lambda r: r["wall"]).get("phases")
+    if phases:  # the process's own account of the best run (ConvertResult.seconds)
+        notes.append("phases, s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return Row(key, what, best, now=secs(best), peer=p["cp"], peer2=p["cp_sync"],
                peer_text=f"cp -r {secs(p['cp'])} (+ sync {secs(p['cp_sync'])})", notes=notes,
                runs={"runs": runs, "peak_rss": rss})  # fmt: skip
@@ -183,7 +190,7 @@ def warm_up(b: Bench, cuda: bool) -> None:
 
 def convert_cmd(src: Path, out: Path, dev: str, cores: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "mpack", "convert", str(src), "-o", str(out), "--device", dev,
-           "--quiet", "--force"]  # fmt: skip
+           "--json", "--force"]  # fmt: skip
     return cmd if cores is None else ["taskset", "-c", f"0-{cores - 1}", *cmd]
 
 
