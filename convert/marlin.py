@@ -69,20 +69,15 @@ SCALE_PERM: tuple[int, ...] = (
 # The packed row kt holds, per n-tile, the axes in the order (t8, kmid, w, h, klo, khi).
 #
 # Note [word-level repack]: permuting single bytes through 8 axes is slow on CPU (strided copies
-# with 2-element inner loops). Instead: (1) pair the 2-byte lanes (k, k+1) and (k+8, k+9) into
-# one int32 holding bytes (k0, k1, k8, k9) of one (n, kt, kmid) (:func:`_paired_words`); (2)
-# permute whole int32 words (n-tile axes, k-tile first); (3) swap the middle two bytes of every
-# word, giving (k0, k8, k1, k9) = (klo, khi) order. Same bytes as the 8-axis byte permute, 3x
-# faster. Step (1) is shifts and masks over contiguous words, not a strided int16 transpose: the
-# 8-byte halves (khi) are split into two planes first (one int64 copy), and the words of even and
-# odd kmid are made apart, so the kmid axis enters step (2) as (p, parity), kmid = 2p + parity.
-# That made the CPU repack of a 1 MiB block 25% faster on one core (1.89 -> 1.42 ms).
-_WORD_AXES = (5, 1, 4, 6, 0, 2, 3)  # (parity,nt,w,h,t8,kt,p) -> (kt,nt,t8,p,parity,w,h)
-#: The inverse of the word permute, for :func:`unrepack`, with kmid whole.
-_UNPACK_AXES = (1, 4, 5, 2, 0, 3)  # (kt,nt,t8,kmid,w,h) -> (nt,w,h,t8,kt,kmid)
+# with 2-element inner loops). Instead: (1) view the bytes as int16 lanes (k, k+1) and swap the
+# khi/kmid lane axes, so each int32 holds bytes (k0, k1, k8, k9) of one (n, kt, kmid); (2) permute
+# whole int32 words (n-tile axes, k-tile first); (3) swap the middle two bytes of every word,
+# giving (k0, k8, k1, k9) = (klo, khi) order. Same bytes as the 8-axis byte permute, 3x faster.
+_WORD_AXES = (4, 0, 3, 5, 1, 2)  # (nt,w,h,t8,kt,kmid) -> (kt,nt,t8,kmid,w,h)
+_WORD_AXES_INV = tuple(_WORD_AXES.index(i) for i in range(6))
 
-#: Input bytes per block of the CPU repack (Note [repack in blocks]): about one core's L2.
-REPACK_BLOCK_BYTES = 1 << 20
+#: Input bytes per block of the CPU repack (Note [repack in blocks]).
+REPACK_BLOCK_BYTES = 4 << 20
 
 _EXP_FOLD = {TORCH_ACT_DTYPES[name]: a.exp_fold for name, a in target.ACT_DTYPES.items()}
 _FP8_MAX = 448.0
@@ -110,22 +105,6 @@ def _swap_middle_bytes_(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def _paired_words(rows: torch.Tensor) -> torch.Tensor:
-    """Step (1) of Note [word-level repack]: uint8 ``[R, K]`` rows -> int32 ``[2, R, K/16, 2]``
-    indexed (parity, n, kt, p), the word of kmid = 2p + parity holding bytes (k0, k1, k8, k9)
-    of its lanes (k = 16 kt + 2 kmid)."""
-    r, k = rows.shape
-    halves = rows.view(torch.int64).view(r, k // 16, 2).permute(2, 0, 1).contiguous()
-    lo, hi = halves[0].view(torch.int32), halves[1].view(torch.int32)  # [R, K/8]: lanes 2p, 2p+1
-    words = torch.empty(2, r, k // 8, dtype=torch.int32, device=rows.device)
-    torch.bitwise_and(lo, 0xFFFF, out=words[0])  # even kmid: the low lanes of both halves
-    words[0] |= hi << 16
-    torch.bitwise_right_shift(lo, 16, out=words[1])  # odd kmid: the high lanes
-    words[1] &= 0xFFFF
-    words[1] |= hi & -65536  # 0xFFFF0000 as int32
-    return words
-
-
 def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     """Repack checkpoint fp8 rows into Marlin tiles, without padding (SPEC §5).
 
@@ -146,9 +125,14 @@ def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     of plain threads, each running torch ops on one thread (:func:`block_pool`). On the 16-core
     H200 host, one 8B decoder layer (``scripts/bench_repack.py --cpu-sweep``): 1.87 GB/s on 12
     pool threads against 1.61 GB/s for whole-layer ops on 16 OpenMP threads; next to 8 threads
-    busy hashing, 0.68 GB/s against 0.02 GB/s (1 MiB blocks) or 0.50 GB/s (whole layer). On a
-    GPU the whole layer is one block (the fused kernel of :mod:`mpack.convert.cuda_repack` is the
-    fast path there).
+    busy hashing, 0.68 GB/s against 0.02 GB/s (1 MiB blocks) or 0.50 GB/s (whole layer).
+    Blocks are 4 MiB, not 1 MiB (about one core's L2), since issue 15's sweep on that host: 1.84
+    against 1.85 GB/s alone, but 1.25 against 0.74 GB/s next to 8 hashing threads, the case of a
+    conversion (fewer torch calls, so fewer hand-overs of the GIL among the pool's threads). A
+    variant of the first pass made of shifts and masks (twice the torch calls) was 25% faster
+    on one core here and slower on the 12 threads there (1.26 GB/s alone, 0.68 loaded): not
+    kept. On a GPU the whole layer is one block (the fused kernel of
+    :mod:`mpack.convert.cuda_repack` is the fast path there).
     """
     n, k = wck.shape
     if n % 64 or k % 16:
@@ -160,11 +144,12 @@ def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
 
     def one(j: int) -> None:
         rows = w[64 * j : 64 * (j + step)]
-        nt, kt = rows.shape[0] // 64, k // 16
-        words = _paired_words(rows)  # (parity, n, kt, p): kmid = 2p + parity
-        words = words.view(2, nt, 4, 2, 8, kt, 2)  # (parity, nt, w, h, t8, kt, p)
-        block = tiles[:, j : j + nt].view(kt, nt, 8, 2, 2, 4, 2)  # kmid split as (p, parity)
-        block.copy_(words.permute(*_WORD_AXES))  # (kt, nt, t8, p, parity, w, h)
+        nt = rows.shape[0] // 64
+        lanes = rows.view(torch.int16).view(64 * nt, k // 16, 2, 4)  # (n, kt, khi, kmid)
+        pairs = lanes.transpose(2, 3).contiguous()  # (n, kt, kmid, khi) int16
+        words = pairs.view(torch.int32).view(nt, 4, 2, 8, k // 16, 4)  # (nt,w,h,t8,kt,kmid)
+        block = tiles[:, j : j + nt]
+        block.copy_(words.permute(*_WORD_AXES))  # (kt, nt, t8, kmid, w, h)
         _swap_middle_bytes_(block)
 
     starts = range(0, n // 64, step)
@@ -230,7 +215,7 @@ def unrepack(packed: torch.Tensor) -> torch.Tensor:
         )
     n, k = cols // 4, kt * 16
     words = _swap_middle_bytes_(packed.clone()).view(kt, n // 64, 8, 4, 4, 2)  # (kt,nt,t8,kmid,w,h)
-    pairs = words.permute(*_UNPACK_AXES).contiguous()  # (nt, w, h, t8, kt, kmid)
+    pairs = words.permute(*_WORD_AXES_INV).contiguous()  # (nt, w, h, t8, kt, kmid)
     lanes = (
         pairs.view(torch.int16).view(n, kt, 4, 2).transpose(2, 3).contiguous()
     )  # (n,kt,khi,kmid)
