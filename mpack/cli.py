@@ -313,6 +313,15 @@ def verify(
         str,
         typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where --forward runs."),
     ] = "cpu",
+    rederive_device: Annotated[
+        str,
+        typer.Option(
+            "--rederive-device",
+            metavar="[auto|cpu|cuda|cuda:N]",
+            help="Where the tensors are re-derived from the source (the same result on each); "
+            "auto: CUDA when present.",
+        ),
+    ] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Check every file's sha256, and re-derive every tensor from the source checkpoint.
@@ -328,7 +337,9 @@ def verify(
 
     if forward:
         ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
-    result = verify_sidecar(sidecar, source=source, forward=forward, device=device)
+    result = verify_sidecar(
+        sidecar, source=source, forward=forward, device=device, rederive_device=rederive_device
+    )
     if not result.problems:  # what matched; also shown when the model outputs differ
         ui.emit_verify(result.report(), as_json=json_out)
     result.raise_for_failure()

@@ -570,15 +570,14 @@ def chunk_mismatch(
     return bad[0], lo, min(lo + chunk_bytes, size), len(bad)
 
 
-def _file_problems(fd: int, p: Path, f: Mapping[str, Any]) -> list[str]:
-    """How the open file ``fd`` differs from its files entry ``f`` (size, then digests)."""
-    size = os.fstat(fd).st_size
-    if size != f["size"]:
-        return [f"{f['name']}: size {size}, manifest says {f['size']}"]
+def digest_problems(f: Mapping[str, Any], got: Sequence[str]) -> list[str]:
+    """How the digests ``got`` of a file differ from its files entry ``f``: ``got`` is its chunk
+    digests where ``f`` records chunks, else one whole-file sha256 (empty: they agree). The one
+    wording, whether the file was hashed on its own (:func:`check_files`) or as it streamed
+    through ``mpack verify --source``."""
     ch = f.get("chunks")
-    if ch:  # the chunk digests cover every byte; the loader checks the same
-        got = fd_chunk_digests(fd, p, ch["bytes"], size)
-        bad = chunk_mismatch(got, ch["sha256"], ch["bytes"], size)
+    if ch:
+        bad = chunk_mismatch(got, ch["sha256"], ch["bytes"], f["size"])
         if bad:
             i, lo, hi, nbad = bad
             return [
@@ -586,17 +585,35 @@ def _file_problems(fd: int, p: Path, f: Mapping[str, Any]) -> list[str]:
                 f"manifest says {ch['sha256'][i][:16]}... ({nbad} of {len(got)} chunks differ)"
             ]
         return []
-    digest = hash_fd_range(fd, p, 0, size)
-    if digest != f["sha256"]:
-        return [f"{f['name']}: sha256 {digest[:16]}..., manifest says {f['sha256'][:16]}..."]
+    if got[0] != f["sha256"]:
+        return [f"{f['name']}: sha256 {got[0][:16]}..., manifest says {f['sha256'][:16]}..."]
     return []
 
 
-def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list[str]:
+def _file_problems(fd: int, p: Path, f: Mapping[str, Any], digests: bool = True) -> list[str]:
+    """How the open file ``fd`` differs from its files entry ``f`` (size, then digests unless
+    not ``digests``)."""
+    size = os.fstat(fd).st_size
+    if size != f["size"]:
+        return [f"{f['name']}: size {size}, manifest says {f['size']}"]
+    if not digests:
+        return []
+    ch = f.get("chunks")
+    if ch:  # the chunk digests cover every byte; the loader checks the same
+        return digest_problems(f, fd_chunk_digests(fd, p, ch["bytes"], size))
+    return digest_problems(f, [hash_fd_range(fd, p, 0, size)])
+
+
+def check_files(
+    sidecar: str | os.PathLike, manifest: Mapping[str, Any], *, hashed_elsewhere: Iterable[str] = ()
+) -> list[str]:
     """Re-hash every file listed in the manifest, and look for files it does not list; return one
     message per problem (empty = ok). Listed files must be regular files inside the sidecar
-    (Note [trust model for files] in mpack/fsutil.py)."""
+    (Note [trust model for files] in mpack/fsutil.py). ``hashed_elsewhere``: files whose size and
+    kind are checked here but whose digests the caller checks as it reads them
+    (:func:`digest_problems`)."""
     problems = []
+    elsewhere = set(hashed_elsewhere)
     listed = {f["name"] for f in manifest["files"]}
     for entry in sorted(os.listdir(sidecar)):
         if entry != MANIFEST_NAME and entry not in listed:
@@ -609,7 +626,7 @@ def check_files(sidecar: str | os.PathLike, manifest: Mapping[str, Any]) -> list
             problems.append(f"{f['name']}: {e.message.removeprefix(str(p) + ': ')}")
             continue
         try:  # one descriptor per file: the size and every digest come from the file checked
-            problems += _file_problems(fd, p, f)
+            problems += _file_problems(fd, p, f, digests=f["name"] not in elsewhere)
         finally:
             os.close(fd)
     return problems

@@ -52,6 +52,18 @@ def flip_byte(path: Path, offset: int, mask: int = 0xFF) -> None:
         f.write(bytes([b[0] ^ mask]))
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A one-layer Llama FP8 checkpoint and its sidecar, converted on the CPU: ``(ck, sidecar)``."""
+    import mpack.convert as mc
+    from mpack.fixtures import make_checkpoint
+
+    root = tmp_path_factory.mktemp("converted")
+    ck = make_checkpoint(root / "ck", arch="llama", scheme="FP8", layers=1)
+    mc.convert(ck, root / "sc", device="cpu")
+    return ck, root / "sc"
+
+
 @pytest.fixture(scope="session")
 def golden() -> Path:
     return _golden_dir()

@@ -3,8 +3,6 @@ compatible forward to it: a result that lists the problems, and the same report 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from conftest import flip_byte
 
@@ -14,14 +12,6 @@ from mpack.fixtures import make_checkpoint
 from mpack.sidecar import rank_file_name, read_layout
 from mpack.verify import Verification, verify
 from mpack.verify.check import MAX_LISTED
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("verify")
-    ck = make_checkpoint(root / "ck", arch="llama", scheme="FP8", layers=1)
-    mc.convert(ck, root / "sc", device="cpu")
-    return ck, root / "sc"
 
 
 def test_the_compatible_forward_is_callable_twice_and_agrees(converted) -> None:

@@ -7,6 +7,8 @@ would); neither of those imports it (``mpack.convert.verify`` forwards here, on 
 
 * :mod:`mpack.verify.check`: the entry point and the file checks (no torch at import);
 * :mod:`mpack.verify.rederive`: finding the source, re-deriving every tensor from it;
+* :mod:`mpack.verify.compare`: one sidecar file read once, hashed and compared with what a
+  conversion writes into it;
 * :mod:`mpack.verify.reference`: the reference Marlin FP8 linear (what the packed bytes mean);
 * :mod:`mpack.verify.model`: a transformers model run from a sidecar's weights;
 * :mod:`mpack.verify.forward`: its outputs against transformers on the source checkpoint.

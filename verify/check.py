@@ -7,14 +7,18 @@ Three checks, each one stricter, and a fourth on request:
    manifest's layer table implies;
 2. with the source checkpoint (given; else the one the manifest records, if it is here:
    :func:`mpack.verify.rederive.find_source`), every Marlin tensor re-derived and compared byte
-   for byte, and the pass-through tensors compared with their source bytes. When no source is
-   found, ``source_note`` says why and how to get one;
+   for byte, and the pass-through tensors compared with their source bytes, on the GPU when
+   there is one (``rederive_device``). When no source is found, ``source_note`` says why and
+   how to get one;
 3. the layout read backwards: each weight, scale and bias unpacks to the source's values;
 4. with ``forward``: token ids run through a model built from the sidecar and through
    transformers on the source, greedy tokens and logits compared (:mod:`mpack.verify.forward`).
 
-Checks 2 to 4 run only when the ones before found nothing. This module imports no torch: the
-re-derivation and the forward check load it when they run.
+Checks 2 to 4 run only when the ones before found nothing. With a source, the safetensors files'
+digests of check 1 are computed by check 2 from the same reads (Note [one pass over the sidecar]
+in :mod:`mpack.verify.compare`): each of their bytes is read once. A digest that differs is then
+reported as check 1 reports it, and what check 2 found is dropped, as if it had not run. This
+module imports no torch: the re-derivation and the forward check load it when they run.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpack.errors import InputError, UsageError, VerificationError
+from mpack.errors import InputError, MpackError, UsageError, VerificationError
 from mpack.sidecar import (
     COMMON_NAME,
     FileLayout,
@@ -55,6 +59,7 @@ class Verification:
     source_note: str | None = None  # why the source was not checked, for people
     source: str | None = None  # the source re-derived from, as people name it
     source_path: str | None = None  # its local directory
+    rederive_device: str | None = None  # where the re-derivation ran (cpu, cuda:0, ...)
     forward: dict[str, Any] | None = None  # :func:`mpack.verify.forward.forward_check`'s report
     problems: list[str] = field(default_factory=list)  # file and re-derivation mismatches
     hint: str | None = None  # with problems: the command that regenerates the sidecar
@@ -65,12 +70,13 @@ class Verification:
         return not self.problems and (self.forward is None or bool(self.forward["ok"]))
 
     def report(self) -> dict[str, Any]:
-        """The facts ``mpack verify --json`` prints (besides ``ok``): ``source`` and
-        ``source_path`` when the source was checked, ``forward`` when it ran."""
+        """The facts ``mpack verify --json`` prints (besides ``ok``): ``source``,
+        ``source_path`` and ``rederive_device`` when the source was checked, ``forward`` when it
+        ran."""
         keys = ["sidecar", "digest", "files_checked", "source_checked", "layers_checked",
                 "tensors_compared", "source_note"]  # fmt: skip
         if self.source_checked:
-            keys += ["source", "source_path"]
+            keys += ["source", "source_path", "rederive_device"]
         if self.forward is not None:
             keys.append("forward")
         return {k: getattr(self, k) for k in keys}
@@ -108,6 +114,7 @@ def verify(
     revision: str | None = None,
     forward: bool = False,
     device: str = "cpu",
+    rederive_device: str = "auto",
 ) -> Verification:
     """Verify ``sidecar``: checksums, re-derivation from its source, and optionally the model
     outputs (see the module docstring).
@@ -119,13 +126,17 @@ def verify(
             commit the manifest records (for a Hub-sourced sidecar), else ``main``.
         forward: also compare the model outputs (needs the source checkpoint).
         device: where the forward check runs: ``cpu``, ``cuda`` or ``cuda:N``.
+        rederive_device: where the re-derivation (checks 2 and 3) transforms the source:
+            ``auto`` (CUDA when present, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; the
+            result is the same on each.
 
     Returns:
         A :class:`Verification`; its ``problems`` list every mismatch found (call
         :meth:`Verification.raise_for_failure` to turn them into a ``VerificationError``).
 
     Raises:
-        MpackError: no readable manifest; a given source that cannot be resolved; with
+        MpackError: no readable manifest; a given source that cannot be resolved, or that
+            ``mpack convert`` would refuse; a ``rederive_device`` that is not here; with
             ``forward``, a device that is not here (before any other work) or no source found
             (``UsageError``).
     """
@@ -137,9 +148,10 @@ def verify(
         parse_device(device)  # a device that is not there fails now, not after the re-derivation
     path = Path(sidecar)
     m, digest = load_manifest(path)
-    problems, layouts = _check_files(path, m)
+    problems, layouts = _check_files(path, m, streamed=True)
     result = Verification(str(path), digest, len(m["files"]), problems=problems)
-    _check_source(result, path, m, layouts, None if source is None else str(source), revision)
+    _check_source(result, path, m, layouts, None if source is None else str(source), revision,
+                  rederive_device)  # fmt: skip
     if result.problems:
         result.hint = regenerate_hint_of(m, path)
     elif forward:
@@ -151,15 +163,18 @@ def verify(
     return result
 
 
-def _check_files(sidecar: Path, m: dict[str, Any]) -> tuple[list[str], dict[str, FileLayout]]:
-    """Checks 1: the problems found, and the layout of every safetensors file that parses."""
-    problems = check_files(sidecar, m)
+def _check_files(
+    sidecar: Path, m: dict[str, Any], *, streamed: bool = False
+) -> tuple[list[str], dict[str, FileLayout]]:
+    """Checks 1: the problems found, and the layout of every safetensors file that parses.
+    ``streamed``: leave the digests of the safetensors files to the re-derivation
+    (:func:`mpack.verify.rederive.streamed_files`), which reads them anyway."""
     tp = m["target"]["tp_size"]
-    layouts: dict[str, FileLayout] = {}
     listed = {f["name"] for f in m["files"]}
-    for name in [rank_file_name(rank, tp) for rank in range(tp)] + [COMMON_NAME]:
-        if name not in listed:
-            continue  # every rank file is listed (check_manifest); common.safetensors may not be
+    names = [n for n in [rank_file_name(r, tp) for r in range(tp)] + [COMMON_NAME] if n in listed]
+    problems = check_files(sidecar, m, hashed_elsewhere=names if streamed else ())
+    layouts: dict[str, FileLayout] = {}
+    for name in names:  # every rank file is listed (check_manifest); common.safetensors may not be
         try:
             layouts[name] = read_layout(sidecar / name, follow=False)
         except InputError as e:
@@ -172,14 +187,30 @@ def _check_files(sidecar: Path, m: dict[str, Any]) -> tuple[list[str], dict[str,
 
 def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
                   layouts: dict[str, FileLayout], source: str | None,
-                  revision: str | None) -> None:  # fmt: skip
-    """Checks 2 and 3, when the source is found and checks 1 found nothing."""
+                  revision: str | None, device: str) -> None:  # fmt: skip
+    """Checks 2 and 3, when the source is found and checks 1 found nothing; else checks 1 done
+    whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
     from mpack.verify.rederive import find_source, rederive
 
     src, result.source_note = find_source(source, revision, m)
     if src is None or result.problems:
+        result.problems = _check_files(sidecar, m)[0]
         return
-    result.layers_checked, result.tensors_compared = rederive(
-        sidecar, m, layouts, src, result.problems
-    )
+    from mpack.convert.pipeline import resolve_device
+
+    dev = resolve_device(device)
+    try:
+        got = rederive(sidecar, m, layouts, src, dev)
+    except MpackError:
+        full = _check_files(sidecar, m)[0]
+        if full:  # a damaged sidecar is reported as such, whatever its source
+            result.problems = full
+            return
+        raise
+    if got.file_problems:
+        result.problems = got.file_problems
+        return
+    result.problems = got.problems
+    result.layers_checked, result.tensors_compared = got.layers, got.tensors
     result.source_checked, result.source, result.source_path = True, src.display, str(src.path)
+    result.rederive_device = got.device

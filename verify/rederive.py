@@ -10,20 +10,41 @@ without any network call; :func:`find_source`), :func:`rederive`
   their source bytes;
 * reads the layout backwards: unpacking each weight gives back the fused checkpoint bytes (for
   ``w8a8-marlin`` tensor layers, the requantized bytes), and unpacking each scale (and bias)
-  gives back the checkpoint's values cast to the activation dtype.
+  gives back the checkpoint's values cast to the activation dtype;
+* checks the chunk digests of the files it compares, from the same reads (Note [one pass over
+  the sidecar] in :mod:`mpack.verify.compare`).
+
+Note [verify as a conversion]: re-deriving is a conversion whose writer compares instead of
+writing, so it runs convert's own machinery (:class:`mpack.convert.stream.Streamer`: read,
+transform and write on their own threads; on a GPU the pinned staging rings and the fused
+kernel) with :class:`mpack.verify.compare.SidecarComparer` as the writer, and the pass-through
+tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a conversion, the
+source files are hashed on a thread from the start (which also warms the page cache for the
+reads), the plan comes from the shard headers, and compressed-tensors' parse of the config runs
+in a forked child whose verdict is awaited at the end (Note [scheme check in a child] in
+:mod:`mpack.convert.scheme_check`). The layout is read backwards on the re-derived tensors,
+where the transform left them (on the GPU when it ran there): the comparison proves them equal
+to the sidecar's, so this is the check of the sidecar's own bytes. A layer whose bytes differ
+is read back from the sidecar afterwards to say which of its tensors does not unpack.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from mpack import iokit
 from mpack.convert import marlin
-from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint
-from mpack.convert.plan import OutLayer, make_plan
+from mpack.convert.checkpoint import Checkpoint, find_layers, layer_summary, open_checkpoint
+from mpack.convert.plan import OutLayer, Plan, make_plan
+from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
     cached_source,
@@ -31,14 +52,17 @@ from mpack.convert.source import (
     record_forms,
     resolve_source,
 )
-from mpack.convert.transform import fuse, pack, read_unit
-from mpack.errors import CorruptFileError, SourceNotFoundError
+from mpack.convert.stream import Streamer
+from mpack.convert.timeline import Timeline
+from mpack.convert.transform import Fused, fuse, pack, read_unit
+from mpack.errors import CorruptFileError, MpackError, SourceNotFoundError
 from mpack.fsutil import open_regular_file
-from mpack.iokit import pread_pieces
+from mpack.iokit import copy_tensors, pread_pieces
 from mpack.sidecar import COMMON_NAME, FileLayout, rank_file_name, torch_dtype
 from mpack.target import act_dtype
+from mpack.verify.compare import SidecarComparer
 
-__all__ = ["find_source", "rederive"]
+__all__ = ["Rederived", "find_source", "rederive"]
 
 
 def find_source(
@@ -91,6 +115,346 @@ def _recorded_source(m: dict[str, Any]) -> tuple[ResolvedSource | None, str | No
     )
 
 
+@dataclass
+class Rederived:
+    """What :func:`rederive` found.
+
+    ``file_problems``: the compared files' digests that differ from the manifest (the wording
+    of :func:`mpack.sidecar.check_files`); when there are any, the rest is left empty: a file
+    that fails its digests is reported as such, as without a source. ``problems``: the source
+    files and every tensor that differs. ``layers``: packed layers re-derived, once per rank;
+    ``tensors``: tensors compared; ``device``: where the transform ran.
+    """
+
+    file_problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    layers: int = 0
+    tensors: int = 0
+    device: str = "cpu"
+
+
+def streamed_files(m: dict[str, Any]) -> list[str]:
+    """The files :func:`rederive` reads and hashes itself: every rank file, and
+    ``common.safetensors`` when the manifest lists it."""
+    tp = m["target"]["tp_size"]
+    listed = {f["name"] for f in m["files"]}
+    return [n for n in [rank_file_name(r, tp) for r in range(tp)] + [COMMON_NAME] if n in listed]
+
+
+def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
+             src: ResolvedSource, device: torch.device) -> Rederived:  # fmt: skip
+    """Re-derive every tensor of ``sidecar`` from ``src`` on ``device`` and compare, checking the
+    digests of the files read on the way (Note [verify as a conversion]).
+
+    Args:
+        layouts: the sidecar's :func:`streamed_files` by name, as read; their sizes and kinds
+            are checked, their digests not yet.
+
+    Raises:
+        MpackError: the source cannot be opened or planned, or its config is refused (the
+            errors a conversion of it raises).
+    """
+    check = SchemeCheck(src.path)  # forked before any thread of this run starts
+    where = str(device)
+    if device.type == "cuda" and device.index is None:
+        where = f"cuda:{torch.cuda.current_device()}"
+    try:
+        ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in layouts)
+        with _hashing(src, m) as hashed:
+            with _Comparers(sidecar, m, layouts, plan) as cmp:
+                checker = _run(plan, cmp.files, device)
+                file_problems = cmp.finish(m)
+            if file_problems:
+                return Rederived(file_problems=file_problems, device=where)
+            problems = _source_problems(m, hashed.result())
+        _agree(check, ck)
+        problems += _tensor_problems(sidecar, plan, cmp.files, checker, layouts)
+    finally:
+        check.cancel()
+    compared = sum(len(ly.tensor_specs(plan.act_dtype)) for unit in plan.units for ly in unit)
+    if COMMON_NAME in cmp.files:
+        common = cmp.files[COMMON_NAME]
+        compared += len(common.layout.entries) - len(common.unmatched)
+    return Rederived([], problems, len(plan.units) * plan.tp, compared, where)
+
+
+def _open_and_plan(src: ResolvedSource, check: SchemeCheck, t: dict[str, Any],
+                   passthrough: bool) -> tuple[Checkpoint, Plan]:  # fmt: skip
+    """The plan from the shard headers, as a conversion with the sidecar's target makes it.
+    With the scheme check in a child, its error comes first: the same order as inline."""
+    try:
+        ck = open_checkpoint(src.path, scheme=not check.in_child)
+        find_layers(ck)
+        plan = make_plan(ck, profile=t["profile"], act_dtype=t["act_dtype"], tp=t["tp_size"],
+                         fusion=t["fusion"], passthrough=passthrough)  # fmt: skip
+    except MpackError:
+        if check.in_child:
+            check.result()
+        raise
+    return ck, plan
+
+
+def _agree(check: SchemeCheck, ck: Checkpoint) -> None:
+    """The scheme check's verdict (raises its error); its layers must be those planned from the
+    headers (as ``mpack convert`` requires: ``_Watch.agree`` in :mod:`mpack.convert.pipeline`).
+    Inline, :func:`open_checkpoint` already ran the full check."""
+    if not check.in_child:
+        return
+    layers, planned = check.result(), layer_summary(ck.layers)
+    if layers != planned:
+        diff = sorted(m for m in set(layers) | set(planned) if layers.get(m) != planned.get(m))
+        raise MpackError(
+            f"{ck.root}: the quantization config and the tensor headers disagree on {diff[:3]}",
+            hint="run again with MPACK_SCHEME_CHECK=inline, and please report this",
+        )
+
+
+@contextlib.contextmanager
+def _hashing(src: ResolvedSource, m: dict[str, Any]) -> Iterator[Future[list[dict[str, Any]]]]:
+    """The source files the manifest records, hashed on a thread (in the forms it records them:
+    :func:`mpack.convert.source.record_forms`); stopped if the run ends first."""
+    recorded = {f["name"]: f for f in m["source"].get("files", [])}
+    forms = record_forms(list(recorded.values()))
+    stop = threading.Event()
+    with iokit.pool("hash", 1) as p:
+        try:
+            if not recorded:
+                yield p.submit(list)
+            else:
+                yield p.submit(hash_sources, src, sorted(recorded), forms=forms, stop=stop)
+        finally:
+            stop.set()  # a no-op once the hashes are in
+
+
+def _source_problems(m: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """The source's files against the digests the manifest records of them."""
+    recorded = {f["name"]: f for f in m["source"].get("files", [])}
+    return [
+        f"source {rec['name']}: differs from the file the sidecar was made from"
+        for rec in records
+        if rec != recorded[rec["name"]]
+    ]
+
+
+# --- the pass ---------------------------------------------------------------------------------
+
+
+class _Comparers:
+    """A :class:`SidecarComparer` for every planned file, on digest threads of their own."""
+
+    def __init__(self, sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
+                 plan: Plan) -> None:  # fmt: skip
+        self.sidecar, self.m, self.layouts, self.plan = sidecar, m, layouts, plan
+        self.files: dict[str, SidecarComparer] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _Comparers:
+        records = {f["name"]: f for f in self.m["files"]}
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(iokit.pool("verify-digest", iokit.DIGEST_WORKERS))
+            ordered = stack.enter_context(iokit.pool("verify-digest-ordered", 1))
+            for name, planned in self.plan.files.items():
+                c = SidecarComparer(self.sidecar / name, planned, self.layouts[name],
+                                    records[name], pool=pool, ordered=ordered)  # fmt: skip
+                self.files[name] = c
+                stack.callback(c.close)
+            self._stack = stack.pop_all()
+        return self
+
+    def finish(self, m: dict[str, Any]) -> list[str]:
+        """Every file's digest problems, in the manifest's order."""
+        got = {name: c.finish() for name, c in self.files.items()}
+        return [p for f in m["files"] for p in got.get(f["name"], [])]
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+
+def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device) -> _Checker:
+    """Stream every unit through the transform into ``files``, and the pass-through tensors into
+    ``common.safetensors``'s comparer meanwhile; the checker holds the layout-backwards checks."""
+    tl = Timeline()
+    with contextlib.ExitStack() as stack:
+        # CPU: the repack's (and the unpack's) blocks on a pool (Note [repack in blocks])
+        pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
+        checker = _Checker(plan.act_dtype, pool)
+        streamer = Streamer(plan, files, dev, checker, _ignore, None, tl)  # type: ignore[arg-type]
+        with iokit.pool("copy", 1) as copier:
+            copied = None
+            if COMMON_NAME in files:
+                copied = copier.submit(copy_tensors, plan.ckpt.read_into, files[COMMON_NAME],
+                                       _ignore, tl)  # type: ignore[arg-type]  # fmt: skip
+            try:
+                streamer.run()
+            except BaseException:
+                if copied is not None:
+                    copied.cancel()
+                raise
+            if copied is not None:
+                copied.result()
+        checker.settle(dev)
+    return checker
+
+
+def _ignore(_: int) -> None:
+    pass
+
+
+class _Checker:
+    """The transform of a conversion, followed by the layout read backwards on its results
+    (where they are: on CUDA the comparisons are queued and read in :meth:`settle`)."""
+
+    def __init__(self, act: str, pool: Executor | None) -> None:
+        self.act, self.pool = act, pool
+        self.dt = torch_dtype(act_dtype(act).st)
+        self._flags: list[tuple[OutLayer, str, Any]] = []
+        self.failed: dict[tuple[int, str], list[str]] = {}  # (rank, layer) -> what
+
+    def __call__(self, layer: OutLayer, src: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        fused = fuse(layer, src)
+        outs = pack(layer, fused, self.act, self.pool)
+        for what, differs in _backwards(layer, fused, outs, self.dt, self.pool):
+            self._flags.append((layer, what, differs))
+        return outs
+
+    def settle(self, dev: torch.device) -> None:
+        """Read every queued comparison (after the device finished them)."""
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        for layer, what, differs in self._flags:
+            if bool(differs):
+                self.failed.setdefault((layer.rank, layer.name), []).append(what)
+        self._flags = []
+
+
+def _backwards(layer: OutLayer, fused: Fused, packed: list[torch.Tensor], dt: torch.dtype,
+               pool: Executor | None) -> list[tuple[str, Any]]:  # fmt: skip
+    """The layout read backwards (check 3): ``(what, differs)`` for the weight, the scales and
+    the bias of one rank's layer, ``packed`` as the sidecar stores them. ``differs`` is a bool,
+    or on CUDA a bool tensor not read yet."""
+    what = "requantized" if layer.requant else "checkpoint"
+    out = [
+        (f"{layer.name}.weight does not unpack to the {what} bytes",
+         _weight_differs(packed[0], fused.weight, layer.n, layer.k, pool)),
+        (f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
+         _differs(marlin.unpack_scales(packed[1], layer.n), fused.scale.to(dt))),
+    ]  # fmt: skip
+    if fused.bias is not None:
+        out.append(
+            (f"{layer.name}.bias does not unpack to the checkpoint bias",
+             _differs(marlin.unpack_bias(packed[2], layer.n), fused.bias.to(dt)))
+        )  # fmt: skip
+    return out
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> Any:
+    """Whether ``a`` and ``b`` differ in shape or bytes: a bool, or on CUDA a bool tensor whose
+    reading (a sync) waits until :meth:`_Checker.settle`."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return True
+    if a.is_cuda:
+        return (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).any()
+    return not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _weight_differs(packed: torch.Tensor, weight: torch.Tensor, n: int, k: int,
+                    pool: Executor | None) -> Any:  # fmt: skip
+    """Whether ``packed`` (int32 ``[Kp/16, 4*Np]``) unpacks to other bytes than ``weight``
+    (uint8 ``[N, K]``).
+
+    On the CPU with a pool, in blocks of n-tiles on its threads, as the repack runs (Note [repack
+    in blocks] in :mod:`mpack.convert.marlin`): unpacking a whole layer with torch's own threads
+    costs twice the repack on 2 cores. The Marlin weight is n-tiles of 256 consecutive words in
+    every packed row (SPEC §5, :mod:`mpack.convert.marlin`'s docstring), so a column slice of
+    whole n-tiles unpacks (:func:`mpack.convert.marlin.unrepack`) to their 64 rows each, alone.
+    """
+    if pool is None or packed.is_cuda:
+        return _differs(marlin.unpack_weight(packed, n, k), weight)
+    kt, cols = packed.shape
+    kp = 16 * kt
+    if packed.dtype != torch.int32 or cols % 256 or cols // 4 < n or kp < k:
+        return _differs(marlin.unpack_weight(packed, n, k), weight)  # raises as the layout does
+    step = max(1, marlin.REPACK_BLOCK_BYTES // (64 * kp))  # n-tiles per block
+    w = weight.view(torch.uint8)
+
+    def same(j: int) -> bool:
+        r0, r1 = 64 * j, min(64 * (j + step), n)  # padding rows are not compared
+        block = packed[:, 256 * j : 256 * (j + step)].contiguous()  # int32 [Kp/16, 256 * tiles]
+        rows = marlin.unrepack(block)[: r1 - r0, :k]  # uint8 [r1 - r0, K]
+        return torch.equal(rows, w[r0:r1])
+
+    with marlin._one_torch_thread():  # the pool's threads are the parallelism, as in repack
+        return not all(pool.map(same, range(0, -(-n // 64), step)))
+
+
+# --- what differs, for people -----------------------------------------------------------------
+
+
+def _tensor_problems(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer],
+                     checker: _Checker, layouts: dict[str, FileLayout]) -> list[str]:  # fmt: skip
+    """Every tensor that differs, per unit and rank, then the pass-through tensors. A layer
+    with a differing tensor is read back from the sidecar to say what does not unpack."""
+    problems: list[str] = []
+    for fname in (n for n in plan.files if n != COMMON_NAME):
+        c = files[fname]
+        problems += [f"{fname}: tensor {t} is missing (the source derives it)"
+                     for t in c.unmatched if t not in {e.name for e in layouts[fname].entries}]  # fmt: skip
+        problems += [f"{fname}: unexpected tensor {t} (the source does not derive it)"
+                     for t in c.unplanned]  # fmt: skip
+    back = _read_back(sidecar, plan, files, layouts)
+    for unit in plan.units:
+        for layer in unit:
+            fname = rank_file_name(layer.rank, plan.tp)
+            c, found = files[fname], {e.name for e in layouts[fname].entries}
+            for spec in layer.tensor_specs(plan.act_dtype):
+                if spec.name in c.differs or (spec.name in c.unmatched and spec.name in found):
+                    problems.append(
+                        f"{fname}: {spec.name} differs from the tensor re-derived from the source"
+                    )
+            whats = checker.failed.get((layer.rank, layer.name), [])
+            whats += back.get((layer.rank, layer.name), [])
+            problems += [f"{fname}: {w}" for w in dict.fromkeys(whats)]
+    if COMMON_NAME in files:
+        c = files[COMMON_NAME]
+        found = {e.name for e in layouts[COMMON_NAME].entries}
+        if found != {e.name for e in c.layout.entries}:
+            problems.append(
+                f"{COMMON_NAME}: tensor names differ from the source's pass-through tensors"
+            )
+        bad = set(c.differs) | {t for t in c.unmatched if t in found}
+        problems += [f"{COMMON_NAME}: {t} differs from the source bytes" for t in sorted(bad)]
+    return problems
+
+
+def _read_back(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer],
+               layouts: dict[str, FileLayout]) -> dict[tuple[int, str], list[str]]:  # fmt: skip
+    """The layout read backwards on the sidecar's own bytes, for the layers whose bytes differ
+    from the re-derived ones (on the CPU: a failure's diagnosis, not the fast path)."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for unit in plan.units:
+        bad = [ly for ly in unit if _differing(ly, plan, files)]
+        if not bad:
+            continue
+        data = read_unit(plan.ckpt, unit)
+        for layer in bad:
+            fname = rank_file_name(layer.rank, plan.tp)
+            with open_regular_file(sidecar / fname, buffering=0) as f:
+                got = [_read(f, layouts[fname], s.name) for s in layer.tensor_specs(plan.act_dtype)]
+            fused = fuse(layer, data)
+            dt = torch_dtype(act_dtype(plan.act_dtype).st)
+            out[(layer.rank, layer.name)] = [
+                what for what, differs in _backwards(layer, fused, got, dt, None) if differs
+            ]
+    return out
+
+
+def _differing(layer: OutLayer, plan: Plan, files: dict[str, SidecarComparer]) -> bool:
+    """Some tensor of ``layer`` differs, and every one is in the sidecar as planned."""
+    c = files[rank_file_name(layer.rank, plan.tp)]
+    names = [s.name for s in layer.tensor_specs(plan.act_dtype)]
+    return any(n in c.differs for n in names) and not any(n in c.unmatched for n in names)
+
+
 def _read(f: BinaryIO, layout: FileLayout, name: str) -> torch.Tensor:
     """Tensor ``name`` of the sidecar file ``f``, read into a new CPU tensor (a single ``pread``
     returns at most 2 GiB: :func:`mpack.iokit.pread_pieces` reads it whole)."""
@@ -100,102 +464,3 @@ def _read(f: BinaryIO, layout: FileLayout, name: str) -> torch.Tensor:
     if short is not None:
         raise CorruptFileError(f"tensor {name!r} of a sidecar file is truncated at byte {short}")
     return out.view(torch_dtype(e.dtype)).reshape(e.shape)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
-
-
-def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
-             src: ResolvedSource, problems: list[str]) -> tuple[int, int]:  # fmt: skip
-    """Re-derive every tensor of ``sidecar`` from ``src``, appending what differs to ``problems``;
-    each sidecar file is opened once.
-
-    Args:
-        layouts: the sidecar's files (rank files and ``common.safetensors``) by name, as read.
-
-    Returns:
-        ``(layers checked, tensors compared)``; layers count once per rank.
-    """
-    with contextlib.ExitStack() as stack:
-        files = {
-            n: stack.enter_context(open_regular_file(sidecar / n, buffering=0)) for n in layouts
-        }
-        return _compare(files, m, layouts, src, problems)
-
-
-def _check_source_files(src: ResolvedSource, m: dict[str, Any], problems: list[str]) -> None:
-    """The source's files against the digests the manifest records of them."""
-    recorded = {f["name"]: f for f in m["source"].get("files", [])}
-    forms = record_forms(list(recorded.values()))
-    for rec in hash_sources(src, sorted(recorded), forms=forms) if recorded else []:
-        if rec != recorded[rec["name"]]:
-            problems.append(
-                f"source {rec['name']}: differs from the file the sidecar was made from"
-            )
-
-
-def _compare(files: dict[str, BinaryIO], m: dict[str, Any], layouts: dict[str, FileLayout],
-             src: ResolvedSource, problems: list[str]) -> tuple[int, int]:  # fmt: skip
-    t = m["target"]
-    ck = open_checkpoint(src.path)
-    find_layers(ck)
-    _check_source_files(src, m, problems)
-    plan = make_plan(ck, profile=t["profile"], act_dtype=t["act_dtype"], tp=t["tp_size"],
-                     fusion=t["fusion"], passthrough=COMMON_NAME in layouts)  # fmt: skip
-    compared = 0
-    for unit in plan.units:
-        data = read_unit(ck, unit)
-        for layer in unit:
-            fname = rank_file_name(layer.rank, plan.tp)
-            compared += _compare_layer(files[fname], layouts[fname], fname, layer, data,
-                                       t["act_dtype"], problems)  # fmt: skip
-    if COMMON_NAME in layouts:
-        compared += _compare_passthrough(
-            files[COMMON_NAME], layouts[COMMON_NAME], ck, plan.passthrough, problems
-        )
-    return len(plan.units) * plan.tp, compared
-
-
-def _compare_layer(f: BinaryIO, layout: FileLayout, fname: str, layer: OutLayer,
-                   data: dict[str, torch.Tensor], act: str,
-                   problems: list[str]) -> int:  # fmt: skip
-    """One rank's packed layer: re-derived byte for byte, and unpacked back to the checkpoint's
-    values. Returns the number of tensors compared."""
-    fused = fuse(layer, data)
-    specs = layer.tensor_specs(act)
-    got = [_read(f, layout, spec.name) for spec in specs]
-    for spec, g, w in zip(specs, got, pack(layer, fused, act), strict=True):
-        if not _same(g, w):
-            problems.append(
-                f"{fname}: {spec.name} differs from the tensor re-derived from the source"
-            )
-    dt = torch_dtype(act_dtype(act).st)
-    if not _same(marlin.unpack_weight(got[0], layer.n, layer.k), fused.weight):
-        what = "requantized" if layer.requant else "checkpoint"
-        problems.append(f"{fname}: {layer.name}.weight does not unpack to the {what} bytes")
-    if not _same(marlin.unpack_scales(got[1], layer.n), fused.scale.to(dt)):
-        problems.append(
-            f"{fname}: {layer.name}.weight_scale does not unpack to the checkpoint scales"
-        )
-    if fused.bias is not None and not _same(marlin.unpack_bias(got[2], layer.n), fused.bias.to(dt)):
-        problems.append(f"{fname}: {layer.name}.bias does not unpack to the checkpoint bias")
-    return len(specs)
-
-
-def _compare_passthrough(f: BinaryIO, layout: FileLayout, ck: Checkpoint, passthrough: list[str],
-                         problems: list[str]) -> int:  # fmt: skip
-    """``common.safetensors`` against the source's pass-through tensors, byte for byte. Returns
-    the number of tensors compared."""
-    names = {e.name for e in layout.entries}
-    if names != set(passthrough):
-        problems.append(
-            f"{COMMON_NAME}: tensor names differ from the source's pass-through tensors"
-        )
-    both = sorted(names & set(passthrough))
-    for name in both:
-        if not _same(_read(f, layout, name), ck.read(name)):
-            problems.append(f"{COMMON_NAME}: {name} differs from the source bytes")
-    return len(both)

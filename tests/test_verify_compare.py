@@ -1,0 +1,212 @@
+"""``mpack verify --source`` in one pass (verify/compare.py, verify/rederive.py): each sidecar byte
+read once serves its chunk digest and the comparison with the re-derived bytes; whatever is
+damaged is named by file and tensor, on the CPU and (``gpu``) on CUDA alike."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import flip_byte
+
+import mpack.convert as mc
+from mpack import iokit
+from mpack.iokit import chunk_digests
+from mpack.sidecar import (
+    COMMON_NAME,
+    FileLayout,
+    HashingWriter,
+    TensorSpec,
+    check_files,
+    load_manifest,
+    rank_file_name,
+    read_layout,
+    write_manifest,
+)
+from mpack.verify import compare, verify
+from mpack.verify.compare import SidecarComparer
+
+RANK0 = rank_file_name(0, 1)
+LAYER = "model.layers.0.mlp.gate_up_proj"  # a fused layer of the fixture (vLLM names)
+
+
+def _copy(sc: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(sc, dst))
+
+
+def _resign(sc: Path, name: str) -> None:
+    """Make mpack.json's chunk digests of ``name`` those of the file as it is now."""
+    m, _ = load_manifest(sc)
+    (entry,) = [f for f in m["files"] if f["name"] == name]
+    entry["chunks"]["sha256"] = chunk_digests(sc / name, entry["chunks"]["bytes"])
+    write_manifest(sc, m)
+
+
+def _flip_in(sc: Path, fname: str, tensor: str, *, resign: bool = True) -> None:
+    """Flip a byte in the middle of ``tensor`` of sidecar file ``fname``."""
+    e = read_layout(sc / fname).entry(tensor)
+    flip_byte(sc / fname, e.offset + e.nbytes // 2)
+    if resign:
+        _resign(sc, fname)
+
+
+def _header_pad(path: Path) -> int:
+    """The offset of the last byte of the header's space padding."""
+    layout = read_layout(path)
+    assert layout.header.endswith(b" "), "the fixture's header is padded"
+    return layout.data_start - 1
+
+
+def _damaged(converted, tmp_path: Path) -> dict[str, Path]:
+    """One damaged copy of the sidecar per kind of damage."""
+    _, sc = converted
+    cases = {}
+    for case in ("weight", "scale", "passthrough", "header", "chunk"):
+        cases[case] = _copy(sc, tmp_path / case)
+    _flip_in(cases["weight"], RANK0, f"{LAYER}.weight")
+    _flip_in(cases["scale"], RANK0, f"{LAYER}.weight_scale")
+    _flip_in(cases["passthrough"], COMMON_NAME, "model.embed_tokens.weight")
+    # a space of the padding becomes a tab: the header still parses, only the digest tells
+    flip_byte(cases["header"] / RANK0, _header_pad(cases["header"] / RANK0), mask=0x20 ^ 0x09)
+    _flip_in(cases["chunk"], RANK0, f"{LAYER}.weight", resign=False)
+    return cases
+
+
+def _problems(converted, tmp_path: Path, device: str) -> dict[str, list[str]]:
+    ck, _ = converted
+    out = {}
+    for case, sc in _damaged(converted, tmp_path).items():
+        r = verify(sc, source=ck, rederive_device=device)
+        assert not r.ok, case
+        out[case] = r.problems
+        if case in ("header", "chunk"):  # a digest that differs: reported as check 1 reports it
+            assert not r.source_checked and r.problems == check_files(sc, load_manifest(sc)[0])
+        else:
+            assert r.source_checked and r.report()["rederive_device"] == device
+    return out
+
+
+def _assert_named(problems: dict[str, list[str]]) -> None:
+    assert problems["weight"] == [
+        f"{RANK0}: {LAYER}.weight differs from the tensor re-derived from the source",
+        f"{RANK0}: {LAYER}.weight does not unpack to the checkpoint bytes",
+    ]
+    assert problems["scale"] == [
+        f"{RANK0}: {LAYER}.weight_scale differs from the tensor re-derived from the source",
+        f"{RANK0}: {LAYER}.weight_scale does not unpack to the checkpoint scales",
+    ]
+    assert problems["passthrough"] == [
+        f"{COMMON_NAME}: model.embed_tokens.weight differs from the source bytes"
+    ]
+    for case in ("header", "chunk"):
+        (p,) = problems[case]
+        assert p.startswith(f"{RANK0}: sha256 of bytes 0..") and "manifest says" in p, p
+
+
+def test_a_good_sidecar_passes_on_the_cpu(converted) -> None:
+    ck, sc = converted
+    r = verify(sc, source=ck, rederive_device="cpu")
+    assert r.ok and r.source_checked and r.problems == []
+    assert r.report()["rederive_device"] == "cpu"
+    assert r.layers_checked == 4 and r.tensors_compared > r.layers_checked
+    assert r.report() == mc.verify(sc, source=ck) | {"rederive_device": "cpu"}
+
+
+def test_the_pass_names_the_file_and_tensor_of_each_damage_on_the_cpu(converted, tmp_path) -> None:
+    _assert_named(_problems(converted, tmp_path, "cpu"))
+
+
+@pytest.mark.gpu
+def test_cuda_finds_the_same_problems_as_the_cpu(converted, tmp_path) -> None:
+    ck, sc = converted
+    r = verify(sc, source=ck, rederive_device="cuda")
+    assert r.ok and r.report()["rederive_device"].startswith("cuda")
+    on_cpu = _problems(converted, tmp_path / "cpu", "cpu")
+    on_cuda = _problems(converted, tmp_path / "cuda", "cuda:0")
+    assert on_cuda == on_cpu
+    _assert_named(on_cuda)
+
+
+def test_an_unknown_rederive_device_is_a_usage_error(converted) -> None:
+    from mpack.errors import UsageError
+
+    ck, sc = converted
+    with pytest.raises(UsageError, match="--device must be auto, cpu, cuda or cuda:<i>"):
+        verify(sc, source=ck, rederive_device="tpu")
+
+
+def test_a_source_that_changed_is_named(converted, tmp_path) -> None:
+    ck, sc = converted
+    src = Path(shutil.copytree(ck, tmp_path / "ck"))
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg, indent=1))  # same config, other bytes
+    r = verify(sc, source=src)
+    assert r.problems == ["source config.json: differs from the file the sidecar was made from"]
+
+
+# --- the comparer on its own: chunks smaller than a tensor, any order ---------------------------
+
+
+def _file(tmp_path: Path, chunk: int) -> tuple[Path, FileLayout, dict]:
+    """A safetensors file of three tensors, its layout and its files record (``chunk`` bytes)."""
+    specs = [TensorSpec("a", "U8", (3000,)), TensorSpec("b", "U8", (1280,)),
+             TensorSpec("c", "U8", (77,))]  # fmt: skip
+    layout = FileLayout.plan(specs)
+    path = tmp_path / "f.safetensors"
+    w = HashingWriter(path, layout, chunk_bytes=chunk)
+    for e in layout.entries:
+        w.write_at(e.offset, _bytes_of(e.name, e.nbytes))
+    size, _ = w.finish()
+    return path, layout, {"name": path.name, "size": size,
+                          "chunks": {"bytes": chunk, "sha256": w.chunks}}  # fmt: skip
+
+
+def _bytes_of(name: str, n: int) -> bytes:
+    return bytes((ord(name) * 7 + i) % 251 for i in range(n))
+
+
+def _run(path, planned, found, record, writes) -> SidecarComparer:
+    with iokit.pool("t", 2) as p, iokit.pool("t-ordered", 1) as o:
+        c = SidecarComparer(path, planned, found, record, pool=p, ordered=o)
+        for e in writes:
+            c.write_at(e.offset, memoryview(_bytes_of(e.name, e.nbytes)))
+        c.problems = c.finish()  # type: ignore[attr-defined]
+    return c
+
+
+@pytest.mark.parametrize("piece", [64, 1000, 1 << 20])
+def test_the_comparer_hashes_every_byte_once_whatever_the_pieces(tmp_path, monkeypatch, piece):
+    monkeypatch.setattr(compare, "READ_BYTES", piece)
+    path, layout, record = _file(tmp_path, chunk=1000)
+    c = _run(path, layout, layout, record, layout.entries)
+    assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
+    # writes out of order (a sidecar laid out otherwise): still every byte compared and hashed
+    c = _run(path, layout, layout, record, list(reversed(layout.entries)))
+    assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
+    # a tensor left unwritten is read and hashed all the same
+    c = _run(path, layout, layout, record, layout.entries[:1])
+    assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
+
+
+def test_the_comparer_names_the_tensor_and_the_chunk(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(compare, "READ_BYTES", 512)
+    path, layout, record = _file(tmp_path, chunk=1000)
+    b = layout.entry("b")
+    flip_byte(path, b.offset + 5)
+    c = _run(path, layout, layout, record, layout.entries)
+    assert list(c.differs) == ["b"]
+    (p,) = c.problems  # type: ignore[attr-defined]
+    lo = (b.offset + 5) // 1000 * 1000
+    assert p.startswith(f"{path.name}: sha256 of bytes {lo}..{lo + 1000} is ")
+    assert p.endswith(f"(1 of {len(record['chunks']['sha256'])} chunks differ)")
+
+
+def test_the_comparer_reports_a_planned_tensor_the_file_holds_otherwise(tmp_path) -> None:
+    path, layout, record = _file(tmp_path, chunk=1 << 20)
+    planned = FileLayout.plan([TensorSpec("a", "U8", (3000,)), TensorSpec("b", "U8", (640, 2)),
+                               TensorSpec("d", "U8", (8,))])  # fmt: skip
+    c = _run(path, planned, layout, record, planned.entries)
+    assert c.unmatched == ["b", "d"] and c.unplanned == ["b", "c"]
+    assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
