@@ -386,8 +386,9 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
             _styled(
                 "ok",
                 "green",
-                f": {report['tensors_compared']} tensors re-derived from {report['source']} are "
-                f"byte-identical; {report['layers_checked']} layers unpack to the source bytes",
+                f": {report['tensors_compared']} tensors re-derived from {report['source']} "
+                f"(on {report.get('rederive_device', 'cpu')}) are byte-identical; "
+                f"{report['layers_checked']} layers unpack to the source bytes",
             )
         )
     else:

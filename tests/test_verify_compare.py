@@ -5,6 +5,7 @@ damaged is named by file and tensor, on the CPU and (``gpu``) on CUDA alike."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -210,3 +211,21 @@ def test_the_comparer_reports_a_planned_tensor_the_file_holds_otherwise(tmp_path
     c = _run(path, planned, layout, record, planned.entries)
     assert c.unmatched == ["b", "d"] and c.unplanned == ["b", "c"]
     assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
+
+
+def test_cli_says_where_it_rederived(converted) -> None:
+    """`mpack verify --rederive-device cpu`: the human line and the JSON name the device."""
+    import subprocess
+    import sys
+
+    ck, sc = converted
+    base = [sys.executable, "-m", "mpack", "verify", str(sc), "--source", str(ck)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    human = subprocess.run([*base, "--rederive-device", "cpu"], capture_output=True, text=True,
+                           timeout=300, env=env)  # fmt: skip
+    assert human.returncode == 0, human.stderr
+    assert "(on cpu) are byte-identical" in human.stdout
+    doc = subprocess.run([*base, "--rederive-device", "cpu", "--json"], capture_output=True,
+                         text=True, timeout=300, env=env)  # fmt: skip
+    assert doc.returncode == 0, doc.stderr
+    assert json.loads(doc.stdout)["rederive_device"] == "cpu"
