@@ -207,36 +207,34 @@ def run_convert(
 # --- options ------------------------------------------------------------------------------
 
 
-_DEVICE_HELP = "--device must be auto, cpu, cuda or cuda:<i>, got {!r}"
+_DEVICE_HELP = "{} must be auto, cpu, cuda or cuda:<i>, got {!r}"
 
 
-def check_device_name(device: str) -> None:
+def check_device_name(device: str, option: str = "--device") -> None:
     """``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:<i>`` (whether it is here is for
-    :func:`resolve_device`); no torch needed."""
+    :func:`resolve_device`); no torch needed. ``option``: the flag named in the error."""
     kind, _, index = device.partition(":")
     if device not in ("auto", "cpu", "cuda") and not (kind == "cuda" and index.isdigit()):
-        raise UsageError(_DEVICE_HELP.format(device))
+        raise UsageError(_DEVICE_HELP.format(option, device))
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> CUDA when present, else CPU; ``cpu``; ``cuda`` / ``cuda:i``."""
+def resolve_device(device: str, option: str = "--device") -> torch.device:
+    """``auto`` -> CUDA when present, else CPU; ``cpu``; ``cuda`` / ``cuda:i``. ``option``: the
+    flag named in an error."""
     import torch
 
+    check_device_name(device, option)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UsageError(_DEVICE_HELP.format(device)) from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(_DEVICE_HELP.format(device))
+    dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(
-                "--device cuda: no CUDA device here", hint="use --device cpu (identical bytes)"
+                f"{option} {device}: no CUDA device here",
+                hint=f"use {option} cpu (identical bytes)",
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+            raise UsageError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 

@@ -134,8 +134,18 @@ def test_an_unknown_rederive_device_is_a_usage_error(converted) -> None:
     from mpack.errors import UsageError
 
     ck, sc = converted
-    with pytest.raises(UsageError, match="--device must be auto, cpu, cuda or cuda:<i>"):
+    with pytest.raises(UsageError, match="--rederive-device must be auto, cpu, cuda or cuda:<i>"):
         verify(sc, source=ck, rederive_device="tpu")
+    if not _cuda_here():
+        with pytest.raises(UsageError, match="--rederive-device cuda: no CUDA device here") as e:
+            verify(sc, source=ck, rederive_device="cuda")
+        assert e.value.hint == "use --rederive-device cpu (identical bytes)"
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_a_source_that_changed_is_named(converted, tmp_path) -> None:

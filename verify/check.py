@@ -146,6 +146,9 @@ def verify(
         from mpack.runtime.protocol import parse_device
 
         parse_device(device)  # a device that is not there fails now, not after the re-derivation
+    from mpack.convert.pipeline import check_device_name
+
+    check_device_name(rederive_device, "--rederive-device")  # a typo fails before any work
     path = Path(sidecar)
     m, digest = load_manifest(path)
     problems, layouts = _check_files(path, m, streamed=True)
@@ -198,7 +201,7 @@ def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
         return
     from mpack.convert.pipeline import resolve_device
 
-    dev = resolve_device(device)
+    dev = resolve_device(device, "--rederive-device")
     try:
         got = rederive(sidecar, m, layouts, src, dev)
     except MpackError:
