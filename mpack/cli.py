@@ -341,7 +341,8 @@ def verify(
         sidecar, source=source, forward=forward, device=device, rederive_device=rederive_device
     )
     if not result.problems:  # what matched; also shown when the model outputs differ
-        ui.emit_verify(result.report(), as_json=json_out)
+        report = result.report() | ({"seconds": result.seconds} if json_out else {})
+        ui.emit_verify(report, as_json=json_out)
     result.raise_for_failure()
 
 

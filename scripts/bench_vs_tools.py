@@ -20,7 +20,7 @@ kernel into its cache: no warm row pays a first-run cost. Rows (``--only`` takes
   fsyncs every file it writes).
 - **convert-cold**: the same for the first of ``--devices``, page cache dropped; peer: ``cp -r``
   after the same drop.
-- **verify**: ``python -m mpack verify OUT --source SRC``, warm; peer: ``cp -r``.
+- **verify**: ``python -m mpack verify OUT --source SRC --json``, warm; peer: ``cp -r``.
 - **load** / **load-cold**: ``mpack.runtime.load(OUT, rank=0, device=D)`` in a fresh process per
   run, timed after the imports and CUDA init (D: cuda:0 when cuda is among ``--devices``, else
   cpu). Peer warm: ``safetensors.torch.load_file`` of the same files (the rank file and

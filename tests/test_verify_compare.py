@@ -224,7 +224,8 @@ def test_the_comparer_reports_a_planned_tensor_the_file_holds_otherwise(tmp_path
 
 
 def test_cli_says_where_it_rederived(converted) -> None:
-    """`mpack verify --rederive-device cpu`: the human line and the JSON name the device."""
+    """`mpack verify --rederive-device cpu`: the human line and the JSON name the device; the
+    JSON also says how long each phase took."""
     import subprocess
     import sys
 
@@ -238,4 +239,10 @@ def test_cli_says_where_it_rederived(converted) -> None:
     doc = subprocess.run([*base, "--rederive-device", "cpu", "--json"], capture_output=True,
                          text=True, timeout=300, env=env)  # fmt: skip
     assert doc.returncode == 0, doc.stderr
-    assert json.loads(doc.stdout)["rederive_device"] == "cpu"
+    got = json.loads(doc.stdout)
+    assert got["rederive_device"] == "cpu"
+    # where the time went, for profiling: every phase of a re-derivation, inside the total
+    phases = got["seconds"]
+    assert {"files", "import_torch", "plan", "pass", "wait_scheme_check", "total"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
+    assert sum(v for k, v in phases.items() if k != "total") <= phases["total"] + 1e-3

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpack.errors import InputError, MpackError, UsageError, VerificationError
 from mpack.sidecar import (
@@ -39,6 +39,9 @@ from mpack.sidecar import (
     read_layout,
     regenerate_hint_of,
 )
+
+if TYPE_CHECKING:
+    from mpack.convert.timeline import Timeline
 
 __all__ = ["MAX_LISTED", "Verification", "verify"]
 
@@ -63,6 +66,9 @@ class Verification:
     forward: dict[str, Any] | None = None  # :func:`mpack.verify.forward.forward_check`'s report
     problems: list[str] = field(default_factory=list)  # file and re-derivation mismatches
     hint: str | None = None  # with problems: the command that regenerates the sidecar
+    #: seconds per phase (``files``, ``import_torch``, ``plan``, ``pass``, ...; ``total``), for
+    #: profiling: not part of :meth:`report` (two runs' reports are equal), ``--json`` prints it
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -149,12 +155,16 @@ def verify(
     from mpack.convert.pipeline import check_device_name
 
     check_device_name(rederive_device, "--rederive-device")  # a typo fails before any work
+    from mpack.convert.timeline import Timeline
+
+    tl = Timeline()
     path = Path(sidecar)
-    m, digest = load_manifest(path)
-    problems, layouts = _check_files(path, m, streamed=True)
+    with tl.span("main", "files"):
+        m, digest = load_manifest(path)
+        problems, layouts = _check_files(path, m, streamed=True)
     result = Verification(str(path), digest, len(m["files"]), problems=problems)
     _check_source(result, path, m, layouts, None if source is None else str(source), revision,
-                  rederive_device)  # fmt: skip
+                  rederive_device, tl)  # fmt: skip
     if result.problems:
         result.hint = regenerate_hint_of(m, path)
     elif forward:
@@ -162,7 +172,10 @@ def verify(
             raise UsageError("--forward needs the source checkpoint: pass --source")
         from mpack.verify.forward import forward_check
 
-        result.forward = forward_check(path, result.source_path, device=device)
+        with tl.span("main", "forward"):
+            result.forward = forward_check(path, result.source_path, device=device)
+    result.seconds = {what.replace("-", "_"): b - a for _, what, a, b in tl.spans()}
+    result.seconds["total"] = tl.elapsed()
     return result
 
 
@@ -190,10 +203,11 @@ def _check_files(
 
 def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
                   layouts: dict[str, FileLayout], source: str | None,
-                  revision: str | None, device: str) -> None:  # fmt: skip
+                  revision: str | None, device: str, tl: Timeline) -> None:  # fmt: skip
     """Checks 2 and 3, when the source is found and checks 1 found nothing; else checks 1 done
     whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
-    from mpack.verify.rederive import find_source, rederive
+    with tl.span("main", "import-torch"):  # the re-derivation's modules import torch
+        from mpack.verify.rederive import find_source, rederive
 
     src, result.source_note = find_source(source, revision, m)
     if src is None or result.problems:
@@ -203,7 +217,7 @@ def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
 
     dev = resolve_device(device, "--rederive-device")
     try:
-        got = rederive(sidecar, m, layouts, src, dev)
+        got = rederive(sidecar, m, layouts, src, dev, tl)
     except MpackError:
         full = _check_files(sidecar, m)[0]
         if full:  # a damaged sidecar is reported as such, whatever its source

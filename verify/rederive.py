@@ -142,33 +142,42 @@ def streamed_files(m: dict[str, Any]) -> list[str]:
 
 
 def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
-             src: ResolvedSource, device: torch.device) -> Rederived:  # fmt: skip
+             src: ResolvedSource, device: torch.device,
+             tl: Timeline | None = None) -> Rederived:  # fmt: skip
     """Re-derive every tensor of ``sidecar`` from ``src`` on ``device`` and compare, checking the
     digests of the files read on the way (Note [verify as a conversion]).
 
     Args:
         layouts: the sidecar's :func:`streamed_files` by name, as read; their sizes and kinds
             are checked, their digests not yet.
+        tl: gets a ``main`` span for each phase (``plan``, ``pass``, ``wait-source-hashes``,
+            ``wait-scheme-check``, ``tensor-problems``).
 
     Raises:
         MpackError: the source cannot be opened or planned, or its config is refused (the
             errors a conversion of it raises).
     """
+    tl = tl or Timeline()
     check = SchemeCheck(src.path)  # forked before any thread of this run starts
     where = str(device)
     if device.type == "cuda" and device.index is None:
         where = f"cuda:{torch.cuda.current_device()}"
     try:
-        ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in layouts)
+        with tl.span("main", "plan"):
+            ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in layouts)
         with _hashing(src, m) as hashed:
-            with _Comparers(sidecar, m, layouts, plan) as cmp:
+            # the pass: read, re-derive, compare and digest both sides
+            with _Comparers(sidecar, m, layouts, plan) as cmp, tl.span("main", "pass"):
                 checker = _run(plan, cmp.files, device)
                 file_problems = cmp.finish(m)
             if file_problems:
                 return Rederived(file_problems=file_problems, device=where)
-            problems = _source_problems(m, hashed.result())
-        _agree(check, ck)
-        problems += _tensor_problems(sidecar, plan, cmp.files, checker, layouts)
+            with tl.span("main", "wait-source-hashes"):
+                problems = _source_problems(m, hashed.result())
+        with tl.span("main", "wait-scheme-check"):
+            _agree(check, ck)
+        with tl.span("main", "tensor-problems"):
+            problems += _tensor_problems(sidecar, plan, cmp.files, checker, layouts)
     finally:
         check.cancel()
     compared = sum(len(ly.tensor_specs(plan.act_dtype)) for unit in plan.units for ly in unit)

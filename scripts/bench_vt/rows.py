@@ -219,10 +219,11 @@ def sidecar_files(b: Bench) -> list[Path]:
 
 
 def row_verify(b: Bench, dev: str) -> Row:
-    """``mpack verify OUT --source SRC``, warm, ``--reps`` times; against ``cp -r``."""
+    """``mpack verify OUT --source SRC --json``, warm, ``--reps`` times; against ``cp -r``; its
+    phases (``Verification.seconds``) in the notes."""
     ensure_sidecar(b, dev)
     peer_cp(b, "warm")
-    cmd = [sys.executable, "-m", "mpack", "verify", str(b.out), "--source", str(b.src)]
+    cmd = [sys.executable, "-m", "mpack", "verify", str(b.out), "--source", str(b.src), "--json"]
     files = b.src_files() + sidecar_files(b)
     runs = [timed_cli(b, cmd, files, "warm", None) for _ in range(b.args.reps)]
     return cp_row(b, "verify", "`mpack verify OUT --source SRC`", runs, "warm")
