@@ -32,6 +32,7 @@ CPU suite's tests/vllm/vllm_worker.py; the daemons are started and stopped by mp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -247,7 +248,17 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    """``cmd`` writing stdout and stderr to ``log`` (this process keeps no handle on it)."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _kill(procs: dict[str, subprocess.Popen]) -> None:
+    """Kill every process of ``procs`` still running (a run that failed midway), and reap it."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 READY_TIMEOUT_S = 180
@@ -302,32 +313,33 @@ def run(a: argparse.Namespace) -> int:
     print(f"prepare: {time.time() - t:.0f} s", flush=True)
     dev = "cuda:0" if _device() == "cuda" else "cpu"
     sp = _spawn_module(a.mpack_env)
-    daemons = [sp.DaemonHandle(a.work / f"sc-{c['name']}", device=dev, env=menv, cwd=a.work,
-                               log_dir=a.work, timeout=READY_TIMEOUT_S) for c in cases()]  # fmt: skip
-    for d in daemons:
-        d.wait_ready()
-    print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
-    go = a.work / "go"
-    go.unlink(missing_ok=True)
-    wcmd = [*me, "worker", "--work", str(a.work), "--out", str(a.out), "--go", str(go)]
-    workers = {
-        role: _spawn([*wcmd, "--role", role], venv, a.out / f"worker-{role}.log")
-        for role in ("a", "b")
-    }
-    deadline = time.time() + 400
-    while not all((a.out / f"loaded-{r}").exists() for r in workers) and time.time() < deadline:
-        if any(w.poll() not in (None, 0) for w in workers.values()):
-            break
-        time.sleep(0.2)
-    status = subprocess.run([sys.executable, "-m", "mpack", "status", "--json"], env=menv,
-                            capture_output=True, text=True)  # fmt: skip
-    clients = {
-        d.get("sidecar"): len(d.get("clients", [])) for d in json.loads(status.stdout or "[]")
-    }
-    go.write_text("1")
-    rcs = {r: w.wait(timeout=400) for r, w in workers.items()}
-    for d in daemons:
-        d.stop()
+    # the daemons are stopped (and the workers killed) however the run ends
+    with contextlib.ExitStack() as stack:
+        daemons = [stack.enter_context(sp.DaemonHandle(
+            a.work / f"sc-{c['name']}", device=dev, env=menv, cwd=a.work, log_dir=a.work,
+            timeout=READY_TIMEOUT_S)) for c in cases()]  # fmt: skip
+        for d in daemons:
+            d.wait_ready()
+        print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
+        go = a.work / "go"
+        go.unlink(missing_ok=True)
+        wcmd = [*me, "worker", "--work", str(a.work), "--out", str(a.out), "--go", str(go)]
+        workers: dict[str, subprocess.Popen] = {}
+        stack.callback(_kill, workers)
+        for role in ("a", "b"):
+            workers[role] = _spawn([*wcmd, "--role", role], venv, a.out / f"worker-{role}.log")
+        deadline = time.time() + 400
+        while not all((a.out / f"loaded-{r}").exists() for r in workers) and time.time() < deadline:
+            if any(w.poll() not in (None, 0) for w in workers.values()):
+                break
+            time.sleep(0.2)
+        status = subprocess.run([sys.executable, "-m", "mpack", "status", "--json"], env=menv,
+                                capture_output=True, text=True)  # fmt: skip
+        clients = {
+            d.get("sidecar"): len(d.get("clients", [])) for d in json.loads(status.stdout or "[]")
+        }
+        go.write_text("1")
+        rcs = {r: w.wait(timeout=400) for r, w in workers.items()}
     summary: dict[str, Any] = {"clients_per_daemon_while_both_attached": clients, "worker_rc": rcs}
     if all(rc == 0 for rc in rcs.values()):
         ra = json.loads((a.out / "worker-a.json").read_text())
@@ -367,18 +379,17 @@ def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[
                     "--profile", "w8a8-marlin", "--device", "cuda"], env=menv, check=True)  # fmt: skip
     print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
     res: dict[str, Any] = {"layers": a.bench_layers}
-    daemon = _spawn_module(a.mpack_env).spawn(sc, device="cuda:0", env=menv, cwd=a.work,
-                                              log_dir=a.work, timeout=READY_TIMEOUT_S)  # fmt: skip
-    for path in ("default", "attached", "private"):  # the page cache is warm: convert read it all
-        r = subprocess.run([*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
-                           env=venv, capture_output=True, text=True)  # fmt: skip
-        line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        if r.returncode or not line:
-            res[path] = {"error": (r.stdout + r.stderr)[-1500:]}
-        else:
-            res[path] = json.loads(line[-1])
-        print(path, res[path] if "error" not in res[path] else "failed", flush=True)
-    daemon.stop()
+    with _spawn_module(a.mpack_env).spawn(sc, device="cuda:0", env=menv, cwd=a.work,
+                                          log_dir=a.work, timeout=READY_TIMEOUT_S):  # fmt: skip
+        for path in ("default", "attached", "private"):  # the page cache is warm: convert read it
+            r = subprocess.run([*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
+                               env=venv, capture_output=True, text=True)  # fmt: skip
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            if r.returncode or not line:
+                res[path] = {"error": (r.stdout + r.stderr)[-1500:]}
+            else:
+                res[path] = json.loads(line[-1])
+            print(path, res[path] if "error" not in res[path] else "failed", flush=True)
     d = res.get("default", {}).get("seconds")
     for path in ("attached", "private"):
         s = res.get(path, {}).get("seconds")
