@@ -43,7 +43,6 @@ from mpack.convert.checkpoint import (
     Checkpoint,
     check_scale_values,
     find_layers,
-    layer_summary,
     open_checkpoint,
     read_scale,
 )
@@ -56,6 +55,7 @@ from mpack.convert.source import (
     candidate_files,
     check_sources_unchanged,
     hash_sources,
+    hashing,
     provenance,
     resolve_source,
     source_changes,
@@ -194,7 +194,7 @@ def run_convert(
             with tl.span("main", "wait-source-hashes"):
                 files_src = records()
             with tl.span("main", "wait-scheme-check"):
-                watch.agree(ck)
+                watch.check.agree(ck)
             with tl.span("main", "manifest"):
                 watch.check_unchanged()  # every read of the source is done: the bytes converted
                 # and hashed are those stamped
@@ -291,19 +291,6 @@ class _Watch:
             self._records = [got[n] for n in names]
         return self._records
 
-    def agree(self, ck: Checkpoint) -> None:
-        """The scheme check's verdict (raises its error); its layers must be those planned from
-        headers. Inline, the first :func:`open_checkpoint` already ran the full check."""
-        if not self.check.in_child:
-            return
-        layers, planned = self.check.result(), layer_summary(ck.layers)
-        if layers != planned:
-            diff = sorted(m for m in set(layers) | set(planned) if layers.get(m) != planned.get(m))
-            raise MpackError(
-                f"{ck.root}: the quantization config and the tensor headers disagree on {diff[:3]}",
-                hint="run again with MPACK_SCHEME_CHECK=inline, and please report this",
-            )
-
     def check_unchanged(self) -> None:
         """Raise ``SourceChangedError`` if a source file changed since it was stamped."""
         check_sources_unchanged(self.src, self.stamps)
@@ -342,16 +329,11 @@ def _started(
         if check is not None:
             check.cancel()
         check = SchemeCheck(src.path)
-    stop = threading.Event()
-    hasher = pool("hash", 1)
     try:
-        yield check, hasher.submit(hash_sources, src, candidate_files(src), stop=stop, timeline=tl)
-    except BaseException:
-        stop.set()
-        raise
+        with hashing(src, candidate_files(src), timeline=tl) as early:
+            yield check, early
     finally:
         check.cancel()
-        hasher.shutdown(wait=True)
 
 
 # --- open, validate, plan -----------------------------------------------------------------
@@ -370,24 +352,12 @@ def _open_and_plan(
     """Parse every header, find and validate every layer (SPEC §1), plan every output tensor.
     With the scheme check in a child, its error comes first: the same order as inline. The scale
     values are checked later, once torch is imported (:func:`_write_all`)."""
-    with _child_error_first(check):
+    with check.errors_first():
         ck = open_checkpoint(src.path, scheme=not check.in_child)
         find_layers(ck)
         plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp,
                          fusion=fuse, passthrough=passthrough)  # fmt: skip
     return ck, plan
-
-
-@contextlib.contextmanager
-def _child_error_first(check: SchemeCheck) -> Iterator[None]:
-    """An input error raised in the block gives way to the scheme check's own error, if the
-    check (in a child) finds one: the error an inline check would have raised first."""
-    try:
-        yield
-    except MpackError:
-        if check.in_child:
-            check.result()
-        raise
 
 
 def validate_values(ck: Checkpoint, plan: Plan) -> None:
@@ -437,7 +407,7 @@ def _write_all(
             try:
                 with tl.span("main", "torch"):
                     dev = resolve_device(device)
-                with tl.span("main", "validate-values"), _child_error_first(check):
+                with tl.span("main", "validate-values"), check.errors_first():
                     validate_values(plan.ckpt, plan)
                 with tl.span("main", "stream"):
                     _stream_layers(plan, writers, dev, count, tl, stack)

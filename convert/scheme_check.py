@@ -7,11 +7,16 @@ child before it imports torch itself: the child's imports then overlap the paren
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpack.errors import MpackError
+
+if TYPE_CHECKING:
+    from mpack.convert.checkpoint import Checkpoint
 
 # Note [scheme check in a child]: compressed-tensors imports transformers (and with it
 # torch.distributed, sympy, torch._dynamo): 2.4 s on a laptop-class core, 8.5 s on the H200 host,
@@ -95,6 +100,32 @@ class SchemeCheck:
                 cls = MpackError
             raise cls(message, hint=hint)
         raise MpackError(f"validating {self.root} failed unexpectedly: {payload}")
+
+    @contextlib.contextmanager
+    def errors_first(self) -> Iterator[None]:
+        """An input error raised in the block gives way to this check's own error, if the check
+        (in a child) finds one: the error an inline check would have raised first."""
+        try:
+            yield
+        except MpackError:
+            if self.in_child:
+                self.result()
+            raise
+
+    def agree(self, ck: Checkpoint) -> None:
+        """The verdict (raises the check's error); its layers must be those planned from the
+        headers of ``ck``. Inline, the first :func:`open_checkpoint` already ran the full check."""
+        if not self.in_child:
+            return
+        from mpack.convert.checkpoint import layer_summary
+
+        layers, planned = self.result(), layer_summary(ck.layers)
+        if layers != planned:
+            diff = sorted(m for m in set(layers) | set(planned) if layers.get(m) != planned.get(m))
+            raise MpackError(
+                f"{ck.root}: the quantization config and the tensor headers disagree on {diff[:3]}",
+                hint="run again with MPACK_SCHEME_CHECK=inline, and please report this",
+            )
 
     def cancel(self) -> None:
         if self._proc is not None and self._verdict is None:

@@ -16,6 +16,7 @@ import re
 import stat
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,25 @@ def hash_sources(
         else:
             rec.setdefault("chunks", {"bytes": CHUNK_BYTES, "sha256": []})["sha256"].append(digest)
     return [records[n] for n in names]
+
+
+@contextlib.contextmanager
+def hashing(
+    src: ResolvedSource,
+    names: list[str],
+    *,
+    forms: dict[str, str] | None = None,
+    timeline: Timeline | None = None,
+) -> Iterator[Future[list[dict[str, Any]]]]:
+    """:func:`hash_sources` of ``names`` on a thread of its own, started now (the reads also
+    warm the page cache for a conversion's or a verification's own); stopped if the block ends
+    before it is done."""
+    stop = threading.Event()
+    with pool("hash", 1) as p:
+        try:
+            yield p.submit(hash_sources, src, names, forms=forms, stop=stop, timeline=timeline)
+        finally:
+            stop.set()  # a no-op once the hashes are in
 
 
 def record_forms(records: list[dict[str, Any]]) -> dict[str, str]:

@@ -109,6 +109,15 @@ def rank_file_name(rank: int, tp: int) -> str:
     return f"rank-{rank:02d}-of-{tp:02d}.safetensors"
 
 
+def safetensors_files(manifest: Mapping[str, Any]) -> list[str]:
+    """The safetensors files of a sidecar, in order: every rank file (all are listed:
+    :func:`check_manifest`), then ``common.safetensors`` when the manifest lists it."""
+    tp = manifest["target"]["tp_size"]
+    listed = {f["name"] for f in manifest["files"]}
+    ranks = [rank_file_name(r, tp) for r in range(tp)]
+    return ranks + [COMMON_NAME] if COMMON_NAME in listed else ranks
+
+
 def regenerate_hint(source: str | None, out: str | os.PathLike | None) -> str:
     """The command that rebuilds a sidecar (shown when one is unusable)."""
     return f"mpack convert {source or '<source>'} -o {out or '<sidecar>'} --force"

@@ -41,7 +41,7 @@ CHUNK = CHUNK_BYTES  # read size: one piece per manifest chunk digest
 HASH_WORKERS = max(1, min(8, iokit.usable_cores() - 1))
 #: Threads of the parallel fill (Note [parallel fill]): each reads a chunk, then hashes it.
 FILL_WORKERS = HASH_WORKERS + 1
-DEPTH = HASH_WORKERS + 2  # ring slots: every worker busy while the next piece is read
+DEPTH = FILL_WORKERS + 1  # ring slots: every worker busy while the next piece is read
 
 
 class Destination(Protocol):

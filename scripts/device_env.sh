@@ -1,5 +1,6 @@
 # Sourced by the device scripts: install mpack and the pure-Python wheels it needs (carried in
-# .device/wheels, git-ignored) into $SITE, point Python at them, and record the machine in $OUT.
+# .device/wheels, git-ignored) into $SITE, point Python at them, record the machine in $OUT, and
+# define step (below).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/mpack-out}
@@ -14,3 +15,15 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 export PYTHONPATH=$SITE PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+# step NAME SECONDS COMMAND...: run COMMAND under a time limit (0 skips it), its output in
+# $OUT/NAME.log and its exit status in $OUT/steps.txt; $rc keeps the first failing status.
+rc=0
+step() {
+  local name=$1 secs=$2; shift 2
+  [ "$secs" -gt 0 ] || return 0
+  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
+  local s=${PIPESTATUS[0]}
+  echo "== $name exit $s" | tee -a "$OUT/steps.txt"
+  [ "$rc" -eq 0 ] && rc=$s
+}

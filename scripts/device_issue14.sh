@@ -4,15 +4,6 @@
 # step), so that what ran comes back in $OUT. Exits with the first failing step's status.
 #   usage (device tool, carry .device): [SUITE_S=300] [CONVERT_S=200] [RUNTIME_S=90] bash scripts/device_issue14.sh
 source "$(dirname "$0")/device_env.sh"
-rc=0
-step() {  # name, seconds, command...
-  local name=$1 secs=$2; shift 2
-  [ "$secs" -gt 0 ] || return 0
-  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
-  local s=${PIPESTATUS[0]}
-  echo "== $name exit $s" | tee -a "$OUT/steps.txt"
-  [ "$rc" -eq 0 ] && rc=$s
-}
 step test-gpu "${SUITE_S:-300}" make test-gpu SYSTEM_PYTHON="python3 -P" PYTEST_ARGS="-p no:cacheprovider"
 step bench-convert "${CONVERT_S:-200}" python3 scripts/bench_convert.py --workdir /tmp/mpack-bench \
   --small-layers 0 --devices cuda --kinds cli,library --library-temps warm --json "$OUT/convert.json"

@@ -13,15 +13,6 @@
 #     [ONLY=convert,load,...] [BENCH_COMMIT=abc1234] bash scripts/device_issue15.sh
 source "$(dirname "$0")/device_env.sh"
 export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
-rc=0
-step() {  # name, seconds, command...
-  local name=$1 secs=$2; shift 2
-  [ "$secs" -gt 0 ] || return 0
-  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
-  local s=${PIPESTATUS[0]}
-  echo "== $name exit $s" | tee -a "$OUT/steps.txt"
-  [ "$rc" -eq 0 ] && rc=$s
-}
 only=()
 [ -n "${ONLY:-}" ] && only=(--only "$ONLY")
 step test-gpu "${SUITE_S:-0}" make test-gpu SYSTEM_PYTHON="python3 -P" PYTEST_ARGS="-p no:cacheprovider"

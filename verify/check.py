@@ -34,10 +34,10 @@ from mpack.sidecar import (
     FileLayout,
     check_files,
     load_manifest,
-    rank_file_name,
     rank_tensor_problems,
     read_layout,
     regenerate_hint_of,
+    safetensors_files,
 )
 
 if TYPE_CHECKING:
@@ -184,10 +184,8 @@ def _check_files(
 ) -> tuple[list[str], dict[str, FileLayout]]:
     """Checks 1: the problems found, and the layout of every safetensors file that parses.
     ``streamed``: leave the digests of the safetensors files to the re-derivation
-    (:func:`mpack.verify.rederive.streamed_files`), which reads them anyway."""
-    tp = m["target"]["tp_size"]
-    listed = {f["name"] for f in m["files"]}
-    names = [n for n in [rank_file_name(r, tp) for r in range(tp)] + [COMMON_NAME] if n in listed]
+    (:func:`mpack.verify.rederive.rederive`), which reads them anyway."""
+    names = safetensors_files(m)
     problems = check_files(sidecar, m, hashed_elsewhere=names if streamed else ())
     layouts: dict[str, FileLayout] = {}
     for name in names:  # every rank file is listed (check_manifest); common.safetensors may not be

@@ -31,9 +31,7 @@ is read back from the sidecar afterwards to say which of its tensors does not un
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -42,20 +40,20 @@ import torch
 
 from mpack import iokit
 from mpack.convert import marlin
-from mpack.convert.checkpoint import Checkpoint, find_layers, layer_summary, open_checkpoint
+from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint
 from mpack.convert.plan import OutLayer, Plan, make_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
     cached_source,
-    hash_sources,
+    hashing,
     record_forms,
     resolve_source,
 )
 from mpack.convert.stream import Streamer
 from mpack.convert.timeline import Timeline
 from mpack.convert.transform import Fused, fuse, pack, read_unit
-from mpack.errors import CorruptFileError, MpackError, SourceNotFoundError
+from mpack.errors import CorruptFileError, SourceNotFoundError
 from mpack.fsutil import open_regular_file
 from mpack.iokit import copy_tensors, pread_pieces
 from mpack.sidecar import COMMON_NAME, FileLayout, rank_file_name, torch_dtype
@@ -133,14 +131,6 @@ class Rederived:
     device: str = "cpu"
 
 
-def streamed_files(m: dict[str, Any]) -> list[str]:
-    """The files :func:`rederive` reads and hashes itself: every rank file, and
-    ``common.safetensors`` when the manifest lists it."""
-    tp = m["target"]["tp_size"]
-    listed = {f["name"] for f in m["files"]}
-    return [n for n in [rank_file_name(r, tp) for r in range(tp)] + [COMMON_NAME] if n in listed]
-
-
 def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
              src: ResolvedSource, device: torch.device,
              tl: Timeline | None = None) -> Rederived:  # fmt: skip
@@ -148,7 +138,7 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
     digests of the files read on the way (Note [verify as a conversion]).
 
     Args:
-        layouts: the sidecar's :func:`streamed_files` by name, as read; their sizes and kinds
+        layouts: the sidecar's :func:`mpack.sidecar.safetensors_files` by name, as read; their sizes and kinds
             are checked, their digests not yet.
         tl: gets a ``main`` span for each phase (``plan``, ``pass``, ``wait-source-hashes``,
             ``wait-scheme-check``, ``tensor-problems``).
@@ -165,7 +155,9 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
     try:
         with tl.span("main", "plan"):
             ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in layouts)
-        with _hashing(src, m) as hashed:
+        recorded = m["source"].get("files", [])  # hashed in the forms the manifest records
+        names, forms = sorted(f["name"] for f in recorded), record_forms(recorded)
+        with hashing(src, names, forms=forms) as hashed:
             # the pass: read, re-derive, compare and digest both sides
             with _Comparers(sidecar, m, layouts, plan) as cmp, tl.span("main", "pass"):
                 checker = _run(plan, cmp.files, device)
@@ -175,7 +167,7 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
             with tl.span("main", "wait-source-hashes"):
                 problems = _source_problems(m, hashed.result())
         with tl.span("main", "wait-scheme-check"):
-            _agree(check, ck)
+            check.agree(ck)  # its verdict; the same layers as the headers
         with tl.span("main", "tensor-problems"):
             problems += _tensor_problems(sidecar, plan, cmp.files, checker, layouts)
     finally:
@@ -191,48 +183,12 @@ def _open_and_plan(src: ResolvedSource, check: SchemeCheck, t: dict[str, Any],
                    passthrough: bool) -> tuple[Checkpoint, Plan]:  # fmt: skip
     """The plan from the shard headers, as a conversion with the sidecar's target makes it.
     With the scheme check in a child, its error comes first: the same order as inline."""
-    try:
+    with check.errors_first():
         ck = open_checkpoint(src.path, scheme=not check.in_child)
         find_layers(ck)
         plan = make_plan(ck, profile=t["profile"], act_dtype=t["act_dtype"], tp=t["tp_size"],
                          fusion=t["fusion"], passthrough=passthrough)  # fmt: skip
-    except MpackError:
-        if check.in_child:
-            check.result()
-        raise
     return ck, plan
-
-
-def _agree(check: SchemeCheck, ck: Checkpoint) -> None:
-    """The scheme check's verdict (raises its error); its layers must be those planned from the
-    headers (as ``mpack convert`` requires: ``_Watch.agree`` in :mod:`mpack.convert.pipeline`).
-    Inline, :func:`open_checkpoint` already ran the full check."""
-    if not check.in_child:
-        return
-    layers, planned = check.result(), layer_summary(ck.layers)
-    if layers != planned:
-        diff = sorted(m for m in set(layers) | set(planned) if layers.get(m) != planned.get(m))
-        raise MpackError(
-            f"{ck.root}: the quantization config and the tensor headers disagree on {diff[:3]}",
-            hint="run again with MPACK_SCHEME_CHECK=inline, and please report this",
-        )
-
-
-@contextlib.contextmanager
-def _hashing(src: ResolvedSource, m: dict[str, Any]) -> Iterator[Future[list[dict[str, Any]]]]:
-    """The source files the manifest records, hashed on a thread (in the forms it records them:
-    :func:`mpack.convert.source.record_forms`); stopped if the run ends first."""
-    recorded = {f["name"]: f for f in m["source"].get("files", [])}
-    forms = record_forms(list(recorded.values()))
-    stop = threading.Event()
-    with iokit.pool("hash", 1) as p:
-        try:
-            if not recorded:
-                yield p.submit(list)
-            else:
-                yield p.submit(hash_sources, src, sorted(recorded), forms=forms, stop=stop)
-        finally:
-            stop.set()  # a no-op once the hashes are in
 
 
 def _source_problems(m: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
