@@ -49,7 +49,7 @@ install: $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py convert/_repack.c constraints.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# torch first and on its own: a plain resolver run would pull a multi-GB CUDA build.
@@ -62,7 +62,7 @@ $(STAMP): pyproject.toml constraints.txt
 # Venv pieces a step installs, in order: torch (CPU) first, vLLM with --no-deps, then the rest,
 # each `-c constraints-vllm.txt` so nothing can swap torch for a CUDA build.
 VPIP := $(VLLM_VENV)/bin/python -m pip
-$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+$(VLLM_STAMP): pyproject.toml setup.py convert/_repack.c constraints-vllm.txt
 	python3 -m venv $(VLLM_VENV)
 	$(VPIP) install -q --upgrade pip
 	$(VPIP) install -q -c constraints-vllm.txt torch==2.13.0

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from mpack.errors import (
     CorruptFileError,
     SourceNotFoundError,
@@ -104,9 +106,14 @@ class Checkpoint:
         import torch
 
         t = self.tensors[name]
-        out = torch.empty(t.nbytes, dtype=torch.uint8)  # no zero-fill: every byte is read below
-        self.read_into(name, memoryview(out.numpy()))
+        out = torch.from_numpy(self.read_bytes(name))
         return out.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+    def read_bytes(self, name: str) -> np.ndarray:
+        """Read one tensor's bytes from disk into a new uint8 array (no torch needed)."""
+        out = np.empty(self.tensors[name].nbytes, dtype=np.uint8)  # every byte is read below
+        self.read_into(name, memoryview(out))
+        return out
 
     def read_into(self, name: str, out: memoryview, skip: int = 0) -> None:
         """Read the next ``len(out)`` bytes of tensor ``name``, from its byte ``skip`` on, into
@@ -482,20 +489,37 @@ def _check_scheme(ck: Checkpoint, module: str, where: str) -> str:
 
 
 def read_scale(ck: Checkpoint, module: str) -> torch.Tensor:
-    """A layer's scales as float32 ``[1]`` (tensor) or ``[N]`` (channel); exact cast."""
+    """A layer's scales as a float32 tensor ``[1]`` (tensor) or ``[N]`` (channel); exact cast."""
     import torch
 
-    return ck.read(f"{module}.{SCALE}").reshape(-1).to(torch.float32)
+    return torch.from_numpy(read_scale_array(ck, module))
 
 
-def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dtype: str) -> None:
-    """Reject NaN/inf/<=0 scales and scales that overflow when folded (SPEC §1, §7)."""
-    import torch
-
+def read_scale_array(ck: Checkpoint, module: str) -> np.ndarray:
+    """:func:`read_scale` as a numpy float32 array, without torch."""
     name = f"{module}.{SCALE}"
-    bad = ~torch.isfinite(scale) | (scale <= 0)
+    return float32_values(ck.read_bytes(name), ck.tensors[name].dtype)
+
+
+def float32_values(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """The float32 values of raw little-endian ``F32``, ``F16`` or ``BF16`` bytes: exact."""
+    if dtype == "F32":
+        return raw.view("<f4").astype(np.float32)
+    if dtype == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if dtype == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    raise ValueError(f"not a float dtype of 32 bits or fewer: {dtype}")
+
+
+def check_scale_values(ck: Checkpoint, module: str, scale: Any, act_dtype: str) -> None:
+    """Reject NaN/inf/<=0 scales and scales that overflow when folded (SPEC §1, §7).
+    ``scale``: float32 values, a numpy array or a CPU tensor."""
+    name = f"{module}.{SCALE}"
+    scale = np.asarray(scale, dtype=np.float32).reshape(-1)
+    bad = ~np.isfinite(scale) | (scale <= 0)
     if bad.any():
-        i = int(bad.nonzero()[0])
+        i = int(np.flatnonzero(bad)[0])
         raise UnsupportedSchemeError(
             f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} (must be finite and > 0)",
             hint="the checkpoint's scales are broken; re-quantize it",
@@ -503,7 +527,7 @@ def check_scale_values(ck: Checkpoint, module: str, scale: torch.Tensor, act_dty
     limit = ACT_DTYPES[act_dtype].fold_limit  # SPEC §1: larger scales fold to inf
     big = scale > limit
     if big.any():
-        i = int(big.nonzero()[0])
+        i = int(np.flatnonzero(big)[0])
         raise UnsupportedSchemeError(
             f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} and would become inf "
             f"after Marlin's exponent fold in {act_dtype}",

@@ -31,6 +31,7 @@ from concurrent.futures import Executor
 import torch
 
 from mpack import iokit, target
+from mpack.convert import host_repack
 from mpack.sidecar import torch_dtype
 
 __all__ = [
@@ -56,13 +57,8 @@ TORCH_ACT_DTYPES: dict[str, torch.dtype] = {
     name: torch_dtype(a.st) for name, a in target.ACT_DTYPES.items()
 }
 
-#: Position ``m`` of every 32-channel group takes channel ``SCALE_PERM[m]`` (SPEC §7.4).
-SCALE_PERM: tuple[int, ...] = (
-    0, 1, 8, 9, 16, 17, 24, 25,
-    2, 3, 10, 11, 18, 19, 26, 27,
-    4, 5, 12, 13, 20, 21, 28, 29,
-    6, 7, 14, 15, 22, 23, 30, 31,
-)  # fmt: skip
+#: The 32-channel permutation of scales and bias (SPEC §7.4), one of the target's facts.
+SCALE_PERM = target.SCALE_PERM
 
 # The tile, as axes of the checkpoint's [N, K] bytes (SPEC §5):
 #   n = 64*nt + 16*w + 8*h + t8          k = 16*kt + 8*khi + 2*kmid + klo
@@ -166,12 +162,8 @@ _torch_threads_lock = threading.Lock()
 _torch_threads_users = [0, 0]  # [repacks in a pool now, torch's thread count before the first]
 
 
-def block_workers() -> int:
-    """Repack threads for a CPU conversion: the cores its I/O and hashing threads leave (12 of
-    16). Half the cores did no better in a whole 8B conversion (10.34 s against 9.99 s on the
-    H200 host, docs/BENCHMARKS.md), although the synthetic sweep favoured them under load."""
-    cores = iokit.usable_cores()
-    return max(1, cores // 2, cores - 4)
+#: Repack threads for a CPU conversion (they live with the native repack, which needs no torch).
+block_workers = host_repack.block_workers
 
 
 @contextlib.contextmanager
@@ -239,6 +231,13 @@ def pack_weight(
     if np_ is None or kp is None:
         np_, kp = marlin_padded_nk(n, k)
     w = _as_bytes(wck)
+    if not w.is_cuda and host_repack.available():  # Note [host repack]: one native pass
+        rows = w if w.stride(1) == 1 else w.contiguous()
+        if np_ < n or kp < k:
+            raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
+        return torch.from_numpy(
+            host_repack.pack_rows(host_repack.rows_of(rows.numpy()), k, np_, kp, pool)
+        )
     if (np_, kp) != (n, k):
         if np_ < n or kp < k:
             raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -44,7 +45,7 @@ from mpack.convert.checkpoint import (
     check_scale_values,
     find_layers,
     open_checkpoint,
-    read_scale,
+    read_scale_array,
 )
 from mpack.convert.plan import Plan, check_fusion_tp, make_plan
 from mpack.convert.scheme_check import SchemeCheck
@@ -363,7 +364,7 @@ def _open_and_plan(
 def validate_values(ck: Checkpoint, plan: Plan) -> None:
     """Scale values of every layer (SPEC §1), read before any heavy work."""
     for module in ck.layers:
-        check_scale_values(ck, module, read_scale(ck, module), plan.act_dtype)
+        check_scale_values(ck, module, read_scale_array(ck, module), plan.act_dtype)
 
 
 # --- stream into the stage ----------------------------------------------------------------
@@ -405,8 +406,10 @@ def _write_all(
                 copied = copier.submit(copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME],
                                        bump, tl)  # fmt: skip
             try:
-                with tl.span("main", "torch"):
-                    dev = resolve_device(device)
+                dev = None
+                if not _host_path(device, plan):
+                    with tl.span("main", "torch"):
+                        dev = resolve_device(device)
                 with tl.span("main", "validate-values"), check.errors_first():
                     validate_values(plan.ckpt, plan)
                 with tl.span("main", "stream"):
@@ -420,6 +423,29 @@ def _write_all(
             return {name: _finish(w) for name, w in writers.items()}
 
 
+def _host_path(device: str, plan: Plan) -> bool:
+    """Convert on the CPU without torch (Note [host path] in :mod:`mpack.convert.host`): the
+    device is ``cpu``, or ``auto`` where there is surely no CUDA device, and the host path takes
+    every layer of the plan."""
+    from mpack.convert import host
+
+    if device != "cpu" and not (device == "auto" and no_cuda_here()):
+        return False
+    return host.supported(plan)
+
+
+def no_cuda_here() -> bool:
+    """Whether this process surely sees no CUDA device, known without torch:
+    ``CUDA_VISIBLE_DEVICES`` hides them all, or (Linux) no GPU driver's device node exists
+    (NVIDIA's ``/dev/nvidiactl``, or ``/dev/kfd`` of ROCm, which torch also calls CUDA).
+    False means "ask torch"."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+
+
 def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> None:
     """``bump(n)``, or raise ``Aborted`` once ``stop`` is set (the copy's way out)."""
     if stop.is_set():
@@ -430,20 +456,30 @@ def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> 
 def _stream_layers(
     plan: Plan,
     writers: dict[str, HashingWriter],
-    dev: torch.device,
+    dev: torch.device | None,
     count: _Counter,
     tl: Timeline,
     stack: contextlib.ExitStack,
 ) -> None:
-    """The Marlin layers of every rank through the streamer, on ``dev``."""
-    from mpack.convert import marlin
+    """The Marlin layers of every rank through the streamer, on ``dev`` (None: the host path,
+    numpy and the native repack, no torch)."""
+    from mpack.convert import host_repack
     from mpack.convert.stream import Streamer
-    from mpack.convert.transform import transform
 
-    # CPU: the repack's blocks on a pool of threads (Note [repack in blocks])
-    pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
-    xf = functools.partial(transform, act_dtype=plan.act_dtype, pool=pool)
-    Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl).run()
+    # CPU: the repack's blocks on a pool of threads (Note [repack in blocks], [host repack])
+    on_cpu = dev is None or dev.type == "cpu"
+    threads = stack.enter_context(pool("repack", host_repack.block_workers())) if on_cpu else None
+    read = None
+    if dev is None:
+        from mpack.convert import host
+
+        xf = functools.partial(host.transform, act_dtype=plan.act_dtype, pool=threads)
+        read = functools.partial(host.read_unit, act=plan.act_dtype)
+    else:
+        from mpack.convert.transform import transform
+
+        xf = functools.partial(transform, act_dtype=plan.act_dtype, pool=threads)
+    Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl, read).run()
 
 
 def _open_writers(plan: Plan, work: Path, stack: contextlib.ExitStack) -> dict[str, HashingWriter]:

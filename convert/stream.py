@@ -7,7 +7,9 @@ Three stages run at once, each on its own thread, with bounded queues between th
   copied to the GPU on a copy stream (``cudaMemcpyAsync`` from pinned memory, no staging copy
   inside the driver); on CPU into plain tensors.
 - **transform** (the caller's thread): fuse, requantize, repack, scales, bias for unit i. On
-  CUDA the weight goes through the fused kernel on a compute stream, and the result goes back
+  the host path (no device: Note [host path] in :mod:`mpack.convert.host`) these are numpy
+  arrays and torch is never imported. On CUDA the weight goes through the fused kernel on a
+  compute stream, and the result goes back
   into a second ring of pinned pieces with asynchronous copies; the small scale and bias
   tensors are computed on the host, where they already are.
 - **write** (``mpack-write``): waits for each piece's copy event, appends it to its file
@@ -28,17 +30,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from mpack import iokit
 from mpack.convert.checkpoint import Checkpoint
 from mpack.convert.plan import OutLayer, Plan
 from mpack.convert.timeline import Timeline
-from mpack.convert.transform import read_unit
 from mpack.iokit import Aborted, PinnedRing, Slot, get_or_abort, put_or_abort
 from mpack.sidecar import HashingWriter, rank_file_name
+
+if TYPE_CHECKING:  # imported by the torch paths only (Note [host path])
+    import torch
 
 PIECE = 16 * 1024 * 1024
 IN_PIECES = 8
@@ -47,7 +51,8 @@ READS_AT_ONCE = 4  # pinned pieces filled by parallel preads before their copies
 UNITS_AHEAD = 3  # units read (and on the GPU) before the transform needs them
 WRITE_QUEUE = 16  # CPU path: result tensors waiting for the writer
 
-Transform = Callable[[OutLayer, dict[str, torch.Tensor]], list[torch.Tensor]]
+Transform = Callable[[OutLayer, dict[str, Any]], list[Any]]  # torch tensors or numpy arrays
+ReadUnit = Callable[[Checkpoint, list[OutLayer]], dict[str, Any]]
 
 
 @dataclass
@@ -60,26 +65,37 @@ class WriteItem:
 
 
 class Streamer:
-    """Runs the three stages over ``plan.units`` into ``writers`` (see the module docstring)."""
+    """Runs the three stages over ``plan.units`` into ``writers`` (see the module docstring).
+
+    ``device``: a torch device, or None for the host path (``read_unit`` then gives the
+    transform numpy arrays: :func:`mpack.convert.host.read_unit`). ``read_unit``: how a unit's
+    checkpoint tensors are read on the CPU (default :func:`mpack.convert.transform.read_unit`).
+    """
 
     def __init__(
         self,
         plan: Plan,
         writers: dict[str, HashingWriter],
-        device: torch.device,
+        device: torch.device | None,
         transform: Transform,
         on_written: Callable[[int], None],
         on_unit: Callable[[int], None] | None = None,
         timeline: Timeline | None = None,
+        read_unit: ReadUnit | None = None,
     ) -> None:
         self.plan, self.writers, self.dev = plan, writers, device
         self.timeline = timeline or Timeline()
         self.transform, self.on_written, self.on_unit = transform, on_written, on_unit
+        if read_unit is None:
+            from mpack.convert.transform import read_unit
+        self.read_unit = read_unit
         self.abort = threading.Event()
-        self.cuda = device.type == "cuda"
+        self.cuda = device is not None and device.type == "cuda"
         self._units: queue.Queue = queue.Queue(UNITS_AHEAD)
         self._writes: queue.Queue = queue.Queue(0 if self.cuda else WRITE_QUEUE)
         if self.cuda:
+            import torch
+
             self.copy_stream = torch.cuda.Stream(device)
             self.compute_stream = torch.cuda.Stream(device)
             self.in_ring = PinnedRing(IN_PIECES, PIECE, abort=self.abort, name="convert")
@@ -100,18 +116,22 @@ class Streamer:
             self.abort.set()
             raise
 
-    def _read_unit(
-        self, ck: Checkpoint, unit: list[OutLayer]
-    ) -> tuple[dict[str, torch.Tensor], Any]:
+    def _read_unit(self, ck: Checkpoint, unit: list[OutLayer]) -> tuple[dict[str, Any], Any]:
         if not self.cuda:
-            return read_unit(ck, unit), None
-        src = read_unit(ck, unit, lambda name: self._upload(ck, name).view(ck.tensors[name].shape))
+            return self.read_unit(ck, unit), None
+        import torch
+
+        src = self.read_unit(
+            ck, unit, lambda name: self._upload(ck, name).view(ck.tensors[name].shape)
+        )
         ready = torch.cuda.Event()
         ready.record(self.copy_stream)
         return src, ready
 
     def _upload(self, ck: Checkpoint, name: str) -> torch.Tensor:
         """Disk -> pinned pieces (several preads at once) -> GPU, on the copy stream."""
+        import torch
+
         nbytes = ck.tensors[name].nbytes
         with torch.cuda.stream(self.copy_stream):
             dev = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
@@ -150,15 +170,15 @@ class Streamer:
             self.abort.set()
             raise
 
-    def _emit(self, layer: OutLayer, outs: list[torch.Tensor]) -> None:
+    def _emit(self, layer: OutLayer, outs: list[Any]) -> None:
         """Queue a layer's tensors for the writer; device tensors go through the out ring."""
         w = self.writers[rank_file_name(layer.rank, self.plan.tp)]
         for spec, tensor in zip(layer.tensor_specs(self.plan.act_dtype), outs, strict=True):
             entry = w.layout.entry(spec.name)
-            flat = tensor.contiguous().view(torch.uint8).reshape(-1)
-            assert flat.numel() == entry.nbytes, spec.name
-            if not flat.is_cuda:
-                item = WriteItem(w, entry.offset, flat.numpy())
+            flat = _flat_bytes(tensor)
+            assert flat.nbytes == entry.nbytes, spec.name
+            if isinstance(flat, np.ndarray):
+                item = WriteItem(w, entry.offset, flat)
                 put_or_abort(self._writes, item, self.abort)
                 continue
             for a in range(0, entry.nbytes, PIECE):
@@ -196,7 +216,7 @@ class Streamer:
             for f in (reader, writer):
                 f.result()
 
-    def _incoming(self) -> Iterator[tuple[list[OutLayer], dict[str, torch.Tensor], Any]]:
+    def _incoming(self) -> Iterator[tuple[list[OutLayer], dict[str, Any], Any]]:
         while True:
             t = time.perf_counter()
             item = get_or_abort(self._units, self.abort)
@@ -205,17 +225,30 @@ class Streamer:
                 return
             yield item
 
-    def _transform_unit(
-        self, unit: list[OutLayer], src: dict[str, torch.Tensor], ready: Any
-    ) -> None:
+    def _transform_unit(self, unit: list[OutLayer], src: dict[str, Any], ready: Any) -> None:
+        on_gpu: Any = contextlib.nullcontext()
         if self.cuda:
+            import torch
+
             self.compute_stream.wait_event(ready)
             for x in src.values():
                 if x.is_cuda:
                     x.record_stream(self.compute_stream)
-        with torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext():
+            on_gpu = torch.cuda.stream(self.compute_stream)
+        with on_gpu:
             for layer in unit:
                 t = time.perf_counter()
                 outs = self.transform(layer, src)
                 self.timeline.add("transform", "compute", t, time.perf_counter())
                 self._emit(layer, outs)
+
+
+def _flat_bytes(x: Any) -> Any:
+    """A result's bytes, flat: a numpy array for host data (numpy, or a CPU tensor's view), a
+    uint8 CUDA tensor for device data."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).view(np.uint8).reshape(-1)
+    import torch
+
+    flat = x.contiguous().view(torch.uint8).reshape(-1)
+    return flat if flat.is_cuda else flat.numpy()

@@ -98,7 +98,11 @@ def test_spec_vector_requant_single_shard_and_nan():
 # --- golden vector files (bit-exact) ----------------------------------------------------
 
 
-def test_golden_layers(golden):
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_golden_layers(golden, monkeypatch, path):
+    """Both CPU repacks: the native one (the default where built) and the torch ops."""
+    if path == "torch":
+        monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
     t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     assert index, "layers.safetensors has no index"
     for lid, info in index.items():
@@ -192,6 +196,7 @@ def test_repack_blocks_match_one_pass(monkeypatch, block_bytes, workers):
     n, k = 64 * 7, 256  # 7 n-tiles: blocks of 3 leave a remainder of 1
     w = rand_bytes(n, k, seed=77)
     monkeypatch.setattr(m, "REPACK_BLOCK_BYTES", block_bytes)
+    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")  # the torch path (Note [host repack])
     threads = torch.get_num_threads()
     if workers is None:
         packed = m.repack(w)

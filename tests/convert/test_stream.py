@@ -253,13 +253,16 @@ def test_gpu_small_pieces_and_tight_rings_give_the_cpu_bytes(
     assert b.seconds["read_busy"] > 0 and b.seconds["write_busy"] > 0
 
 
-def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["host", "torch"])
+def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path, monkeypatch, path: str) -> None:
     """ConvertResult.timeline: every stage has spans, each inside the run, and the main lane's
     phases follow one another (validate, setup, torch, validate-values, stream, finish, ...,
     swap) without overlap: torch is imported after the work directory is set up (Note [torch
-    off the critical path])."""
+    off the critical path]), and not at all on the host path (Note [host path])."""
     from mpack.convert import pipeline
 
+    if path == "torch":
+        monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
     r = pipeline.run_convert(ckpt, tmp_path / "out", device="cpu")
     spans = r.timeline
     lanes = {lane for lane, *_ in spans}
@@ -267,7 +270,9 @@ def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path) -> None:
     assert all(0 <= a <= b <= r.seconds["total"] + 1e-3 for _, _, a, b in spans)
     main = [(what, a, b) for lane, what, a, b in spans if lane == "main"]
     phases = ["validate", "setup", "torch", "validate-values", "stream", "finish"]
-    assert [w for w, _, _ in main][:6] == phases
+    if path == "host":
+        phases.remove("torch")
+    assert [w for w, _, _ in main][: len(phases)] == phases
     assert main[-1][0] == "swap"
     assert all(b0 <= a1 + 1e-4 for (_, _, b0), (_, a1, _) in zip(main, main[1:], strict=False))
     written = [s for s in spans if s[0] == "write" and not s[1].startswith("wait")]

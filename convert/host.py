@@ -1,0 +1,160 @@
+"""The conversion's CPU path without torch: numpy and the native repack.
+
+Note [host path]: on a CPU-only runner, a conversion spent a third of its time importing torch
+(5 s of 15 s for an 8B model on the H200 host), which it needed for nothing but tensor
+arithmetic on bytes it already had in memory. This module does one rank's layer (SPEC §3) with
+numpy: the weight through the native repack (:mod:`mpack.convert.host_repack`) straight from
+the checkpoint rows, and the scales and bias, a few KB, with numpy's IEEE casts. The rounding
+is torch's, spelled out: float16 by numpy's own round-to-nearest-even cast, bfloat16 by the
+rule torch's CPU cast uses (:func:`bf16_bits`), NaN included. The bytes are those of
+:mod:`mpack.convert.transform`; tests/convert/test_host.py checks them against it and the
+golden cases.
+
+What it does not do, and leaves to the torch path (:func:`supported` says which plans it
+takes): requantization (``w8a8-marlin`` with per-tensor shards), a bias stored in another dtype
+than BF16, F16 or F32, and a machine where the native repack was not built.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+
+import numpy as np
+
+from mpack import target
+from mpack.convert import host_repack
+from mpack.convert.checkpoint import Checkpoint, float32_values, read_scale_array
+from mpack.convert.plan import OutLayer, Plan
+from mpack.target import BIAS, SCALE, WEIGHT
+
+__all__ = ["act_bits", "bf16_bits", "f16_bits", "pack_bias", "pack_scales", "read_unit",
+           "supported", "transform"]  # fmt: skip
+
+_BIAS_DTYPES = ("BF16", "F16", "F32")
+_PERM = np.array(target.SCALE_PERM, dtype=np.intp)
+
+
+def supported(plan: Plan) -> bool:
+    """Whether this path converts every layer of ``plan`` (see the module docstring)."""
+    if not host_repack.available():
+        return False
+    ck = plan.ckpt
+    for unit in plan.units:
+        for layer in unit:
+            if layer.requant:
+                return False
+            if layer.has_bias and any(
+                ck.tensors[f"{p.module}.{BIAS}"].dtype not in _BIAS_DTYPES for p in layer.pieces
+            ):
+                return False
+    return True
+
+
+# --- casts ------------------------------------------------------------------------------------
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), as torch casts on the CPU: round to nearest even,
+    every NaN to ``0xFFFF``."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(x), np.uint32(0xFFFF), rounded).astype(np.uint16)
+
+
+def f16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> float16 bits (uint16), as torch casts on the CPU: numpy's round to nearest
+    even (inf past the range), and a NaN keeps its sign and payload's top bits, made quiet."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        bits = x.astype(np.float16).view(np.uint16)
+    return np.where(np.isnan(x), bits | np.uint16(0x0200), bits).astype(np.uint16)
+
+
+def act_bits(x: np.ndarray, act: str) -> np.ndarray:
+    """float32 -> the bits (uint16) of activation dtype ``act``, rounded to nearest even."""
+    if act == "float16":
+        return f16_bits(x)
+    if act == "bfloat16":
+        return bf16_bits(x)
+    raise ValueError(f"activation dtype must be float16 or bfloat16, got {act!r}")
+
+
+def _bits_to_f32(bits: np.ndarray, act: str) -> np.ndarray:
+    if act == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _pad_permute(bits: np.ndarray, np_: int) -> np.ndarray:
+    """Zero-pad to ``np_`` and permute every group of 32 (SPEC §7.3-7.4)."""
+    if bits.size > np_:
+        raise ValueError(f"{bits.size} channels do not fit in Np={np_}")
+    out = np.zeros(np_, dtype=np.uint16)
+    out[: bits.size] = bits
+    return out.reshape(-1, 32)[:, _PERM].reshape(-1)
+
+
+# --- the packed tensors -----------------------------------------------------------------------
+
+
+def pack_scales(scale_n: np.ndarray, act: str, np_: int) -> np.ndarray:
+    """float32 ``[N]`` -> the bits of ``weight_scale`` (uint16 ``[1, Np]``): cast, padded,
+    permuted, then multiplied by the exponent fold (SPEC §7). The fold is a power of two, so the
+    product is exact in float32 and its cast back exact too (inf past the fold limit, which
+    :func:`mpack.convert.checkpoint.check_scale_values` refuses first)."""
+    s = _pad_permute(act_bits(scale_n, act), np_)
+    folded = _bits_to_f32(s, act) * np.float32(target.act_dtype(act).exp_fold)
+    return act_bits(folded, act).reshape(1, np_)
+
+
+def pack_bias(bias_bits: np.ndarray, np_: int) -> np.ndarray:
+    """Bias bits in the activation dtype (:func:`read_unit`) -> ``bias`` (uint16 ``[Np]``):
+    padded and permuted, no fold (SPEC §8)."""
+    return _pad_permute(bias_bits, np_)
+
+
+# --- one unit ---------------------------------------------------------------------------------
+
+
+def read_unit(ck: Checkpoint, unit: list[OutLayer], act: str) -> dict[str, np.ndarray]:
+    """The checkpoint arrays the unit's layers need: weights as uint8 ``[N, K]``, scales as
+    float32, biases already cast to ``act`` (uint16 bits; the cast is elementwise, so it
+    commutes with fusing and slicing)."""
+    src: dict[str, np.ndarray] = {}
+    st = target.act_dtype(act).st
+    for module in dict.fromkeys(p.module for p in unit[0].pieces):
+        wname = f"{module}.{WEIGHT}"
+        src[wname] = ck.read_bytes(wname).reshape(ck.tensors[wname].shape)
+        src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
+        if unit[0].has_bias:
+            bname = f"{module}.{BIAS}"
+            raw, dt = ck.read_bytes(bname), ck.tensors[bname].dtype
+            src[bname] = raw.view("<u2") if dt == st else act_bits(float32_values(raw, dt), act)
+    return src
+
+
+def transform(
+    layer: OutLayer, src: dict[str, np.ndarray], act_dtype: str, pool: Executor | None = None
+) -> list[np.ndarray]:
+    """One rank's Marlin tensors for ``layer`` from :func:`read_unit`'s arrays, in the order
+    of its tensor specs: ``[weight int32 [Kp/16, 4Np], weight_scale [1, Np], (bias [Np])]``
+    (the last two as the uint16 bits of the activation dtype)."""
+    rows = [
+        host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
+    ]
+    out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool)]
+    if layer.strategy == "channel":
+        scale_n = np.concatenate(
+            [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
+        )
+    else:  # one scale per shard, each over its rows (requantized layers are not taken here)
+        shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
+        scale_n = np.repeat(shard, layer.widths) if shard.size > 1 else np.repeat(shard, layer.n)
+    out.append(pack_scales(scale_n, act_dtype, layer.np_))
+    if layer.has_bias:
+        bias = np.concatenate(
+            [src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
+        )
+        out.append(pack_bias(bias, layer.np_))
+    return out

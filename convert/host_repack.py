@@ -1,0 +1,102 @@
+"""The Marlin FP8 weight repack on the host, native and torch-free.
+
+Note [host repack]: the torch-op repack of :func:`mpack.convert.marlin.repack` makes three
+strided passes over every block and runs one torch call at a time per Python thread; on the
+CPU it was a conversion's bottleneck (issue 15: 8.8 s of busy transform for an 8B model on 12
+threads of the H200 host, 20 s on 4 cores). ``convert/_repack.c`` does the same layout in one
+pass: per row and k-tile, one 16-byte load, a byte interleave and four 4-byte stores (the
+derivation is in the C file), padding included, reading the checkpoint rows where they are
+(a fused or sliced layer is a list of row addresses, not a copy). It releases the GIL, so the
+n-tiles of a layer are split over a pool of plain threads.
+
+The extension is optional (setup.py): where it was not built, :func:`available` is False and
+callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give the same bytes
+(tests/convert/test_host_repack.py, against the golden cases and the torch path).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+import numpy as np
+
+from mpack import iokit, target
+
+try:
+    from mpack.convert import _repack
+except ImportError:  # not built here (no C compiler at install time)
+    _repack = None
+
+__all__ = ["RUN_BYTES", "available", "block_workers", "pack_rows", "rows_of"]
+
+#: Input bytes per call into the extension when a pool splits a layer (whole n-tiles).
+RUN_BYTES = 4 << 20
+
+
+def available() -> bool:
+    """The native repack is built here and not turned off (``MPACK_NO_HOST_REPACK``)."""
+    return _repack is not None and os.environ.get("MPACK_NO_HOST_REPACK", "") in ("", "0")
+
+
+def block_workers() -> int:
+    """Repack threads for a CPU conversion: the cores its I/O and hashing threads leave (12 of
+    16). Half the cores did no better in a whole 8B conversion (10.34 s against 9.99 s on the
+    H200 host, docs/BENCHMARKS.md), although the synthetic sweep favoured them under load."""
+    cores = iokit.usable_cores()
+    return max(1, cores // 2, cores - 4)
+
+
+def rows_of(a: np.ndarray, rows: tuple[int, int] | None = None, col: int = 0) -> np.ndarray:
+    """The addresses of rows ``rows`` (default all) of a 2-D byte array, from column ``col``:
+    uint64, one per row. ``a`` must stay alive while they are used."""
+    if a.ndim != 2 or a.itemsize != 1 or a.strides[1] != 1:
+        raise ValueError(f"expected a 2-D byte array with contiguous rows, got {a.dtype} {a.shape}")
+    r0, r1 = rows if rows is not None else (0, a.shape[0])
+    base = a.__array_interface__["data"][0] + col
+    return base + np.arange(r0, r1, dtype=np.uint64) * np.uint64(a.strides[0])
+
+
+def pack_rows(
+    rows: np.ndarray | Sequence[np.ndarray],
+    k: int,
+    np_: int | None = None,
+    kp: int | None = None,
+    pool: Executor | None = None,
+) -> np.ndarray:
+    """Zero-pad to ``(Np, Kp)`` and repack (SPEC §3.3, §5), from row addresses.
+
+    Args:
+        rows: uint64 addresses of the layer's ``N`` rows, each with ``k`` readable bytes (see
+            :func:`rows_of`; a sequence is concatenated, e.g. one per fused shard).
+        k: bytes per row (``K``).
+        np_, kp: padded dims; default :func:`mpack.target.padded_nk` ``(N, K)``.
+        pool: threads to split the n-tiles over (the GIL is released).
+
+    Returns:
+        int32 ``[Kp/16, 4*Np]``, the bytes of :func:`mpack.convert.marlin.pack_weight`.
+    """
+    if _repack is None:
+        raise RuntimeError("mpack's host repack extension is not built here")
+    addrs = np.ascontiguousarray(
+        rows if isinstance(rows, np.ndarray) else np.concatenate(list(rows)), dtype=np.uint64
+    )
+    n = addrs.shape[0]
+    if np_ is None or kp is None:
+        np_, kp = target.padded_nk(n, k)
+    out = np.empty(target.packed_weight_shape(np_, kp), dtype=np.int32)
+    a_rows, a_out = addrs.ctypes.data, out.ctypes.data
+    tiles = np_ // 64
+    step = max(1, RUN_BYTES // (64 * max(kp, 16)))  # n-tiles per call
+
+    def run(t0: int) -> None:
+        _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, min(t0 + step, tiles))
+
+    starts = range(0, tiles, step)
+    if pool is None or len(starts) == 1:
+        for t in starts:
+            run(t)
+    else:
+        list(pool.map(run, starts))
+    return out

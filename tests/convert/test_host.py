@@ -1,0 +1,220 @@
+"""The torch-free host path (Note [host path], [host repack]): the native repack and the numpy
+scales and bias against the golden vectors, the independent unpack and the torch path; whole
+conversions on both paths give the same bytes; a host conversion never imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import cli_env
+from reference import independent_unpack, load_vectors, rand_bytes
+
+from mpack import iokit, target
+from mpack.convert import host, host_repack, marlin
+from mpack.convert.pipeline import no_cuda_here, run_convert
+from mpack.fixtures import make_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not host_repack.available(), reason="the native host repack is not built here"
+)
+
+
+def _native(a: np.ndarray, **kw) -> torch.Tensor:
+    return torch.from_numpy(host_repack.pack_rows(host_repack.rows_of(a), a.shape[1], **kw))
+
+
+def _torch_path(w: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    with monkeypatch.context() as mp:
+        mp.setenv("MPACK_NO_HOST_REPACK", "1")
+        assert not host_repack.available()
+        return marlin.pack_weight(w)
+
+
+# --- the native repack ------------------------------------------------------------------------
+
+
+def test_native_repack_matches_golden_layers(golden):
+    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
+    assert index
+    for lid, info in index.items():
+        wck, expect = t[f"{lid}.wck"], t[f"{lid}.packed"]
+        got = _native(wck.numpy())
+        assert got.shape == expect.shape and torch.equal(got, expect), lid
+        np_, kp = info["Np"], info["Kp"]
+        assert torch.equal(marlin.pack_weight(wck), expect), lid  # pack_weight's CPU default
+        if f"{lid}.repack_nopad" in t:
+            nopad = _native(wck.numpy(), np_=info["N"], kp=info["K"])
+            assert torch.equal(nopad, t[f"{lid}.repack_nopad"]), lid
+        assert (np_, kp) == target.padded_nk(info["N"], info["K"]), lid
+
+
+@pytest.mark.parametrize(
+    "n, k", [(64, 16), (64, 4), (100, 40), (192, 12), (200, 300), (960, 576), (4096, 260)]
+)
+def test_native_repack_matches_unpack_and_torch(monkeypatch, n, k):
+    """Padding in N and K (K % 16 != 0 included): the independent unpack gives the bytes back
+    with zero padding, and the torch path gives the same words."""
+    w = rand_bytes(n, k, seed=n + k)
+    got = _native(w.numpy())
+    np_, kp = target.padded_nk(n, k)
+    assert got.shape == target.packed_weight_shape(np_, kp)
+    full = independent_unpack(got)
+    assert torch.equal(full[:n, :k], w)
+    assert not full[n:].any() and not full[:, k:].any()
+    assert torch.equal(got, _torch_path(w, monkeypatch))
+
+
+@pytest.mark.parametrize("workers", [2, 5])
+def test_native_repack_rows_from_pieces_on_a_pool(workers):
+    """Fused and sliced rows (row addresses into two arrays, from a column on) on a pool of
+    threads that split the n-tiles: the bytes of the concatenated copy, in one call."""
+    a, b = rand_bytes(64 * 9, 512, seed=1).numpy(), rand_bytes(128, 512, seed=2).numpy()
+    rows = [host_repack.rows_of(a, (64, 64 * 9), 128), host_repack.rows_of(b, None, 128)]
+    fused = np.ascontiguousarray(np.concatenate([a[64:, 128:384], b[:, 128:384]]))
+    old = host_repack.RUN_BYTES
+    try:
+        host_repack.RUN_BYTES = 64 * 256 * 2  # two n-tiles per call: 5 calls, a remainder
+        with iokit.pool("test-repack", workers) as p:
+            got = host_repack.pack_rows(rows, 256, pool=p)
+    finally:
+        host_repack.RUN_BYTES = old
+    assert np.array_equal(got, _native(fused).numpy())
+    assert torch.equal(independent_unpack(torch.from_numpy(got)), torch.from_numpy(fused))
+
+
+def test_native_repack_refuses_bad_shapes():
+    a = np.zeros((64, 16), np.uint8)
+    with pytest.raises(ValueError, match="padded"):
+        marlin.pack_weight(torch.from_numpy(a), 0, 16)
+    with pytest.raises(ValueError, match="bad shape"):
+        host_repack.pack_rows(host_repack.rows_of(a), 16, 64, 8)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        host_repack.rows_of(np.zeros((64, 16), np.int32))
+
+
+# --- scales and bias --------------------------------------------------------------------------
+
+SPECIAL = np.array(
+    [0.0, -0.0, 1.0, 1e-40, -3e-39, 1e-45, 65504.0, 65520.0, 1e30, np.inf, -np.inf, 255.875,
+     255.0, 3.0e38, 1.00390625, 1.0078125, 1.01171875, 2.0**-24, 2.0**-25, 2.0**-26],
+    dtype=np.float32,
+)  # fmt: skip
+
+
+def _random_f32(n: int, seed: int) -> np.ndarray:
+    """Random float32 bit patterns: every class, NaNs with payloads and both signs included."""
+    bits = np.random.default_rng(seed).integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+@pytest.mark.parametrize("act", sorted(target.ACT_DTYPES))
+def test_act_casts_match_torch(act):
+    """float32 -> bf16/fp16 bits as torch rounds them on the CPU, over random bit patterns
+    (NaNs with payloads too), subnormals, ties, overflow and infinities."""
+    x = np.concatenate([SPECIAL, _random_f32(20000, 3), np.array([np.nan, -np.nan], np.float32)])
+    assert np.isnan(x).sum() > 10
+    want = torch.from_numpy(x).to(marlin.TORCH_ACT_DTYPES[act]).view(torch.int16).numpy()
+    assert np.array_equal(host.act_bits(x, act).view(np.int16), want)
+
+
+def test_golden_scales_and_bias_on_the_host(golden):
+    t, index = load_vectors(golden / "vectors" / "scales.safetensors")
+    for sid, info in index.items():
+        for name in target.ACT_DTYPES:
+            expect = t[f"{sid}.{name}"].view(torch.int16).numpy().reshape(-1)
+            if sid.startswith("bias"):
+                bits = host.act_bits(t[f"{sid}.bias_f32"].numpy(), name)
+                got = host.pack_bias(bits, info["Np"])
+            else:
+                got = host.pack_scales(t[f"{sid}.scale_f32"].numpy(), name, info["Np"])
+            assert np.array_equal(got.view(np.int16).reshape(-1), expect), (sid, name)
+
+
+@pytest.mark.parametrize("act", sorted(target.ACT_DTYPES))
+def test_scales_and_bias_match_torch(act):
+    """Random in-range scales and any-value biases, padded from N=200 to 256."""
+    dt = marlin.TORCH_ACT_DTYPES[act]
+    rng = np.random.default_rng(7)
+    s = (rng.random(200, dtype=np.float32) * 255.0 + 1e-30).astype(np.float32)
+    s[:5] = [target.act_dtype(act).fold_limit, 1e-40, 2.0**-24, 1.0, 2.0**-20]
+    want = marlin.pack_scales(torch.from_numpy(s), dt, 256).view(torch.int16).numpy()
+    assert np.array_equal(host.pack_scales(s, act, 256).view(np.int16), want)
+    b = np.concatenate([SPECIAL, _random_f32(180, 9)])
+    want = marlin.pack_bias(torch.from_numpy(b), dt, 256).view(torch.int16).numpy()
+    assert np.array_equal(host.pack_bias(host.act_bits(b, act), 256).view(np.int16), want)
+
+
+# --- whole conversions ------------------------------------------------------------------------
+
+MODELS = {
+    "tensor": dict(arch="llama", scheme="FP8", hidden=192, intermediate=320),
+    "channel-f16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
+    "bias": dict(arch="qwen2", scheme="FP8", hidden=256, heads=4, kv_heads=2),
+    "bias-f32": dict(arch="qwen2", scheme="FP8_DYNAMIC", dtype="float32", hidden=256, heads=4,
+                     kv_heads=2),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("host")
+    return {name: make_checkpoint(root / name, **kw) for name, kw in MODELS.items()}
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize(
+    "model, act, tp",
+    [("tensor", "bfloat16", 2), ("tensor", "float16", 1), ("channel-f16", "bfloat16", 2),
+     ("bias", "float16", 2), ("bias", "bfloat16", 1), ("bias-f32", "bfloat16", 2)],
+)  # fmt: skip
+def test_host_and_torch_paths_write_the_same_sidecar(models, tmp_path, monkeypatch, model, act, tp):
+    ck = models[model]
+    a = run_convert(ck, tmp_path / "host", act_dtype=act, tp=tp, device="cpu")
+    assert "import_torch" not in a.seconds  # the host path took it
+    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
+    b = run_convert(ck, tmp_path / "torch", act_dtype=act, tp=tp, device="cpu")
+    assert "import_torch" in b.seconds
+    assert a.digest == b.digest
+    assert _files(a.out) == _files(b.out)
+
+
+def test_requantizing_plans_take_the_torch_path(models, tmp_path):
+    r = run_convert(models["tensor"], tmp_path / "o", profile="w8a8-marlin", tp=2, device="cpu")
+    assert "import_torch" in r.seconds
+
+
+def test_a_host_conversion_never_imports_torch(models, tmp_path):
+    """In a fresh process, the CLI's conversion on the CPU (the scheme check forks its child
+    first) leaves torch unimported: Note [host path]."""
+    code = (
+        "import sys; from mpack.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(json.dumps('torch' in sys.modules))"
+    )
+    args = ["convert", str(models["bias"]), "-o", str(tmp_path / "o"), "--device", "cpu"]
+    r = subprocess.run([sys.executable, "-c", "import json\n" + code, *args], env=cli_env(),
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) is False, r.stdout
+    assert (tmp_path / "o" / "mpack.json").is_file()
+
+
+def test_no_cuda_here(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert no_cuda_here()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert no_cuda_here()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert no_cuda_here() is (
+        not os.path.exists("/dev/nvidiactl") and not os.path.exists("/dev/kfd")
+    )
