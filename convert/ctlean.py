@@ -17,6 +17,8 @@ from types import ModuleType
 from typing import Any
 
 ROOT = "compressed_tensors"
+#: Modules the lean import stands in for (Note [deferred transformers]).
+DEFERRED = ("transformers",)
 
 # Note [lean import]: `import compressed_tensors` runs every package's __init__, which re-exports
 # everything: its model-offloading helpers import transformers and torch.distributed.tensor. That
@@ -33,6 +35,16 @@ ROOT = "compressed_tensors"
 # checkpoint can only get faster and a bad one gets the same error. tests/convert/test_ctlean.py
 # checks that both imports reach the same verdict on good and bad configs, and that the lean one
 # leaves transformers' model code and torch.distributed.tensor unimported.
+#
+# Note [deferred transformers]: the models' base class (`Aliasable`) lives in
+# compressed_tensors/utils/helpers.py, which imports `AutoConfig` and `PretrainedConfig` from
+# transformers at its top for helpers the parse never calls. `import transformers` is 0.57 s on
+# the 2-core machine, about a third of the check after torch. Under the lean import, the child
+# therefore gets a stand-in `transformers` module whose names are placeholders
+# (:class:`_Deferred`): using one (calling it, reading an attribute) imports the real
+# transformers and forwards to it. A use the placeholder cannot forward (isinstance, a base
+# class, a pydantic field type) raises, which makes the lean verdict a crash and the child runs
+# the full import: as for the packages, the stand-in can only speed up a good check.
 
 
 def _reexport_sources(init: Path) -> list[str]:
@@ -90,7 +102,61 @@ class _LazyPackages(importlib.abc.MetaPathFinder):
         return spec
 
 
-_FINDER = _LazyPackages()
+class _Deferred:
+    """A name imported from a deferred module: the real one is imported on first use."""
+
+    def __init__(self, module: str, attr: str) -> None:
+        self._where = (module, attr)
+
+    def _real(self) -> Any:
+        module, attr = self._where
+        _FINDER.released.add(module)  # from now on the real module
+        if isinstance(sys.modules.get(module), _StandIn):
+            del sys.modules[module]
+        return getattr(importlib.import_module(module), attr)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(self._real(), attr)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._real()(*args, **kwargs)
+
+
+class _StandIn(ModuleType):
+    """A deferred module: every public name is a :class:`_Deferred` placeholder."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Deferred(self.__name__, attr)
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return _StandIn(spec.name)
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+class _LeanFinder(_LazyPackages):
+    """:class:`_LazyPackages`, and a stand-in for each of :data:`DEFERRED` until one of its
+    names is used (``released``)."""
+
+    def __init__(self) -> None:
+        self.released: set[str] = set()
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname in DEFERRED and fullname not in self.released:
+            return importlib.machinery.ModuleSpec(fullname, _StandInLoader())
+        return super().find_spec(fullname, path, target)
+
+
+_FINDER = _LeanFinder()
 
 
 def install() -> bool:
@@ -98,15 +164,22 @@ def install() -> bool:
     is already imported."""
     if any(m == ROOT or m.startswith(ROOT + ".") for m in sys.modules):
         return False
+    if any(m in sys.modules for m in DEFERRED):  # imported for real already: nothing to defer
+        return False
     if _FINDER not in sys.meta_path:
+        _FINDER.released.clear()
         sys.meta_path.insert(0, _FINDER)
     return True
 
 
 def uninstall() -> None:
     """Back to the normal import: the finder removed, and every compressed_tensors module
-    imported under it forgotten, so that the next import runs the package __init__ files."""
+    imported under it (and every stand-in) forgotten, so that the next import runs the package
+    __init__ files and imports the real modules."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     for m in [m for m in sys.modules if m == ROOT or m.startswith(ROOT + ".")]:
         del sys.modules[m]
+    for m in DEFERRED:
+        if isinstance(sys.modules.get(m), _StandIn):
+            del sys.modules[m]

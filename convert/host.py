@@ -17,6 +17,7 @@ than BF16, F16 or F32, and a machine where the native repack was not built.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor
 
 import numpy as np
@@ -27,8 +28,8 @@ from mpack.convert.checkpoint import Checkpoint, float32_values, read_scale_arra
 from mpack.convert.plan import OutLayer, Plan
 from mpack.target import BIAS, SCALE, WEIGHT
 
-__all__ = ["act_bits", "bf16_bits", "f16_bits", "pack_bias", "pack_scales", "read_unit",
-           "supported", "transform"]  # fmt: skip
+__all__ = ["Buffers", "act_bits", "bf16_bits", "f16_bits", "pack_bias", "pack_scales",
+           "read_unit", "supported", "transform"]  # fmt: skip
 
 _BIAS_DTYPES = ("BF16", "F16", "F32")
 _PERM = np.array(target.SCALE_PERM, dtype=np.intp)
@@ -48,6 +49,51 @@ def supported(plan: Plan) -> bool:
             ):
                 return False
     return True
+
+
+# --- buffers ----------------------------------------------------------------------------------
+
+
+class Buffers:
+    """Byte arrays handed round again: a checkpoint weight once its unit is transformed, a packed
+    weight once it is written.
+
+    Note [recycled buffers]: a fresh array of a few hundred MB is fresh memory, and the first
+    write to each of its pages is a page fault in which the kernel zeroes the page; under a
+    sandboxing kernel (gVisor, on the H200 machine) faults cost several times more. The host path
+    reads and writes each weight once, so those faults were a cost of the same order as the repack
+    itself (a repack into a fresh array ran at 1.4 GB/s on one core here, into a used one at 2.1-
+    2.4 GB/s). So the stream reuses its arrays: :meth:`take` gives a cached array of that size
+    when one is free, :meth:`give` caches an array once nothing reads it any more. At most
+    ``keep`` arrays of each size are cached, so the cache is bounded by the largest layers, not by
+    the model.
+    """
+
+    MIN_BYTES = 1 << 20  # smaller arrays are cheap to make: not cached
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of ``nbytes`` (contents undefined)."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, a: np.ndarray) -> None:
+        """Cache the array ``a`` views (its root base), which nothing may read any more."""
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        if a.base is not None or a.dtype != np.uint8 or a.ndim != 1 or a.nbytes < self.MIN_BYTES:
+            return  # not one of ours (a view of foreign memory, or small)
+        with self._lock:
+            free = self._free.setdefault(a.nbytes, [])
+            if len(free) < self.keep and all(f is not a for f in free):
+                free.append(a)
 
 
 # --- casts ------------------------------------------------------------------------------------
@@ -117,15 +163,20 @@ def pack_bias(bias_bits: np.ndarray, np_: int) -> np.ndarray:
 # --- one unit ---------------------------------------------------------------------------------
 
 
-def read_unit(ck: Checkpoint, unit: list[OutLayer], act: str) -> dict[str, np.ndarray]:
-    """The checkpoint arrays the unit's layers need: weights as uint8 ``[N, K]``, scales as
-    float32, biases already cast to ``act`` (uint16 bits; the cast is elementwise, so it
-    commutes with fusing and slicing)."""
+def read_unit(
+    ck: Checkpoint, unit: list[OutLayer], act: str, buffers: Buffers | None = None
+) -> dict[str, np.ndarray]:
+    """The checkpoint arrays the unit's layers need: weights as uint8 ``[N, K]`` (into arrays
+    from ``buffers`` when given), scales as float32, biases already cast to ``act`` (uint16 bits;
+    the cast is elementwise, so it commutes with fusing and slicing)."""
     src: dict[str, np.ndarray] = {}
     st = target.act_dtype(act).st
     for module in dict.fromkeys(p.module for p in unit[0].pieces):
         wname = f"{module}.{WEIGHT}"
-        src[wname] = ck.read_bytes(wname).reshape(ck.tensors[wname].shape)
+        t = ck.tensors[wname]
+        w = buffers.take(t.nbytes) if buffers is not None else np.empty(t.nbytes, np.uint8)
+        ck.read_into(wname, memoryview(w))
+        src[wname] = w.reshape(t.shape)
         src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
         if unit[0].has_bias:
             bname = f"{module}.{BIAS}"
@@ -135,15 +186,24 @@ def read_unit(ck: Checkpoint, unit: list[OutLayer], act: str) -> dict[str, np.nd
 
 
 def transform(
-    layer: OutLayer, src: dict[str, np.ndarray], act_dtype: str, pool: Executor | None = None
+    layer: OutLayer,
+    src: dict[str, np.ndarray],
+    act_dtype: str,
+    pool: Executor | None = None,
+    buffers: Buffers | None = None,
 ) -> list[np.ndarray]:
     """One rank's Marlin tensors for ``layer`` from :func:`read_unit`'s arrays, in the order
     of its tensor specs: ``[weight int32 [Kp/16, 4Np], weight_scale [1, Np], (bias [Np])]``
-    (the last two as the uint16 bits of the activation dtype)."""
+    (the last two as the uint16 bits of the activation dtype). The weight goes into an array
+    from ``buffers`` when given."""
     rows = [
         host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
     ]
-    out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool)]
+    shape = target.packed_weight_shape(layer.np_, layer.kp)
+    dst = None
+    if buffers is not None:
+        dst = buffers.take(4 * shape[0] * shape[1]).view(np.int32).reshape(shape)
+    out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
     if layer.strategy == "channel":
         scale_n = np.concatenate(
             [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]

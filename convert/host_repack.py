@@ -64,6 +64,7 @@ def pack_rows(
     np_: int | None = None,
     kp: int | None = None,
     pool: Executor | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Zero-pad to ``(Np, Kp)`` and repack (SPEC §3.3, §5), from row addresses.
 
@@ -73,6 +74,7 @@ def pack_rows(
         k: bytes per row (``K``).
         np_, kp: padded dims; default :func:`mpack.target.padded_nk` ``(N, K)``.
         pool: threads to split the n-tiles over (the GIL is released).
+        out: where to write (int32 ``[Kp/16, 4*Np]``, C-contiguous); default a new array.
 
     Returns:
         int32 ``[Kp/16, 4*Np]``, the bytes of :func:`mpack.convert.marlin.pack_weight`.
@@ -85,7 +87,11 @@ def pack_rows(
     n = addrs.shape[0]
     if np_ is None or kp is None:
         np_, kp = target.padded_nk(n, k)
-    out = np.empty(target.packed_weight_shape(np_, kp), dtype=np.int32)
+    shape = target.packed_weight_shape(np_, kp)
+    if out is None:
+        out = np.empty(shape, dtype=np.int32)
+    elif out.shape != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous int32 {shape}, got {out.dtype} {out.shape}")
     a_rows, a_out = addrs.ctypes.data, out.ctypes.data
     tiles = np_ // 64
     step = max(1, RUN_BYTES // (64 * max(kp, 16)))  # n-tiles per call

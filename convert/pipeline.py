@@ -469,17 +469,20 @@ def _stream_layers(
     # CPU: the repack's blocks on a pool of threads (Note [repack in blocks], [host repack])
     on_cpu = dev is None or dev.type == "cpu"
     threads = stack.enter_context(pool("repack", host_repack.block_workers())) if on_cpu else None
-    read = None
+    read = recycle = None
     if dev is None:
         from mpack.convert import host
 
-        xf = functools.partial(host.transform, act_dtype=plan.act_dtype, pool=threads)
-        read = functools.partial(host.read_unit, act=plan.act_dtype)
+        buffers = host.Buffers()  # Note [recycled buffers]
+        xf = functools.partial(host.transform, act_dtype=plan.act_dtype, pool=threads,
+                               buffers=buffers)  # fmt: skip
+        read = functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
+        recycle = buffers.give
     else:
         from mpack.convert.transform import transform
 
         xf = functools.partial(transform, act_dtype=plan.act_dtype, pool=threads)
-    Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl, read).run()
+    Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl, read, recycle).run()
 
 
 def _open_writers(plan: Plan, work: Path, stack: contextlib.ExitStack) -> dict[str, HashingWriter]:

@@ -62,6 +62,7 @@ class WriteItem:
     data: Any  # bytes-like (a numpy array or a memoryview: both have ``nbytes``)
     slot: Slot | None = None
     ready: Any = None  # torch.cuda.Event to wait for before reading ``data``
+    owner: np.ndarray | None = None  # a host result: handed to ``recycle`` once written
 
 
 class Streamer:
@@ -70,6 +71,9 @@ class Streamer:
     ``device``: a torch device, or None for the host path (``read_unit`` then gives the
     transform numpy arrays: :func:`mpack.convert.host.read_unit`). ``read_unit``: how a unit's
     checkpoint tensors are read on the CPU (default :func:`mpack.convert.transform.read_unit`).
+    ``recycle``: called with every host array nothing reads any more (a unit's inputs once it
+    is transformed, a result once it is written): Note [recycled buffers] in
+    :mod:`mpack.convert.host`.
     """
 
     def __init__(
@@ -82,13 +86,14 @@ class Streamer:
         on_unit: Callable[[int], None] | None = None,
         timeline: Timeline | None = None,
         read_unit: ReadUnit | None = None,
+        recycle: Callable[[np.ndarray], None] | None = None,
     ) -> None:
         self.plan, self.writers, self.dev = plan, writers, device
         self.timeline = timeline or Timeline()
         self.transform, self.on_written, self.on_unit = transform, on_written, on_unit
         if read_unit is None:
             from mpack.convert.transform import read_unit
-        self.read_unit = read_unit
+        self.read_unit, self.recycle = read_unit, recycle
         self.abort = threading.Event()
         self.cuda = device is not None and device.type == "cuda"
         self._units: queue.Queue = queue.Queue(UNITS_AHEAD)
@@ -164,6 +169,8 @@ class Streamer:
                 item.writer.write_at(item.offset, item.data)
                 if item.slot is not None:
                     self.out_ring.release(item.slot)
+                if item.owner is not None and self.recycle is not None:
+                    self.recycle(item.owner)
                 self.timeline.add("write", item.writer.path.name, t1, time.perf_counter())
                 self.on_written(item.data.nbytes)
         except BaseException:
@@ -178,7 +185,8 @@ class Streamer:
             flat = _flat_bytes(tensor)
             assert flat.nbytes == entry.nbytes, spec.name
             if isinstance(flat, np.ndarray):
-                item = WriteItem(w, entry.offset, flat)
+                owner = tensor if isinstance(tensor, np.ndarray) else None
+                item = WriteItem(w, entry.offset, flat, owner=owner)
                 put_or_abort(self._writes, item, self.abort)
                 continue
             for a in range(0, entry.nbytes, PIECE):
@@ -200,6 +208,10 @@ class Streamer:
                 for i, (unit, src, ready) in enumerate(self._incoming()):
                     t = time.perf_counter()
                     self._transform_unit(unit, src, ready)
+                    if self.recycle is not None:
+                        for x in src.values():
+                            if isinstance(x, np.ndarray):
+                                self.recycle(x)
                     del src
                     self.timeline.add("transform", "unit", t, time.perf_counter())
                     if self.on_unit:

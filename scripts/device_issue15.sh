@@ -3,6 +3,7 @@
 # skips it) so that what ran comes back in $OUT:
 #   - test-gpu: the whole GPU suite (make test-gpu), ~4 min on the H200;
 #   - host: the host path's CPU tests (tests/convert/test_host.py), on the extension built there;
+#   - ab-threads (after the bench, on its checkpoint): scripts/ab_host_threads.py;
 #   - bench: scripts/bench_vs_tools.py on the 8B-shaped checkpoint, every row against its peer of
 #     the same run (vs_tools.json after every row; the log; vs_tools.md at the end). With REPS=1
 #     on the H200 (16 cores): synth ~50 s, the warm rows (cp -r, convert cuda, cpu at 16 and 4
@@ -10,7 +11,7 @@
 #     costs ~1.5 min: about 5.5 minutes.
 # BENCH_COMMIT names the tree in the record (give it literally: the copy's own .git there is not
 # this checkout's). Exits with the first failing step's status.
-#   usage (device tool, carry .device): [SUITE_S=0] [HOST_S=0] [BENCH_S=450] [LAYERS=32] [REPS=1]
+#   usage (device tool, carry .device): [SUITE_S=0] [HOST_S=0] [BENCH_S=450] [AB_S=0] [LAYERS=32] [REPS=1]
 #     [ONLY=convert,load,...] [BENCH_COMMIT=abc1234] bash scripts/device_issue15.sh
 source "$(dirname "$0")/device_env.sh"
 export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
@@ -22,4 +23,7 @@ step host "${HOST_S:-0}" python3 -P -m pytest -q -p no:cacheprovider tests/conve
 step vs_tools "${BENCH_S:-450}" python3 scripts/bench_vs_tools.py --workdir /tmp/mpack-bench-vs \
   --layers "${LAYERS:-32}" --devices cuda,cpu --cores 16,4 --cold drop --reps "${REPS:-1}" \
   "${only[@]}" --json "$OUT/vs_tools.json" --md "$OUT/vs_tools.md"
+# ab-threads: the host path's repack threads per CPU count, on the bench's checkpoint (warm)
+step ab-threads "${AB_S:-0}" python3 scripts/ab_host_threads.py /tmp/mpack-bench-vs/src \
+  /tmp/mpack-bench-vs/ab-out --cases "${AB_CASES:-4:2,4:4,16:12,16:16}" --json "$OUT/ab-threads.json"
 exit "$rc"

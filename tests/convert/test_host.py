@@ -218,3 +218,47 @@ def test_no_cuda_here(monkeypatch):
     assert no_cuda_here() is (
         not os.path.exists("/dev/nvidiactl") and not os.path.exists("/dev/kfd")
     )
+
+
+# --- recycled buffers (Note [recycled buffers]) -----------------------------------------------
+
+
+def test_buffers_hand_arrays_round_again():
+    b = host.Buffers(keep=2)
+    big = host.Buffers.MIN_BYTES
+    a = b.take(big)
+    b.give(a.view(np.int32).reshape(4, -1))  # any view of it gives the array back
+    assert b.take(big) is a
+    assert b.take(big) is not a  # taken: a new one
+    b.give(a)
+    b.give(a)  # twice: cached once
+    assert b.take(big) is a and b.take(big) is not a
+    b = host.Buffers(keep=2)
+    made = [b.take(big) for _ in range(3)]
+    for x in made:
+        b.give(x)
+    got = [b.take(big) for _ in range(3)]
+    assert sum(any(g is x for x in made) for g in got) == 2  # at most `keep` of a size
+    small = b.take(100)
+    b.give(small)
+    assert b.take(100) is not small  # small arrays are not cached
+    f32 = np.zeros(big, np.float32)
+    b.give(f32)
+    assert b.take(f32.nbytes) is not f32  # only byte arrays are
+    foreign = np.frombuffer(bytearray(big), np.uint8)
+    b.give(foreign)
+    assert b.take(big) is not foreign  # nor memory that is not numpy's own
+
+
+def test_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch):
+    """With every byte array recycled (no size floor), the sidecar is the torch path's: no
+    array is handed out again while something still reads it."""
+    monkeypatch.setattr(host.Buffers, "MIN_BYTES", 0)
+    given = []
+    real_give = host.Buffers.give
+    monkeypatch.setattr(host.Buffers, "give", lambda self, a: (given.append(1), real_give(self, a)))
+    a = run_convert(models["bias"], tmp_path / "host", act_dtype="float16", tp=2, device="cpu")
+    assert len(given) > 10
+    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
+    b = run_convert(models["bias"], tmp_path / "torch", act_dtype="float16", tp=2, device="cpu")
+    assert _files(a.out) == _files(b.out)
