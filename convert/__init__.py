@@ -45,7 +45,8 @@ def convert(
         act_dtype: ``"bfloat16"`` / ``"float16"``; default: the checkpoint's dtype.
         tp: tensor-parallel size; one rank file per rank.
         fuse: ``"vllm"`` (qkv_proj / gate_up_proj) or ``"none"`` (checkpoint names, tp 1).
-        device: ``"auto"`` (CUDA when present), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
+        device: ``"auto"`` (the host path on 8+ cores or without a GPU, else CUDA when
+            present: Note [auto device]), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
         passthrough: also write ``common.safetensors`` (embeddings, norms, lm_head).
         force: redo the work even if ``out`` is up to date, or replace another sidecar there.
 

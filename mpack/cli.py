@@ -201,7 +201,8 @@ ConvertDeviceOpt = Annotated[
     typer.Option(
         "--device",
         metavar="[auto|cpu|cuda|cuda:N]",
-        help="Where the transform runs (identical bytes on each); auto: CUDA when present.",
+        help="Where the transform runs (identical bytes on each); auto: the CPU without torch on "
+        "8+ cores or without a GPU (native repack built), else CUDA when present.",
     ),
 ]
 NoPassthroughOpt = Annotated[

@@ -209,6 +209,20 @@ def test_a_host_conversion_never_imports_torch(models, tmp_path):
     assert (tmp_path / "o" / "mpack.json").is_file()
 
 
+@pytest.mark.parametrize("cores, cuda_maybe, host_path", [(2, False, True), (16, True, True),
+                                                         (4, True, False)])  # fmt: skip
+def test_auto_device(models, tmp_path, monkeypatch, cores, cuda_maybe, host_path):
+    """Note [auto device]: ``auto`` takes the host path where there is surely no GPU, or on
+    AUTO_HOST_CORES cores or more; else it asks torch (here: no CUDA, so torch's CPU path)."""
+    from mpack import iokit
+    from mpack.convert import pipeline
+
+    monkeypatch.setattr(iokit, "usable_cores", lambda: cores)
+    monkeypatch.setattr(pipeline, "no_cuda_here", lambda: not cuda_maybe)
+    r = run_convert(models["tensor"], tmp_path / "o", device="auto")
+    assert ("import_torch" not in r.seconds) is host_path
+
+
 def test_no_cuda_here(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert no_cuda_here()
