@@ -5,7 +5,8 @@
 Each case ``C:T`` runs ``mpack convert SRC -o OUT --device cpu --force --json`` in a fresh
 process under ``taskset -c 0-(C-1)`` with ``T`` repack threads (the process sets
 ``host_repack.block_workers`` before the CLI runs), SRC warm, OUT removed and every dirty page
-written back first. Prints the wall time and the process's own phases of each, in order.
+written back first. Prints the wall time, the CPU time of the process and its scheme-check child
+(user and system, from ``getrusage``) and the process's own phases of each, in order.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -35,14 +37,18 @@ def one(src: Path, out: Path, cores: int, threads: int) -> dict:
     os.sync()
     cmd = ["taskset", "-c", f"0-{cores - 1}", sys.executable, "-c", WRAP, str(threads),
            "convert", str(src), "-o", str(out), "--device", "cpu", "--force", "--json"]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode:
         raise SystemExit(f"case {cores}:{threads} failed ({r.returncode}): {r.stderr[-2000:]}")
     text = r.stdout
     summary = json.loads(text[text.index("{") : text.rindex("}") + 1])
     return {"cores": cores, "threads": threads, "wall": round(wall, 3),
+            "user": round(after.ru_utime - before.ru_utime, 3),
+            "sys": round(after.ru_stime - before.ru_stime, 3),
             "seconds": {k: round(v, 3) for k, v in summary.get("seconds", {}).items()}}  # fmt: skip
 
 
@@ -62,7 +68,8 @@ def main() -> int:
             continue
         res = one(a.src, a.out, cores, threads)
         s = res["seconds"]
-        print(f"{cores} cores, {threads} repack threads: {res['wall']:.2f} s wall; "
+        print(f"{cores} cores, {threads} repack threads: {res['wall']:.2f} s wall, CPU user "
+              f"{res['user']:.2f} s + sys {res['sys']:.2f} s; "
               f"transform_busy {s.get('transform_busy', 0):.2f}, write_wait "
               f"{s.get('write_wait', 0):.2f}, wait_scheme_check {s.get('wait_scheme_check', 0):.2f}",
               flush=True)  # fmt: skip

@@ -23,7 +23,12 @@ step host "${HOST_S:-0}" python3 -P -m pytest -q -p no:cacheprovider tests/conve
 step vs_tools "${BENCH_S:-450}" python3 scripts/bench_vs_tools.py --workdir /tmp/mpack-bench-vs \
   --layers "${LAYERS:-32}" --devices cuda,cpu --cores 16,4 --cold drop --reps "${REPS:-1}" \
   "${only[@]}" --json "$OUT/vs_tools.json" --md "$OUT/vs_tools.md"
-# ab-threads: the host path's repack threads per CPU count, on the bench's checkpoint (warm)
+# ab-threads: the host path's repack threads per CPU count, on the bench's checkpoint (warm; made
+# here when the bench did not run)
+if [ "${AB_S:-0}" -gt 0 ] && [ ! -f /tmp/mpack-bench-vs/src/config.json ]; then
+  python3 scripts/synth_checkpoint.py /tmp/mpack-bench-vs/src --layers "${LAYERS:-32}" >/dev/null
+  cat /tmp/mpack-bench-vs/src/*.safetensors >/dev/null
+fi
 step ab-threads "${AB_S:-0}" python3 scripts/ab_host_threads.py /tmp/mpack-bench-vs/src \
   /tmp/mpack-bench-vs/ab-out --cases "${AB_CASES:-4:2,4:4,16:12,16:16}" --json "$OUT/ab-threads.json"
 exit "$rc"
