@@ -46,8 +46,8 @@ static void repack_tiles(const uint8_t *const *rows, int64_t n, int64_t k, int64
     const int64_t row_words = 4 * np_; /* words in one packed row: one k-tile of every n */
     const int64_t kts = kp / 16, full = k / 16; /* k-tiles in all; those wholly inside K */
     for (int64_t nt = nt0; nt < nt1; nt++) {
-        for (int i = 0; i < 64; i++) { /* a whole row at a time: 2.4 GB/s on one core here, */
-            const int64_t row = 64 * nt + i; /* against 1.7-1.8 in runs of 8 or 32 k-tiles */
+        for (int i = 0; i < 64; i++) { /* a whole row at a time: 2.4 GB/s of input on one */
+            const int64_t row = 64 * nt + i; /* core here, 1.7-1.8 in runs of 8 or 32 k-tiles */
             const uint8_t *r = row < n ? rows[row] : NULL;
             const int p = 32 * (i & 7) + 2 * (i >> 4) + ((i >> 3) & 1);
             for (int64_t kt = 0; kt < kts; kt++) {

@@ -60,13 +60,13 @@ class Buffers:
 
     Note [recycled buffers]: a fresh array of a few hundred MB is fresh memory, and the first
     write to each of its pages is a page fault in which the kernel zeroes the page; under a
-    sandboxing kernel (gVisor, on the H200 machine) faults cost several times more. The host path
-    reads and writes each weight once, so those faults were a cost of the same order as the repack
-    itself (a repack into a fresh array ran at 1.4 GB/s on one core here, into a used one at 2.1-
-    2.4 GB/s). So the stream reuses its arrays: :meth:`take` gives a cached array of that size
-    when one is free, :meth:`give` caches an array once nothing reads it any more. At most
-    ``keep`` arrays of each size are cached, so the cache is bounded by the largest layers, not by
-    the model.
+    sandboxing kernel (gVisor, on the H200 machine) a fault costs more. The host path reads and
+    writes each weight once, so the stream reuses its arrays: :meth:`take` gives a cached array
+    of that size when one is free, :meth:`give` caches an array once nothing reads it any more.
+    At most ``keep`` arrays of each size are cached, so the cache is bounded by the largest
+    layers, not by the model. On the 2-core machine the repack of an 8B model's layers took
+    4.40 s into fresh arrays and 3.98 s into used ones (``scripts/bench_repack.py --cpu-only``);
+    the effect inside a whole conversion on the H200 was not measured apart.
     """
 
     MIN_BYTES = 1 << 20  # smaller arrays are cheap to make: not cached

@@ -128,7 +128,10 @@ def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     variant of the first pass made of shifts and masks (twice the torch calls) was 25% faster
     on one core here and slower on the 12 threads there (1.26 GB/s alone, 0.68 loaded): not
     kept. On a GPU the whole layer is one block (the fused kernel of
-    :mod:`mpack.convert.cuda_repack` is the fast path there).
+    :mod:`mpack.convert.cuda_repack` is the fast path there). Where the native host repack is
+    built, :func:`pack_weight` uses it for CPU tensors instead of this function (Note [host
+    repack] in :mod:`mpack.convert.host_repack`, about 3x faster on half the threads); this torch
+    path stays as the fallback and as a second implementation the tests compare it with.
     """
     n, k = wck.shape
     if n % 64 or k % 16:

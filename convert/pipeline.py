@@ -9,7 +9,8 @@ Order of work (ARCHITECTURE.md "Data flow"), as :func:`run_convert` reads:
    (:mod:`mpack.convert.plan`), from the headers alone: no torch yet;
 3. if OUT already holds this sidecar (same source files, same target), stop: up to date
    (:func:`mpack.convert.staging.staged_sidecar`, which owns the output directory);
-4. in a hidden work directory: start copying the pass-through tensors on a thread, then import
+4. in a hidden work directory: start copying the pass-through tensors on a thread, then (unless
+   the host path converts: Note [host path] in :mod:`mpack.convert.host`, no torch at all) import
    torch, check the device and every layer's scale values (Note [torch off the critical path]:
    the copy and the source hashing run while the interpreter imports), and stream the fused
    layers through three stages on their own threads — read (from the shards, on CUDA into

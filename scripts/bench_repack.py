@@ -6,7 +6,9 @@ GPU (one layer of each shape, CUDA events, warmup, median of --reps timings; eac
   (a) the fused kernel, ``mpack.convert.cuda_repack.pack_weight_cuda``;
   (b) the torch-op path, ``mpack.convert.marlin.pack_weight`` on CUDA tensors;
   (c) a device-to-device copy of the same N*K bytes, ``dst.copy_(src)``.
-CPU (one layer of each shape, wall clock, median): ``marlin.pack_weight`` vs ``clone()``.
+CPU (one layer of each shape, wall clock, median): the native host repack on one thread
+(``host_repack.pack_rows`` into a fresh array, and into a used one), the torch-op path
+(``marlin.pack_weight`` with ``MPACK_NO_HOST_REPACK=1``, on torch's threads) and ``clone()``.
 The 32-layer totals are the per-shape times summed and multiplied by 32 (6.98 GB of fp8).
 
 Bandwidth counts the bytes an ideal pass moves: the repack reads N*K and writes Np*Kp; the copy
@@ -36,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if (REPO / "cuda" / "marlin_repack.cu").is_file():
     os.environ.setdefault("MPACK_REPACK_SOURCE", str(REPO / "cuda" / "marlin_repack.cu"))
 
-from mpack.convert import cuda_repack, marlin  # noqa: E402
+from mpack.convert import cuda_repack, host_repack, marlin  # noqa: E402
 
 #: One Llama-3.1-8B decoder layer's fused linears, [N, K].
 SHAPES: list[tuple[str, int, int]] = [
@@ -145,7 +147,24 @@ def _cpu_shape(name: str, n: int, k: int, reps: int, warmup: int) -> dict[str, A
     row: dict[str, Any] = {"name": name, "n": n, "k": k, "np": np_, "kp": kp}
     row["bytes_repack"] = n * k + np_ * kp
     row["bytes_copy"] = 2 * n * k
-    row["torch_ms"] = cpu_time_ms(lambda: marlin.pack_weight(src, np_, kp), reps, warmup)
+    prev = os.environ.get("MPACK_NO_HOST_REPACK")
+    os.environ["MPACK_NO_HOST_REPACK"] = "1"  # the torch ops, not the native repack
+    try:
+        row["torch_ms"] = cpu_time_ms(lambda: marlin.pack_weight(src, np_, kp), reps, warmup)
+    finally:
+        if prev is None:
+            del os.environ["MPACK_NO_HOST_REPACK"]
+        else:
+            os.environ["MPACK_NO_HOST_REPACK"] = prev
+    if host_repack.available():
+        rows = host_repack.rows_of(src.numpy())
+        used = host_repack.pack_rows(rows, k, np_, kp)
+        row["native_ms"] = cpu_time_ms(
+            lambda: host_repack.pack_rows(rows, k, np_, kp), reps, warmup
+        )
+        row["native_used_ms"] = cpu_time_ms(
+            lambda: host_repack.pack_rows(rows, k, np_, kp, out=used), reps, warmup
+        )
     row["copy_ms"] = cpu_time_ms(src.clone, reps, warmup)
     return row
 
@@ -157,7 +176,10 @@ def bench_cpu(reps: int, warmup: int) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "shapes": [_cpu_shape(name, n, k, reps, warmup) for name, n, k in SHAPES],
     }
-    res["total"] = _totals(res["shapes"], ("torch_ms", "copy_ms"))
+    keys = ("torch_ms", "copy_ms") + (
+        ("native_ms", "native_used_ms") if host_repack.available() else ()
+    )
+    res["total"] = _totals(res["shapes"], keys)
     return res
 
 
@@ -283,6 +305,12 @@ def print_ratios(results: dict[str, Any]) -> None:
             ("CPU torch-op/clone bandwidth", lambda r: _ratio(r["torch_gbps"], r["copy_gbps"])),
             ("CPU torch-op time / clone", lambda r: _ratio(r["torch_ms"], r["copy_ms"])),
         ]
+        if "native_ms" in cpu["total"]:
+            rows += [
+                ("CPU native time / clone", lambda r: _ratio(r["native_ms"], r["copy_ms"])),
+                ("CPU native (used) / clone", lambda r: _ratio(r["native_used_ms"], r["copy_ms"])),
+                ("CPU torch-op / native time", lambda r: _ratio(r["torch_ms"], r["native_ms"])),
+            ]
     names = [s[0] for s in SHAPES] + [f"x{LAYERS}"]
     print(f"{'':<31}" + "".join(f"{n[:8]:>9}" for n in names))
     for label, f in rows:
@@ -353,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"CPU: {cpu['cpu']}, {cpu['threads']} torch threads; median of {args.cpu_reps}",
         cpu,
-        [("torch", "torch_ms"), ("clone", "copy_ms")],
-    )
+        [("torch", "torch_ms"), ("native", "native_ms"), ("native, used", "native_used_ms"),
+         ("clone", "copy_ms")],
+    )  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
