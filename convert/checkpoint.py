@@ -109,9 +109,11 @@ class Checkpoint:
         out = torch.from_numpy(self.read_bytes(name))
         return out.view(torch_dtype(t.dtype)).reshape(t.shape)
 
-    def read_bytes(self, name: str) -> np.ndarray:
-        """Read one tensor's bytes from disk into a new uint8 array (no torch needed)."""
-        out = np.empty(self.tensors[name].nbytes, dtype=np.uint8)  # every byte is read below
+    def read_bytes(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Read one tensor's bytes from disk into ``out`` (a uint8 array of its size) or a new
+        array; no torch needed."""
+        if out is None:
+            out = np.empty(self.tensors[name].nbytes, dtype=np.uint8)  # every byte is read below
         self.read_into(name, memoryview(out))
         return out
 

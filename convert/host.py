@@ -174,8 +174,7 @@ def read_unit(
     for module in dict.fromkeys(p.module for p in unit[0].pieces):
         wname = f"{module}.{WEIGHT}"
         t = ck.tensors[wname]
-        w = buffers.take(t.nbytes) if buffers is not None else np.empty(t.nbytes, np.uint8)
-        ck.read_into(wname, memoryview(w))
+        w = ck.read_bytes(wname, buffers.take(t.nbytes) if buffers is not None else None)
         src[wname] = w.reshape(t.shape)
         src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
         if unit[0].has_bias:
@@ -210,7 +209,7 @@ def transform(
         )
     else:  # one scale per shard, each over its rows (requantized layers are not taken here)
         shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
-        scale_n = np.repeat(shard, layer.widths) if shard.size > 1 else np.repeat(shard, layer.n)
+        scale_n = np.repeat(shard, layer.widths)
     out.append(pack_scales(scale_n, act_dtype, layer.np_))
     if layer.has_bias:
         bias = np.concatenate(

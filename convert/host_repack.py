@@ -16,8 +16,9 @@ callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give t
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 
 import numpy as np
@@ -29,7 +30,7 @@ try:
 except ImportError:  # not built here (no C compiler at install time)
     _repack = None
 
-__all__ = ["RUN_BYTES", "available", "block_workers", "pack_rows", "rows_of"]
+__all__ = ["RUN_BYTES", "available", "block_pool", "block_workers", "pack_rows", "rows_of"]
 
 #: Input bytes per call into the extension when a pool splits a layer (whole n-tiles).
 RUN_BYTES = 4 << 20
@@ -46,6 +47,13 @@ def block_workers() -> int:
     H200 host, docs/BENCHMARKS.md), although the synthetic sweep favoured them under load."""
     cores = iokit.usable_cores()
     return max(1, cores // 2, cores - 4)
+
+
+@contextlib.contextmanager
+def block_pool(workers: int | None = None) -> Iterator[Executor]:
+    """Threads for a CPU repack's blocks, native or torch (default :func:`block_workers`)."""
+    with iokit.pool("repack", workers or block_workers()) as p:
+        yield p
 
 
 def rows_of(a: np.ndarray, rows: tuple[int, int] | None = None, col: int = 0) -> np.ndarray:

@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 
 import torch
 
-from mpack import iokit, target
+from mpack import target
 from mpack.convert import host_repack
 from mpack.sidecar import torch_dtype
 
@@ -165,15 +165,9 @@ _torch_threads_lock = threading.Lock()
 _torch_threads_users = [0, 0]  # [repacks in a pool now, torch's thread count before the first]
 
 
-#: Repack threads for a CPU conversion (they live with the native repack, which needs no torch).
+#: The CPU repack's threads (they live with the native repack, which needs no torch).
 block_workers = host_repack.block_workers
-
-
-@contextlib.contextmanager
-def block_pool(workers: int | None = None) -> Iterator[Executor]:
-    """Threads for :func:`repack`'s blocks (Note [repack in blocks])."""
-    with iokit.pool("repack", workers or block_workers()) as p:
-        yield p
+block_pool = host_repack.block_pool
 
 
 @contextlib.contextmanager
@@ -233,17 +227,15 @@ def pack_weight(
     n, k = wck.shape
     if np_ is None or kp is None:
         np_, kp = marlin_padded_nk(n, k)
+    if np_ < n or kp < k:
+        raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
     w = _as_bytes(wck)
     if not w.is_cuda and host_repack.available():  # Note [host repack]: one native pass
         rows = w if w.stride(1) == 1 else w.contiguous()
-        if np_ < n or kp < k:
-            raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
         return torch.from_numpy(
             host_repack.pack_rows(host_repack.rows_of(rows.numpy()), k, np_, kp, pool)
         )
     if (np_, kp) != (n, k):
-        if np_ < n or kp < k:
-            raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
         padded = torch.zeros((np_, kp), dtype=torch.uint8, device=w.device)
         padded[:n, :k] = w
         w = padded  # [Np, Kp]

@@ -485,7 +485,7 @@ def _stream_layers(
 
     # CPU: the repack's blocks on a pool of threads (Note [repack in blocks], [host repack])
     on_cpu = dev is None or dev.type == "cpu"
-    threads = stack.enter_context(pool("repack", host_repack.block_workers())) if on_cpu else None
+    threads = stack.enter_context(host_repack.block_pool()) if on_cpu else None
     read = recycle = None
     if dev is None:
         from mpack.convert import host

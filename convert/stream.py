@@ -9,9 +9,9 @@ Three stages run at once, each on its own thread, with bounded queues between th
 - **transform** (the caller's thread): fuse, requantize, repack, scales, bias for unit i. On
   the host path (no device: Note [host path] in :mod:`mpack.convert.host`) these are numpy
   arrays and torch is never imported. On CUDA the weight goes through the fused kernel on a
-  compute stream, and the result goes back
-  into a second ring of pinned pieces with asynchronous copies; the small scale and bias
-  tensors are computed on the host, where they already are.
+  compute stream, and the result goes back into a second ring of pinned pieces with
+  asynchronous copies; the small scale and bias tensors are computed on the host, where they
+  already are.
 - **write** (``mpack-write``): waits for each piece's copy event, appends it to its file
   (:class:`mpack.sidecar.HashingWriter`, which starts the disk writeback and the chunk hashing
   behind it), and hands the piece back to the ring.

@@ -44,8 +44,7 @@ def one(src: Path, out: Path, cores: int, threads: int) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode:
         raise SystemExit(f"case {cores}:{threads} failed ({r.returncode}): {r.stderr[-2000:]}")
-    text = r.stdout
-    summary = json.loads(text[text.index("{") : text.rindex("}") + 1])
+    summary = json.loads(r.stdout)
     return {"cores": cores, "threads": threads, "wall": round(wall, 3),
             "user": round(after.ru_utime - before.ru_utime, 3),
             "sys": round(after.ru_stime - before.ru_stime, 3),

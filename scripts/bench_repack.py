@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -147,15 +148,8 @@ def _cpu_shape(name: str, n: int, k: int, reps: int, warmup: int) -> dict[str, A
     row: dict[str, Any] = {"name": name, "n": n, "k": k, "np": np_, "kp": kp}
     row["bytes_repack"] = n * k + np_ * kp
     row["bytes_copy"] = 2 * n * k
-    prev = os.environ.get("MPACK_NO_HOST_REPACK")
-    os.environ["MPACK_NO_HOST_REPACK"] = "1"  # the torch ops, not the native repack
-    try:
+    with mock.patch.dict(os.environ, {"MPACK_NO_HOST_REPACK": "1"}):  # the torch ops
         row["torch_ms"] = cpu_time_ms(lambda: marlin.pack_weight(src, np_, kp), reps, warmup)
-    finally:
-        if prev is None:
-            del os.environ["MPACK_NO_HOST_REPACK"]
-        else:
-            os.environ["MPACK_NO_HOST_REPACK"] = prev
     if host_repack.available():
         rows = host_repack.rows_of(src.numpy())
         used = host_repack.pack_rows(rows, k, np_, kp)

@@ -50,6 +50,17 @@ def cli(*args: str | os.PathLike, env: dict[str, str] | None = None, timeout: fl
     )
 
 
+def python_c(
+    code: str, *args: str | os.PathLike, env: dict[str, str] | None = None, timeout: float = 300
+) -> str:
+    """Run ``python -c CODE ARGS`` in a fresh interpreter (``env``: default this one's); assert it
+    succeeded and return its stdout."""
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
+                       text=True, env=env, timeout=timeout)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def cli_popen(*args: str | os.PathLike, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m mpack.cli ARGS`` without waiting (output captured to pipes)."""
     return subprocess.Popen(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
-from helpers import edit_config, weight_args  # noqa: E402
+from helpers import edit_config, python_c, weight_args  # noqa: E402
 
 from mpack.fixtures import make_checkpoint  # noqa: E402
 
@@ -43,10 +41,7 @@ print(json.dumps({"lean": lean, "full": full, "heavy": heavy,
 
 
 def _verdicts(root: Path) -> dict:
-    r = subprocess.run([sys.executable, "-c", _BOTH, str(root)], capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(python_c(_BOTH, root).strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +103,7 @@ def test_child_falls_back_to_the_full_import(good: Path) -> None:
         "print(json.dumps(child_verdict(Path(sys.argv[1]))))\n"
         "print('compressed_tensors.offload' in sys.modules)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(good)], capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    verdict, full_import = r.stdout.strip().splitlines()[-2:]
+    verdict, full_import = python_c(code, good).strip().splitlines()[-2:]
     assert json.loads(verdict)[0] == "ok"
     assert full_import == "True"  # the verdict came from the full import
 
@@ -130,6 +122,4 @@ def test_deferred_transformers_forwards_to_the_real_module() -> None:
         "ctlean.uninstall()\n"
         "print(sys.modules['transformers'] is transformers)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "3", "True", "True"]
+    assert python_c(code).split() == ["True", "3", "True", "True"]

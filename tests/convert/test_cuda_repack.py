@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import python_c
 from reference import load_vectors, rand_bytes
 
 from mpack.convert import cuda_repack as cr
@@ -64,9 +63,7 @@ def test_import_is_lean():
         "after = {m for m in sys.modules if m.startswith('cuda')}\n"
         "print(sorted(after - before), torch.cuda.is_initialized())\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[] False"
+    assert python_c(code, timeout=120).strip() == "[] False"
 
 
 def test_kernel_source_matches_the_launcher():

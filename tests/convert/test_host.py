@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import cli_env
+from helpers import cli_env, python_c
 from reference import independent_unpack, load_vectors, rand_bytes
 
 from mpack import iokit, target
@@ -202,10 +200,8 @@ def test_a_host_conversion_never_imports_torch(models, tmp_path):
         "print(json.dumps('torch' in sys.modules))"
     )
     args = ["convert", str(models["bias"]), "-o", str(tmp_path / "o"), "--device", "cpu"]
-    r = subprocess.run([sys.executable, "-c", "import json\n" + code, *args], env=cli_env(),
-                       capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1]) is False, r.stdout
+    out = python_c("import json\n" + code, *args, env=cli_env(), timeout=180)
+    assert json.loads(out.strip().splitlines()[-1]) is False, out
     assert (tmp_path / "o" / "mpack.json").is_file()
 
 
