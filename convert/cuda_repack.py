@@ -17,8 +17,10 @@ How it is built and run:
   kernel's bytes against the torch path once); :func:`pack_weight_fast` uses the kernel for CUDA
   tensors when it is available and :func:`mpack.convert.marlin.pack_weight` otherwise.
 
-Importing this module imports neither cuda-bindings nor touches CUDA: both happen on the first
-call that needs them. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch path is used);
+Importing this module imports neither torch nor cuda-bindings, and touches no CUDA: each
+happens on the first call that needs it. Building, loading and launching need no torch
+(:mod:`mpack.convert.driver` runs the kernel without it); :func:`pack_weight_cuda` and
+:func:`available` are the torch wrappers. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch path is used);
 ``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; ``MPACK_CACHE_DIR``
 overrides the cache directory.
 """
@@ -32,13 +34,13 @@ import tempfile
 import threading
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mpack import cudadrv
-from mpack.convert import marlin
+from mpack import cudadrv, target
 from mpack.errors import UsageError
+
+if TYPE_CHECKING:  # the torch wrappers import it on use: the driver path runs without it
+    import torch
 
 __all__ = [
     "CudaKernelError",
@@ -206,13 +208,26 @@ def _write_atomically(path: Path, data: bytes) -> None:
 # --- CUDA driver -----------------------------------------------------------------------------
 
 
-def _functions(ordinal: int) -> dict[int, Any]:
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    """(major, minor) of CUDA device ``ordinal``, from the driver."""
+    d = cudadrv.init()
+    dev = cudadrv.device(ordinal)
+    attr = d.CUdevice_attribute
+    major = cudadrv.check(
+        d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc"
+    )
+    minor = cudadrv.check(
+        d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cc"
+    )
+    return int(major), int(minor)
+
+
+def functions(ordinal: int) -> dict[int, Any]:
     """The kernel's entry points on device ``ordinal``, compiled and loaded on first use."""
     with _lock:
         hit = _modules.get(ordinal)
         if hit is None:
-            cc = torch.cuda.get_device_capability(ordinal)
-            image = compile_kernel(cc)
+            image = compile_kernel(compute_capability(ordinal))
             with cudadrv.on_device(ordinal) as d:
                 module = cudadrv.check(d.cuModuleLoadData(image), "cuModuleLoadData")
                 funcs = {
@@ -223,7 +238,7 @@ def _functions(ordinal: int) -> dict[int, Any]:
     return hit[1]
 
 
-def _load_width(ptr: int, ld: int, k: int) -> int:
+def load_width(ptr: int, ld: int, k: int) -> int:
     """Widest global load (16, 4 or 1 bytes) that the base pointer, row stride and K allow."""
     for vec in (16, 4):
         if ptr % vec == 0 and ld % vec == 0 and k % vec == 0:
@@ -231,7 +246,7 @@ def _load_width(ptr: int, ld: int, k: int) -> int:
     return 1
 
 
-def _launch(
+def launch(
     func: Any,
     ordinal: int,
     src: int,
@@ -275,7 +290,23 @@ def _launch(
 # --- public API ------------------------------------------------------------------------------
 
 
+def check_dims(n: int, k: int, np_: int | None, kp: int | None) -> tuple[int, int]:
+    """The padded ``(Np, Kp)`` of an ``[n, k]`` layer (default :func:`mpack.target.padded_nk`),
+    checked against the kernel's limits; raises ``ValueError``."""
+    if np_ is None or kp is None:
+        np_, kp = target.padded_nk(n, k)
+    if np_ < n or kp < k:
+        raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
+    if np_ % 64 or kp % 16:
+        raise ValueError(f"padded dims need Np % 64 == 0 and Kp % 16 == 0, got ({np_}, {kp})")
+    if -(-np_ // BLOCK_N) > _MAX_GRID_Y or np_ >= 2**31 or kp >= 2**31:
+        raise ValueError(f"layer too large for the repack kernel's grid: ({np_}, {kp})")
+    return np_, kp
+
+
 def _bytes_2d(wck: torch.Tensor) -> torch.Tensor:
+    from mpack.convert import marlin
+
     if wck.dim() != 2:
         raise ValueError(f"expected a 2-D [N, K] weight, got shape {tuple(wck.shape)}")
     return marlin._as_bytes(wck)
@@ -301,16 +332,11 @@ def pack_weight_cuda(
     """
     if not wck.is_cuda:
         raise ValueError(f"pack_weight_cuda needs a CUDA tensor, got one on {wck.device}")
+    import torch
+
     w = _bytes_2d(wck)
     n, k = w.shape
-    if np_ is None or kp is None:
-        np_, kp = marlin.marlin_padded_nk(n, k)
-    if np_ < n or kp < k:
-        raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
-    if np_ % 64 or kp % 16:
-        raise ValueError(f"padded dims need Np % 64 == 0 and Kp % 16 == 0, got ({np_}, {kp})")
-    if -(-np_ // BLOCK_N) > _MAX_GRID_Y or np_ >= 2**31 or kp >= 2**31:
-        raise ValueError(f"layer too large for the repack kernel's grid: ({np_}, {kp})")
+    np_, kp = check_dims(n, k, np_, kp)
     if k > 1 and w.stride(1) != 1:
         w = w.contiguous()
     ordinal = w.device.index if w.device.index is not None else torch.cuda.current_device()
@@ -318,10 +344,10 @@ def pack_weight_cuda(
     if out.numel() == 0:
         return out
     ld = w.stride(0) if n > 1 else max(k, 1)
-    vec = _load_width(w.data_ptr(), ld, k)
-    func = _functions(ordinal)[vec]
+    vec = load_width(w.data_ptr(), ld, k)
+    func = functions(ordinal)[vec]
     stream = torch.cuda.current_stream(w.device).cuda_stream
-    _launch(func, ordinal, w.data_ptr(), ld, out.data_ptr(), (n, k, np_, kp), stream)
+    launch(func, ordinal, w.data_ptr(), ld, out.data_ptr(), (n, k, np_, kp), stream)
     return out
 
 
@@ -335,9 +361,13 @@ def _probe(ordinal: int) -> tuple[bool, str | None]:
     except UsageError as e:
         return False, f"{e}: {e.hint}"
     try:
+        import torch
+
+        from mpack.convert import marlin
+
         if not torch.cuda.is_available():
             return False, "no CUDA device"
-        _functions(ordinal)
+        functions(ordinal)
         # One small self-check per device (padding in N and K, both fast paths): a wrong byte
         # here means a broken toolchain, and the torch path is used instead.
         dev = torch.device("cuda", ordinal)
@@ -352,6 +382,8 @@ def _probe(ordinal: int) -> tuple[bool, str | None]:
 
 
 def _ordinal(device: torch.device | int | None) -> int | None:
+    import torch
+
     if device is None:
         try:
             return torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -404,6 +436,8 @@ def pack_weight_fast(
     Returns:
         int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, identical bytes either way.
     """
+    from mpack.convert import marlin
+
     if wck.is_cuda and available(wck.device):
         return pack_weight_cuda(wck, np_, kp)
     return marlin.pack_weight(wck, np_, kp, pool)

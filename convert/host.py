@@ -18,7 +18,9 @@ than BF16, F16 or F32, and a machine where the native repack was not built.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +29,9 @@ from mpack.convert import host_repack
 from mpack.convert.checkpoint import Checkpoint, float32_values, read_scale_array
 from mpack.convert.plan import OutLayer, Plan
 from mpack.target import BIAS, SCALE, WEIGHT
+
+if TYPE_CHECKING:
+    from mpack.convert.driver import GpuRepack
 
 __all__ = ["Buffers", "act_bits", "bf16_bits", "f16_bits", "pack_bias", "pack_scales",
            "read_unit", "supported", "transform"]  # fmt: skip
@@ -67,13 +72,25 @@ class Buffers:
     layers, not by the model. On the 2-core machine the repack of an 8B model's layers took
     4.40 s into fresh arrays and 3.98 s into used ones (``scripts/bench_repack.py --cpu-only``);
     the effect inside a whole conversion on the H200 was not measured apart.
+
+    ``alloc``: makes the arrays of :data:`MIN_BYTES` or more instead of ``np.empty``, returning
+    ``(array, handle)``; ``free(handle)`` releases one that the cache has no room for, and
+    :meth:`close` all the others (the driver path's page-locked memory, Note [driver path] in
+    :mod:`mpack.convert.driver`). Nothing may read an array after it was given back, or after
+    :meth:`close`.
     """
 
     MIN_BYTES = 1 << 20  # smaller arrays are cheap to make: not cached
 
-    def __init__(self, keep: int = 3) -> None:
-        self.keep = keep
+    def __init__(
+        self,
+        keep: int = 3,
+        alloc: Callable[[int], tuple[np.ndarray, Any]] | None = None,
+        free: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.keep, self._alloc, self._release = keep, alloc, free
         self._free: dict[int, list[np.ndarray]] = {}
+        self._made: dict[int, tuple[np.ndarray, Any]] = {}  # id -> (array, handle) from alloc
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -82,18 +99,40 @@ class Buffers:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        return np.empty(nbytes, dtype=np.uint8)
+        if self._alloc is None or nbytes < self.MIN_BYTES:
+            return np.empty(nbytes, dtype=np.uint8)
+        a, handle = self._alloc(nbytes)
+        with self._lock:
+            self._made[id(a)] = (a, handle)
+        return a
 
     def give(self, a: np.ndarray) -> None:
         """Cache the array ``a`` views (its root base), which nothing may read any more."""
         while isinstance(a.base, np.ndarray):
             a = a.base
-        if a.base is not None or a.dtype != np.uint8 or a.ndim != 1 or a.nbytes < self.MIN_BYTES:
-            return  # not one of ours (a view of foreign memory, or small)
         with self._lock:
+            made = id(a) in self._made
+            if not made and (a.base is not None or a.dtype != np.uint8 or a.ndim != 1):
+                return  # not one of ours (a view of foreign memory)
+            if a.nbytes < self.MIN_BYTES:
+                return
             free = self._free.setdefault(a.nbytes, [])
-            if len(free) < self.keep and all(f is not a for f in free):
+            if any(f is a for f in free):
+                return
+            if len(free) < self.keep:
                 free.append(a)
+                return
+            handle = self._made.pop(id(a))[1] if made else None
+        if handle is not None and self._release is not None:
+            self._release(handle)
+
+    def close(self) -> None:
+        """Release every array ``alloc`` made (none of them may be read any more)."""
+        with self._lock:
+            made, self._made, self._free = list(self._made.values()), {}, {}
+        if self._release is not None:
+            for _, handle in made:
+                self._release(handle)
 
 
 # --- casts ------------------------------------------------------------------------------------
@@ -190,19 +229,26 @@ def transform(
     act_dtype: str,
     pool: Executor | None = None,
     buffers: Buffers | None = None,
+    gpu: GpuRepack | None = None,
 ) -> list[np.ndarray]:
     """One rank's Marlin tensors for ``layer`` from :func:`read_unit`'s arrays, in the order
     of its tensor specs: ``[weight int32 [Kp/16, 4Np], weight_scale [1, Np], (bias [Np])]``
     (the last two as the uint16 bits of the activation dtype). The weight goes into an array
-    from ``buffers`` when given."""
-    rows = [
-        host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
-    ]
+    from ``buffers`` when given, repacked on ``gpu`` when given (Note [driver path] in
+    :mod:`mpack.convert.driver`), else by the native repack on ``pool``'s threads."""
     shape = target.packed_weight_shape(layer.np_, layer.kp)
     dst = None
     if buffers is not None:
         dst = buffers.take(4 * shape[0] * shape[1]).view(np.int32).reshape(shape)
-    out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
+    if gpu is not None:
+        pieces = [(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols) for p in layer.pieces]
+        out = [gpu.pack(pieces, layer.k, layer.np_, layer.kp, dst)]
+    else:
+        rows = [
+            host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0])
+            for p in layer.pieces
+        ]
+        out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
     if layer.strategy == "channel":
         scale_n = np.concatenate(
             [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]

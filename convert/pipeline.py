@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpack import iokit
+from mpack.convert import driver
 from mpack.convert.checkpoint import (
     Checkpoint,
     check_scale_values,
@@ -91,6 +92,7 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "l
 SECONDS: dict[str, tuple[str, str | None]] = {
     "validate": ("main", "validate"),  # from the start of the run: options, source, plan
     "import_torch": ("main", "torch"),  # torch imported, the device checked (and CUDA started)
+    "open_gpu": ("main", "driver"),  # the driver path: CUDA started, the kernel loaded, checked
     "validate_values": ("main", "validate-values"),  # every layer's scales
     "hash_sources": ("main", "hash-sources"),  # deciding whether OUT is up to date
     "finish": ("main", "finish"),
@@ -408,14 +410,20 @@ def _write_all(
                 copied = copier.submit(copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME],
                                        bump, tl)  # fmt: skip
             try:
-                dev = None
+                dev = gpu = None
                 if not _host_path(device, plan):
-                    with tl.span("main", "torch"):
-                        dev = resolve_device(device)
+                    if device != "cpu":
+                        with tl.span("main", "driver"):
+                            gpu = driver.open_gpu(device, plan)
+                    if gpu is not None:
+                        stack.callback(gpu.close)
+                    else:
+                        with tl.span("main", "torch"):
+                            dev = resolve_device(device)
                 with tl.span("main", "validate-values"), check.errors_first():
                     validate_values(plan.ckpt, plan)
                 with tl.span("main", "stream"):
-                    _stream_layers(plan, writers, dev, count, tl, stack)
+                    _stream_layers(plan, writers, dev, gpu, count, tl, stack)
             except BaseException:
                 stop.set()  # the copy stops at its next piece
                 raise
@@ -474,25 +482,31 @@ def _stream_layers(
     plan: Plan,
     writers: dict[str, HashingWriter],
     dev: torch.device | None,
+    gpu: driver.GpuRepack | None,
     count: _Counter,
     tl: Timeline,
     stack: contextlib.ExitStack,
 ) -> None:
     """The Marlin layers of every rank through the streamer, on ``dev`` (None: the host path,
-    numpy and the native repack, no torch)."""
+    numpy, no torch: the weights repacked on ``gpu`` when given (Note [driver path]), else by
+    the native repack)."""
     from mpack.convert import host_repack
     from mpack.convert.stream import Streamer
 
     # CPU: the repack's blocks on a pool of threads (Note [repack in blocks], [host repack])
-    on_cpu = dev is None or dev.type == "cpu"
+    on_cpu = gpu is None and (dev is None or dev.type == "cpu")
     threads = stack.enter_context(host_repack.block_pool()) if on_cpu else None
     read = recycle = None
     if dev is None:
         from mpack.convert import host
 
-        buffers = host.Buffers()  # Note [recycled buffers]
+        # Note [recycled buffers]; page-locked on the driver path, freed after the stream
+        buffers = (
+            host.Buffers() if gpu is None else host.Buffers(alloc=gpu.pinned, free=gpu.free_pinned)
+        )
+        stack.callback(buffers.close)
         xf = functools.partial(host.transform, act_dtype=plan.act_dtype, pool=threads,
-                               buffers=buffers)  # fmt: skip
+                               buffers=buffers, gpu=gpu)  # fmt: skip
         read = functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
         recycle = buffers.give
     else:

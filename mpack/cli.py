@@ -30,6 +30,7 @@ ENVIRONMENT = {
     "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal (5)",
     "MPACK_SCHEME_CHECK=inline": "parse the quantization config in-process, not in a child",
     "MPACK_NO_CUDA_KERNEL=1": "convert on CUDA with torch ops instead of the fused kernel",
+    "MPACK_NO_DRIVER_PATH=1": "convert on CUDA through torch, not cuda-bindings alone",
     "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
     "MPACK_CACHE_DIR=DIR": "where compiled kernels are cached (~/.cache/mpack/kernels)",
     "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (../shared/golden)",

@@ -203,7 +203,7 @@ def test_gpu_fast_path_uses_the_kernel(kernel, monkeypatch):
     def torch_path_called(*a, **kw):
         raise AssertionError("pack_weight_fast fell back to the torch path on a CUDA tensor")
 
-    monkeypatch.setattr(cr.marlin, "pack_weight", torch_path_called)
+    monkeypatch.setattr(m, "pack_weight", torch_path_called)
     assert torch.equal(cr.pack_weight_fast(w).cpu(), expect)
 
 

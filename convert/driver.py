@@ -1,0 +1,223 @@
+"""The CUDA conversion without torch: the host path, with the weight repack on the GPU.
+
+Note [driver path]: the CUDA path of ``convert`` spent half its time importing torch (4.5 s of
+8.8 s for an 8B model on the H200 host, 11 s from a cold disk), and used it for three things:
+pinned host memory, copies between host and device, and a stream to order them. The repack
+itself is our own kernel (``cuda/marlin_repack.cu``), built with NVRTC and launched through the
+driver already (:mod:`mpack.convert.cuda_repack`), and the scales and bias are numpy on the host
+path (:mod:`mpack.convert.host`). So ``--device cuda`` runs the host path's stream (read,
+transform, write on their threads, numpy arrays throughout) and only the weight repack goes to
+the GPU, through cuda-bindings:
+
+* the checkpoint weights are read into page-locked arrays (``cuMemHostAlloc``), handed round
+  again by :class:`mpack.convert.host.Buffers` (Note [recycled buffers]), so a unit's bytes go
+  from the file to the device with one DMA and no staging copy;
+* per layer, each fused or sliced piece is one ``cuMemcpy2DAsync`` (its rows and columns,
+  pitched) into a device buffer ``[N, K]``, the kernel writes the Marlin tiles into a second
+  one, and ``cuMemcpyDtoHAsync`` brings them back into a page-locked array for the writer;
+  then the stream is synchronised (a layer's round trip is a few milliseconds: the transform
+  thread is not what bounds the run);
+* the device buffers grow to the largest layer and are reused.
+
+The bytes are the host path's and the torch path's: :func:`open_gpu` checks the kernel
+against the native repack on fused and column-sliced pieces before it is used, and the tests
+compare whole sidecars. Where this path does not apply, :func:`open_gpu` says so (None) and the
+torch CUDA path runs as before: cuda-bindings, a driver or the kernel missing, a plan the host
+path does not take (:func:`mpack.convert.host.supported`), ``MPACK_NO_DRIVER_PATH=1`` or
+``MPACK_NO_CUDA_KERNEL=1``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from mpack import cudadrv, target
+from mpack.convert import cuda_repack, host, host_repack
+from mpack.convert.plan import Plan
+from mpack.errors import UsageError
+
+__all__ = ["ENV_OFF", "GpuRepack", "Piece", "open_gpu", "ordinal_of"]
+
+#: Set to 1 to convert on CUDA through torch instead (same bytes).
+ENV_OFF = "MPACK_NO_DRIVER_PATH"
+
+#: One piece of a layer's weight: a 2-D uint8 array (rows contiguous), its rows and its columns.
+Piece = tuple[np.ndarray, tuple[int, int], tuple[int, int]]
+
+
+def ordinal_of(device: str) -> int:
+    """The CUDA ordinal ``device`` names: ``cuda:i`` -> i; ``cuda`` and ``auto`` -> 0, the
+    device torch would take first."""
+    kind, _, index = device.partition(":")
+    return int(index) if kind == "cuda" and index else 0
+
+
+def _device_count() -> int:
+    """CUDA devices the driver sees here (0 where there is no driver or no device)."""
+    try:
+        d = cudadrv.init()
+        return int(cudadrv.check(d.cuDeviceGetCount(), "cuDeviceGetCount"))
+    except Exception:  # no libcuda, CUDA_ERROR_NO_DEVICE, ...: none here
+        return 0
+
+
+def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | None:
+    """The GPU repack for a conversion of ``plan`` on ``device`` (``auto``, ``cuda`` or
+    ``cuda:i``), or None where the driver path does not apply (Note [driver path]; the torch
+    CUDA path decides then).
+
+    Raises:
+        UsageError: ``device`` names a CUDA device that is not here (the torch path's words).
+    """
+    off = (  # ENV_OFF; MPACK_NO_CUDA_KERNEL asks for torch's ops on CUDA
+        os.environ.get("MPACK_NO_DRIVER_PATH", ""),
+        os.environ.get("MPACK_NO_CUDA_KERNEL", ""),
+    )
+    if any(v not in ("", "0") for v in off) or not host.supported(plan):
+        return None
+    try:
+        cudadrv.driver()
+        cudadrv.nvrtc()
+    except UsageError:
+        return None
+    count = _device_count()
+    ordinal = ordinal_of(device)
+    if device != "auto":
+        if count == 0:
+            raise UsageError(
+                f"{option} {device}: no CUDA device here",
+                hint=f"use {option} cpu (identical bytes)",
+            )
+        if ordinal >= count:
+            raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
+    elif count == 0:
+        return None
+    try:
+        gpu = GpuRepack(ordinal)
+    except Exception:  # the kernel does not build or load here: the torch path decides
+        return None
+    if not gpu.self_check():
+        gpu.close()
+        return None
+    return gpu
+
+
+class GpuRepack:
+    """The Marlin weight repack on CUDA device ``ordinal``, from host arrays to a host array,
+    and the page-locked memory the host path reads into (Note [driver path])."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self._funcs = cuda_repack.functions(ordinal)
+        self._lock = threading.Lock()
+        self._bufs: dict[str, tuple[int, int]] = {}  # "in" / "out" -> (device pointer, bytes)
+        with cudadrv.on_device(ordinal) as d:
+            flags = int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            self._stream = cudadrv.check(d.cuStreamCreate(flags), "cuStreamCreate")
+
+    # --- page-locked host memory (the allocator of host.Buffers) ---------------------------
+
+    def pinned(self, nbytes: int) -> tuple[np.ndarray, int]:
+        """A page-locked uint8 array of ``nbytes`` and its handle for :meth:`free_pinned`."""
+        with cudadrv.on_device(self.ordinal) as d:
+            ptr = int(cudadrv.check(d.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        return np.frombuffer(raw, dtype=np.uint8), ptr
+
+    def free_pinned(self, ptr: int) -> None:
+        with cudadrv.on_device(self.ordinal) as d:
+            cudadrv.check(d.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+    # --- the repack ------------------------------------------------------------------------
+
+    def _buffer(self, d: Any, which: str, nbytes: int) -> int:
+        """Device buffer ``which`` with room for ``nbytes`` (grown, never shrunk)."""
+        ptr, size = self._bufs.get(which, (0, 0))
+        if size < nbytes:
+            if ptr:
+                cudadrv.check(d.cuMemFree(ptr), "cuMemFree")
+                self._bufs.pop(which)
+            ptr = int(cudadrv.check(d.cuMemAlloc(nbytes), "cuMemAlloc"))
+            self._bufs[which] = (ptr, nbytes)
+        return ptr
+
+    def pack(
+        self, pieces: list[Piece], k: int, np_: int, kp: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The Marlin tiles of the rows ``pieces`` name, fused in order: int32 ``[Kp/16, 4*Np]``
+        (into ``out`` when given), the bytes of :func:`mpack.convert.host_repack.pack_rows`."""
+        n = sum(r1 - r0 for _, (r0, r1), _ in pieces)
+        np_, kp = cuda_repack.check_dims(n, k, np_, kp)
+        shape = target.packed_weight_shape(np_, kp)
+        if out is None:
+            out = np.empty(shape, dtype=np.int32)
+        elif out.shape != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous int32 {shape}, got {out.dtype} {out.shape}")
+        with self._lock, cudadrv.on_device(self.ordinal) as d:
+            src = self._buffer(d, "in", max(n * k, 1))
+            dst = self._buffer(d, "out", out.nbytes)
+            row = 0
+            for a, (r0, r1), (c0, c1) in pieces:
+                if a.ndim != 2 or a.itemsize != 1 or a.strides[1] != 1 or c1 - c0 != k:
+                    raise ValueError(f"a piece must be [rows, >= {k}] bytes, got {a.shape}")
+                if r1 > r0:
+                    self._copy_rows(d, a, r0, r1, c0, src + row * k, k)
+                row += r1 - r0
+            vec = cuda_repack.load_width(src, k, k)
+            stream = int(self._stream)
+            cuda_repack.launch(self._funcs[vec], self.ordinal, src, k, dst, (n, k, np_, kp), stream)
+            cudadrv.check(
+                d.cuMemcpyDtoHAsync(out.ctypes.data, dst, out.nbytes, self._stream),
+                "cuMemcpyDtoHAsync",
+            )
+            cudadrv.check(d.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        return out
+
+    def _copy_rows(self, d: Any, a: np.ndarray, r0: int, r1: int, c0: int, to: int, k: int) -> None:
+        """Rows ``[r0, r1)``, columns ``[c0, c0 + k)`` of host array ``a`` -> device ``[r1 - r0, k]``
+        at ``to``, on the stream."""
+        c = d.CUDA_MEMCPY2D()
+        c.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_HOST
+        c.srcHost = a.ctypes.data + r0 * a.strides[0] + c0
+        c.srcPitch = a.strides[0]
+        c.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        c.dstDevice = to
+        c.dstPitch = k
+        c.WidthInBytes = k
+        c.Height = r1 - r0
+        cudadrv.check(d.cuMemcpy2DAsync(c, self._stream), "cuMemcpy2DAsync")
+
+    def self_check(self) -> bool:
+        """Whether the kernel gives the native repack's bytes on small fused pieces (padding in
+        N and K, a column slice, both load widths); a mismatch means a broken toolchain."""
+        rng = np.random.default_rng(0)
+        a = rng.integers(0, 256, (200, 300), dtype=np.uint8)
+        for pieces, k in (
+            ([(a, (0, 60), (20, 260)), (a, (100, 140), (20, 260))], 240),
+            ([(a, (10, 80), (0, 132))], 132),
+        ):
+            rows = [host_repack.rows_of(x, r, c[0]) for x, r, c in pieces]
+            n = sum(r1 - r0 for _, (r0, r1), _ in pieces)
+            np_, kp = target.padded_nk(n, k)
+            try:
+                got = self.pack(pieces, k, np_, kp)
+            except Exception:
+                return False
+            if not np.array_equal(got, host_repack.pack_rows(rows, k, np_, kp)):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Free the device buffers and the stream (page-locked arrays are their Buffers')."""
+        with self._lock, cudadrv.on_device(self.ordinal) as d:
+            for ptr, _ in self._bufs.values():
+                d.cuMemFree(ptr)
+            self._bufs.clear()
+            if self._stream is not None:
+                d.cuStreamDestroy(self._stream)
+                self._stream = None
