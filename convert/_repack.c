@@ -40,60 +40,148 @@ static inline void put_row(uint32_t *tile, int p, const uint8_t *src)
 }
 
 static void repack_tiles(const uint8_t *const *rows, int64_t n, int64_t k, int64_t np_,
-                         int64_t kp, uint32_t *out, int64_t nt0, int64_t nt1)
+                         int64_t kp, uint32_t *out, int64_t nt0, int64_t nt1, int64_t kb)
 {
     static const uint8_t zeros[16];
     const int64_t row_words = 4 * np_; /* words in one packed row: one k-tile of every n */
     const int64_t kts = kp / 16, full = k / 16; /* k-tiles in all; those wholly inside K */
+    /* k-tiles per pass over an n-tile's 64 rows: a row's stores go to every k-tile of the
+     * pass, each 16*np bytes from the next, so a block keeps them in the first-level cache
+     * (Note [host repack]); kb <= 0: the whole row at once */
+    if (kb <= 0 || kb > kts)
+        kb = kts;
     for (int64_t nt = nt0; nt < nt1; nt++) {
-        for (int i = 0; i < 64; i++) { /* a whole row at a time: 2.4 GB/s of input on one */
-            const int64_t row = 64 * nt + i; /* core here, 1.7-1.8 in runs of 8 or 32 k-tiles */
-            const uint8_t *r = row < n ? rows[row] : NULL;
-            const int p = 32 * (i & 7) + 2 * (i >> 4) + ((i >> 3) & 1);
-            for (int64_t kt = 0; kt < kts; kt++) {
-                uint32_t *tile = out + kt * row_words + 256 * nt;
-                if (r == NULL) {
-                    put_row(tile, p, zeros);
-                } else if (kt < full) {
-                    put_row(tile, p, r + 16 * kt);
-                } else { /* the k-tile that K ends in, then padding */
-                    uint8_t buf[16] = {0};
-                    const int64_t have = k - 16 * kt;
-                    if (have > 0)
-                        memcpy(buf, r + 16 * kt, (size_t)have);
-                    put_row(tile, p, buf);
+        for (int64_t kt0 = 0; kt0 < kts; kt0 += kb) {
+            const int64_t kt1 = kt0 + kb < kts ? kt0 + kb : kts;
+            for (int i = 0; i < 64; i++) {
+                const int64_t row = 64 * nt + i;
+                const uint8_t *r = row < n ? rows[row] : NULL;
+                const int p = 32 * (i & 7) + 2 * (i >> 4) + ((i >> 3) & 1);
+                for (int64_t kt = kt0; kt < kt1; kt++) {
+                    uint32_t *tile = out + kt * row_words + 256 * nt;
+                    if (r == NULL) {
+                        put_row(tile, p, zeros);
+                    } else if (kt < full) {
+                        put_row(tile, p, r + 16 * kt);
+                    } else { /* the k-tile that K ends in, then padding */
+                        uint8_t buf[16] = {0};
+                        const int64_t have = k - 16 * kt;
+                        if (have > 0)
+                            memcpy(buf, r + 16 * kt, (size_t)have);
+                        put_row(tile, p, buf);
+                    }
                 }
             }
         }
     }
 }
 
+/* Bytes 0..3 at the even bytes of a 64-bit word -> a 32-bit word (the inverse of spread4). */
+static inline uint32_t gather4(uint64_t v)
+{
+    v &= 0x00FF00FF00FF00FFull;
+    v = (v | (v >> 8)) & 0x0000FFFF0000FFFFull;
+    v = (v | (v >> 16)) & 0x00000000FFFFFFFFull;
+    return (uint32_t)v;
+}
+
+/* The inverse of put_row: one row's 16 bytes of a k-tile from its four words. */
+static inline void get_row(const uint32_t *tile, int p, uint8_t *dst)
+{
+    const uint64_t w01 = tile[p] | ((uint64_t)tile[p + 8] << 32);
+    const uint64_t w23 = tile[p + 16] | ((uint64_t)tile[p + 24] << 32);
+    const uint64_t lo = gather4(w01) | ((uint64_t)gather4(w23) << 32);
+    const uint64_t hi = gather4(w01 >> 8) | ((uint64_t)gather4(w23 >> 8) << 32);
+    memcpy(dst, &lo, 8);
+    memcpy(dst + 8, &hi, 8);
+}
+
+/* Whether n-tiles [nt0, nt1) of the tiles at out unpack to other bytes than the rows (rows
+ * n < N, bytes k < K: the layout read backwards; padding is not looked at). */
+static int unpack_differs(const uint8_t *const *rows, int64_t n, int64_t k, int64_t np_,
+                          const uint32_t *out, int64_t nt0, int64_t nt1, int64_t kb)
+{
+    const int64_t row_words = 4 * np_;
+    const int64_t kts = (k + 15) / 16; /* the k-tiles holding real bytes */
+    if (kb <= 0 || kb > kts)
+        kb = kts; /* as in repack_tiles: k-tiles per pass over the rows */
+    for (int64_t nt = nt0; nt < nt1; nt++) {
+        for (int64_t kt0 = 0; kt0 < kts; kt0 += kb) {
+            const int64_t kt1 = kt0 + kb < kts ? kt0 + kb : kts;
+            for (int i = 0; i < 64 && 64 * nt + i < n; i++) {
+                const uint8_t *r = rows[64 * nt + i];
+                const int p = 32 * (i & 7) + 2 * (i >> 4) + ((i >> 3) & 1);
+                for (int64_t kt = kt0; kt < kt1; kt++) {
+                    uint8_t got[16];
+                    get_row(out + kt * row_words + 256 * nt, p, got);
+                    const int64_t have = k - 16 * kt < 16 ? k - 16 * kt : 16;
+                    if (memcmp(got, r + 16 * kt, (size_t)have) != 0)
+                        return 1;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The arguments both entry points take: (rows, n, k, np, kp, out, nt0, nt1[, kb]), checked. */
+struct call {
+    unsigned long long rows, out;
+    long long n, k, np_, kp, nt0, nt1, kb;
+};
+
+static int parse_call(PyObject *args, const char *name, struct call *c)
+{
+    c->kb = 0;
+    if (!PyArg_ParseTuple(args, "KLLLLKLL|L", &c->rows, &c->n, &c->k, &c->np_, &c->kp, &c->out,
+                          &c->nt0, &c->nt1, &c->kb))
+        return 0;
+    if (c->n < 0 || c->k < 0 || c->np_ % 64 || c->kp % 16 || c->n > c->np_ || c->k > c->kp ||
+        c->nt0 < 0 || c->nt0 > c->nt1 || c->nt1 > c->np_ / 64) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: bad shape n=%lld k=%lld np=%lld kp=%lld tiles [%lld, %lld)", name,
+                     c->n, c->k, c->np_, c->kp, c->nt0, c->nt1);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_unpack_differs(PyObject *self, PyObject *args)
+{
+    struct call c;
+    int differs;
+    (void)self;
+    if (!parse_call(args, "unpack_differs", &c))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    differs = unpack_differs((const uint8_t *const *)(uintptr_t)c.rows, c.n, c.k, c.np_,
+                             (const uint32_t *)(uintptr_t)c.out, c.nt0, c.nt1, c.kb);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(differs);
+}
+
 static PyObject *py_repack_tiles(PyObject *self, PyObject *args)
 {
-    unsigned long long rows, out;
-    long long n, k, np_, kp, nt0, nt1;
+    struct call c;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KLLLLKLL", &rows, &n, &k, &np_, &kp, &out, &nt0, &nt1))
+    if (!parse_call(args, "repack_tiles", &c))
         return NULL;
-    if (n < 0 || k < 0 || np_ % 64 || kp % 16 || n > np_ || k > kp || nt0 < 0 || nt0 > nt1 ||
-        nt1 > np_ / 64) {
-        PyErr_Format(PyExc_ValueError,
-                     "repack_tiles: bad shape n=%lld k=%lld np=%lld kp=%lld tiles [%lld, %lld)",
-                     n, k, np_, kp, nt0, nt1);
-        return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
-    repack_tiles((const uint8_t *const *)(uintptr_t)rows, n, k, np_, kp,
-                 (uint32_t *)(uintptr_t)out, nt0, nt1);
+    repack_tiles((const uint8_t *const *)(uintptr_t)c.rows, c.n, c.k, c.np_, c.kp,
+                 (uint32_t *)(uintptr_t)c.out, c.nt0, c.nt1, c.kb);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"repack_tiles", py_repack_tiles, METH_VARARGS,
-     "repack_tiles(rows, n, k, np, kp, out, nt0, nt1): n-tiles [nt0, nt1) of the Marlin FP8 "
-     "repack. rows: address of N row addresses (uint64); out: address of int32 [kp/16, 4*np]. "
-     "Releases the GIL."},
+     "repack_tiles(rows, n, k, np, kp, out, nt0, nt1, kb=0): n-tiles [nt0, nt1) of the Marlin "
+     "FP8 repack. rows: address of N row addresses (uint64); out: address of int32 "
+     "[kp/16, 4*np]; kb: k-tiles per pass over an n-tile's 64 rows (0: all). Releases the GIL."},
+    {"unpack_differs", py_unpack_differs, METH_VARARGS,
+     "unpack_differs(rows, n, k, np, kp, out, nt0, nt1, kb=0): whether n-tiles [nt0, nt1) of "
+     "the Marlin tiles at out unpack to other bytes than the N rows at rows (K bytes each; "
+     "padding not read); kb as for repack_tiles. Releases the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

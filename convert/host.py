@@ -33,8 +33,9 @@ from mpack.target import BIAS, SCALE, WEIGHT
 if TYPE_CHECKING:
     from mpack.convert.driver import GpuRepack
 
-__all__ = ["Buffers", "act_bits", "bf16_bits", "f16_bits", "pack_bias", "pack_scales",
-           "read_unit", "supported", "transform"]  # fmt: skip
+__all__ = ["Buffers", "act_bits", "backwards", "bf16_bits", "bias_vector", "f16_bits", "pack_bias",
+           "pack_scales", "read_unit", "scale_vector", "supported", "transform", "unpack_bias",
+           "unpack_scales"]  # fmt: skip
 
 _BIAS_DTYPES = ("BF16", "F16", "F32")
 _PERM = np.array(target.SCALE_PERM, dtype=np.intp)
@@ -249,17 +250,75 @@ def transform(
             for p in layer.pieces
         ]
         out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
+    out.append(pack_scales(scale_vector(layer, src), act_dtype, layer.np_))
+    if layer.has_bias:
+        out.append(pack_bias(bias_vector(layer, src), layer.np_))
+    return out
+
+
+def scale_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
+    """The layer's float32 scale per output channel ``[N]``, from :func:`read_unit`'s arrays."""
     if layer.strategy == "channel":
-        scale_n = np.concatenate(
+        return np.concatenate(
             [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
         )
-    else:  # one scale per shard, each over its rows (requantized layers are not taken here)
-        shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
-        scale_n = np.repeat(shard, layer.widths)
-    out.append(pack_scales(scale_n, act_dtype, layer.np_))
+    # one scale per shard, each over its rows (requantized layers are not taken here)
+    shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
+    return np.repeat(shard, layer.widths)
+
+
+def bias_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
+    """The layer's bias bits in the activation dtype ``[N]`` (uint16), fused and sliced."""
+    return np.concatenate([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+
+
+# --- the layout read backwards (mpack verify) -------------------------------------------------
+
+
+def _unpermute(packed: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_pad_permute`'s permutation (padding kept)."""
+    g = np.asarray(packed).reshape(-1, 32)
+    out = np.empty_like(g)
+    out[:, _PERM] = g
+    return out.reshape(-1)
+
+
+def unpack_scales(packed: np.ndarray, act: str, n: int) -> np.ndarray:
+    """The inverse of :func:`pack_scales`: bits ``[1, Np]`` -> the cast scales' bits ``[N]``
+    (unpermuted, the fold divided out: exact, a power of two)."""
+    s = _bits_to_f32(_unpermute(packed), act) / np.float32(target.act_dtype(act).exp_fold)
+    return act_bits(s, act)[:n]
+
+
+def unpack_bias(packed: np.ndarray, n: int) -> np.ndarray:
+    """The inverse of :func:`pack_bias`: bits ``[Np]`` -> ``[N]``."""
+    return _unpermute(packed)[:n]
+
+
+def backwards(
+    layer: OutLayer,
+    src: dict[str, np.ndarray],
+    packed: list[np.ndarray],
+    act_dtype: str,
+    pool: Executor | None = None,
+) -> list[tuple[str, bool]]:
+    """The layout read backwards on one rank's packed tensors (:func:`transform`'s order):
+    ``(what, differs)`` for the weight (unpacked by the native code, to the checkpoint rows
+    ``src`` holds), the scales and the bias (to the checkpoint values cast to ``act_dtype``).
+    The words of ``mpack verify``'s torch path (:mod:`mpack.verify.rederive`)."""
+    rows = [
+        host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
+    ]
+    want_scales = act_bits(scale_vector(layer, src), act_dtype)
+    out = [
+        (f"{layer.name}.weight does not unpack to the checkpoint bytes",
+         host_repack.unpack_differs(packed[0], rows, layer.k, pool)),
+        (f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
+         not np.array_equal(unpack_scales(packed[1], act_dtype, layer.n), want_scales)),
+    ]  # fmt: skip
     if layer.has_bias:
-        bias = np.concatenate(
-            [src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
-        )
-        out.append(pack_bias(bias, layer.np_))
+        out.append(
+            (f"{layer.name}.bias does not unpack to the checkpoint bias",
+             not np.array_equal(unpack_bias(packed[2], layer.n), bias_vector(layer, src)))
+        )  # fmt: skip
     return out

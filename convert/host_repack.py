@@ -7,7 +7,12 @@ threads of the H200 host, 20 s on 4 cores). ``convert/_repack.c`` does the same 
 pass: per row and k-tile, one 16-byte load, a byte interleave and four 4-byte stores (the
 derivation is in the C file), padding included, reading the checkpoint rows where they are
 (a fused or sliced layer is a list of row addresses, not a copy). It releases the GIL, so the
-n-tiles of a layer are split over a pool of plain threads.
+n-tiles of a layer are split over a pool of plain threads. Within an n-tile it makes one pass
+over the 64 rows per block of :data:`K_BLOCK` k-tiles: the stores of one row go to every k-tile,
+each in another output row 16*Np bytes away, and a whole row at a time (``K_BLOCK = 0``) sends
+them to up to 896 such places, more than the first-level cache holds. On the H200 host's Xeon that
+ran at 0.32-0.45 GB/s per core, 0.38 GB/s inside a conversion (18.6 of the 4-core conversion's 45
+CPU-seconds); blocks of 16 k-tiles ran at 0.76-0.98 GB/s there (``docs/bench/repack-kblock-*.json``).
 
 The extension is optional (setup.py): where it was not built, :func:`available` is False and
 callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give the same bytes
@@ -30,10 +35,16 @@ try:
 except ImportError:  # not built here (no C compiler at install time)
     _repack = None
 
-__all__ = ["RUN_BYTES", "available", "block_pool", "block_workers", "pack_rows", "rows_of"]
+__all__ = ["K_BLOCK", "RUN_BYTES", "available", "block_pool", "block_workers", "pack_rows", "rows_of",
+           "unpack_differs"]  # fmt: skip
 
 #: Input bytes per call into the extension when a pool splits a layer (whole n-tiles).
 RUN_BYTES = 4 << 20
+#: k-tiles per pass over an n-tile's 64 rows (0: a whole row at a time). 16 keeps the 16 output
+#: tiles a pass writes in the first-level cache: on the H200 host's Xeon 0.76-0.98 GB/s per core
+#: against 0.32-0.45 for whole rows; on the 2-core AMD machine 10% slower than whole rows
+#: (docs/BENCHMARKS.md section 6.2).
+K_BLOCK = 16
 
 
 def available() -> bool:
@@ -105,7 +116,7 @@ def pack_rows(
     step = max(1, RUN_BYTES // (64 * max(kp, 16)))  # n-tiles per call
 
     def run(t0: int) -> None:
-        _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, min(t0 + step, tiles))
+        _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, min(t0 + step, tiles), K_BLOCK)
 
     starts = range(0, tiles, step)
     if pool is None or len(starts) == 1:
@@ -114,3 +125,44 @@ def pack_rows(
     else:
         list(pool.map(run, starts))
     return out
+
+
+def unpack_differs(
+    packed: np.ndarray,
+    rows: np.ndarray | Sequence[np.ndarray],
+    k: int,
+    pool: Executor | None = None,
+) -> bool:
+    """Whether the Marlin tiles ``packed`` (int32 ``[Kp/16, 4*Np]``) unpack to other bytes than
+    the ``N`` rows at ``rows`` (addresses as for :func:`pack_rows`, ``k`` bytes each): the layout
+    read backwards, as ``mpack verify`` does. The padding is not looked at. ``pool``: threads to
+    split the n-tiles over (the GIL is released).
+
+    Raises:
+        ValueError: ``packed`` is not C-contiguous int32 ``[Kp/16, 4*Np]`` holding ``N`` x ``k``.
+    """
+    if _repack is None:
+        raise RuntimeError("mpack's host repack extension is not built here")
+    addrs = np.ascontiguousarray(
+        rows if isinstance(rows, np.ndarray) else np.concatenate(list(rows)), dtype=np.uint64
+    )
+    n = addrs.shape[0]
+    if packed.dtype != np.int32 or packed.ndim != 2 or not packed.flags.c_contiguous:
+        raise ValueError(
+            f"expected C-contiguous int32 [Kp/16, 4*Np], got {packed.dtype} {packed.shape}"
+        )
+    kp, np_ = 16 * packed.shape[0], packed.shape[1] // 4
+    if packed.shape[1] % 256 or np_ < n or kp < k:
+        raise ValueError(f"packed weight {packed.shape} does not hold a [{n}, {k}] layer")
+    a_rows, a_out = addrs.ctypes.data, packed.ctypes.data
+    tiles = -(-n // 64)
+    step = max(1, RUN_BYTES // (64 * max(kp, 16)))
+
+    def run(t0: int) -> bool:
+        t1 = min(t0 + step, tiles)
+        return bool(_repack.unpack_differs(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK))
+
+    starts = range(0, tiles, step)
+    if pool is None or len(starts) <= 1:
+        return any(run(t) for t in starts)
+    return any(pool.map(run, starts))

@@ -445,9 +445,11 @@ def _host_path(device: str, plan: Plan) -> bool:
 
     Note [auto device]: the bytes are the same on every path, so ``auto`` is the fastest one
     here. On the H200 host (16 cores), the host path converted the 8B checkpoint in 4.84-5.79 s,
-    the CUDA path in 10.07 s, 4.5 s of it importing torch (docs/BENCHMARKS.md section 6). On 4
-    cores the host path took 13.5 s, CPU-bound; the CUDA path was not measured there, so below
-    8 cores ``auto`` keeps the GPU when there is one.
+    the CUDA path in 10.07 s with torch and 5.31-5.56 s without it (the driver path, Note
+    [driver path]): a tie, so the host path, which starts no GPU and pins no memory. On 4 cores
+    the host path is CPU-bound (12.5-14.9 s, 45 CPU-seconds, 19 of them the repack), and the
+    driver path needs 26 CPU-seconds (docs/BENCHMARKS.md section 6.2), so below 8 cores
+    ``auto`` keeps the GPU when there is one.
     """
     from mpack.convert import host
 

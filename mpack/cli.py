@@ -321,7 +321,7 @@ def verify(
             "--rederive-device",
             metavar="[auto|cpu|cuda|cuda:N]",
             help="Where the tensors are re-derived from the source (the same result on each); "
-            "auto: CUDA when present.",
+            "auto: as convert's --device auto.",
         ),
     ] = "auto",
     json_out: JsonOpt = False,

@@ -243,6 +243,39 @@ def test_cli_says_where_it_rederived(converted) -> None:
     assert got["rederive_device"] == "cpu"
     # where the time went, for profiling: every phase of a re-derivation, inside the total
     phases = got["seconds"]
-    assert {"files", "import_torch", "plan", "pass", "wait_scheme_check", "total"} <= set(phases)
+    assert {"files", "plan", "pass", "wait_scheme_check", "total"} <= set(phases)
+    assert "import_torch" not in phases  # the host path (Note [verify without torch])
     assert all(v >= 0 for v in phases.values())
     assert sum(v for k, v in phases.items() if k != "total") <= phases["total"] + 1e-3
+
+
+def test_a_cpu_verify_never_imports_torch(converted) -> None:
+    """Note [verify without torch]: a fresh process verifies a good sidecar against its source
+    on the host path and leaves torch unimported."""
+    import subprocess
+    import sys
+
+    ck, sc = converted
+    code = (
+        "import json, sys; from mpack.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(json.dumps('torch' in sys.modules))"
+    )
+    args = ["verify", str(sc), "--source", str(ck), "--rederive-device", "cpu"]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "byte-identical" in out
+    assert json.loads(out.strip().splitlines()[-1]) is False, out
+
+
+def test_the_torch_path_finds_the_same_problems(converted, tmp_path, monkeypatch) -> None:
+    """Without the native repack, verify re-derives through torch as before: the same words for
+    every damage, and the torch import shows in the phases."""
+    ck, sc = converted
+    on_host = _problems(converted, tmp_path / "host", "cpu")
+    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
+    r = verify(sc, source=ck, rederive_device="cpu")
+    assert r.ok and "import_torch" in r.seconds
+    assert _problems(converted, tmp_path / "torch", "cpu") == on_host

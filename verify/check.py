@@ -66,8 +66,9 @@ class Verification:
     forward: dict[str, Any] | None = None  # :func:`mpack.verify.forward.forward_check`'s report
     problems: list[str] = field(default_factory=list)  # file and re-derivation mismatches
     hint: str | None = None  # with problems: the command that regenerates the sidecar
-    #: seconds per phase (``files``, ``import_torch``, ``plan``, ``pass``, ...; ``total``), for
-    #: profiling: not part of :meth:`report` (two runs' reports are equal), ``--json`` prints it
+    #: seconds per phase (``files``, ``plan``, ``open_gpu`` or ``import_torch`` where the
+    #: re-derivation needs them, ``pass``, ...; ``total``), for profiling: not part of
+    #: :meth:`report` (two runs' reports are equal), ``--json`` prints it
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -204,18 +205,16 @@ def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
                   revision: str | None, device: str, tl: Timeline) -> None:  # fmt: skip
     """Checks 2 and 3, when the source is found and checks 1 found nothing; else checks 1 done
     whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
-    with tl.span("main", "import-torch"):  # the re-derivation's modules import torch
-        from mpack.verify.rederive import find_source, rederive
+    from mpack.convert.pipeline import check_device_name
+    from mpack.verify.rederive import find_source, rederive
 
+    check_device_name(device, "--rederive-device")
     src, result.source_note = find_source(source, revision, m)
     if src is None or result.problems:
         result.problems = _check_files(sidecar, m)[0]
         return
-    from mpack.convert.pipeline import resolve_device
-
-    dev = resolve_device(device, "--rederive-device")
     try:
-        got = rederive(sidecar, m, layouts, src, dev, tl)
+        got = rederive(sidecar, m, layouts, src, device, tl)
     except MpackError:
         full = _check_files(sidecar, m)[0]
         if full:  # a damaged sidecar is reported as such, whatever its source

@@ -31,15 +31,13 @@ is read back from the sidecar afterwards to say which of its tensors does not un
 from __future__ import annotations
 
 import contextlib
+import functools
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from mpack import iokit
-from mpack.convert import marlin
 from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint
 from mpack.convert.plan import OutLayer, Plan, make_plan
 from mpack.convert.scheme_check import SchemeCheck
@@ -52,13 +50,18 @@ from mpack.convert.source import (
 )
 from mpack.convert.stream import Streamer
 from mpack.convert.timeline import Timeline
-from mpack.convert.transform import Fused, fuse, pack, read_unit
 from mpack.errors import CorruptFileError, SourceNotFoundError
 from mpack.fsutil import open_regular_file
 from mpack.iokit import copy_tensors, pread_pieces
 from mpack.sidecar import COMMON_NAME, FileLayout, rank_file_name, torch_dtype
 from mpack.target import act_dtype
 from mpack.verify.compare import SidecarComparer
+
+if TYPE_CHECKING:  # the torch path imports them on use (Note [verify without torch])
+    import torch
+
+    from mpack.convert.driver import GpuRepack
+    from mpack.convert.transform import Fused
 
 __all__ = ["Rederived", "find_source", "rederive"]
 
@@ -132,12 +135,14 @@ class Rederived:
 
 
 def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
-             src: ResolvedSource, device: torch.device,
+             src: ResolvedSource, device: str = "auto",
              tl: Timeline | None = None) -> Rederived:  # fmt: skip
     """Re-derive every tensor of ``sidecar`` from ``src`` on ``device`` and compare, checking the
     digests of the files read on the way (Note [verify as a conversion]).
 
     Args:
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:i`` (``--rederive-device``): where the
+            transform runs, chosen as a conversion chooses (Note [verify without torch]).
         layouts: the sidecar's :func:`mpack.sidecar.safetensors_files` by name, as read; their sizes and kinds
             are checked, their digests not yet.
         tl: gets a ``main`` span for each phase (``plan``, ``pass``, ``wait-source-hashes``,
@@ -149,18 +154,16 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
     """
     tl = tl or Timeline()
     check = SchemeCheck(src.path)  # forked before any thread of this run starts
-    where = str(device)
-    if device.type == "cuda" and device.index is None:
-        where = f"cuda:{torch.cuda.current_device()}"
     try:
         with tl.span("main", "plan"):
             ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in layouts)
         recorded = m["source"].get("files", [])  # hashed in the forms the manifest records
         names, forms = sorted(f["name"] for f in recorded), record_forms(recorded)
-        with hashing(src, names, forms=forms) as hashed:
+        with hashing(src, names, forms=forms) as hashed, contextlib.ExitStack() as on:
+            where, dev, gpu = _where(device, plan, tl, on)  # the hashing runs meanwhile
             # the pass: read, re-derive, compare and digest both sides
             with _Comparers(sidecar, m, layouts, plan) as cmp, tl.span("main", "pass"):
-                checker = _run(plan, cmp.files, device)
+                checker = _run(plan, cmp.files, dev, gpu)
                 file_problems = cmp.finish(m)
             if file_problems:
                 return Rederived(file_problems=file_problems, device=where)
@@ -177,6 +180,40 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
         common = cmp.files[COMMON_NAME]
         compared += len(common.layout.entries) - len(common.unmatched)
     return Rederived([], problems, len(plan.units) * plan.tp, compared, where)
+
+
+def _where(device: str, plan: Plan, tl: Timeline,
+           on: contextlib.ExitStack) -> tuple[str, torch.device | None, GpuRepack | None]:  # fmt: skip
+    """Where the re-derivation runs: ``(name, torch device or None, GPU repack or None)``.
+
+    Note [verify without torch]: verify re-derives as a conversion converts, on the path the
+    conversion would take for this ``device`` (Note [auto device], [host path], [driver path]):
+    the host path (numpy, the native repack) or the driver path (the kernel through
+    cuda-bindings) where it takes the plan, and then torch is never imported for a good
+    sidecar (reading a differing layer back, a failure's diagnosis, still uses it). The layout
+    is read backwards by :func:`mpack.convert.host.backwards`: the native unpack of each weight
+    to the checkpoint rows, numpy for the scales and bias, the torch path's words. Elsewhere
+    (a requantizing plan, no native repack) the torch path runs as before.
+    """
+    from mpack.convert import driver, pipeline
+
+    pipeline.check_device_name(device, "--rederive-device")
+    if pipeline._host_path(device, plan):
+        return "cpu", None, None
+    if device != "cpu":
+        with tl.span("main", "open-gpu"):
+            gpu = driver.open_gpu(device, plan, "--rederive-device")
+        if gpu is not None:
+            on.callback(gpu.close)
+            return f"cuda:{gpu.ordinal}", None, gpu
+    with tl.span("main", "import-torch"):
+        import torch
+
+        dev = pipeline.resolve_device(device, "--rederive-device")
+    where = str(dev)
+    if dev.type == "cuda" and dev.index is None:
+        where = f"cuda:{torch.cuda.current_device()}"
+    return where, dev, None
 
 
 def _open_and_plan(src: ResolvedSource, check: SchemeCheck, t: dict[str, Any],
@@ -235,15 +272,37 @@ class _Comparers:
         self._stack.close()
 
 
-def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device) -> _Checker:
+def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None,
+         gpu: GpuRepack | None) -> _Checker | _HostChecker:  # fmt: skip
     """Stream every unit through the transform into ``files``, and the pass-through tensors into
-    ``common.safetensors``'s comparer meanwhile; the checker holds the layout-backwards checks."""
+    ``common.safetensors``'s comparer meanwhile; the checker holds the layout-backwards checks.
+    ``dev`` None: the host path (numpy; the weights repacked on ``gpu`` when given, else by the
+    native repack), Note [verify without torch]."""
     tl = Timeline()
     with contextlib.ExitStack() as stack:
-        # CPU: the repack's (and the unpack's) blocks on a pool (Note [repack in blocks])
-        pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
-        checker = _Checker(plan.act_dtype, pool)
-        streamer = Streamer(plan, files, dev, checker, _ignore, None, tl)  # type: ignore[arg-type]
+        checker: _Checker | _HostChecker
+        if dev is None:
+            from mpack.convert import host, host_repack
+
+            # the native unpack always runs here, the native repack without a GPU
+            pool = stack.enter_context(host_repack.block_pool())
+            buffers = (
+                host.Buffers()
+                if gpu is None
+                else host.Buffers(alloc=gpu.pinned, free=gpu.free_pinned)
+            )
+            stack.callback(buffers.close)  # after the stream: nothing reads them any more
+            checker = _HostChecker(plan.act_dtype, pool, buffers, gpu)
+            read = functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
+            streamer = Streamer(plan, files, None, checker, _ignore, None, tl, read,  # type: ignore[arg-type]
+                                buffers.give)  # fmt: skip
+        else:
+            from mpack.convert import marlin
+
+            # CPU: the repack's (and the unpack's) blocks on a pool (Note [repack in blocks])
+            pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
+            checker = _Checker(plan.act_dtype, pool)
+            streamer = Streamer(plan, files, dev, checker, _ignore, None, tl)  # type: ignore[arg-type]
         with iokit.pool("copy", 1) as copier:
             copied = None
             if COMMON_NAME in files:
@@ -265,6 +324,29 @@ def _ignore(_: int) -> None:
     pass
 
 
+class _HostChecker:
+    """The host path's transform (:func:`mpack.convert.host.transform`), followed by the layout
+    read backwards on its results (:func:`mpack.convert.host.backwards`), before they are
+    handed on: Note [verify without torch]."""
+
+    def __init__(self, act: str, pool: Executor, buffers: Any, gpu: GpuRepack | None) -> None:
+        self.act, self.pool, self.buffers, self.gpu = act, pool, buffers, gpu
+        self.failed: dict[tuple[int, str], list[str]] = {}  # (rank, layer) -> what
+
+    def __call__(self, layer: OutLayer, src: dict[str, Any]) -> list[Any]:
+        from mpack.convert import host
+
+        outs = host.transform(layer, src, self.act, None if self.gpu else self.pool,
+                              self.buffers, self.gpu)  # fmt: skip
+        for what, differs in host.backwards(layer, src, outs, self.act, self.pool):
+            if differs:
+                self.failed.setdefault((layer.rank, layer.name), []).append(what)
+        return outs
+
+    def settle(self, dev: Any) -> None:
+        """Nothing is queued: every check was read as it ran."""
+
+
 class _Checker:
     """The transform of a conversion, followed by the layout read backwards on its results
     (where they are: on CUDA the comparisons are queued and read in :meth:`settle`)."""
@@ -276,6 +358,8 @@ class _Checker:
         self.failed: dict[tuple[int, str], list[str]] = {}  # (rank, layer) -> what
 
     def __call__(self, layer: OutLayer, src: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        from mpack.convert.transform import fuse, pack
+
         fused = fuse(layer, src)
         outs = pack(layer, fused, self.act, self.pool)
         for what, differs in _backwards(layer, fused, outs, self.dt, self.pool):
@@ -285,6 +369,8 @@ class _Checker:
     def settle(self, dev: torch.device) -> None:
         """Read every queued comparison (after the device finished them)."""
         if dev.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(dev)
         for layer, what, differs in self._flags:
             if bool(differs):
@@ -297,6 +383,8 @@ def _backwards(layer: OutLayer, fused: Fused, packed: list[torch.Tensor], dt: to
     """The layout read backwards (check 3): ``(what, differs)`` for the weight, the scales and
     the bias of one rank's layer, ``packed`` as the sidecar stores them. ``differs`` is a bool,
     or on CUDA a bool tensor not read yet."""
+    from mpack.convert import marlin
+
     what = "requantized" if layer.requant else "checkpoint"
     out = [
         (f"{layer.name}.weight does not unpack to the {what} bytes",
@@ -315,6 +403,8 @@ def _backwards(layer: OutLayer, fused: Fused, packed: list[torch.Tensor], dt: to
 def _differs(a: torch.Tensor, b: torch.Tensor) -> Any:
     """Whether ``a`` and ``b`` differ in shape or bytes: a bool, or on CUDA a bool tensor whose
     reading (a sync) waits until :meth:`_Checker.settle`."""
+    import torch
+
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return True
     if a.is_cuda:
@@ -333,6 +423,10 @@ def _weight_differs(packed: torch.Tensor, weight: torch.Tensor, n: int, k: int,
     every packed row (SPEC §5, :mod:`mpack.convert.marlin`'s docstring), so a column slice of
     whole n-tiles unpacks (:func:`mpack.convert.marlin.unrepack`) to their 64 rows each, alone.
     """
+    import torch
+
+    from mpack.convert import marlin
+
     if pool is None or packed.is_cuda:
         return _differs(marlin.unpack_weight(packed, n, k), weight)
     kt, cols = packed.shape
@@ -394,12 +488,14 @@ def _tensor_problems(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer
 def _read_back(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer],
                layouts: dict[str, FileLayout]) -> dict[tuple[int, str], list[str]]:  # fmt: skip
     """The layout read backwards on the sidecar's own bytes, for the layers whose bytes differ
-    from the re-derived ones (on the CPU: a failure's diagnosis, not the fast path)."""
+    from the re-derived ones (on the CPU with torch: a failure's diagnosis, not the fast path)."""
     out: dict[tuple[int, str], list[str]] = {}
     for unit in plan.units:
         bad = [ly for ly in unit if _differing(ly, plan, files)]
         if not bad:
             continue
+        from mpack.convert.transform import fuse, read_unit
+
         data = read_unit(plan.ckpt, unit)
         for layer in bad:
             fname = rank_file_name(layer.rank, plan.tp)
@@ -423,6 +519,8 @@ def _differing(layer: OutLayer, plan: Plan, files: dict[str, SidecarComparer]) -
 def _read(f: BinaryIO, layout: FileLayout, name: str) -> torch.Tensor:
     """Tensor ``name`` of the sidecar file ``f``, read into a new CPU tensor (a single ``pread``
     returns at most 2 GiB: :func:`mpack.iokit.pread_pieces` reads it whole)."""
+    import torch
+
     e = layout.entry(name)
     out = torch.empty(e.nbytes, dtype=torch.uint8)  # every byte is read below
     short = pread_pieces(f.fileno(), [(memoryview(out.numpy()), e.offset)])

@@ -69,6 +69,24 @@ def test_native_repack_matches_unpack_and_torch(monkeypatch, n, k):
     assert torch.equal(got, _torch_path(w, monkeypatch))
 
 
+@pytest.mark.parametrize("kb", [1, 5, 8, 64])
+@pytest.mark.parametrize("n, k", [(100, 40), (200, 300), (960, 576), (130, 1000)])
+def test_native_repack_in_k_blocks_gives_the_same_words(monkeypatch, n, k, kb):
+    """host_repack.K_BLOCK (k-tiles per pass over an n-tile's rows, a last shorter block
+    included) changes the order of the stores, never the words."""
+    w = rand_bytes(n, k, seed=3 * n + k).numpy()
+    whole = _native(w)
+    monkeypatch.setattr(host_repack, "K_BLOCK", kb)
+    got = _native(w)
+    assert torch.equal(got, whole)
+    full = independent_unpack(got)
+    assert torch.equal(full[:n, :k], torch.from_numpy(w)) and not full[n:].any()
+    packed = got.numpy()  # the read back, in the same blocks
+    assert not host_repack.unpack_differs(packed, host_repack.rows_of(w), k)
+    w[n - 1, k - 1] ^= 2
+    assert host_repack.unpack_differs(packed, host_repack.rows_of(w), k)
+
+
 @pytest.mark.parametrize("workers", [2, 5])
 def test_native_repack_rows_from_pieces_on_a_pool(workers):
     """Fused and sliced rows (row addresses into two arrays, from a column on) on a pool of
@@ -147,6 +165,83 @@ def test_scales_and_bias_match_torch(act):
     b = np.concatenate([SPECIAL, _random_f32(180, 9)])
     want = marlin.pack_bias(torch.from_numpy(b), dt, 256).view(torch.int16).numpy()
     assert np.array_equal(host.pack_bias(host.act_bits(b, act), 256).view(np.int16), want)
+
+
+# --- the layout read backwards (mpack verify: Note [verify without torch]) --------------------
+
+
+def test_native_unpack_reads_the_golden_layers_back(golden):
+    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
+    for lid in index:
+        w = t[f"{lid}.wck"].view(torch.uint8).numpy()
+        packed = np.ascontiguousarray(t[f"{lid}.packed"].numpy())
+        assert not host_repack.unpack_differs(packed, host_repack.rows_of(w), w.shape[1]), lid
+        bad = w.copy()
+        bad[-1, -1] ^= 0x40  # the last byte of the last real row
+        assert host_repack.unpack_differs(packed, host_repack.rows_of(bad), w.shape[1]), lid
+
+
+@pytest.mark.parametrize("n, k", [(100, 40), (200, 300), (130, 1000), (64, 16)])
+def test_native_unpack_finds_every_flipped_byte(n, k):
+    """A byte flipped anywhere inside [N, K] is found; a padding byte of the tiles is not read."""
+    rng = np.random.default_rng(n * k)
+    w = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    packed = host_repack.pack_rows(host_repack.rows_of(w), k)
+    rows = host_repack.rows_of(w)
+    assert not host_repack.unpack_differs(packed, rows, k)
+    for r, c in [(0, 0), (n - 1, k - 1), (n // 2, k // 2), (63 % n, 15 % k)]:
+        w[r, c] ^= 1
+        assert host_repack.unpack_differs(packed, rows, k, None), (r, c)
+        w[r, c] ^= 1
+    np_, kp = target.padded_nk(n, k)
+    if np_ > n:  # padding rows of the tiles: not read back
+        full = independent_unpack(torch.from_numpy(packed))
+        assert not full[n:].any()
+    with pytest.raises(ValueError, match="does not hold"):
+        host_repack.unpack_differs(packed, rows, kp + 16)
+
+
+@pytest.mark.parametrize("act", sorted(target.ACT_DTYPES))
+def test_scales_and_bias_unpack_as_torch_unpacks_them(act):
+    dt = marlin.TORCH_ACT_DTYPES[act]
+    rng = np.random.default_rng(11)
+    s = (rng.random(200, dtype=np.float32) * 255.0 + 1e-30).astype(np.float32)
+    s[:3] = [target.act_dtype(act).fold_limit, 2.0**-24, 1.0]
+    packed = host.pack_scales(s, act, 256)
+    want = marlin.unpack_scales(torch.from_numpy(packed.view(np.int16)).view(dt), 200)
+    got = host.unpack_scales(packed, act, 200)
+    assert np.array_equal(got.view(np.int16), want.view(torch.int16).numpy())
+    assert np.array_equal(got, host.act_bits(s, act))
+    b = host.act_bits(np.concatenate([SPECIAL, _random_f32(180, 5)]), act)
+    pb = host.pack_bias(b, 256)
+    want_b = marlin.unpack_bias(torch.from_numpy(pb.view(np.int16)).view(dt), b.size)
+    assert np.array_equal(host.unpack_bias(pb, b.size).view(np.int16),
+                          want_b.view(torch.int16).numpy())  # fmt: skip
+    assert np.array_equal(host.unpack_bias(pb, b.size), b)
+
+
+def test_backwards_names_each_damaged_tensor(models):
+    """:func:`host.backwards` on a real fused layer with bias: nothing differs as packed; a
+    damaged weight, scale or bias word is named, and only that one."""
+    from mpack.convert.checkpoint import find_layers, open_checkpoint
+    from mpack.convert.plan import make_plan
+
+    ck = open_checkpoint(models["bias"])
+    find_layers(ck)
+    plan = make_plan(ck, profile="w8a16", act_dtype="bfloat16", tp=2, fusion="vllm")
+    unit = next(u for u in plan.units if len(u[0].pieces) > 1 and u[0].has_bias)
+    src = host.read_unit(ck, unit, "bfloat16")
+    layer = unit[1]
+    outs = host.transform(layer, src, "bfloat16")
+    assert [d for _, d in host.backwards(layer, src, outs, "bfloat16")] == [False] * 3
+    for i, what in enumerate(["weight", "weight_scale", "bias"]):
+        bad = [o.copy() for o in outs]
+        bad[i].reshape(-1).view(np.uint8)[5] ^= 0x10
+        got = host.backwards(layer, src, bad, "bfloat16")
+        assert [d for _, d in got] == [j == i for j in range(3)], what
+        assert got[i][0] == f"{layer.name}.{what} does not unpack to the checkpoint " + (
+            "bytes" if what == "weight" else "scales" if what == "weight_scale" else "bias"
+        )
 
 
 # --- whole conversions ------------------------------------------------------------------------
