@@ -3,13 +3,15 @@
 Three stages run at once, each on its own thread, with bounded queues between them:
 
 - **read** (``mpack-read``): the checkpoint bytes of unit i+1, i+2, ... (a unit is one fused
-  layer on every rank). On CUDA they are read straight into a ring of pinned host pieces and
-  copied to the GPU on a copy stream (``cudaMemcpyAsync`` from pinned memory, no staging copy
-  inside the driver); on CPU into plain tensors.
+  layer on every rank). On a torch CUDA device they are read straight into a ring of pinned
+  host pieces and copied to the GPU on a copy stream (``cudaMemcpyAsync`` from pinned memory,
+  no staging copy inside the driver); elsewhere into plain arrays or tensors.
 - **transform** (the caller's thread): fuse, requantize, repack, scales, bias for unit i. On
   the host path (no device: Note [host path] in :mod:`mpack.convert.host`) these are numpy
-  arrays and torch is never imported. On CUDA the weight goes through the fused kernel on a
-  compute stream, and the result goes back into a second ring of pinned pieces with
+  arrays and torch is never imported; the driver path (Note [driver path] in
+  :mod:`mpack.convert.driver`) is the host path with page-locked arrays and the weight repacked
+  on the GPU inside the transform. On a torch CUDA device the weight goes through the fused
+  kernel on a compute stream, and the result goes back into a second ring of pinned pieces with
   asynchronous copies; the small scale and bias tensors are computed on the host, where they
   already are.
 - **write** (``mpack-write``): waits for each piece's copy event, appends it to its file

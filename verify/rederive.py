@@ -5,9 +5,9 @@ manifest records, or the Hub repo and commit it records, found in the local Hugg
 without any network call; :func:`find_source`), :func:`rederive`
 
 * checks the source files against the digests the manifest records;
-* re-derives every Marlin tensor from the checkpoint (the same :mod:`mpack.convert.transform`
-  a conversion runs) and compares it byte for byte, and compares the pass-through tensors with
-  their source bytes;
+* re-derives every Marlin tensor from the checkpoint (the transform a conversion runs, on the
+  path it would take: Note [verify without torch]) and compares it byte for byte, and compares
+  the pass-through tensors with their source bytes;
 * reads the layout backwards: unpacking each weight gives back the fused checkpoint bytes (for
   ``w8a8-marlin`` tensor layers, the requantized bytes), and unpacking each scale (and bias)
   gives back the checkpoint's values cast to the activation dtype;
@@ -16,14 +16,15 @@ without any network call; :func:`find_source`), :func:`rederive`
 
 Note [verify as a conversion]: re-deriving is a conversion whose writer compares instead of
 writing, so it runs convert's own machinery (:class:`mpack.convert.stream.Streamer`: read,
-transform and write on their own threads; on a GPU the pinned staging rings and the fused
-kernel) with :class:`mpack.verify.compare.SidecarComparer` as the writer, and the pass-through
+transform and write on their own threads; the host or driver path's numpy arrays, or torch's
+tensors and staging rings) with :class:`mpack.verify.compare.SidecarComparer` as the writer, and the pass-through
 tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a conversion, the
 source files are hashed on a thread from the start (which also warms the page cache for the
 reads), the plan comes from the shard headers, and compressed-tensors' parse of the config runs
 in a forked child whose verdict is awaited at the end (Note [scheme check in a child] in
 :mod:`mpack.convert.scheme_check`). The layout is read backwards on the re-derived tensors,
-where the transform left them (on the GPU when it ran there): the comparison proves them equal
+where the transform left them (on the host path and the driver path in host memory, on the
+torch path on its device): the comparison proves them equal
 to the sidecar's, so this is the check of the sidecar's own bytes. A layer whose bytes differ
 is read back from the sidecar afterwards to say which of its tensors does not unpack.
 """
