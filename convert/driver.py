@@ -57,15 +57,6 @@ def ordinal_of(device: str) -> int:
     return int(index) if kind == "cuda" and index else 0
 
 
-def _device_count() -> int:
-    """CUDA devices the driver sees here (0 where there is no driver or no device)."""
-    try:
-        d = cudadrv.init()
-        return int(cudadrv.check(d.cuDeviceGetCount(), "cuDeviceGetCount"))
-    except Exception:  # no libcuda, CUDA_ERROR_NO_DEVICE, ...: none here
-        return 0
-
-
 def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | None:
     """The GPU repack for a conversion of ``plan`` on ``device`` (``auto``, ``cuda`` or
     ``cuda:i``), or None where the driver path does not apply (Note [driver path]; the torch
@@ -85,7 +76,7 @@ def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | N
         cudadrv.nvrtc()
     except UsageError:
         return None
-    count = _device_count()
+    count = cudadrv.device_count()
     ordinal = ordinal_of(device)
     if device != "auto":
         if count == 0:
@@ -133,6 +124,10 @@ class GpuRepack:
         with cudadrv.on_device(self.ordinal) as d:
             cudadrv.check(d.cuMemFreeHost(ptr), "cuMemFreeHost")
 
+    def buffers(self) -> host.Buffers:
+        """:class:`mpack.convert.host.Buffers` of page-locked arrays from this device."""
+        return host.Buffers(alloc=self.pinned, free=self.free_pinned)
+
     # --- the repack ------------------------------------------------------------------------
 
     def _buffer(self, d: Any, which: str, nbytes: int) -> int:
@@ -153,11 +148,7 @@ class GpuRepack:
         (into ``out`` when given), the bytes of :func:`mpack.convert.host_repack.pack_rows`."""
         n = sum(r1 - r0 for _, (r0, r1), _ in pieces)
         np_, kp = cuda_repack.check_dims(n, k, np_, kp)
-        shape = target.packed_weight_shape(np_, kp)
-        if out is None:
-            out = np.empty(shape, dtype=np.int32)
-        elif out.shape != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous int32 {shape}, got {out.dtype} {out.shape}")
+        out = host_repack.packed_out(np_, kp, out)
         with self._lock, cudadrv.on_device(self.ordinal) as d:
             src = self._buffer(d, "in", max(n * k, 1))
             dst = self._buffer(d, "out", out.nbytes)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Buffers", "act_bits", "backwards", "bf16_bits", "bias_vector", "f16_bits", "pack_bias",
            "pack_scales", "read_unit", "scale_vector", "supported", "transform", "unpack_bias",
-           "unpack_scales"]  # fmt: skip
+           "unpack_scales", "weight_rows"]  # fmt: skip
 
 _BIAS_DTYPES = ("BF16", "F16", "F32")
 _PERM = np.array(target.SCALE_PERM, dtype=np.intp)
@@ -245,15 +245,20 @@ def transform(
         pieces = [(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols) for p in layer.pieces]
         out = [gpu.pack(pieces, layer.k, layer.np_, layer.kp, dst)]
     else:
-        rows = [
-            host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0])
-            for p in layer.pieces
-        ]
+        rows = weight_rows(layer, src)
         out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
     out.append(pack_scales(scale_vector(layer, src), act_dtype, layer.np_))
     if layer.has_bias:
         out.append(pack_bias(bias_vector(layer, src), layer.np_))
     return out
+
+
+def weight_rows(layer: OutLayer, src: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The addresses of the layer's checkpoint rows, piece by piece (fused in order, sliced in
+    place): :func:`mpack.convert.host_repack.rows_of` of :func:`read_unit`'s arrays."""
+    return [
+        host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
+    ]
 
 
 def scale_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
@@ -306,9 +311,7 @@ def backwards(
     ``(what, differs)`` for the weight (unpacked by the native code, to the checkpoint rows
     ``src`` holds), the scales and the bias (to the checkpoint values cast to ``act_dtype``).
     The words of ``mpack verify``'s torch path (:mod:`mpack.verify.rederive`)."""
-    rows = [
-        host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
-    ]
+    rows = weight_rows(layer, src)
     want_scales = act_bits(scale_vector(layer, src), act_dtype)
     out = [
         (f"{layer.name}.weight does not unpack to the checkpoint bytes",

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,40 @@ def rows_of(a: np.ndarray, rows: tuple[int, int] | None = None, col: int = 0) ->
     return base + np.arange(r0, r1, dtype=np.uint64) * np.uint64(a.strides[0])
 
 
+def _require() -> None:
+    if _repack is None:
+        raise RuntimeError("mpack's host repack extension is not built here")
+
+
+def _addresses(rows: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+    """Row addresses as one contiguous uint64 array (a sequence is concatenated)."""
+    return np.ascontiguousarray(
+        rows if isinstance(rows, np.ndarray) else np.concatenate(list(rows)), dtype=np.uint64
+    )
+
+
+def packed_out(np_: int, kp: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``out`` checked to be a C-contiguous int32 ``[Kp/16, 4*Np]`` (the packed weight's
+    array), or a new one; raises ``ValueError``."""
+    shape = target.packed_weight_shape(np_, kp)
+    if out is None:
+        return np.empty(shape, dtype=np.int32)
+    if out.shape != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous int32 {shape}, got {out.dtype} {out.shape}")
+    return out
+
+
+def _over_tiles(call: Callable[[int, int], Any], tiles: int, kp: int,
+                pool: Executor | None) -> list[Any]:  # fmt: skip
+    """``call(t0, t1)`` over n-tiles ``[0, tiles)`` in runs of about :data:`RUN_BYTES` of input,
+    on ``pool``'s threads when given; the results in order."""
+    step = max(1, RUN_BYTES // (64 * max(kp, 16)))  # n-tiles per call
+    runs = [(t, min(t + step, tiles)) for t in range(0, tiles, step)]
+    if pool is None or len(runs) <= 1:
+        return [call(*r) for r in runs]
+    return list(pool.map(lambda r: call(*r), runs))
+
+
 def pack_rows(
     rows: np.ndarray | Sequence[np.ndarray],
     k: int,
@@ -98,32 +133,15 @@ def pack_rows(
     Returns:
         int32 ``[Kp/16, 4*Np]``, the bytes of :func:`mpack.convert.marlin.pack_weight`.
     """
-    if _repack is None:
-        raise RuntimeError("mpack's host repack extension is not built here")
-    addrs = np.ascontiguousarray(
-        rows if isinstance(rows, np.ndarray) else np.concatenate(list(rows)), dtype=np.uint64
-    )
+    _require()
+    addrs = _addresses(rows)
     n = addrs.shape[0]
     if np_ is None or kp is None:
         np_, kp = target.padded_nk(n, k)
-    shape = target.packed_weight_shape(np_, kp)
-    if out is None:
-        out = np.empty(shape, dtype=np.int32)
-    elif out.shape != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous int32 {shape}, got {out.dtype} {out.shape}")
+    out = packed_out(np_, kp, out)
     a_rows, a_out = addrs.ctypes.data, out.ctypes.data
-    tiles = np_ // 64
-    step = max(1, RUN_BYTES // (64 * max(kp, 16)))  # n-tiles per call
-
-    def run(t0: int) -> None:
-        _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, min(t0 + step, tiles), K_BLOCK)
-
-    starts = range(0, tiles, step)
-    if pool is None or len(starts) == 1:
-        for t in starts:
-            run(t)
-    else:
-        list(pool.map(run, starts))
+    _over_tiles(lambda t0, t1: _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK),
+                np_ // 64, kp, pool)  # fmt: skip
     return out
 
 
@@ -141,11 +159,8 @@ def unpack_differs(
     Raises:
         ValueError: ``packed`` is not C-contiguous int32 ``[Kp/16, 4*Np]`` holding ``N`` x ``k``.
     """
-    if _repack is None:
-        raise RuntimeError("mpack's host repack extension is not built here")
-    addrs = np.ascontiguousarray(
-        rows if isinstance(rows, np.ndarray) else np.concatenate(list(rows)), dtype=np.uint64
-    )
+    _require()
+    addrs = _addresses(rows)
     n = addrs.shape[0]
     if packed.dtype != np.int32 or packed.ndim != 2 or not packed.flags.c_contiguous:
         raise ValueError(
@@ -155,14 +170,9 @@ def unpack_differs(
     if packed.shape[1] % 256 or np_ < n or kp < k:
         raise ValueError(f"packed weight {packed.shape} does not hold a [{n}, {k}] layer")
     a_rows, a_out = addrs.ctypes.data, packed.ctypes.data
-    tiles = -(-n // 64)
-    step = max(1, RUN_BYTES // (64 * max(kp, 16)))
-
-    def run(t0: int) -> bool:
-        t1 = min(t0 + step, tiles)
-        return bool(_repack.unpack_differs(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK))
-
-    starts = range(0, tiles, step)
-    if pool is None or len(starts) <= 1:
-        return any(run(t) for t in starts)
-    return any(pool.map(run, starts))
+    return any(
+        _over_tiles(
+            lambda t0, t1: _repack.unpack_differs(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK),
+            -(-n // 64), kp, pool,
+        )
+    )  # fmt: skip

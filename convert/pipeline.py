@@ -410,16 +410,7 @@ def _write_all(
                 copied = copier.submit(copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME],
                                        bump, tl)  # fmt: skip
             try:
-                dev = gpu = None
-                if not _host_path(device, plan):
-                    if device != "cpu":
-                        with tl.span("main", "driver"):
-                            gpu = driver.open_gpu(device, plan)
-                    if gpu is not None:
-                        stack.callback(gpu.close)
-                    else:
-                        with tl.span("main", "torch"):
-                            dev = resolve_device(device)
+                dev, gpu = open_device(device, plan, tl, stack)
                 with tl.span("main", "validate-values"), check.errors_first():
                     validate_values(plan.ckpt, plan)
                 with tl.span("main", "stream"):
@@ -431,6 +422,44 @@ def _write_all(
                 copied.result()
         with tl.span("main", "finish"):
             return {name: _finish(w) for name, w in writers.items()}
+
+
+def open_device(
+    device: str,
+    plan: Plan,
+    tl: Timeline,
+    stack: contextlib.ExitStack,
+    option: str = "--device",
+    spans: tuple[str, str] = ("driver", "torch"),
+) -> tuple[torch.device | None, driver.GpuRepack | None]:
+    """Where ``plan``'s Marlin layers are transformed for ``device``: ``(None, None)`` on the
+    host path (Note [host path]), ``(None, gpu)`` on the driver path (Note [driver path]; the
+    GPU is closed with ``stack``), else ``(a torch device, None)``, torch imported. ``spans``:
+    the ``main`` lane's names for opening the GPU and for importing torch. ``option``: the flag
+    named in an error (``--device``; verify's ``--rederive-device``)."""
+    if _host_path(device, plan):
+        return None, None
+    if device != "cpu":
+        with tl.span("main", spans[0]):
+            gpu = driver.open_gpu(device, plan, option)
+        if gpu is not None:
+            stack.callback(gpu.close)
+            return None, gpu
+    with tl.span("main", spans[1]):
+        return resolve_device(device, option), None
+
+
+def host_io(
+    plan: Plan, gpu: driver.GpuRepack | None, stack: contextlib.ExitStack
+) -> tuple[Any, Callable[..., Any]]:
+    """The host path's recycled arrays (Note [recycled buffers]; page-locked on the driver
+    path), released when ``stack`` closes, after the stream, and the unit reader that fills
+    them (:func:`mpack.convert.host.read_unit`)."""
+    from mpack.convert import host
+
+    buffers = host.Buffers() if gpu is None else gpu.buffers()
+    stack.callback(buffers.close)
+    return buffers, functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
 
 
 #: ``--device auto`` takes the host path on this many usable cores even where a GPU is (Note
@@ -502,14 +531,9 @@ def _stream_layers(
     if dev is None:
         from mpack.convert import host
 
-        # Note [recycled buffers]; page-locked on the driver path, freed after the stream
-        buffers = (
-            host.Buffers() if gpu is None else host.Buffers(alloc=gpu.pinned, free=gpu.free_pinned)
-        )
-        stack.callback(buffers.close)
+        buffers, read = host_io(plan, gpu, stack)
         xf = functools.partial(host.transform, act_dtype=plan.act_dtype, pool=threads,
                                buffers=buffers, gpu=gpu)  # fmt: skip
-        read = functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
         recycle = buffers.give
     else:
         from mpack.convert.transform import transform

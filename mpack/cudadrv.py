@@ -25,7 +25,8 @@ from typing import Any
 
 from mpack.errors import CudaError, UsageError
 
-__all__ = ["CudaError", "check", "check_nvrtc", "device", "driver", "init", "nvrtc", "on_device"]
+__all__ = ["CudaError", "check", "check_nvrtc", "device", "device_count", "driver", "init", "nvrtc",
+           "on_device"]  # fmt: skip
 
 #: How to get cuda-bindings (the ``cuda`` extra).
 INSTALL_HINT = "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')"
@@ -102,6 +103,16 @@ def init() -> ModuleType:
         check(d.cuInit(0), "cuInit")
         _initialised[0] = True
     return d
+
+
+def device_count() -> int:
+    """CUDA devices the driver sees here: 0 where there is no driver (no ``libcuda``) or no
+    device (``CUDA_ERROR_NO_DEVICE``), or no cuda-bindings."""
+    try:
+        d = init()
+        return int(check(d.cuDeviceGetCount(), "cuDeviceGetCount"))
+    except Exception:  # no libcuda, no device, no cuda-bindings: none here
+        return 0
 
 
 def device(ordinal: int) -> Any:

@@ -14,13 +14,19 @@ The 32-layer totals are the per-shape times summed and multiplied by 32 (6.98 GB
 Bandwidth counts the bytes an ideal pass moves: the repack reads N*K and writes Np*Kp; the copy
 reads and writes N*K. The ratio table comes last.
 
-usage: python scripts/bench_repack.py [--cpu-only | --cpu-sweep] [--json PATH] [--reps N] [--warmup N]
+``--k-blocks 0,8,16``: only the native repack on one thread into a used array, per shape, for
+each ``host_repack.K_BLOCK`` (k-tiles per pass over an n-tile's rows; 0: whole rows), in GB/s
+of fp8 input (Note [host repack]).
+
+usage: python scripts/bench_repack.py [--cpu-only | --cpu-sweep | --k-blocks B,B,...] [--json PATH]
+    [--reps N] [--warmup N]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -175,6 +181,25 @@ def bench_cpu(reps: int, warmup: int) -> dict[str, Any]:
     )
     res["total"] = _totals(res["shapes"], keys)
     return res
+
+
+def k_blocks(blocks: list[int], reps: int) -> dict[str, dict[str, float]]:
+    """GB/s of fp8 input of the native repack per shape (one thread, a used output array) for
+    each k-block size: ``{str(block): {shape name: GB/s}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for kb in blocks:
+        with mock.patch.object(host_repack, "K_BLOCK", kb):
+            row = {}
+            for name, n, k in SHAPES:
+                np_, kp = marlin.marlin_padded_nk(n, k)
+                src = _rand_u8(n, k, "cpu").numpy()  # alive while its row addresses are used
+                rows = host_repack.rows_of(src)
+                used = host_repack.pack_rows(rows, k, np_, kp)
+                call = functools.partial(host_repack.pack_rows, rows, k, np_, kp, out=used)
+                row[name] = round(n * k / cpu_time_ms(call, reps, 1) / 1e6, 2)
+        out[str(kb)] = row
+        print(f"K_BLOCK {kb:3}: " + ", ".join(f"{s} {v} GB/s" for s, v in row.items()), flush=True)
+    return out
 
 
 def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]]:
@@ -334,7 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cpu-sweep", action="store_true", help="only: CPU block size x threads x load sweep"
     )
+    ap.add_argument("--k-blocks", help="only: the native repack per K_BLOCK, e.g. 0,8,16,32")
     args = ap.parse_args(argv)
+    if args.k_blocks:
+        if not host_repack.available():
+            ap.error("--k-blocks needs the native repack (host_repack.available() is False)")
+        got = k_blocks([int(b) for b in args.k_blocks.split(",")], args.cpu_reps)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"k_blocks": got}, indent=2) + "\n")
+        return 0
     if args.cpu_sweep:
         rows = sweep_cpu(max(1, args.cpu_reps // 2))
         if args.json:

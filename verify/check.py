@@ -205,10 +205,8 @@ def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
                   revision: str | None, device: str, tl: Timeline) -> None:  # fmt: skip
     """Checks 2 and 3, when the source is found and checks 1 found nothing; else checks 1 done
     whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
-    from mpack.convert.pipeline import check_device_name
     from mpack.verify.rederive import find_source, rederive
 
-    check_device_name(device, "--rederive-device")
     src, result.source_note = find_source(source, revision, m)
     if src is None or result.problems:
         result.problems = _check_files(sidecar, m)[0]

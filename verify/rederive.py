@@ -17,8 +17,8 @@ without any network call; :func:`find_source`), :func:`rederive`
 Note [verify as a conversion]: re-deriving is a conversion whose writer compares instead of
 writing, so it runs convert's own machinery (:class:`mpack.convert.stream.Streamer`: read,
 transform and write on their own threads; the host or driver path's numpy arrays, or torch's
-tensors and staging rings) with :class:`mpack.verify.compare.SidecarComparer` as the writer, and the pass-through
-tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a conversion, the
+tensors and staging rings) with :class:`mpack.verify.compare.SidecarComparer` as the writer,
+and the pass-through tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a conversion, the
 source files are hashed on a thread from the start (which also warms the page cache for the
 reads), the plan comes from the shard headers, and compressed-tensors' parse of the config runs
 in a forked child whose verdict is awaited at the end (Note [scheme check in a child] in
@@ -32,7 +32,6 @@ is read back from the sidecar afterwards to say which of its tensors does not un
 from __future__ import annotations
 
 import contextlib
-import functools
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,10 +141,11 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
     digests of the files read on the way (Note [verify as a conversion]).
 
     Args:
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:i`` (``--rederive-device``): where the
-            transform runs, chosen as a conversion chooses (Note [verify without torch]).
-        layouts: the sidecar's :func:`mpack.sidecar.safetensors_files` by name, as read; their sizes and kinds
-            are checked, their digests not yet.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:i`` (``--rederive-device``, its name
+            checked by the caller): where the transform runs, chosen as a conversion chooses
+            (Note [verify without torch]).
+        layouts: the sidecar's :func:`mpack.sidecar.safetensors_files` by name, as read; their
+            sizes and kinds are checked, their digests not yet.
         tl: gets a ``main`` span for each phase (``plan``, ``pass``, ``wait-source-hashes``,
             ``wait-scheme-check``, ``tensor-problems``).
 
@@ -196,23 +196,16 @@ def _where(device: str, plan: Plan, tl: Timeline,
     to the checkpoint rows, numpy for the scales and bias, the torch path's words. Elsewhere
     (a requantizing plan, no native repack) the torch path runs as before.
     """
-    from mpack.convert import driver, pipeline
+    from mpack.convert import pipeline
 
-    pipeline.check_device_name(device, "--rederive-device")
-    if pipeline._host_path(device, plan):
-        return "cpu", None, None
-    if device != "cpu":
-        with tl.span("main", "open-gpu"):
-            gpu = driver.open_gpu(device, plan, "--rederive-device")
-        if gpu is not None:
-            on.callback(gpu.close)
-            return f"cuda:{gpu.ordinal}", None, gpu
-    with tl.span("main", "import-torch"):
-        import torch
-
-        dev = pipeline.resolve_device(device, "--rederive-device")
+    dev, gpu = pipeline.open_device(device, plan, tl, on, "--rederive-device",
+                                    spans=("open-gpu", "import-torch"))  # fmt: skip
+    if dev is None:
+        return ("cpu" if gpu is None else f"cuda:{gpu.ordinal}"), None, gpu
     where = str(dev)
     if dev.type == "cuda" and dev.index is None:
+        import torch
+
         where = f"cuda:{torch.cuda.current_device()}"
     return where, dev, None
 
@@ -283,18 +276,13 @@ def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None
     with contextlib.ExitStack() as stack:
         checker: _Checker | _HostChecker
         if dev is None:
-            from mpack.convert import host, host_repack
+            from mpack.convert import host_repack
+            from mpack.convert.pipeline import host_io
 
             # the native unpack always runs here, the native repack without a GPU
             pool = stack.enter_context(host_repack.block_pool())
-            buffers = (
-                host.Buffers()
-                if gpu is None
-                else host.Buffers(alloc=gpu.pinned, free=gpu.free_pinned)
-            )
-            stack.callback(buffers.close)  # after the stream: nothing reads them any more
+            buffers, read = host_io(plan, gpu, stack)
             checker = _HostChecker(plan.act_dtype, pool, buffers, gpu)
-            read = functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
             streamer = Streamer(plan, files, None, checker, _ignore, None, tl, read,  # type: ignore[arg-type]
                                 buffers.give)  # fmt: skip
         else:
@@ -337,8 +325,7 @@ class _HostChecker:
     def __call__(self, layer: OutLayer, src: dict[str, Any]) -> list[Any]:
         from mpack.convert import host
 
-        outs = host.transform(layer, src, self.act, None if self.gpu else self.pool,
-                              self.buffers, self.gpu)  # fmt: skip
+        outs = host.transform(layer, src, self.act, self.pool, self.buffers, self.gpu)
         for what, differs in host.backwards(layer, src, outs, self.act, self.pool):
             if differs:
                 self.failed.setdefault((layer.rank, layer.name), []).append(what)

@@ -155,6 +155,12 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     }
 
 
+def safetensors_bytes(sidecar: Path) -> dict[str, bytes]:
+    """The bytes of each ``*.safetensors`` file of a sidecar, by name (what two conversions
+    must agree on byte for byte; ``mpack.json`` names its own directory)."""
+    return {p.name: p.read_bytes() for p in sorted(sidecar.glob("*.safetensors"))}
+
+
 def tensor_range(path: Path, name: str) -> tuple[int, int]:
     """Absolute byte range ``[start, end)`` of tensor ``name`` in safetensors file ``path``."""
     e = read_layout(path).entry(name)
@@ -162,6 +168,26 @@ def tensor_range(path: Path, name: str) -> tuple[int, int]:
 
 
 # --- checkpoints ----------------------------------------------------------------------------
+
+#: Small checkpoints of every kind the host and driver paths take (tests/convert/test_host.py,
+#: test_driver.py): per-tensor and per-channel scales, float16, a bias in bf16 and in float32.
+HOST_MODELS: dict[str, dict[str, Any]] = {
+    "tensor": dict(arch="llama", scheme="FP8", hidden=192, intermediate=320),
+    "channel-f16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
+    "bias": dict(arch="qwen2", scheme="FP8", hidden=256, heads=4, kv_heads=2),
+    "bias-f32": dict(arch="qwen2", scheme="FP8_DYNAMIC", dtype="float32", hidden=256, heads=4,
+                     kv_heads=2),
+}  # fmt: skip
+
+
+def plan_of(ck: Path, profile: str = "w8a16", tp: int = 1, act: str = "bfloat16") -> Any:
+    """The conversion plan of checkpoint ``ck`` (headers only), with vLLM's fusion."""
+    from mpack.convert.checkpoint import find_layers, open_checkpoint
+    from mpack.convert.plan import make_plan
+
+    c = open_checkpoint(ck)
+    find_layers(c)
+    return make_plan(c, profile=profile, act_dtype=act, tp=tp, fusion="vllm")
 
 
 def edit_config(ck: Path, fn: Callable[[dict[str, Any]], None]) -> None:

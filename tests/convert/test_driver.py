@@ -17,14 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli_env, python_c
+from helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
 from reference import load_vectors
 
 from mpack import target
 from mpack.convert import driver, host, host_repack
-from mpack.convert.checkpoint import find_layers, open_checkpoint
 from mpack.convert.pipeline import run_convert
-from mpack.convert.plan import make_plan
 from mpack.fixtures import make_checkpoint
 
 REPO_KERNEL = Path(__file__).resolve().parents[2] / "cuda" / "marlin_repack.cu"
@@ -35,27 +33,13 @@ needs_native = pytest.mark.skipif(
     not host_repack.available(), reason="the host repack extension is not built here"
 )
 
-MODELS = {
-    "tensor": dict(arch="llama", scheme="FP8", hidden=192, intermediate=320),
-    "channel-f16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
-    "bias": dict(arch="qwen2", scheme="FP8", hidden=256, heads=4, kv_heads=2),
-}
+MODELS = HOST_MODELS
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("driver")
     return {name: make_checkpoint(root / name, **kw) for name, kw in MODELS.items()}
-
-
-def _plan(ck: Path, profile: str = "w8a16", tp: int = 1):
-    c = open_checkpoint(ck)
-    find_layers(c)
-    return make_plan(c, profile=profile, act_dtype="bfloat16", tp=tp, fusion="vllm")
-
-
-def _files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
 
 
 # --- anywhere ----------------------------------------------------------------------------------
@@ -71,11 +55,11 @@ def test_ordinal_of():
 def test_the_path_declines_what_it_does_not_take(models, monkeypatch):
     """A requantizing plan and MPACK_NO_DRIVER_PATH=1 leave the GPU to the torch path, before any
     CUDA call; ``auto`` without a GPU the driver sees is no error."""
-    plan = _plan(models["tensor"], profile="w8a8-marlin", tp=2)
+    plan = plan_of(models["tensor"], profile="w8a8-marlin", tp=2)
     assert not host.supported(plan)
     assert driver.open_gpu("cuda", plan) is None
     monkeypatch.setenv(driver.ENV_OFF, "1")
-    assert driver.open_gpu("cuda", _plan(models["tensor"])) is None
+    assert driver.open_gpu("cuda", plan_of(models["tensor"])) is None
 
 
 @needs_native
@@ -150,7 +134,7 @@ def test_buffers_with_an_allocator_free_what_they_cannot_keep():
 def gpu(models):
     if not host_repack.available():
         pytest.fail("the host repack extension is not built on this GPU machine")
-    g = driver.open_gpu("cuda", _plan(models["tensor"]))
+    g = driver.open_gpu("cuda", plan_of(models["tensor"]))
     if g is None:
         pytest.fail("the driver path does not open on this GPU (cuda-bindings, NVRTC?)")
     yield g
@@ -206,11 +190,11 @@ def test_gpu_driver_path_writes_the_host_paths_sidecar(models, tmp_path, monkeyp
     a = run_convert(ck, tmp_path / "driver", act_dtype=act, tp=tp, device="cuda")
     assert "open_gpu" in a.seconds and "import_torch" not in a.seconds
     b = run_convert(ck, tmp_path / "host", act_dtype=act, tp=tp, device="cpu")
-    assert a.digest == b.digest and _files(a.out) == _files(b.out)
+    assert a.digest == b.digest and safetensors_bytes(a.out) == safetensors_bytes(b.out)
     monkeypatch.setenv(driver.ENV_OFF, "1")
     c = run_convert(ck, tmp_path / "torch", act_dtype=act, tp=tp, device="cuda")
     assert "import_torch" in c.seconds  # the driver path declined: the torch path ran
-    assert _files(c.out) == _files(a.out)
+    assert safetensors_bytes(c.out) == safetensors_bytes(a.out)
 
 
 @pytest.mark.gpu
@@ -224,7 +208,7 @@ def test_gpu_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch
     a = run_convert(models["bias"], tmp_path / "driver", act_dtype="float16", tp=2, device="cuda")
     assert "open_gpu" in a.seconds
     b = run_convert(models["bias"], tmp_path / "host", act_dtype="float16", tp=2, device="cpu")
-    assert _files(a.out) == _files(b.out)
+    assert safetensors_bytes(a.out) == safetensors_bytes(b.out)
 
 
 @pytest.mark.gpu

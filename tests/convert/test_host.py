@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cli_env, python_c
+from helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
 from reference import independent_unpack, load_vectors, rand_bytes
 
 from mpack import iokit, target
@@ -223,12 +223,8 @@ def test_scales_and_bias_unpack_as_torch_unpacks_them(act):
 def test_backwards_names_each_damaged_tensor(models):
     """:func:`host.backwards` on a real fused layer with bias: nothing differs as packed; a
     damaged weight, scale or bias word is named, and only that one."""
-    from mpack.convert.checkpoint import find_layers, open_checkpoint
-    from mpack.convert.plan import make_plan
-
-    ck = open_checkpoint(models["bias"])
-    find_layers(ck)
-    plan = make_plan(ck, profile="w8a16", act_dtype="bfloat16", tp=2, fusion="vllm")
+    plan = plan_of(models["bias"], tp=2)
+    ck = plan.ckpt
     unit = next(u for u in plan.units if len(u[0].pieces) > 1 and u[0].has_bias)
     src = host.read_unit(ck, unit, "bfloat16")
     layer = unit[1]
@@ -246,23 +242,13 @@ def test_backwards_names_each_damaged_tensor(models):
 
 # --- whole conversions ------------------------------------------------------------------------
 
-MODELS = {
-    "tensor": dict(arch="llama", scheme="FP8", hidden=192, intermediate=320),
-    "channel-f16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
-    "bias": dict(arch="qwen2", scheme="FP8", hidden=256, heads=4, kv_heads=2),
-    "bias-f32": dict(arch="qwen2", scheme="FP8_DYNAMIC", dtype="float32", hidden=256, heads=4,
-                     kv_heads=2),
-}  # fmt: skip
+MODELS = HOST_MODELS
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("host")
     return {name: make_checkpoint(root / name, **kw) for name, kw in MODELS.items()}
-
-
-def _files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
 
 
 @pytest.mark.parametrize(
@@ -278,7 +264,7 @@ def test_host_and_torch_paths_write_the_same_sidecar(models, tmp_path, monkeypat
     b = run_convert(ck, tmp_path / "torch", act_dtype=act, tp=tp, device="cpu")
     assert "import_torch" in b.seconds
     assert a.digest == b.digest
-    assert _files(a.out) == _files(b.out)
+    assert safetensors_bytes(a.out) == safetensors_bytes(b.out)
 
 
 def test_requantizing_plans_take_the_torch_path(models, tmp_path):
@@ -366,4 +352,4 @@ def test_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch):
     assert len(given) > 10
     monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
     b = run_convert(models["bias"], tmp_path / "torch", act_dtype="float16", tp=2, device="cpu")
-    assert _files(a.out) == _files(b.out)
+    assert safetensors_bytes(a.out) == safetensors_bytes(b.out)
