@@ -14,6 +14,18 @@ them to up to 896 such places, more than the first-level cache holds. On the H20
 ran at 0.32-0.45 GB/s per core, 0.38 GB/s inside a conversion (18.6 of the 4-core conversion's 45
 CPU-seconds); blocks of 16 k-tiles ran at 0.76-0.98 GB/s there (``docs/bench/repack-kblock-*.json``).
 
+Note [tile kernel]: the row kernel above stores 4 bytes at a time to 4 places 32 bytes apart,
+and a row's next k-tile lands 16*Np bytes further on. On x86-64 the extension also has a kernel
+that writes one whole 1 KB tile at a time, front to back: the eight rows of one ``t8`` own 32
+consecutive words of the tile, so eight 16-byte loads, a byte interleave each (SSE2 unpack) and
+two 4x4 transposes of 32-bit words give those 32 words as eight 16-byte stores. The 64 rows of
+an n-tile are then read 16 bytes a k-tile at a time, sequentially each. On the 2-core AMD
+machine it runs at 4.4-6.0 GB/s per core against 1.3-1.5 for the row kernel in blocks of 16
+(``scripts/bench_repack.py --kernels tile,rows:16,rows:0``). The read-back
+(:func:`unpack_differs`) runs the same steps backwards (the transpose is its own inverse; the
+interleave is undone by one pack of the even and the odd bytes). SSE2 is part of the x86-64
+ABI, so the plain build has it; elsewhere (aarch64) :data:`KERNEL` is ``"rows"``.
+
 The extension is optional (setup.py): where it was not built, :func:`available` is False and
 callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give the same bytes
 (tests/convert/test_host_repack.py, against the golden cases and the torch path).
@@ -36,7 +48,7 @@ try:
 except ImportError:  # not built here (no C compiler at install time)
     _repack = None
 
-__all__ = ["K_BLOCK", "RUN_BYTES", "available", "block_pool", "block_workers", "pack_rows", "rows_of",
+__all__ = ["KERNEL", "K_BLOCK", "RUN_BYTES", "available", "block_pool", "block_workers", "pack_rows", "rows_of",
            "unpack_differs"]  # fmt: skip
 
 #: Input bytes per call into the extension when a pool splits a layer (whole n-tiles).
@@ -46,6 +58,10 @@ RUN_BYTES = 4 << 20
 #: against 0.32-0.45 for whole rows; on the 2-core AMD machine 10% slower than whole rows
 #: (docs/BENCHMARKS.md section 6.2).
 K_BLOCK = 16
+#: Which kernel of the extension repacks (Note [tile kernel]): ``"tile"`` (SSE2, whole tiles
+#: front to back) where it was built with it, else ``"rows"`` (portable C, row by row in blocks
+#: of :data:`K_BLOCK` k-tiles). Both give the same bytes.
+KERNEL = "tile" if _repack is not None and getattr(_repack, "TILE_KERNEL", 0) else "rows"
 
 
 def available() -> bool:
@@ -81,6 +97,15 @@ def rows_of(a: np.ndarray, rows: tuple[int, int] | None = None, col: int = 0) ->
 def _require() -> None:
     if _repack is None:
         raise RuntimeError("mpack's host repack extension is not built here")
+
+
+def _tile_kernel() -> bool:
+    """Whether to call the tile kernel (:data:`KERNEL`, checked against what was built)."""
+    if KERNEL not in ("tile", "rows"):
+        raise ValueError(f"host_repack.KERNEL must be 'tile' or 'rows', not {KERNEL!r}")
+    if KERNEL == "tile" and not getattr(_repack, "TILE_KERNEL", 0):
+        raise RuntimeError("mpack's host repack extension was built without the tile kernel")
+    return KERNEL == "tile"
 
 
 def _addresses(rows: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
@@ -139,8 +164,8 @@ def pack_rows(
     if np_ is None or kp is None:
         np_, kp = target.padded_nk(n, k)
     out = packed_out(np_, kp, out)
-    a_rows, a_out = addrs.ctypes.data, out.ctypes.data
-    _over_tiles(lambda t0, t1: _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK),
+    a_rows, a_out, tile = addrs.ctypes.data, out.ctypes.data, _tile_kernel()
+    _over_tiles(lambda t0, t1: _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK, tile),
                 np_ // 64, kp, pool)  # fmt: skip
     return out
 
@@ -169,10 +194,10 @@ def unpack_differs(
     kp, np_ = 16 * packed.shape[0], packed.shape[1] // 4
     if packed.shape[1] % 256 or np_ < n or kp < k:
         raise ValueError(f"packed weight {packed.shape} does not hold a [{n}, {k}] layer")
-    a_rows, a_out = addrs.ctypes.data, packed.ctypes.data
+    a_rows, a_out, tile = addrs.ctypes.data, packed.ctypes.data, _tile_kernel()
     return any(
         _over_tiles(
-            lambda t0, t1: _repack.unpack_differs(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK),
+            lambda t0, t1: _repack.unpack_differs(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK, tile),
             -(-n // 64), kp, pool,
         )
     )  # fmt: skip

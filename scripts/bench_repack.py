@@ -14,12 +14,14 @@ The 32-layer totals are the per-shape times summed and multiplied by 32 (6.98 GB
 Bandwidth counts the bytes an ideal pass moves: the repack reads N*K and writes Np*Kp; the copy
 reads and writes N*K. The ratio table comes last.
 
-``--k-blocks 0,8,16``: only the native repack on one thread into a used array, per shape, for
-each ``host_repack.K_BLOCK`` (k-tiles per pass over an n-tile's rows; 0: whole rows), in GB/s
-of fp8 input (Note [host repack]).
+``--kernels tile,rows:16,rows:0``: only the native repack on one thread into a used array, per
+shape, for each kernel of the extension (Note [tile kernel]): ``tile`` (SSE2, whole tiles) or
+``rows:B``, the row kernel with ``host_repack.K_BLOCK = B`` (k-tiles per pass over an n-tile's
+rows; 0: whole rows), in GB/s of fp8 input. ``--k-blocks 0,8,16`` is ``--kernels
+rows:0,rows:8,rows:16``.
 
-usage: python scripts/bench_repack.py [--cpu-only | --cpu-sweep | --k-blocks B,B,...] [--json PATH]
-    [--reps N] [--warmup N]
+usage: python scripts/bench_repack.py [--cpu-only | --cpu-sweep | --kernels K,K,... |
+    --k-blocks B,B,...] [--json PATH] [--reps N] [--warmup N]
 """
 
 from __future__ import annotations
@@ -183,22 +185,27 @@ def bench_cpu(reps: int, warmup: int) -> dict[str, Any]:
     return res
 
 
-def k_blocks(blocks: list[int], reps: int) -> dict[str, dict[str, float]]:
+def kernels(names: list[str], reps: int) -> dict[str, dict[str, float]]:
     """GB/s of fp8 input of the native repack per shape (one thread, a used output array) for
-    each k-block size: ``{str(block): {shape name: GB/s}}``."""
+    each kernel, ``tile`` or ``rows:B`` (the row kernel in blocks of B k-tiles): ``{name:
+    {shape name: GB/s}}``."""
     out: dict[str, dict[str, float]] = {}
-    for kb in blocks:
-        with mock.patch.object(host_repack, "K_BLOCK", kb):
+    for name in names:
+        kernel, _, kb = name.partition(":")
+        with (
+            mock.patch.object(host_repack, "KERNEL", kernel),
+            mock.patch.object(host_repack, "K_BLOCK", int(kb or host_repack.K_BLOCK)),
+        ):
             row = {}
-            for name, n, k in SHAPES:
+            for shape, n, k in SHAPES:
                 np_, kp = marlin.marlin_padded_nk(n, k)
                 src = _rand_u8(n, k, "cpu").numpy()  # alive while its row addresses are used
                 rows = host_repack.rows_of(src)
                 used = host_repack.pack_rows(rows, k, np_, kp)
                 call = functools.partial(host_repack.pack_rows, rows, k, np_, kp, out=used)
-                row[name] = round(n * k / cpu_time_ms(call, reps, 1) / 1e6, 2)
-        out[str(kb)] = row
-        print(f"K_BLOCK {kb:3}: " + ", ".join(f"{s} {v} GB/s" for s, v in row.items()), flush=True)
+                row[shape] = round(n * k / cpu_time_ms(call, reps, 1) / 1e6, 2)
+        out[name] = row
+        print(f"{name:>8}: " + ", ".join(f"{s} {v} GB/s" for s, v in row.items()), flush=True)
     return out
 
 
@@ -359,15 +366,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cpu-sweep", action="store_true", help="only: CPU block size x threads x load sweep"
     )
-    ap.add_argument("--k-blocks", help="only: the native repack per K_BLOCK, e.g. 0,8,16,32")
+    ap.add_argument("--kernels", help="only: the native repack per kernel, e.g. tile,rows:16")
+    ap.add_argument("--k-blocks", help="only: the row kernel per K_BLOCK, e.g. 0,8,16,32")
     args = ap.parse_args(argv)
-    if args.k_blocks:
+    if args.kernels or args.k_blocks:
         if not host_repack.available():
-            ap.error("--k-blocks needs the native repack (host_repack.available() is False)")
-        got = k_blocks([int(b) for b in args.k_blocks.split(",")], args.cpu_reps)
+            ap.error("--kernels needs the native repack (host_repack.available() is False)")
+        names = args.kernels.split(",") if args.kernels else []
+        names += [f"rows:{int(b)}" for b in args.k_blocks.split(",")] if args.k_blocks else []
+        if "tile" in names and host_repack.KERNEL != "tile":
+            ap.error("the tile kernel is not built here (host_repack.KERNEL is 'rows')")
+        got = kernels(names, args.cpu_reps)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"k_blocks": got}, indent=2) + "\n")
+            args.json.write_text(json.dumps({"kernels": got}, indent=2) + "\n")
         return 0
     if args.cpu_sweep:
         rows = sweep_cpu(max(1, args.cpu_reps // 2))

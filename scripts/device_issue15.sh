@@ -4,6 +4,7 @@
 #   - test-gpu: the whole GPU suite (make test-gpu), ~4 min on the H200;
 #   - host: the host path's CPU tests (tests/convert/test_host.py), on the extension built there;
 #   - driver: the driver path's tests and the kernel's (tests/convert/test_driver.py, test_cuda_repack.py);
+#   - kernels: the host repack's kernels, one thread each (scripts/bench_repack.py --kernels);
 #   - ab-threads (after the bench, on its checkpoint): scripts/ab_host_threads.py;
 #   - profile (after the bench, on its checkpoint): scripts/cpu_by_thread.py per PROFILE_CASES;
 #   - bench: scripts/bench_vs_tools.py on the 8B-shaped checkpoint, every row against its peer of
@@ -13,7 +14,7 @@
 #     costs ~1.5 min: about 5.5 minutes.
 # BENCH_COMMIT names the tree in the record (give it literally: the copy's own .git there is not
 # this checkout's). Exits with the first failing step's status.
-#   usage (device tool, carry .device): [SUITE_S=0] [HOST_S=0] [DRIVER_S=0] [BENCH_S=450] [PROFILE_S=0] [AB_S=0] [LAYERS=32] [REPS=1]
+#   usage (device tool, carry .device): [SUITE_S=0] [HOST_S=0] [DRIVER_S=0] [KERNELS_S=0] [BENCH_S=450] [PROFILE_S=0] [AB_S=0] [LAYERS=32] [REPS=1]
 #     [ONLY=convert,load,...] [BENCH_COMMIT=abc1234] bash scripts/device_issue15.sh
 source "$(dirname "$0")/device_env.sh"
 export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
@@ -25,6 +26,8 @@ step host "${HOST_S:-0}" python3 -P -m pytest -q -p no:cacheprovider tests/conve
 # driver: the torch-free CUDA path's tests (Note [driver path]) and the kernel's, on the GPU
 step driver "${DRIVER_S:-0}" python3 -P -m pytest -q -p no:cacheprovider --require-gpu \
   tests/convert/test_driver.py tests/convert/test_cuda_repack.py
+step kernels "${KERNELS_S:-0}" python3 scripts/bench_repack.py --kernels tile,rows:16,rows:0 \
+  --cpu-reps 3 --json "$OUT/repack-kernels.json"
 step vs_tools "${BENCH_S:-450}" python3 scripts/bench_vs_tools.py --workdir /tmp/mpack-bench-vs \
   --layers "${LAYERS:-32}" --devices cuda,cpu --cores 16,4 --cold drop --reps "${REPS:-1}" \
   "${only[@]}" --json "$OUT/vs_tools.json" --md "$OUT/vs_tools.md"

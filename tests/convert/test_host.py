@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+#: The extension's kernels built here (Note [tile kernel]): every repack test runs on each.
+KERNELS = ["tile", "rows"] if host_repack.KERNEL == "tile" else ["rows"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch) -> str:
+    monkeypatch.setattr(host_repack, "KERNEL", request.param)
+    return request.param
+
+
 def _native(a: np.ndarray, **kw) -> torch.Tensor:
     return torch.from_numpy(host_repack.pack_rows(host_repack.rows_of(a), a.shape[1], **kw))
 
@@ -38,7 +49,22 @@ def _torch_path(w: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tenso
 # --- the native repack ------------------------------------------------------------------------
 
 
-def test_native_repack_matches_golden_layers(golden):
+def test_the_tile_kernel_is_built_on_x86_64():
+    """setup.py's plain build has the SSE2 tile kernel on x86-64 (SSE2 is part of the ABI), so
+    a conversion there never falls back to the slower row kernel unnoticed."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert host_repack.KERNEL == "tile"
+    else:
+        assert host_repack.KERNEL == "rows"
+
+
+def test_an_unknown_kernel_is_refused(monkeypatch):
+    monkeypatch.setattr(host_repack, "KERNEL", "avx9")
+    with pytest.raises(ValueError, match="'tile' or 'rows', not 'avx9'"):
+        host_repack.pack_rows(host_repack.rows_of(np.zeros((64, 16), np.uint8)), 16)
+
+
+def test_native_repack_matches_golden_layers(golden, kernel):
     t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     assert index
     for lid, info in index.items():
@@ -56,7 +82,7 @@ def test_native_repack_matches_golden_layers(golden):
 @pytest.mark.parametrize(
     "n, k", [(64, 16), (64, 4), (100, 40), (192, 12), (200, 300), (960, 576), (4096, 260)]
 )
-def test_native_repack_matches_unpack_and_torch(monkeypatch, n, k):
+def test_native_repack_matches_unpack_and_torch(monkeypatch, kernel, n, k):
     """Padding in N and K (K % 16 != 0 included): the independent unpack gives the bytes back
     with zero padding, and the torch path gives the same words."""
     w = rand_bytes(n, k, seed=n + k)
@@ -72,10 +98,16 @@ def test_native_repack_matches_unpack_and_torch(monkeypatch, n, k):
 @pytest.mark.parametrize("kb", [1, 5, 8, 64])
 @pytest.mark.parametrize("n, k", [(100, 40), (200, 300), (960, 576), (130, 1000)])
 def test_native_repack_in_k_blocks_gives_the_same_words(monkeypatch, n, k, kb):
-    """host_repack.K_BLOCK (k-tiles per pass over an n-tile's rows, a last shorter block
-    included) changes the order of the stores, never the words."""
+    """host_repack.K_BLOCK (the row kernel's k-tiles per pass over an n-tile's rows, a last
+    shorter block included) changes the order of the stores, never the words; the tile
+    kernel, where built, gives them too."""
     w = rand_bytes(n, k, seed=3 * n + k).numpy()
+    monkeypatch.setattr(host_repack, "KERNEL", "rows")
     whole = _native(w)
+    if "tile" in KERNELS:
+        monkeypatch.setattr(host_repack, "KERNEL", "tile")
+        assert torch.equal(_native(w), whole)
+        monkeypatch.setattr(host_repack, "KERNEL", "rows")
     monkeypatch.setattr(host_repack, "K_BLOCK", kb)
     got = _native(w)
     assert torch.equal(got, whole)
@@ -88,7 +120,7 @@ def test_native_repack_in_k_blocks_gives_the_same_words(monkeypatch, n, k, kb):
 
 
 @pytest.mark.parametrize("workers", [2, 5])
-def test_native_repack_rows_from_pieces_on_a_pool(workers):
+def test_native_repack_rows_from_pieces_on_a_pool(kernel, workers):
     """Fused and sliced rows (row addresses into two arrays, from a column on) on a pool of
     threads that split the n-tiles: the bytes of the concatenated copy, in one call."""
     a, b = rand_bytes(64 * 9, 512, seed=1).numpy(), rand_bytes(128, 512, seed=2).numpy()
@@ -170,7 +202,7 @@ def test_scales_and_bias_match_torch(act):
 # --- the layout read backwards (mpack verify: Note [verify without torch]) --------------------
 
 
-def test_native_unpack_reads_the_golden_layers_back(golden):
+def test_native_unpack_reads_the_golden_layers_back(golden, kernel):
     t, index = load_vectors(golden / "vectors" / "layers.safetensors")
     for lid in index:
         w = t[f"{lid}.wck"].view(torch.uint8).numpy()
@@ -182,7 +214,7 @@ def test_native_unpack_reads_the_golden_layers_back(golden):
 
 
 @pytest.mark.parametrize("n, k", [(100, 40), (200, 300), (130, 1000), (64, 16)])
-def test_native_unpack_finds_every_flipped_byte(n, k):
+def test_native_unpack_finds_every_flipped_byte(kernel, n, k):
     """A byte flipped anywhere inside [N, K] is found; a padding byte of the tiles is not read."""
     rng = np.random.default_rng(n * k)
     w = rng.integers(0, 256, (n, k), dtype=np.uint8)
