@@ -8,8 +8,8 @@ input byte is read once and every output byte written once, where the torch-op p
 How it is built and run:
 
 * the source is compiled with NVRTC (``cuda.bindings.nvrtc``) for the device's architecture
-  (``sm_90`` on an H100/H200) into a cubin, cached in :func:`cache_dir` under a name keyed by
-  the source hash, the options, the architecture and the NVRTC version;
+  (``sm_90`` on an H100/H200) into a cubin, cached in ``kernels`` of :mod:`mpack.cache` under
+  a name keyed by the source hash, the options, the architecture and the NVRTC version;
 * the cubin is loaded with ``cuModuleLoadData`` into the device's primary context (the one
   torch uses) and launched with ``cuLaunchKernel`` on torch's current stream, so it is ordered
   with the torch work around it like any torch op;
@@ -21,8 +21,8 @@ Importing this module imports neither torch nor cuda-bindings, and touches no CU
 happens on the first call that needs it. Building, loading and launching need no torch
 (:mod:`mpack.convert.driver` runs the kernel without it); :func:`pack_weight_cuda` and
 :func:`available` are the torch wrappers. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch path is used);
-``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; ``MPACK_CACHE_DIR``
-overrides the cache directory.
+``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; builds are cached in
+``kernels`` of mpack's cache (:mod:`mpack.cache`, ``MPACK_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import tempfile
 import threading
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack import cudadrv, target
+from mpack import cache, cudadrv, target
 from mpack.errors import UsageError
 
 if TYPE_CHECKING:  # the torch wrappers import it on use: the driver path runs without it
@@ -45,7 +44,6 @@ if TYPE_CHECKING:  # the torch wrappers import it on use: the driver path runs w
 __all__ = [
     "CudaKernelError",
     "available",
-    "cache_dir",
     "compile_kernel",
     "kernel_source_path",
     "pack_weight_cuda",
@@ -90,15 +88,6 @@ def kernel_source_path() -> Path:
     return Path(__file__).resolve().parents[1] / "cuda" / "marlin_repack.cu"
 
 
-def cache_dir() -> Path:
-    """Compiled kernels live here: ``$MPACK_CACHE_DIR``, else ``~/.cache/mpack/kernels``."""
-    env = os.environ.get("MPACK_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mpack" / "kernels"
-
-
 # --- NVRTC -----------------------------------------------------------------------------------
 
 _NEEDED_BY = "the fused repack kernel"
@@ -140,7 +129,8 @@ def compile_kernel(
     Args:
         arch: target architecture, e.g. ``"sm_90"`` or ``(9, 0)``.
         ptx: return PTX for ``compute_XY`` (NUL-terminated) instead of a ``sm_XY`` cubin.
-        use_cache: read and write :func:`cache_dir` (an unwritable cache is skipped silently).
+        use_cache: read and write ``kernels`` of :mod:`mpack.cache` (an unwritable cache is
+            skipped silently).
 
     Returns:
         The cubin (ELF) or PTX bytes, loadable with ``cuModuleLoadData``.
@@ -155,16 +145,16 @@ def compile_kernel(
     major, minor = nvrtc_version()
     opts = [f"--gpu-architecture={target}".encode(), *(o.encode() for o in _NVRTC_OPTIONS)]
     key = hashlib.sha256(src + b"\0" + b"\0".join(opts)).hexdigest()[:20]
-    cached = (
-        cache_dir()
-        / f"marlin_repack-{target}-nvrtc{major}.{minor}-{key}.{'ptx' if ptx else 'cubin'}"
+    cached = cache.cache_dir("kernels") / (
+        f"marlin_repack-{target}-nvrtc{major}.{minor}-{key}.{'ptx' if ptx else 'cubin'}"
     )
-    if use_cache and cached.is_file():
-        return cached.read_bytes()
+    image = cache.get(cached) if use_cache else None
+    if image:
+        return image
     failed = f"NVRTC {major}.{minor} could not compile {src_path} for {target}"
     image = _nvrtc_compile(src, src_path.name, opts, ptx, failed)
     if use_cache:
-        _write_atomically(cached, image)
+        cache.put(cached, image)
     return image
 
 
@@ -187,22 +177,6 @@ def _nvrtc_compile(src: bytes, name: str, opts: list[bytes], ptx: bool, failed: 
     finally:
         n.nvrtcDestroyProgram(prog)
     return image
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Best effort: a concurrent reader sees the whole file or none; errors are ignored."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
-        pass
 
 
 # --- CUDA driver -----------------------------------------------------------------------------

@@ -358,7 +358,7 @@ def _open_and_plan(
     With the scheme check in a child, its error comes first: the same order as inline. The scale
     values are checked later, once torch is imported (:func:`_write_all`)."""
     with check.errors_first():
-        ck = open_checkpoint(src.path, scheme=not check.in_child)
+        ck = open_checkpoint(src.path, scheme=not check.deferred)
         find_layers(ck)
         plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp,
                          fusion=fuse, passthrough=passthrough)  # fmt: skip

@@ -8,11 +8,16 @@ child before it imports torch itself: the child's imports then overlap the paren
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mpack import __version__, cache
 from mpack.errors import MpackError
 
 if TYPE_CHECKING:
@@ -34,27 +39,140 @@ if TYPE_CHECKING:
 # longer than the whole stream, so the warm CLI waited for it: the child imports only the config
 # models it needs (Note [lean import] in mpack/convert/ctlean.py).
 
+# Note [verdict cache]: even lean, the child imports torch (compressed-tensors' models use it at
+# class definition): 4-5 CPU-seconds, and from a cold disk 4 s of reads that the conversion's own
+# reads wait behind. Its verdict is a function of bytes the parent can read in milliseconds: the
+# config, the index and every shard's header (the check reads no tensor data), and of the code
+# that judges them (compressed-tensors, pydantic and transformers by version, mpack's checking
+# modules by content, the interpreter). So a good verdict is kept in mpack's cache
+# (``verdicts``, :mod:`mpack.cache`) under the sha256 of all of that (:func:`verdict_key`), and a
+# later check of the same bytes by the same code takes it from there instead of forking the
+# child: compressed-tensors still parsed this config, once. Only good verdicts are kept (an
+# error names paths and is cheap to reach again); an entry that does not read back as one is
+# ignored. ``MPACK_NO_VERDICT_CACHE=1`` turns the cache off.
+
+#: Changes whenever an entry's meaning or the key's inputs change.
+VERDICT_FORMAT = 1
+#: The modules whose code judges a checkpoint (by content: a development tree keeps one version).
+_JUDGES = ("checkpoint.py", "scheme_check.py", "ctlean.py")
+#: The distributions whose code judges it (by version).
+_JUDGE_DISTS = ("compressed-tensors", "pydantic", "transformers")
+#: A shard header longer than this is not read for the key (the check then runs).
+_KEY_HEADER_MAX = 100 * 1024 * 1024
+
+
+def verdict_cache_enabled() -> bool:
+    return os.environ.get("MPACK_NO_VERDICT_CACHE", "") in ("", "0")
+
+
+def verdict_key(root: str | os.PathLike) -> str | None:
+    """The sha256 of everything the check's verdict on ``root`` depends on (Note [verdict
+    cache]); None where something cannot be read as expected (the check then runs and says
+    what)."""
+    from importlib import metadata
+
+    from mpack.sidecar import CONFIG_NAME, INDEX_NAME
+
+    root = Path(root)
+    h = hashlib.sha256(f"mpack verdict {VERDICT_FORMAT} {__version__} {sys.version}\0".encode())
+    for dist in _JUDGE_DISTS:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "-"
+        h.update(f"{dist} {version}\0".encode())
+    here = Path(__file__).parent
+    try:
+        for name in _JUDGES:
+            _feed(h, name, (here / name).read_bytes())
+        _feed(h, CONFIG_NAME, (root / CONFIG_NAME).read_bytes())
+        index = root / INDEX_NAME
+        _feed(h, INDEX_NAME, index.read_bytes() if index.is_file() else b"")
+        for shard in sorted(root.glob("*.safetensors")):
+            with open(shard, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    return None
+                (hlen,) = struct.unpack("<Q", prefix)
+                if hlen > min(size, _KEY_HEADER_MAX):
+                    return None
+                _feed(h, f"{shard.name} {size}", prefix + f.read(hlen))
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _feed(h: Any, name: str, data: bytes) -> None:
+    """One named input of the key, framed so that no two inputs run together."""
+    h.update(f"{name}\0{len(data)}\0".encode())
+    h.update(data)
+
+
+def _verdict_path(key: str) -> Path:
+    return cache.cache_dir("verdicts") / f"{key}.json"
+
+
+def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
+    """The layers of a good verdict kept under ``key``, or None (missing, or not one)."""
+    raw = cache.get(_verdict_path(key))
+    if raw is None:
+        return None
+    try:
+        entry = json.loads(raw)
+        if entry.get("format") != VERDICT_FORMAT or entry.get("key") != key:
+            return None
+        layers = {}
+        for module, (strategy, n, k, bias) in entry["layers"].items():
+            if not (isinstance(strategy, str) and type(n) is int and type(k) is int
+                    and isinstance(bias, bool)):  # fmt: skip
+                return None
+            layers[module] = (strategy, n, k, bias)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
+    return layers
+
+
+def keep_verdict(key: str, layers: dict[str, tuple[str, int, int, bool]], root: Path) -> bool:
+    """Keep a good verdict (best effort; False where the cache cannot be written)."""
+    entry = {"format": VERDICT_FORMAT, "key": key, "source": str(root), "layers": layers}
+    return cache.put(_verdict_path(key), json.dumps(entry, sort_keys=True).encode())
+
 
 class SchemeCheck:
     """The full validation of ``root`` (scheme included), possibly running in a child process.
 
     :meth:`result` returns ``{module: (strategy, n, k, has_bias)}`` or raises the check's
-    ``MpackError``; :meth:`cancel` stops a child that is no longer needed.
+    ``MpackError``; :meth:`cancel` stops a child that is no longer needed. Where a child would
+    run, a good verdict on the same bytes by the same code is taken from the cache instead
+    (Note [verdict cache]; ``use_cache=False``, or ``MPACK_NO_VERDICT_CACHE=1``: never).
     """
 
-    def __init__(self, root: str | os.PathLike, *, background: bool | None = None) -> None:
-        import sys
-
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        background: bool | None = None,
+        use_cache: bool | None = None,
+    ) -> None:
         self.root = Path(root)
         self._verdict: tuple[str, Any] | None = None
         self._proc: Any = None
         self._conn: Any = None
+        self._key: str | None = None
+        #: The verdict came from the cache: no child ran.
+        self.cached = False
         if background is None:
             background = (
                 "compressed_tensors" not in sys.modules
                 and hasattr(os, "fork")
                 and os.environ.get("MPACK_SCHEME_CHECK", "") != "inline"
             )
+        if background and (verdict_cache_enabled() if use_cache is None else use_cache):
+            self._key = verdict_key(self.root)
+            layers = cached_verdict(self._key) if self._key else None
+            if layers is not None:
+                self._verdict, self.cached, background = ("ok", layers), True, False
         if background:
             import multiprocessing
 
@@ -70,7 +188,14 @@ class SchemeCheck:
 
     @property
     def in_child(self) -> bool:
+        """A child process reaches the verdict."""
         return self._proc is not None
+
+    @property
+    def deferred(self) -> bool:
+        """The verdict comes from a child or the cache, not from the caller's own parse: the
+        caller opens the checkpoint without compressed-tensors and calls :meth:`agree`."""
+        return self.in_child or self.cached
 
     def result(self) -> dict[str, tuple[str, int, int, bool]]:
         if self._verdict is None:
@@ -79,6 +204,8 @@ class SchemeCheck:
             else:
                 try:
                     self._verdict = self._conn.recv()
+                    if self._verdict[0] == "ok" and self._key is not None:
+                        keep_verdict(self._key, self._verdict[1], self.root)
                 except (EOFError, OSError):
                     self._proc.join()
                     self._verdict = (
@@ -108,18 +235,23 @@ class SchemeCheck:
         try:
             yield
         except MpackError:
-            if self.in_child:
+            if self.deferred:
                 self.result()
             raise
 
     def agree(self, ck: Checkpoint) -> None:
         """The verdict (raises the check's error); its layers must be those planned from the
         headers of ``ck``. Inline, the first :func:`open_checkpoint` already ran the full check."""
-        if not self.in_child:
+        if not self.deferred:
             return
         from mpack.convert.checkpoint import layer_summary
 
         layers, planned = self.result(), layer_summary(ck.layers)
+        if layers != planned and self.cached:  # a damaged entry: the check itself decides
+            self.cached, self._verdict = False, _scheme_verdict(self.root)
+            layers = self.result()
+            if self._key is not None:
+                keep_verdict(self._key, layers, self.root)
         if layers != planned:
             diff = sorted(m for m in set(layers) | set(planned) if layers.get(m) != planned.get(m))
             raise MpackError(

@@ -32,7 +32,8 @@ ENVIRONMENT = {
     "MPACK_NO_CUDA_KERNEL=1": "convert on CUDA with torch ops instead of the fused kernel",
     "MPACK_NO_DRIVER_PATH=1": "convert on CUDA through torch, not cuda-bindings alone",
     "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
-    "MPACK_CACHE_DIR=DIR": "where compiled kernels are cached (~/.cache/mpack/kernels)",
+    "MPACK_NO_VERDICT_CACHE=1": "check the quantization config every time (no cached verdict)",
+    "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels and scheme verdicts (~/.cache/mpack)",
     "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (../shared/golden)",
 }
 _EPILOG = "\b\nEnvironment:\n" + "\n".join(f"  {k:27} {v}" for k, v in ENVIRONMENT.items())

@@ -18,8 +18,12 @@ kernel into its cache: no warm row pays a first-run cost. Rows (``--only`` takes
   this machine's are skipped; if all are, it runs once on every core). Peer: ``cp -r SRC DST``
   into a fresh DST, and the same copy followed by ``sync`` (``cp`` does not fsync; convert
   fsyncs every file it writes).
-- **convert-cold**: the same for the first of ``--devices``, page cache dropped; peer: ``cp -r``
-  after the same drop.
+  The warm-up keeps the scheme check's verdict on SRC (Note [verdict cache]), as any earlier
+  conversion of the same bytes on the machine would; one more row, on CPU with the fewest
+  ``--cores``, runs with ``MPACK_NO_VERDICT_CACHE=1``: the first conversion of a checkpoint
+  (the check's child imports compressed-tensors and torch).
+- **convert-cold**: the same for the first of ``--devices``, page cache dropped, with the kept
+  verdict and without it; peer: ``cp -r`` after the same drop.
 - **verify**: ``python -m mpack verify OUT --source SRC --json``, warm; peer: ``cp -r``.
 - **load** / **load-cold**: ``mpack.runtime.load(OUT, rank=0, device=D)`` in a fresh process per
   run, timed after the imports and CUDA init (D: cuda:0 when cuda is among ``--devices``, else
@@ -151,10 +155,19 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
         for n in [None] if dev == "cuda" else cpu_counts(b):
             out.append(("convert", f"convert {dev} {n or ''}",
                         partial(row_convert, b, dev, n, "warm")))  # fmt: skip
+    if "cpu" in devices:  # the CI-runner case, converting these bytes for the first time
+        n = min(cpu_counts(b))
+        out.append(("convert", f"convert cpu {n} no kept verdict",
+                    partial(row_convert, b, "cpu", n, "warm", False)))  # fmt: skip
     out += [
         ("load", f"load {rt}", partial(row_load, b, rt, first, "warm")),
         ("attach", f"attach {rt}", partial(rows_attach, b, rt, first)),
         ("convert-cold", f"convert {first} cold", partial(row_convert, b, first, None, "cold")),
+        (
+            "convert-cold",
+            f"convert {first} cold no kept verdict",
+            partial(row_convert, b, first, None, "cold", False),
+        ),
         ("load-cold", f"load {rt} cold", partial(row_load, b, rt, first, "cold")),
         ("verify", "verify", partial(row_verify, b, first)),
         ("imports", "imports", partial(row_imports, b)),

@@ -15,6 +15,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Every test, and every CLI process a test starts, checks a checkpoint's scheme for itself: a
+# verdict kept by an earlier test (or by the user's own conversions) would skip the check's child
+# that many tests are about. tests/convert/test_verdict_cache.py turns the cache on where it is
+# the subject, in a folder of its own.
+os.environ["MPACK_NO_VERDICT_CACHE"] = "1"
+
 
 def _has_vllm() -> bool:
     # On pytest's sys.path, tests/vllm itself is a namespace package `vllm` (origin None).

@@ -215,7 +215,7 @@ def _open_and_plan(src: ResolvedSource, check: SchemeCheck, t: dict[str, Any],
     """The plan from the shard headers, as a conversion with the sidecar's target makes it.
     With the scheme check in a child, its error comes first: the same order as inline."""
     with check.errors_first():
-        ck = open_checkpoint(src.path, scheme=not check.in_child)
+        ck = open_checkpoint(src.path, scheme=not check.deferred)
         find_layers(ck)
         plan = make_plan(ck, profile=t["profile"], act_dtype=t["act_dtype"], tp=t["tp_size"],
                          fusion=t["fusion"], passthrough=passthrough)  # fmt: skip

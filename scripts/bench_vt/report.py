@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 #: Row key -> (limit, what the limit is on). A row with a peer is checked on value / peer,
-#: one without on its value (ms). Keys: see ``rows`` (``convert-cpu-16c``: 16 cores).
+#: one without on its value (ms). Keys: see ``rows`` (``convert-cpu-16c``: 16 cores; ``-check``:
+#: no kept scheme verdict, the targets of the row without).
 TARGETS: dict[str, tuple[float, str]] = {
     "convert-cuda": (1.1, "x cp -r"), "convert-cuda-cold": (1.3, "x cp -r cold"),
     "convert-cpu-16c": (1.3, "x cp -r"), "convert-cpu-4c": (2.0, "x cp -r"),
+    "convert-cpu-4c-check": (2.0, "x cp -r"), "convert-cuda-cold-check": (1.3, "x cp -r cold"),
+    "convert-cpu-cold-check": (1.3, "x cp -r cold"), "convert-cpu-2c-check": (2.0, "x cp -r"),
     "verify": (1.5, "x cp -r"),
     "load-cuda": (0.9, "x load_file"), "load-cpu": (0.9, "x load_file"),
     "load-cuda-cold": (1.1, "x disk read"), "load-cpu-cold": (1.1, "x disk read"),

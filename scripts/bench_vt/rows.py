@@ -106,13 +106,15 @@ def fresh(path: Path) -> None:
     os.sync()
 
 
-def timed_cli(b: Bench, cmd: list[str], files: list[Path], temp: str, out: Path | None) -> dict:
+def timed_cli(b: Bench, cmd: list[str], files: list[Path], temp: str, out: Path | None,
+              env: dict[str, str] | None = None) -> dict:  # fmt: skip
     """``cmd`` in a fresh process after ``fresh(out)`` and ``cache_state``: wall, peak RSS, and
-    for ``--json`` commands (convert) the ``seconds`` of its phases, as ``phases``."""
+    for ``--json`` commands (convert) the ``seconds`` of its phases, as ``phases``. ``env``:
+    variables set on top of the bench's."""
     if out is not None:
         fresh(out)
     state = cache_state(b, files, temp)
-    r = run_timed(cmd, env=b.env, cwd=b.tmp, keep_stdout="--json" in cmd)
+    r = run_timed(cmd, env={**b.env, **(env or {})}, cwd=b.tmp, keep_stdout="--json" in cmd)
     if r.returncode:
         raise BenchError(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr}")
     got = {"wall": r.wall, "peak_rss": r.peak_rss, "state": state}
@@ -161,6 +163,11 @@ t = time.perf_counter()
 import torch, compressed_tensors
 import mpack.cli, mpack.convert.pipeline, mpack.runtime.client, mpack.runtime.loader, mpack.verify
 out = {"import_s": time.perf_counter() - t}
+from mpack.convert.scheme_check import SchemeCheck
+t = time.perf_counter()
+check = SchemeCheck(sys.argv[2], background=True)  # a good verdict is kept (Note [verdict cache])
+check.result()
+out.update(check_s=time.perf_counter() - t, check_kept=not check.cached)
 if sys.argv[1] == "cuda":
     from mpack.convert import cuda_repack
     t = time.perf_counter()
@@ -172,14 +179,17 @@ print(json.dumps(out))
 
 def warm_up(b: Bench, cuda: bool) -> None:
     """One untimed process before the rows: the imports of the CLI and the workers (their
-    bytecode is written then, where a fresh install has none) and, with ``cuda``, the fused
-    repack kernel built into its cache: no warm row pays a one-time cost."""
-    r = subprocess.run([sys.executable, "-c", WARM_UP, "cuda" if cuda else "cpu"], env=b.env,
-                       cwd=b.tmp, capture_output=True, text=True)  # fmt: skip
+    bytecode is written then, where a fresh install has none), the scheme check of the source
+    (its good verdict kept in mpack's cache, Note [verdict cache]) and, with ``cuda``, the fused
+    repack kernel built into its cache: no warm row pays a first-run cost. The rows marked
+    "no kept verdict" measure a conversion that finds none."""
+    r = subprocess.run([sys.executable, "-c", WARM_UP, "cuda" if cuda else "cpu", str(b.src)],
+                       env=b.env, cwd=b.tmp, capture_output=True, text=True)  # fmt: skip
     if r.returncode:
         raise BenchError(f"warm-up failed ({r.returncode}): {r.stderr[-2000:]}")
     w = b.meta["warm_up"] = json.loads(r.stdout)
-    print(f"warm-up: imports {w['import_s']:.2f} s" + (f", repack kernel {w['kernel']} in "
+    print(f"warm-up: imports {w['import_s']:.2f} s, scheme check {w['check_s']:.2f} s"
+          + (f", repack kernel {w['kernel']} in "
           f"{w['kernel_s']:.2f} s" if cuda else ""), flush=True)  # fmt: skip
     if cuda and not w["kernel"]:
         b.say(f"the fused repack kernel is not available ({w['reason']}): convert uses torch ops")
@@ -194,15 +204,21 @@ def convert_cmd(src: Path, out: Path, dev: str, cores: int | None) -> list[str]:
     return cmd if cores is None else ["taskset", "-c", f"0-{cores - 1}", *cmd]
 
 
-def row_convert(b: Bench, dev: str, cores: int | None, temp: str) -> Row:
-    """The CLI convert, a fresh output each time, ``--reps`` times; against ``cp -r``."""
+def row_convert(b: Bench, dev: str, cores: int | None, temp: str, kept: bool = True) -> Row:
+    """The CLI convert, a fresh output each time, ``--reps`` times; against ``cp -r``. ``kept``
+    False: with ``MPACK_NO_VERDICT_CACHE=1``, so the scheme check's child runs (a first
+    conversion of these bytes on this machine; Note [verdict cache])."""
     peer_cp(b, temp)  # the peer first: a failed copy stops the row before the long part
     cmd = convert_cmd(b.src, b.out, dev, cores)
-    runs = [timed_cli(b, cmd, b.src_files(), temp, b.out) for _ in range(b.args.reps)]
-    key = f"convert-{dev}" + (f"-{cores}c" if cores else "") + ("-cold" if temp == "cold" else "")
+    env = None if kept else {"MPACK_NO_VERDICT_CACHE": "1"}
+    runs = [timed_cli(b, cmd, b.src_files(), temp, b.out, env) for _ in range(b.args.reps)]
+    key = (f"convert-{dev}" + (f"-{cores}c" if cores else "") + ("-cold" if temp == "cold" else "")
+           + ("" if kept else "-check"))  # fmt: skip
     how = f"`taskset -c 0-{cores - 1}` " if cores else ""
-    what = f"{how}`mpack convert --device {dev}`, CLI, " + (
-        "warm" if temp == "warm" else "page cache dropped"
+    what = (
+        f"{how}`mpack convert --device {dev}`, CLI, "
+        + ("warm" if temp == "warm" else "page cache dropped")
+        + ("" if kept else ", no kept verdict (the check's child runs)")
     )
     return cp_row(b, key, what, runs, temp)
 

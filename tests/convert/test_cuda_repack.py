@@ -95,7 +95,7 @@ def test_nvrtc_compiles_for_sm90(tmp_path, monkeypatch):
     assert ptx.endswith(b"\0")  # cuModuleLoadData needs NUL-terminated PTX
     cubin = cr.compile_kernel((9, 0))
     assert cubin.startswith(b"\x7fELF")
-    cached = sorted(p.suffix for p in tmp_path.iterdir())
+    cached = sorted(p.suffix for p in (tmp_path / "kernels").iterdir())
     assert cached == [".cubin", ".ptx"], cached
     assert cr.compile_kernel("sm_90") == cubin  # from the cache
     assert cr.compile_kernel("sm_90", use_cache=False) == cubin  # deterministic
