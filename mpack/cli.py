@@ -264,7 +264,12 @@ def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) 
     early = None
     if (Path(source) / CONFIG_NAME).is_file():
         early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
-        prefetch(sorted(Path(source).glob("*.safetensors")))
+        libs = []
+        if str(options.get("device", "")).startswith("cuda"):
+            from mpack import cudadrv
+
+            libs = cudadrv.library_files()  # before the shards: Note [prefetch]
+        prefetch(libs + sorted(Path(source).glob("*.safetensors")))
     try:
         from mpack import ui
         from mpack.convert.pipeline import run_convert

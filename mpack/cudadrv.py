@@ -17,16 +17,20 @@ call that needs them.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from mpack.errors import CudaError, UsageError
 
-__all__ = ["CudaError", "check", "check_nvrtc", "device", "device_count", "driver", "init", "nvrtc",
-           "on_device"]  # fmt: skip
+__all__ = ["CudaError", "check", "check_nvrtc", "device", "device_count", "driver", "init",
+           "library_files", "nvrtc", "on_device"]  # fmt: skip
 
 #: How to get cuda-bindings (the ``cuda`` extra).
 INSTALL_HINT = "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')"
@@ -57,6 +61,45 @@ def nvrtc(needed_by: str = "--device cuda") -> ModuleType:
 
 def _missing(needed_by: str) -> UsageError:
     return UsageError(f"{needed_by} needs the cuda-bindings package", hint=INSTALL_HINT)
+
+
+#: Where the dynamic loader finds the driver and NVRTC on the usual Linux installs (after
+#: LD_LIBRARY_PATH's folders).
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+             "/usr/local/nvidia/lib64", "/usr/local/cuda/lib64", "/usr/lib/wsl/lib")  # fmt: skip
+_LIB_NAMES = ("libcuda.so.1", "libnvrtc.so.*[0-9]")
+
+
+def library_files() -> list[Path]:
+    """The shared objects a driver-path process maps, found without loading them: cuda-bindings'
+    extension modules, ``libcuda`` and ``libnvrtc`` (Note [prefetch] in mpack/iokit.py: read
+    ahead of the source, their page faults do not wait behind it on a cold disk). Best effort:
+    what is not found is left out."""
+    found: list[Path] = []
+    try:
+        spec = importlib.util.find_spec("cuda.bindings")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        found += sorted(Path(loc).rglob("*.so"))
+    try:  # NVRTC from its wheel (nvidia/<pkg>/lib), where cuda-bindings looks first
+        wheels = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        wheels = None
+    for loc in (wheels.submodule_search_locations or []) if wheels else []:
+        found += sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(loc), "*", "lib",
+                                                                 _LIB_NAMES[1])))  # fmt: skip
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for d in (*dirs, *_LIB_DIRS):
+        for name in _LIB_NAMES:
+            found += sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(d), name)))
+    out, seen = [], set()
+    for p in found:
+        real = Path(os.path.realpath(p))
+        if real not in seen and real.is_file():
+            seen.add(real)
+            out.append(real)
+    return out
 
 
 def _values(values: list[Any]) -> Any:

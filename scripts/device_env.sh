@@ -10,7 +10,13 @@ export PYTHONUNBUFFERED=1 MPACK_GOLDEN=$PWD/.device/golden
 if compgen -G '.device/wheels/*.whl' >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .device/wheels/*.whl || exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" . || exit 1
+# --upgrade: a machine still warm from an earlier call keeps $SITE, and without it pip leaves that
+# call's mpack in place (it only warns), so this tree would not be the one measured.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" . || exit 1
+for f in convert/scheme_check.py convert/pipeline.py; do
+  cmp -s "$f" "$SITE/mpack/$f" || { echo "$SITE/mpack/$f is not this tree's $f" >&2; exit 1; }
+done
+cmp -s mpack/cli.py "$SITE/mpack/cli.py" || { echo "$SITE/mpack/cli.py is stale" >&2; exit 1; }
 # PYTHONSAFEPATH: scripts import the installed mpack, not the checkout beside them.
 export PYTHONPATH=$SITE PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"

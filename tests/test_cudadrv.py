@@ -57,3 +57,21 @@ def test_the_repack_kernel_error_is_the_one_class() -> None:
     from mpack.convert import cuda_repack
 
     assert cuda_repack.CudaKernelError is cudadrv.CudaError
+
+
+def test_library_files_finds_the_driver_and_nvrtc_on_ld_library_path(tmp_path, monkeypatch):
+    """What the driver path maps, found by name without loading it (Note [prefetch]): libcuda
+    and libnvrtc from LD_LIBRARY_PATH's folders, links resolved to their files, each once."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (first / "libcuda.so.1").write_bytes(b"\x7fELF driver")
+    (first / "libnvrtc.so.13.0.88").write_bytes(b"\x7fELF nvrtc")
+    (first / "libnvrtc.so.13").symlink_to("libnvrtc.so.13.0.88")
+    (first / "libnvrtc-builtins.so.13.0").write_bytes(b"only for a compile")
+    (first / "libcublas.so.13").write_bytes(b"not the driver path's")
+    (second / "libcuda.so.1").symlink_to(first / "libcuda.so.1")  # the same file again
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{first}:{second}")
+    got = [p for p in cudadrv.library_files() if tmp_path in p.parents]
+    assert got == [first / "libcuda.so.1", first / "libnvrtc.so.13.0.88"]
+    assert len(set(cudadrv.library_files())) == len(cudadrv.library_files())
