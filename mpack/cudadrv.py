@@ -67,32 +67,40 @@ def _missing(needed_by: str) -> UsageError:
 #: LD_LIBRARY_PATH's folders).
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
              "/usr/local/nvidia/lib64", "/usr/local/cuda/lib64", "/usr/lib/wsl/lib")  # fmt: skip
-_LIB_NAMES = ("libcuda.so.1", "libnvrtc.so.*[0-9]")
+
+
+#: cuda-bindings modules the driver path never imports (the runtime, NVML, cuFile ...): not read.
+_UNUSED_BINDINGS = ("runtime", "cyruntime", "cyruntime_ptds", "nvml", "cynvml", "cufile",
+                    "cycufile", "cudla", "cycudla", "nvjitlink", "cynvjitlink", "nvvm", "cynvvm",
+                    "nvfatbin", "cynvfatbin")  # fmt: skip
+
+
+def _package_dirs(name: str) -> list[str]:
+    """Where package ``name`` lives, found without importing it (none where it is missing)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec else []
 
 
 def library_files() -> list[Path]:
     """The shared objects a driver-path process maps, found without loading them: cuda-bindings'
-    extension modules, ``libcuda`` and ``libnvrtc`` (Note [prefetch] in mpack/iokit.py: read
-    ahead of the source, their page faults do not wait behind it on a cold disk). Best effort:
-    what is not found is left out."""
-    found: list[Path] = []
-    try:
-        spec = importlib.util.find_spec("cuda.bindings")
-    except (ImportError, ValueError):
-        spec = None
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        found += sorted(Path(loc).rglob("*.so"))
-    try:  # NVRTC from its wheel (nvidia/<pkg>/lib), where cuda-bindings looks first
-        wheels = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        wheels = None
-    for loc in (wheels.submodule_search_locations or []) if wheels else []:
-        found += sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(loc), "*", "lib",
-                                                                 _LIB_NAMES[1])))  # fmt: skip
-    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for d in (*dirs, *_LIB_DIRS):
-        for name in _LIB_NAMES:
-            found += sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(d), name)))
+    driver and NVRTC modules, ``libcuda`` and the first ``libnvrtc`` in the order cuda-bindings
+    looks (its wheel, then LD_LIBRARY_PATH, then the system folders). Note [prefetch] in
+    mpack/iokit.py: read ahead of the source, their page faults do not wait behind it on a cold
+    disk. Best effort: what is not found is left out."""
+    found = [p for d in _package_dirs("cuda.bindings") for p in sorted(Path(d).rglob("*.so"))
+             if p.name.split(".")[0] not in _UNUSED_BINDINGS]  # fmt: skip
+    wheel_nvrtc = [os.path.join(glob.escape(d), "*", "lib") for d in _package_dirs("nvidia")]
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(_LIB_DIRS)
+    for name, where in (("libnvrtc.so.*[0-9]", wheel_nvrtc + [glob.escape(d) for d in dirs]),
+                        ("libcuda.so.1", [glob.escape(d) for d in dirs])):  # fmt: skip
+        for pattern in where:
+            hits = sorted(glob.glob(os.path.join(pattern, name)))
+            if hits:
+                found.append(Path(hits[0]))
+                break
     out, seen = [], set()
     for p in found:
         real = Path(os.path.realpath(p))

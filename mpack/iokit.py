@@ -105,8 +105,9 @@ def shared_pool(name: str) -> ThreadPoolExecutor:
 # read. The disk then works through the shards in order, so on a cold disk every page fault of a
 # library loaded meanwhile waits behind gigabytes of queued reads: `open_gpu` took 4.0-4.2 s cold
 # against 0.44 s warm on the H200 host. `convert --device cuda` therefore asks for the shared
-# objects the driver path maps first (``cudadrv.library_files``: cuda-bindings, libcuda,
-# libnvrtc; read whole and in order, they cost the disk a few hundred milliseconds).
+# objects the driver path maps first (``cudadrv.library_files``: cuda-bindings' driver and NVRTC
+# modules, libcuda, libnvrtc; about 220 MB on the H200 host, read whole and in order: a tenth of
+# a second of that disk).
 
 
 def _mem_available() -> int | None:
@@ -234,16 +235,28 @@ def sha256_file(
     return h.hexdigest()
 
 
+_hash_buffers = threading.local()
+
+
+def _hash_buffer() -> memoryview:
+    """This thread's ``READ_BYTES`` buffer for hashing reads, made once: a fresh ``bytes`` per
+    read would fault in new memory for every byte hashed (9 GB of an 8B sidecar's digests)."""
+    view = getattr(_hash_buffers, "view", None)
+    if view is None:
+        view = _hash_buffers.view = memoryview(bytearray(READ_BYTES))
+    return view
+
+
 def hash_fd_range(fd: int, path: Path, a: int, b: int) -> str:
     """sha256 of bytes ``[a, b)`` of the open file ``fd`` (``path`` names it in errors)."""
-    h = hashlib.sha256()
+    h, buf = hashlib.sha256(), _hash_buffer()
     pos = a
     while pos < b:
-        data = os.pread(fd, min(READ_BYTES, b - pos), pos)
-        if not data:
+        n = pread_full(fd, buf[: min(READ_BYTES, b - pos)], pos)
+        if not n:
             raise CorruptFileError(f"{path}: file shrank while hashing")
-        h.update(data)
-        pos += len(data)
+        h.update(buf[:n])
+        pos += n
     return h.hexdigest()
 
 

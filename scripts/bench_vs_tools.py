@@ -22,6 +22,10 @@ kernel into its cache: no warm row pays a first-run cost. Rows (``--only`` takes
   conversion of the same bytes on the machine would; one more row, on CPU with the fewest
   ``--cores``, runs with ``MPACK_NO_VERDICT_CACHE=1``: the first conversion of a checkpoint
   (the check's child imports compressed-tensors and torch).
+- **convert-hub**: the CPU row with the fewest ``--cores``, with and without the kept verdict,
+  converting ``mpack-bench/llama-8b-shaped-fp8`` from an HF cache under the workdir (SRC's
+  files hard-linked as a finished download leaves them, ``HF_HUB_OFFLINE=1``): the CI pre-bake
+  job's case, where the shards' sha256 are their blob names and nothing hashes the source.
 - **convert-cold**: the same for the first of ``--devices``, page cache dropped, with the kept
   verdict and without it; peer: ``cp -r`` after the same drop.
 - **verify**: ``python -m mpack verify OUT --source SRC --json``, warm; peer: ``cp -r``.
@@ -61,7 +65,15 @@ sys.path.insert(0, str(HERE))
 
 from bench_rt.procs import kill_all  # noqa: E402
 from bench_vt.report import Row, append_markdown, machine, markdown, print_table  # noqa: E402
-from bench_vt.rows import Bench, row_convert, row_imports, row_rss, row_verify, warm_up  # noqa: E402
+from bench_vt.rows import (  # noqa: E402
+    Bench,
+    row_convert,
+    row_convert_hub,
+    row_imports,
+    row_rss,
+    row_verify,
+    warm_up,
+)
 from bench_vt.runtime_rows import row_load, rows_attach  # noqa: E402
 from bench_vt.workers import WORKERS  # noqa: E402
 from benchutil import (  # noqa: E402
@@ -73,7 +85,8 @@ from benchutil import (  # noqa: E402
     synth_present,
 )
 
-GROUPS = ("convert", "load", "attach", "convert-cold", "load-cold", "verify", "rss", "imports")
+GROUPS = ("convert", "convert-hub", "load", "attach", "convert-cold", "load-cold", "verify", "rss",
+          "imports")  # fmt: skip
 Step = tuple[str, str, Callable[[], "Row | list[Row]"]]
 
 
@@ -159,6 +172,8 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
         n = min(cpu_counts(b))
         out.append(("convert", f"convert cpu {n} no kept verdict",
                     partial(row_convert, b, "cpu", n, "warm", False)))  # fmt: skip
+        out += [("convert-hub", f"convert cpu {n} from the HF cache" + (" no kept verdict" if not k else ""),
+                 partial(row_convert_hub, b, n, k)) for k in (True, False)]  # fmt: skip
     out += [
         ("load", f"load {rt}", partial(row_load, b, rt, first, "warm")),
         ("attach", f"attach {rt}", partial(rows_attach, b, rt, first)),

@@ -61,17 +61,33 @@ def test_the_repack_kernel_error_is_the_one_class() -> None:
 
 def test_library_files_finds_the_driver_and_nvrtc_on_ld_library_path(tmp_path, monkeypatch):
     """What the driver path maps, found by name without loading it (Note [prefetch]): libcuda
-    and libnvrtc from LD_LIBRARY_PATH's folders, links resolved to their files, each once."""
+    and the first libnvrtc of LD_LIBRARY_PATH's folders, links resolved to their files."""
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()
-    (first / "libcuda.so.1").write_bytes(b"\x7fELF driver")
     (first / "libnvrtc.so.13.0.88").write_bytes(b"\x7fELF nvrtc")
     (first / "libnvrtc.so.13").symlink_to("libnvrtc.so.13.0.88")
     (first / "libnvrtc-builtins.so.13.0").write_bytes(b"only for a compile")
     (first / "libcublas.so.13").write_bytes(b"not the driver path's")
-    (second / "libcuda.so.1").symlink_to(first / "libcuda.so.1")  # the same file again
+    (second / "libcuda.so.580.1").write_bytes(b"\x7fELF driver")
+    (second / "libcuda.so.1").symlink_to("libcuda.so.580.1")
+    (second / "libnvrtc.so.13").write_bytes(b"a second NVRTC, not the one loaded")
+    monkeypatch.setattr(cudadrv, "_package_dirs", lambda name: [])  # no wheels here
     monkeypatch.setenv("LD_LIBRARY_PATH", f"{first}:{second}")
-    got = [p for p in cudadrv.library_files() if tmp_path in p.parents]
-    assert got == [first / "libcuda.so.1", first / "libnvrtc.so.13.0.88"]
-    assert len(set(cudadrv.library_files())) == len(cudadrv.library_files())
+    assert cudadrv.library_files() == [first / "libnvrtc.so.13.0.88", second / "libcuda.so.580.1"]
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path / "none"))
+    assert all(tmp_path not in p.parents for p in cudadrv.library_files())
+
+
+def test_library_files_takes_the_bindings_the_driver_path_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "cuda" / "bindings"
+    (pkg / "_bindings").mkdir(parents=True)
+    for name in ("driver", "nvrtc", "runtime", "nvml", "_bindings/cydriver", "_bindings/cyruntime"):
+        (pkg / f"{name}.cpython-312-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    monkeypatch.setattr(
+        cudadrv, "_package_dirs", lambda n: [str(pkg)] if n == "cuda.bindings" else []
+    )
+    monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    got = [p.relative_to(pkg).as_posix().split(".")[0] for p in cudadrv.library_files()
+           if pkg in p.parents]  # fmt: skip
+    assert got == ["_bindings/cydriver", "driver", "nvrtc"]

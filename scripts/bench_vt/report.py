@@ -23,6 +23,8 @@ from typing import Any
 TARGETS: dict[str, tuple[float, str]] = {
     "convert-cuda": (1.1, "x cp -r"), "convert-cuda-cold": (1.3, "x cp -r cold"),
     "convert-cpu-16c": (1.3, "x cp -r"), "convert-cpu-4c": (2.0, "x cp -r"),
+    "convert-cpu-4c-hub": (2.0, "x cp -r"), "convert-cpu-4c-hub-check": (2.0, "x cp -r"),
+    "convert-cpu-2c-hub": (2.0, "x cp -r"), "convert-cpu-2c-hub-check": (2.0, "x cp -r"),
     "convert-cpu-4c-check": (2.0, "x cp -r"), "convert-cuda-cold-check": (1.3, "x cp -r cold"),
     "convert-cpu-cold-check": (1.3, "x cp -r cold"), "convert-cpu-2c-check": (2.0, "x cp -r"),
     "verify": (1.5, "x cp -r"),

@@ -8,12 +8,14 @@ Peers are measured once per page-cache state and shared by the rows that need th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,6 +223,74 @@ def row_convert(b: Bench, dev: str, cores: int | None, temp: str, kept: bool = T
         + ("" if kept else ", no kept verdict (the check's child runs)")
     )
     return cp_row(b, key, what, runs, temp)
+
+
+#: The Hub id the source gets in the bench's own HF cache (``row_convert_hub``).
+HUB_REPO = "mpack-bench/llama-8b-shaped-fp8"
+
+
+def hub_cache(b: Bench) -> Path:
+    """SRC laid out in an HF cache under the workdir as a finished download of ``HUB_REPO``
+    would leave it (made once, no copy of the shards): ``blobs/`` holds the safetensors files
+    hard-linked under their sha256 (how the Hub names LFS blobs) and the small files under their
+    git blob sha1, ``snapshots/<commit>/`` links to them, ``refs/main`` names the commit, and
+    ``trees/<commit>.json`` lists the files. Returns the cache folder (``HF_HUB_CACHE``)."""
+    cache = b.work / "hf-cache"
+    root = cache / ("models--" + HUB_REPO.replace("/", "--"))
+    if (root / "refs" / "main").is_file():
+        return cache
+    files = sorted(p for p in b.src.iterdir() if p.is_file())
+    with ThreadPoolExecutor(len(files)) as pool:  # the shards' sha256 at once: one per file
+        digests = list(pool.map(_blob_id, files))
+    commit = hashlib.sha1(b"mpack bench " + "".join(d for d, _ in digests).encode()).hexdigest()
+    tmp = cache / f".{root.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    snap = tmp / "snapshots" / commit
+    for d in (tmp / "blobs", snap, tmp / "refs", tmp / "trees"):
+        d.mkdir(parents=True)
+    tree = {}
+    for f, (blob, sha1) in zip(files, digests, strict=True):
+        try:
+            os.link(f, tmp / "blobs" / blob)
+        except OSError:  # another file system: a copy
+            shutil.copyfile(f, tmp / "blobs" / blob)
+        os.symlink(f"../../blobs/{blob}", snap / f.name)
+        tree[f.name] = {"size": f.stat().st_size, "blob_id": sha1}
+        if blob != sha1:
+            tree[f.name].update(lfs_sha256=blob, lfs_size=f.stat().st_size)
+    (tmp / "refs" / "main").write_text(commit)
+    (tmp / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": tree}))
+    tmp.rename(root)
+    return cache
+
+
+def _blob_id(f: Path) -> tuple[str, str]:
+    """(the blob's name in an HF cache, its git blob sha1): the sha256 for a safetensors file
+    (an LFS file on the Hub), the git blob sha1 for the others."""
+    size = f.stat().st_size
+    sha1, sha256 = hashlib.sha1(b"blob %d\0" % size), hashlib.sha256()
+    with open(f, "rb", buffering=0) as fh:
+        while chunk := fh.read(8 << 20):
+            sha1.update(chunk)
+            if f.suffix == ".safetensors":
+                sha256.update(chunk)
+    return (sha256 if f.suffix == ".safetensors" else sha1).hexdigest(), sha1.hexdigest()
+
+
+def row_convert_hub(b: Bench, cores: int, kept: bool) -> Row:
+    """``mpack convert HUB_REPO`` from the bench's HF cache, offline, on ``cores`` cores, warm:
+    the CI pre-bake job's case (the shards' sha256 are their blob names, so nothing hashes the
+    source; Note [source digests] in convert/source.py). ``kept`` as for :func:`row_convert`."""
+    env = {"HF_HUB_CACHE": str(hub_cache(b)), "HF_HUB_OFFLINE": "1"}
+    if not kept:
+        env["MPACK_NO_VERDICT_CACHE"] = "1"
+    peer_cp(b, "warm")
+    cmd = convert_cmd(Path(HUB_REPO), b.out, "cpu", cores)
+    runs = [timed_cli(b, cmd, b.src_files(), "warm", b.out, env) for _ in range(b.args.reps)]
+    key = f"convert-cpu-{cores}c-hub" + ("" if kept else "-check")
+    what = (f"`taskset -c 0-{cores - 1}` `mpack convert {HUB_REPO} --device cpu` from the HF "
+            "cache, CLI, warm" + ("" if kept else ", no kept verdict (the check's child runs)"))  # fmt: skip
+    return cp_row(b, key, what, runs, "warm")
 
 
 def ensure_sidecar(b: Bench, dev: str) -> None:
