@@ -234,12 +234,16 @@ def hub_cache(b: Bench) -> Path:
     would leave it (made once, no copy of the shards): ``blobs/`` holds the safetensors files
     hard-linked under their sha256 (how the Hub names LFS blobs) and the small files under their
     git blob sha1, ``snapshots/<commit>/`` links to them, ``refs/main`` names the commit, and
-    ``trees/<commit>.json`` lists the files. Returns the cache folder (``HF_HUB_CACHE``)."""
+    ``trees/<commit>.json`` lists the files. Made again when SRC's files changed (names, sizes,
+    mtimes in ``src-stamp.json``). Returns the cache folder (``HF_HUB_CACHE``)."""
     cache = b.work / "hf-cache"
     root = cache / ("models--" + HUB_REPO.replace("/", "--"))
-    if (root / "refs" / "main").is_file():
-        return cache
     files = sorted(p for p in b.src.iterdir() if p.is_file())
+    stamp = json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    kept = cache / "src-stamp.json"
+    if (root / "refs" / "main").is_file() and kept.is_file() and kept.read_text() == stamp:
+        return cache
+    shutil.rmtree(root, ignore_errors=True)  # made from another SRC: made again
     with ThreadPoolExecutor(len(files)) as pool:  # the shards' sha256 at once: one per file
         digests = list(pool.map(_blob_id, files))
     commit = hashlib.sha1(b"mpack bench " + "".join(d for d, _ in digests).encode()).hexdigest()
@@ -261,6 +265,7 @@ def hub_cache(b: Bench) -> Path:
     (tmp / "refs" / "main").write_text(commit)
     (tmp / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": tree}))
     tmp.rename(root)
+    kept.write_text(stamp)
     return cache
 
 
