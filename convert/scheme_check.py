@@ -48,8 +48,11 @@ if TYPE_CHECKING:
 # (``verdicts``, :mod:`mpack.cache`) under the sha256 of all of that (:func:`verdict_key`), and a
 # later check of the same bytes by the same code takes it from there instead of forking the
 # child: compressed-tensors still parsed this config, once. Only good verdicts are kept (an
-# error names paths and is cheap to reach again); an entry that does not read back as one is
-# ignored. ``MPACK_NO_VERDICT_CACHE=1`` turns the cache off.
+# error names paths and is cheap to reach again), and only when the key the child computes after
+# its check equals the one the parent computed before it (a source edited meanwhile leaves
+# nothing). An entry that does not read back as one is ignored, and one whose layers disagree
+# with the headers is checked again (:meth:`SchemeCheck.agree`). ``MPACK_NO_VERDICT_CACHE=1``
+# turns the cache off.
 
 #: Changes whenever an entry's meaning or the key's inputs change.
 VERDICT_FORMAT = 1
@@ -186,6 +189,13 @@ class SchemeCheck:
             send.close()
             self._conn = recv
 
+    def _settle(self, verdict: tuple[str, Any], child_key: str | None) -> None:
+        """Take the child's verdict; keep a good one only if the key the child computed after
+        its check is the one computed before it (the bytes did not change in between)."""
+        self._verdict = verdict
+        if verdict[0] == "ok" and self._key is not None and child_key == self._key:
+            keep_verdict(self._key, verdict[1], self.root)
+
     @property
     def in_child(self) -> bool:
         """A child process reaches the verdict."""
@@ -203,9 +213,7 @@ class SchemeCheck:
                 self._verdict = _scheme_verdict(self.root)
             else:
                 try:
-                    self._verdict = self._conn.recv()
-                    if self._verdict[0] == "ok" and self._key is not None:
-                        keep_verdict(self._key, self._verdict[1], self.root)
+                    self._settle(*self._conn.recv())
                 except (EOFError, OSError):
                     self._proc.join()
                     self._verdict = (
@@ -298,7 +306,10 @@ def child_verdict(root: Path, *, lean: bool = True) -> tuple[str, Any]:
 
 
 def _scheme_child(root: str, conn: Any) -> None:
+    """The child: its verdict, and for a good one the key of what it judged (read after the
+    check, so that a source changed meanwhile is not kept under the earlier key)."""
     try:
-        conn.send(child_verdict(Path(root)))
+        verdict = child_verdict(Path(root))
+        conn.send((verdict, verdict_key(root) if verdict[0] == "ok" else None))
     finally:
         conn.close()

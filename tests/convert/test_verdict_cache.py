@@ -145,6 +145,20 @@ def test_a_damaged_entry_is_ignored_and_replaced(ckpt: Path, cache: Path, damage
     assert json.loads(entry.read_text()) == good  # the child's verdict replaced it
 
 
+def test_a_verdict_on_changed_bytes_is_not_kept(ckpt: Path, cache: Path) -> None:
+    """The child sends the key of what it judged, read after its check; a good verdict is kept
+    only under the key the parent computed before it, so a source that changed in between
+    leaves nothing behind (and nothing under the earlier key)."""
+    check = SchemeCheck(ckpt, background=True)
+    check.cancel()  # the parent's key is computed; the verdict is given by hand below
+    layers = layer_summary(find_layers(open_checkpoint(ckpt, scheme=False)))
+    check._settle(("ok", layers), "f" * 64)
+    assert check.result() == layers
+    assert not cache.exists() or not any(cache.iterdir())
+    check._settle(("ok", layers), verdict_key(ckpt))
+    assert cached_verdict(verdict_key(ckpt)) == layers
+
+
 def test_an_error_is_never_kept(ckpt: Path, tmp_path: Path, cache: Path) -> None:
     bad = _copy(ckpt, tmp_path / "bad")
     edit_config(bad, lambda c: weight_args(c).update(strategy="group", group_size=128))
