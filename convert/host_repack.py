@@ -19,9 +19,11 @@ and a row's next k-tile lands 16*Np bytes further on. On x86-64 the extension al
 that writes one whole 1 KB tile at a time, front to back: the eight rows of one ``t8`` own 32
 consecutive words of the tile, so eight 16-byte loads, a byte interleave each (SSE2 unpack) and
 two 4x4 transposes of 32-bit words give those 32 words as eight 16-byte stores. The 64 rows of
-an n-tile are then read 16 bytes a k-tile at a time, sequentially each. On the 2-core AMD
-machine it runs at 4.4-6.0 GB/s per core against 1.3-1.5 for the row kernel in blocks of 16
-(``scripts/bench_repack.py --kernels tile,rows:16,rows:0``). The read-back
+an n-tile are then read 16 bytes a k-tile at a time, sequentially each. Per core it runs at
+3.7-6.0 GB/s on the H200 host's Xeon against 1.2-1.7 for the row kernel in blocks of 16, and at
+4.4-6.0 against 1.3-1.5 on the 2-core AMD machine (``scripts/bench_repack.py --kernels
+tile,rows:16,rows:0``, ``docs/bench/repack-kernels-h200.json``); in a 4-core conversion on the
+H200 the repack went from 10.1 to 3.2 CPU-seconds (docs/BENCHMARKS.md section 6.3). The read-back
 (:func:`unpack_differs`) runs the same steps backwards (the transpose is its own inverse; the
 interleave is undone by one pack of the even and the odd bytes). SSE2 is part of the x86-64
 ABI, so the plain build has it; elsewhere (aarch64) :data:`KERNEL` is ``"rows"``.
