@@ -37,6 +37,21 @@ static inline uint64_t spread4(uint32_t x)
     return v;
 }
 
+/* Bytes 16*kt .. 16*kt + 15 of row r (NULL: a padding row), zero past byte K: r's own bytes
+ * where the k-tile lies inside K, else a copy in buf (or zeros). Both kernels load through it. */
+static inline const uint8_t *row_at(const uint8_t *r, int64_t kt, int64_t k, uint8_t buf[16])
+{
+    static const uint8_t zeros[16];
+    const int64_t have = k - 16 * kt;
+    if (r != NULL && have >= 16)
+        return r + 16 * kt;
+    if (r == NULL || have <= 0)
+        return zeros;
+    memset(buf, 0, 16); /* the k-tile that K ends in */
+    memcpy(buf, r + 16 * kt, (size_t)have);
+    return buf;
+}
+
 /* One row's 16 bytes of a k-tile -> its four words (kmid 0..3), at tile + p, p + 8, ... */
 static inline void put_row(uint32_t *tile, int p, const uint8_t *src)
 {
@@ -54,9 +69,8 @@ static inline void put_row(uint32_t *tile, int p, const uint8_t *src)
 static void repack_tiles(const uint8_t *const *rows, int64_t n, int64_t k, int64_t np_,
                          int64_t kp, uint32_t *out, int64_t nt0, int64_t nt1, int64_t kb)
 {
-    static const uint8_t zeros[16];
     const int64_t row_words = 4 * np_; /* words in one packed row: one k-tile of every n */
-    const int64_t kts = kp / 16, full = k / 16; /* k-tiles in all; those wholly inside K */
+    const int64_t kts = kp / 16;
     /* k-tiles per pass over an n-tile's 64 rows: a row's stores go to every k-tile of the
      * pass, each 16*np bytes from the next, so a block keeps them in the first-level cache
      * (Note [host repack]); kb <= 0: the whole row at once */
@@ -70,18 +84,8 @@ static void repack_tiles(const uint8_t *const *rows, int64_t n, int64_t k, int64
                 const uint8_t *r = row < n ? rows[row] : NULL;
                 const int p = 32 * (i & 7) + 2 * (i >> 4) + ((i >> 3) & 1);
                 for (int64_t kt = kt0; kt < kt1; kt++) {
-                    uint32_t *tile = out + kt * row_words + 256 * nt;
-                    if (r == NULL) {
-                        put_row(tile, p, zeros);
-                    } else if (kt < full) {
-                        put_row(tile, p, r + 16 * kt);
-                    } else { /* the k-tile that K ends in, then padding */
-                        uint8_t buf[16] = {0};
-                        const int64_t have = k - 16 * kt;
-                        if (have > 0)
-                            memcpy(buf, r + 16 * kt, (size_t)have);
-                        put_row(tile, p, buf);
-                    }
+                    uint8_t buf[16];
+                    put_row(out + kt * row_words + 256 * nt, p, row_at(r, kt, k, buf));
                 }
             }
         }
@@ -138,16 +142,12 @@ static int unpack_differs(const uint8_t *const *rows, int64_t n, int64_t k, int6
 
 
 #if HAVE_TILE_KERNEL
-/* Bytes 16*kt .. 16*kt + 15 of row r (NULL: a padding row), zero past byte K. */
-static inline __m128i row_bytes(const uint8_t *r, int64_t kt, int64_t k)
+/* The 64 row addresses of n-tile nt (NULL past row N: padding). */
+static inline void tile_rows(const uint8_t *const *rows, int64_t n, int64_t nt,
+                             const uint8_t *rp[64])
 {
-    const int64_t have = k - 16 * kt;
-    if (r != NULL && have >= 16)
-        return _mm_loadu_si128((const __m128i *)(r + 16 * kt));
-    uint8_t buf[16] = {0};
-    if (r != NULL && have > 0)
-        memcpy(buf, r + 16 * kt, (size_t)have);
-    return _mm_loadu_si128((const __m128i *)buf);
+    for (int i = 0; i < 64; i++)
+        rp[i] = 64 * nt + i < n ? rows[64 * nt + i] : NULL;
 }
 
 /* Words 0..3 of a, b, c, d -> word i of each, in order, at q[i] (a 4x4 transpose of words;
@@ -168,7 +168,9 @@ static inline void put_tile(uint32_t *tile, const uint8_t *const *rp, int64_t kt
     for (int t8 = 0; t8 < 8; t8++) {
         __m128i x[8], q0[4], q1[4];
         for (int j = 0; j < 8; j++) {
-            const __m128i v = row_bytes(rp[8 * j + t8], kt, k);
+            uint8_t buf[16];
+            const uint8_t *src = row_at(rp[8 * j + t8], kt, k, buf);
+            const __m128i v = _mm_loadu_si128((const __m128i *)src);
             x[j] = _mm_unpacklo_epi8(v, _mm_unpackhi_epi64(v, v)); /* lo0 hi0 lo1 hi1 ... */
         }
         transpose4(x[0], x[1], x[2], x[3], q0);
@@ -187,8 +189,7 @@ static void repack_tiles_simd(const uint8_t *const *rows, int64_t n, int64_t k, 
     const int64_t row_words = 4 * np_, kts = kp / 16;
     const uint8_t *rp[64];
     for (int64_t nt = nt0; nt < nt1; nt++) {
-        for (int i = 0; i < 64; i++)
-            rp[i] = 64 * nt + i < n ? rows[64 * nt + i] : NULL;
+        tile_rows(rows, n, nt, rp);
         for (int64_t kt = 0; kt < kts; kt++)
             put_tile(out + kt * row_words + 256 * nt, rp, kt, k);
     }
@@ -235,8 +236,7 @@ static int unpack_differs_simd(const uint8_t *const *rows, int64_t n, int64_t k,
     const int64_t row_words = 4 * np_, kts = (k + 15) / 16;
     const uint8_t *rp[64];
     for (int64_t nt = nt0; nt < nt1; nt++) {
-        for (int i = 0; i < 64; i++)
-            rp[i] = 64 * nt + i < n ? rows[64 * nt + i] : NULL;
+        tile_rows(rows, n, nt, rp);
         for (int64_t kt = 0; kt < kts; kt++)
             if (tile_differs(out + kt * row_words + 256 * nt, rp, kt, k))
                 return 1;

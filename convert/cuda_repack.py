@@ -35,7 +35,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack import cache, cudadrv, target
+from mpack import cache, cudadrv, env_flag, target
 from mpack.errors import UsageError
 
 if TYPE_CHECKING:  # the torch wrappers import it on use: the driver path runs without it
@@ -325,9 +325,15 @@ def pack_weight_cuda(
     return out
 
 
+def turned_off() -> bool:
+    """Whether ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (same bytes through torch's ops):
+    every path that would launch it asks here."""
+    return env_flag("MPACK_NO_CUDA_KERNEL")
+
+
 def _probe(ordinal: int) -> tuple[bool, str | None]:
     """Can the kernel run on device ``ordinal``, and does it give the torch path's bytes?"""
-    if os.environ.get("MPACK_NO_CUDA_KERNEL", "") not in ("", "0"):
+    if turned_off():
         return False, "turned off by MPACK_NO_CUDA_KERNEL"
     try:
         cudadrv.driver(_NEEDED_BY)
@@ -405,7 +411,7 @@ def pack_weight_fast(
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, any device.
         np_, kp: padded dims (default :func:`mpack.convert.marlin.marlin_padded_nk`).
-        pool: for the torch path on the CPU (:func:`mpack.convert.marlin.block_pool`).
+        pool: for the torch path on the CPU (:func:`mpack.convert.host_repack.block_pool`).
 
     Returns:
         int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, identical bytes either way.

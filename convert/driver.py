@@ -30,18 +30,17 @@ path does not take (:func:`mpack.convert.host.supported`), ``MPACK_NO_DRIVER_PAT
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from mpack import cudadrv, target
+from mpack import cudadrv, env_flag, target
 from mpack.convert import cuda_repack, host, host_repack
 from mpack.convert.plan import Plan
 from mpack.errors import UsageError
 
-__all__ = ["ENV_OFF", "GpuRepack", "Piece", "open_gpu", "ordinal_of"]
+__all__ = ["ENV_OFF", "GpuRepack", "Piece", "check_cuda_here", "open_gpu", "ordinal_of"]
 
 #: Set to 1 to convert on CUDA through torch instead (same bytes).
 ENV_OFF = "MPACK_NO_DRIVER_PATH"
@@ -57,6 +56,17 @@ def ordinal_of(device: str) -> int:
     return int(index) if kind == "cuda" and index else 0
 
 
+def check_cuda_here(device: str, count: int, option: str = "--device") -> None:
+    """Raise ``UsageError`` where ``device`` (``cuda`` or ``cuda:i``) names a CUDA device that
+    is not among the ``count`` here; ``option``: the flag named (the torch path says the same)."""
+    if count == 0:
+        raise UsageError(
+            f"{option} {device}: no CUDA device here", hint=f"use {option} cpu (identical bytes)"
+        )
+    if ordinal_of(device) >= count:
+        raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
+
+
 def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | None:
     """The GPU repack for a conversion of ``plan`` on ``device`` (``auto``, ``cuda`` or
     ``cuda:i``), or None where the driver path does not apply (Note [driver path]; the torch
@@ -65,11 +75,7 @@ def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | N
     Raises:
         UsageError: ``device`` names a CUDA device that is not here (the torch path's words).
     """
-    off = (  # ENV_OFF; MPACK_NO_CUDA_KERNEL asks for torch's ops on CUDA
-        os.environ.get("MPACK_NO_DRIVER_PATH", ""),
-        os.environ.get("MPACK_NO_CUDA_KERNEL", ""),
-    )
-    if any(v not in ("", "0") for v in off) or not host.supported(plan):
+    if env_flag("MPACK_NO_DRIVER_PATH") or cuda_repack.turned_off() or not host.supported(plan):
         return None
     try:
         cudadrv.driver()
@@ -77,19 +83,12 @@ def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | N
     except UsageError:
         return None
     count = cudadrv.device_count()
-    ordinal = ordinal_of(device)
     if device != "auto":
-        if count == 0:
-            raise UsageError(
-                f"{option} {device}: no CUDA device here",
-                hint=f"use {option} cpu (identical bytes)",
-            )
-        if ordinal >= count:
-            raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
+        check_cuda_here(device, count, option)
     elif count == 0:
         return None
     try:
-        gpu = GpuRepack(ordinal)
+        gpu = GpuRepack(ordinal_of(device))
     except Exception:  # the kernel does not build or load here: the torch path decides
         return None
     if not gpu.self_check():

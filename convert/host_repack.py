@@ -36,14 +36,13 @@ callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give t
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
-from mpack import iokit, target
+from mpack import env_flag, iokit, target
 
 try:
     from mpack.convert import _repack
@@ -68,7 +67,7 @@ KERNEL = "tile" if _repack is not None and getattr(_repack, "TILE_KERNEL", 0) el
 
 def available() -> bool:
     """The native repack is built here and not turned off (``MPACK_NO_HOST_REPACK``)."""
-    return _repack is not None and os.environ.get("MPACK_NO_HOST_REPACK", "") in ("", "0")
+    return _repack is not None and not env_flag("MPACK_NO_HOST_REPACK")
 
 
 def block_workers() -> int:

@@ -165,11 +165,6 @@ _torch_threads_lock = threading.Lock()
 _torch_threads_users = [0, 0]  # [repacks in a pool now, torch's thread count before the first]
 
 
-#: The CPU repack's threads (they live with the native repack, which needs no torch).
-block_workers = host_repack.block_workers
-block_pool = host_repack.block_pool
-
-
 @contextlib.contextmanager
 def _one_torch_thread() -> Iterator[None]:
     """torch runs each op on one thread meanwhile (``torch.set_num_threads(1)``, restored when

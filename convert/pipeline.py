@@ -233,13 +233,8 @@ def resolve_device(device: str, option: str = "--device") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(
-                f"{option} {device}: no CUDA device here",
-                hint=f"use {option} cpu (identical bytes)",
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s)")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        driver.check_cuda_here(device, count, option)
     return dev
 
 

@@ -11,13 +11,12 @@ import contextlib
 import hashlib
 import json
 import os
-import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack import __version__, cache
+from mpack import __version__, cache, env_flag
 from mpack.errors import MpackError
 
 if TYPE_CHECKING:
@@ -60,12 +59,10 @@ VERDICT_FORMAT = 1
 _JUDGES = ("checkpoint.py", "scheme_check.py", "ctlean.py")
 #: The distributions whose code judges it (by version).
 _JUDGE_DISTS = ("compressed-tensors", "pydantic", "transformers")
-#: A shard header longer than this is not read for the key (the check then runs).
-_KEY_HEADER_MAX = 100 * 1024 * 1024
 
 
 def verdict_cache_enabled() -> bool:
-    return os.environ.get("MPACK_NO_VERDICT_CACHE", "") in ("", "0")
+    return not env_flag("MPACK_NO_VERDICT_CACHE")
 
 
 def verdict_key(root: str | os.PathLike) -> str | None:
@@ -74,7 +71,7 @@ def verdict_key(root: str | os.PathLike) -> str | None:
     what)."""
     from importlib import metadata
 
-    from mpack.sidecar import CONFIG_NAME, INDEX_NAME
+    from mpack.sidecar import CONFIG_NAME, INDEX_NAME, read_header_bytes
 
     root = Path(root)
     h = hashlib.sha256(f"mpack verdict {VERDICT_FORMAT} {__version__} {sys.version}\0".encode())
@@ -92,16 +89,9 @@ def verdict_key(root: str | os.PathLike) -> str | None:
         index = root / INDEX_NAME
         _feed(h, INDEX_NAME, index.read_bytes() if index.is_file() else b"")
         for shard in sorted(root.glob("*.safetensors")):
-            with open(shard, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    return None
-                (hlen,) = struct.unpack("<Q", prefix)
-                if hlen > min(size, _KEY_HEADER_MAX):
-                    return None
-                _feed(h, f"{shard.name} {size}", prefix + f.read(hlen))
-    except OSError:
+            size, prefix, raw = read_header_bytes(shard)
+            _feed(h, f"{shard.name} {size}", prefix + raw)
+    except (OSError, MpackError):  # the check reads it too, and says what is wrong
         return None
     return h.hexdigest()
 

@@ -85,7 +85,7 @@ def pack(
 
     The weight is packed where it is (the fused kernel on CUDA); the scales and bias, a few KB,
     are computed on the host. The bytes are the same on every device. ``pool``: threads for the
-    CPU repack's blocks (:func:`mpack.convert.marlin.block_pool`).
+    CPU repack's blocks (:func:`mpack.convert.host_repack.block_pool`).
 
     Returns:
         ``[weight int32 [Kp/16, 4Np], weight_scale dt [1, Np], (bias dt [Np])]``.

@@ -5,3 +5,11 @@
 """
 
 __version__ = "0.1.0"
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment switch ``name`` (``MPACK_NO_...``) is on: set to anything but
+    empty or ``0``."""
+    import os
+
+    return os.environ.get(name, "") not in ("", "0")

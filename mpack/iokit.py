@@ -49,7 +49,7 @@ STALL_S = 300.0
 #
 # Note [thread pools]: every thread pool mpack runs is made here, named ``mpack-<name>``.
 # :func:`pool` makes one for one job, used in a ``with`` block so that its threads end with the
-# job; its size is the caller's (each is tuned for its stage: ``marlin.block_workers``,
+# job; its size is the caller's (each is tuned for its stage: ``host_repack.block_workers``,
 # ``source.hash_workers``, ``loader.HASH_WORKERS``). :func:`shared_pool` returns one of two
 # process-wide pools, made on first use and kept for the life of the process, so that many files
 # or reads at once share their threads instead of multiplying them:

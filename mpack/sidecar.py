@@ -231,9 +231,7 @@ def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
         InputError: not a regular file (or a symlink with ``follow=False``).
     """
     path = Path(path)
-    with open_regular_file(path, follow=follow, what="safetensors file") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix, raw = _read_header(f, path, size)
+    size, prefix, raw = read_header_bytes(path, follow=follow)
     header = _parse_header(raw, path)
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
@@ -256,6 +254,16 @@ def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
             f"{path}: file {what}: tensors end at byte {pos}, file has {size} bytes"
         )
     return FileLayout(header=prefix + raw, entries=entries, size=size, metadata=dict(meta))
+
+
+def read_header_bytes(path: str | os.PathLike, *, follow: bool = True) -> tuple[int, bytes, bytes]:
+    """A safetensors file's size, 8-byte length prefix and JSON header bytes, unparsed (what
+    :func:`read_layout` parses; ``follow`` as there). Raises as :func:`read_layout` does for a
+    file that is not regular or whose header length does not fit."""
+    path = Path(path)
+    with open_regular_file(path, follow=follow, what="safetensors file") as f:
+        size = os.fstat(f.fileno()).st_size
+        return (size, *_read_header(f, path, size))
 
 
 def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[bytes, bytes]:

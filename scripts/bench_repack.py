@@ -223,7 +223,7 @@ def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]
     cores, saved = os.cpu_count() or 1, (torch.get_num_threads(), marlin.REPACK_BLOCK_BYTES)
     configs = [("omp", cores, b) for b in (1 << 20, 1 << 40)] + [
         ("pool", w, b)
-        for w in sorted({marlin.block_workers(), max(1, cores // 2), cores}, reverse=True)
+        for w in sorted({host_repack.block_workers(), max(1, cores // 2), cores}, reverse=True)
         for b in (1 << 18, 1 << 20, 1 << 22)
     ]
     rows = []
@@ -242,7 +242,7 @@ def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]
             for mode, threads, block in configs:
                 marlin.REPACK_BLOCK_BYTES = block
                 with (
-                    marlin.block_pool(threads)
+                    host_repack.block_pool(threads)
                     if mode == "pool"
                     else contextlib.nullcontext() as pool
                 ):

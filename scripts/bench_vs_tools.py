@@ -68,7 +68,6 @@ from bench_vt.report import Row, append_markdown, machine, markdown, print_table
 from bench_vt.rows import (  # noqa: E402
     Bench,
     row_convert,
-    row_convert_hub,
     row_imports,
     row_rss,
     row_verify,
@@ -173,7 +172,7 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
         out.append(("convert", f"convert cpu {n} no kept verdict",
                     partial(row_convert, b, "cpu", n, "warm", False)))  # fmt: skip
         out += [("convert-hub", f"convert cpu {n} from the HF cache" + (" no kept verdict" if not k else ""),
-                 partial(row_convert_hub, b, n, k)) for k in (True, False)]  # fmt: skip
+                 partial(row_convert, b, "cpu", n, "warm", k, True)) for k in (True, False)]  # fmt: skip
     out += [
         ("load", f"load {rt}", partial(row_load, b, rt, first, "warm")),
         ("attach", f"attach {rt}", partial(rows_attach, b, rt, first)),

@@ -171,7 +171,7 @@ def test_without_the_option_gpu_tests_skip_with_a_reason() -> None:
 
 # --- README: the environment variables --------------------------------------------------------
 
-READS_ENV = re.compile(r"""(?:environ\.get|getenv|environ\[)\(?\s*["'](MPACK_\w+)["']""")
+READS_ENV = re.compile(r"""(?:environ\.get|getenv|environ\[|env_flag)\(?\s*["'](MPACK_\w+)["']""")
 
 
 def test_readme_lists_every_mpack_variable_the_code_reads() -> None:

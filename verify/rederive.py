@@ -286,10 +286,10 @@ def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None
             streamer = Streamer(plan, files, None, checker, _ignore, None, tl, read,  # type: ignore[arg-type]
                                 buffers.give)  # fmt: skip
         else:
-            from mpack.convert import marlin
+            from mpack.convert import host_repack
 
             # CPU: the repack's (and the unpack's) blocks on a pool (Note [repack in blocks])
-            pool = stack.enter_context(marlin.block_pool()) if dev.type == "cpu" else None
+            pool = stack.enter_context(host_repack.block_pool()) if dev.type == "cpu" else None
             checker = _Checker(plan.act_dtype, pool)
             streamer = Streamer(plan, files, dev, checker, _ignore, None, tl)  # type: ignore[arg-type]
         with iokit.pool("copy", 1) as copier:

@@ -206,26 +206,33 @@ def convert_cmd(src: Path, out: Path, dev: str, cores: int | None) -> list[str]:
     return cmd if cores is None else ["taskset", "-c", f"0-{cores - 1}", *cmd]
 
 
-def row_convert(b: Bench, dev: str, cores: int | None, temp: str, kept: bool = True) -> Row:
+def row_convert(b: Bench, dev: str, cores: int | None, temp: str, kept: bool = True,
+                hub: bool = False) -> Row:  # fmt: skip
     """The CLI convert, a fresh output each time, ``--reps`` times; against ``cp -r``. ``kept``
     False: with ``MPACK_NO_VERDICT_CACHE=1``, so the scheme check's child runs (a first
-    conversion of these bytes on this machine; Note [verdict cache])."""
+    conversion of these bytes on this machine; Note [verdict cache]). ``hub``: ``mpack convert
+    HUB_REPO`` from the bench's HF cache (:func:`hub_cache`), offline: the CI pre-bake job's
+    case (the shards' sha256 are their blob names, so nothing hashes the source; Note [source
+    digests] in convert/source.py)."""
     peer_cp(b, temp)  # the peer first: a failed copy stops the row before the long part
-    cmd = convert_cmd(b.src, b.out, dev, cores)
-    env = None if kept else {"MPACK_NO_VERDICT_CACHE": "1"}
+    env = {"HF_HUB_CACHE": str(hub_cache(b)), "HF_HUB_OFFLINE": "1"} if hub else {}
+    if not kept:
+        env["MPACK_NO_VERDICT_CACHE"] = "1"
+    cmd = convert_cmd(Path(HUB_REPO) if hub else b.src, b.out, dev, cores)
     runs = [timed_cli(b, cmd, b.src_files(), temp, b.out, env) for _ in range(b.args.reps)]
     key = (f"convert-{dev}" + (f"-{cores}c" if cores else "") + ("-cold" if temp == "cold" else "")
-           + ("" if kept else "-check"))  # fmt: skip
+           + ("-hub" if hub else "") + ("" if kept else "-check"))  # fmt: skip
     how = f"`taskset -c 0-{cores - 1}` " if cores else ""
     what = (
-        f"{how}`mpack convert --device {dev}`, CLI, "
-        + ("warm" if temp == "warm" else "page cache dropped")
+        f"{how}`mpack convert {HUB_REPO + ' ' if hub else ''}--device {dev}`"
+        + (" from the HF cache" if hub else "")
+        + (", CLI, warm" if temp == "warm" else ", CLI, page cache dropped")
         + ("" if kept else ", no kept verdict (the check's child runs)")
     )
     return cp_row(b, key, what, runs, temp)
 
 
-#: The Hub id the source gets in the bench's own HF cache (``row_convert_hub``).
+#: The Hub id the source gets in the bench's own HF cache (``row_convert(..., hub=True)``).
 HUB_REPO = "mpack-bench/llama-8b-shaped-fp8"
 
 
@@ -280,22 +287,6 @@ def _blob_id(f: Path) -> tuple[str, str]:
             if f.suffix == ".safetensors":
                 sha256.update(chunk)
     return (sha256 if f.suffix == ".safetensors" else sha1).hexdigest(), sha1.hexdigest()
-
-
-def row_convert_hub(b: Bench, cores: int, kept: bool) -> Row:
-    """``mpack convert HUB_REPO`` from the bench's HF cache, offline, on ``cores`` cores, warm:
-    the CI pre-bake job's case (the shards' sha256 are their blob names, so nothing hashes the
-    source; Note [source digests] in convert/source.py). ``kept`` as for :func:`row_convert`."""
-    env = {"HF_HUB_CACHE": str(hub_cache(b)), "HF_HUB_OFFLINE": "1"}
-    if not kept:
-        env["MPACK_NO_VERDICT_CACHE"] = "1"
-    peer_cp(b, "warm")
-    cmd = convert_cmd(Path(HUB_REPO), b.out, "cpu", cores)
-    runs = [timed_cli(b, cmd, b.src_files(), "warm", b.out, env) for _ in range(b.args.reps)]
-    key = f"convert-cpu-{cores}c-hub" + ("" if kept else "-check")
-    what = (f"`taskset -c 0-{cores - 1}` `mpack convert {HUB_REPO} --device cpu` from the HF "
-            "cache, CLI, warm" + ("" if kept else ", no kept verdict (the check's child runs)"))  # fmt: skip
-    return cp_row(b, key, what, runs, "warm")
 
 
 def ensure_sidecar(b: Bench, dev: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from reference import independent_unpack, load_vectors, rand_bytes
 
+from mpack.convert import host_repack
 from mpack.convert import marlin as m
 
 # Llama-3.1-8B linears as [N, K]: qkv, o, gate_up, down.
@@ -201,7 +202,7 @@ def test_repack_blocks_match_one_pass(monkeypatch, block_bytes, workers):
     if workers is None:
         packed = m.repack(w)
     else:
-        with m.block_pool(workers) as pool:
+        with host_repack.block_pool(workers) as pool:
             packed = m.pack_weight(w, pool=pool)
     assert torch.get_num_threads() == threads
     assert packed.shape == (k // 16, 4 * n)
