@@ -6,7 +6,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/mpack-out}
 mkdir -p "$OUT"
 SITE=${SITE:-/tmp/mpack-site}
-export PYTHONUNBUFFERED=1 MPACK_GOLDEN=$PWD/.device/golden
+# The golden data travels with the tree (tests/data/golden); no MPACK_GOLDEN needed.
+export PYTHONUNBUFFERED=1
 if compgen -G '.device/wheels/*.whl' >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .device/wheels/*.whl || exit 1
 fi

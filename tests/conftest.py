@@ -1,5 +1,9 @@
 """Shared test fixtures: where the golden data lives, and the `gpu` marker's rules.
 
+The golden data is vendored in tests/data/golden (PROVENANCE.md there says where it came from);
+MPACK_GOLDEN=DIR points the tests at another copy. A plain clone, without ../shared beside it,
+runs every test that does not need a GPU or vLLM.
+
 Without a CUDA device, `gpu` tests are skipped with a reason (`make test`). With
 ``--require-gpu`` (what `make test-gpu` passes), a machine without one is a usage error at
 session start, before any test runs: a GPU run that skipped everything must not pass.
@@ -33,20 +37,23 @@ def _has_vllm() -> bool:
 collect_ignore = [] if _has_vllm() else ["vllm"]
 
 
+#: The golden data, vendored: byte-for-byte copies of ../shared/golden
+#: (tests/data/golden/PROVENANCE.md).
+VENDORED_GOLDEN = REPO / "tests" / "data" / "golden"
+#: The project's shared folder beside the clone, where there is one (not in a plain clone):
+#: tests/test_golden_vendored.py checks the vendored copy against its golden/.
+SHARED = REPO.parent / "shared"
+
+
+def _is_golden(d: Path) -> bool:
+    return (d / "cases").is_dir() and (d / "vectors").is_dir()
+
+
 def _golden_dir() -> Path:
-    """../shared/golden beside the clone (CI and dev machines), or a carried copy on the GPU box."""
-    candidates = [
-        os.environ.get("MPACK_GOLDEN"),
-        REPO.parent / "shared" / "golden",
-        REPO / ".golden",
-    ]
-    for c in candidates:
-        if c and (Path(c) / "README.md").is_file():
-            return Path(c)
-    raise RuntimeError(
-        "golden data not found: expected ../shared/golden beside the repository "
-        "(or set MPACK_GOLDEN to its path)"
-    )
+    """$MPACK_GOLDEN if set, else the vendored copy. Never raises: a module may call it at
+    collection; a bad $MPACK_GOLDEN stops the session in pytest_configure instead."""
+    override = os.environ.get("MPACK_GOLDEN")
+    return Path(override) if override else VENDORED_GOLDEN
 
 
 def flip_byte(path: Path, offset: int, mask: int = 0xFF) -> None:
@@ -96,8 +103,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    golden = _golden_dir()
+    if not _is_golden(golden):
+        # Once, up front, rather than as a missing file in every golden test.
+        env = os.environ.get("MPACK_GOLDEN")
+        fix = (
+            "fix or unset MPACK_GOLDEN" if env else "restore tests/data/golden from the repository"
+        )
+        raise pytest.UsageError(
+            f"golden data not found in {golden} (no cases/ and vectors/): {fix}"
+        )
     if config.getoption("require_gpu") and not _cuda_available():
         raise pytest.UsageError(NO_GPU_MESSAGE)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"golden data: {_golden_dir()}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
