@@ -71,9 +71,13 @@ def convert(
 
 
 def verify(
-    sidecar: str | os.PathLike, *, source: str | os.PathLike | None = None
+    sidecar: str | os.PathLike,
+    *,
+    source: str | os.PathLike | None = None,
+    require_source: bool = False,
 ) -> dict[str, Any]:
     """Check a sidecar's files against its manifest and (with a source) against the checkpoint.
+    ``require_source``: fail when no source is found, rather than pass on the checksums alone.
 
     Kept for compatibility: verification lives in :func:`mpack.verify.verify`, which this
     forwards to on each call. It is the one place ``mpack.convert`` imports ``mpack.verify``
@@ -84,9 +88,10 @@ def verify(
 
     Raises:
         VerificationError: listing every problem, if anything does not match.
+        SourceNotFoundError: with ``require_source``, no source found.
     """
     from mpack.verify import verify as verify_sidecar
 
-    result = verify_sidecar(sidecar, source=source)
+    result = verify_sidecar(sidecar, source=source, require_source=require_source)
     result.raise_for_failure()
     return result.report()

@@ -223,6 +223,15 @@ def check_device_name(device: str, option: str = "--device") -> None:
         raise UsageError(_DEVICE_HELP.format(option, device))
 
 
+def check_device_here(device: str, option: str = "--device") -> None:
+    """Refuse a CUDA ``device`` on a machine surely without CUDA (:func:`no_cuda_here`), before
+    any work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked
+    once the device opens (the same ``UsageError``, :func:`mpack.convert.driver.check_cuda_here`)."""
+    check_device_name(device, option)
+    if device.startswith("cuda") and no_cuda_here():
+        driver.check_cuda_here(device, 0, option)
+
+
 def resolve_device(device: str, option: str = "--device") -> torch.device:
     """``auto`` -> CUDA when present, else CPU; ``cpu``; ``cuda`` / ``cuda:i``. ``option``: the
     flag named in an error."""
@@ -248,7 +257,7 @@ def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str, devi
     if tp < 1:
         raise UsageError(f"--tp must be at least 1, got {tp}")
     check_fusion_tp(fuse, tp)
-    check_device_name(device)
+    check_device_here(device)  # a GPU asked for where there is none: before the source is read
 
 
 def _act_dtype(ck: Checkpoint, requested: str | None) -> str:

@@ -131,7 +131,9 @@ def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
         raise UnsupportedSchemeError(
             f"{ck.root / CONFIG_NAME}: architecture {ck.architecture!r} has no fusion/TP rules in "
             f"mpack (known: {', '.join(arch.LLAMA_FAMILY)})",
-            hint="use --fuse none --tp 1 to pack every layer under its checkpoint name",
+            hint="use --fuse none --tp 1 to pack every layer under its checkpoint name, for "
+            "mpack.runtime.attach or your own loader; vLLM's --load-format mpack cannot load "
+            "such a sidecar (it needs --fuse vllm)",
         )
     groups: dict[str, list[str]] = {}
     for module in ck.layers:
@@ -141,7 +143,8 @@ def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
             what = "a quantized lm_head" if leaf == "lm_head" else f"quantized module {module!r}"
             raise UnsupportedSchemeError(
                 f"{ck.root}: {what} is not part of vLLM's fused Llama-family linears",
-                hint="use --fuse none --tp 1, or a checkpoint that leaves it unquantized (ignore)",
+                hint="use a checkpoint that leaves it unquantized (ignore), or --fuse none "
+                "--tp 1 (a sidecar vLLM's --load-format mpack cannot load: it needs --fuse vllm)",
             )
         groups.setdefault(name, []).append(module)
     for name, members in groups.items():

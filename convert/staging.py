@@ -36,7 +36,14 @@ from typing import Any
 
 from mpack.convert.source import ResolvedSource, provenance, record_forms
 from mpack.convert.timeline import Timeline
-from mpack.errors import BusyError, InputError, OutputExistsError, UsageError
+from mpack.errors import (
+    BusyError,
+    EnvironmentFailure,
+    InputError,
+    OutputExistsError,
+    SourceNotFoundError,
+    UsageError,
+)
 from mpack.fsutil import LockFile, LockHeld, os_error
 from mpack.sidecar import COMMON_NAME, MANIFEST_NAME, fsync_dir, load_manifest, write_manifest
 
@@ -167,6 +174,10 @@ def output_lock(out: Path) -> Iterator[None]:
                 f"another mpack convert (pid {e.pid}) is writing {out}",
                 hint="wait for it to finish, or stop it",
             ) from None
+        except SourceNotFoundError:
+            if not out.parent.is_dir():  # removed meanwhile: the message is right
+                raise
+            raise _takes_no_files(lock_path(out)) from None
         clean_stale(out)  # under the lock, no work directory of OUT belongs to a live run
         yield
 
@@ -185,9 +196,22 @@ def _make_dirs(d: Path) -> list[Path]:
             continue  # made by someone else meanwhile
         except OSError as e:
             _remove_empty(made)
+            if e.errno == errno.ENOENT and m.parent.is_dir():
+                raise _takes_no_files(m) from None
             raise os_error(e, m, "directory") from None
         made.append(m)
     return made
+
+
+def _takes_no_files(path: Path) -> EnvironmentFailure:
+    """Creating ``path`` failed with ENOENT although its directory exists: a file system that
+    takes no new entries there (``/proc``, ``/sys``), which is the machine refusing, not a
+    missing input (exit code 3)."""
+    return EnvironmentFailure(
+        f"{path.parent}: this file system takes no new files (creating {path.name} there "
+        "failed: no such file or directory)",
+        hint="write the output to a directory on an ordinary file system (-o)",
+    )
 
 
 def _remove_empty(dirs: list[Path]) -> None:

@@ -1,15 +1,21 @@
 """The ``mpack`` command line: one thin function per command, errors mapped in one place.
 
 Library code never prints; commands hand results to :mod:`mpack.ui`. Every ``MpackError``
-becomes one message (plus a hint) and its exit code (2 bad input, 1 internal); any other
-exception is a bug and exits 1. ``MPACK_DEBUG=1`` shows tracebacks.
+becomes one message (plus a hint) and its exit code (:data:`EXIT_CODES`); any other exception
+is a bug and exits 1. ``MPACK_DEBUG=1`` shows tracebacks. SIGINT and SIGTERM stop a command the
+same way (Note [interrupts]); a closed stdout is not an error (Note [closed stdout] in
+:mod:`mpack.ui`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,6 +24,7 @@ import typer.core
 
 from mpack import __version__, target
 from mpack.errors import (
+    Interrupted,
     MpackError,
     UsageError,
     as_mpack_error,
@@ -36,7 +43,22 @@ ENVIRONMENT = {
     "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels and scheme verdicts (~/.cache/mpack)",
     "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (../shared/golden)",
 }
-_EPILOG = "\b\nEnvironment:\n" + "\n".join(f"  {k:27} {v}" for k, v in ENVIRONMENT.items())
+#: What each exit status means (shown at the end of ``mpack --help``; README, "Exit codes").
+EXIT_CODES = {
+    0: "done (or already up to date)",
+    1: "internal error, a bug (MPACK_DEBUG=1 shows the traceback)",
+    2: "bad input or usage; nothing written",
+    3: "the environment refused (permissions, read-only or full disk, open files)",
+    130: "interrupted by SIGINT (Ctrl-C); nothing left half-written",
+    143: "stopped by SIGTERM, as by SIGINT",
+}
+_EPILOG = (
+    "\b\nEnvironment:\n"
+    + "\n".join(f"  {k:27} {v}" for k, v in ENVIRONMENT.items())
+    + "\n\n\b\nExit codes:\n"
+    + "\n".join(f"  {k:<4} {v}" for k, v in EXIT_CODES.items())
+    + "\n  A closed stdout (`mpack inspect SC | head`) does not change the code."
+)
 
 
 class _Command(typer.core.TyperCommand):
@@ -70,7 +92,7 @@ JsonOpt = Annotated[
 
 def _version_cb(value: bool) -> None:
     if value:
-        print(f"mpack {__version__}")
+        _say(sys.stdout, f"mpack {__version__}")
         raise typer.Exit()
 
 
@@ -242,6 +264,7 @@ def convert(
     """
     if json_out and quiet:
         raise UsageError("--json and --quiet contradict each other; pick one")
+    _at_stake.append(_output_note(out))  # what an interrupt did to OUT, said if one comes
     result = _run_convert(
         source, out, show_progress=not (json_out or quiet), revision=revision, profile=profile,
         act_dtype=act_dtype, tp=tp, fuse=fuse, device=device, passthrough=not no_passthrough,
@@ -330,6 +353,14 @@ def verify(
             "auto: as convert's --device auto.",
         ),
     ] = "auto",
+    require_source: Annotated[
+        bool,
+        typer.Option(
+            "--require-source",
+            help="Fail (exit 2) when the source cannot be found, instead of passing on the "
+            "checksums alone: for CI.",
+        ),
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Check every file's sha256, and re-derive every tensor from the source checkpoint.
@@ -338,6 +369,7 @@ def verify(
     Examples:
       mpack verify llama8b-marlin
       mpack verify llama8b-marlin --source RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8
+      mpack verify llama8b-marlin --require-source --json    # in CI
       mpack verify tiny-marlin --source ./tiny-fp8 --forward
     """
     from mpack import ui
@@ -346,8 +378,9 @@ def verify(
     if forward:
         ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
     result = verify_sidecar(
-        sidecar, source=source, forward=forward, device=device, rederive_device=rederive_device
-    )
+        sidecar, source=source, forward=forward, device=device, rederive_device=rederive_device,
+        require_source=require_source,
+    )  # fmt: skip
     if not result.problems:  # what matched; also shown when the model outputs differ
         report = result.report() | ({"seconds": result.seconds} if json_out else {})
         ui.emit_verify(report, as_json=json_out)
@@ -456,22 +489,34 @@ def error_document(exc: BaseException, code: int) -> dict[str, object]:
     }  # fmt: skip
 
 
+def _say(stream: Any, text: str) -> None:
+    """Write ``text`` and a newline to ``stream`` and flush; never raises: a stream whose
+    reader went away is silenced (Note [closed stdout] in :mod:`mpack.ui`)."""
+    try:
+        stream.write(text + "\n")
+        stream.flush()
+    except (OSError, ValueError):
+        from mpack.ui import silence
+
+        silence(stream)
+
+
 def _print_error(exc: BaseException, code: int, *, as_json: bool) -> None:
-    """The message (and hint) on stderr; with ``--json`` also one JSON document on stdout."""
+    """The message (and hint) on stderr; with ``--json`` also one JSON document on stdout. An
+    interrupt is one line, ``mpack: interrupted (SIGTERM); ...``."""
     if as_json:
         import json
 
-        print(json.dumps(error_document(exc, code), indent=2, sort_keys=True), flush=True)
-    stream = sys.stderr
-    if isinstance(exc, MpackError):
-        print(f"error: {exc.message}", file=stream)
-        if exc.hint:
-            print(f"  hint: {exc.hint}", file=stream)
+        _say(sys.stdout, json.dumps(error_document(exc, code), indent=2, sort_keys=True))
+    if isinstance(exc, Interrupted):
+        _say(sys.stderr, f"mpack: {exc.message}")
+    elif isinstance(exc, MpackError):
+        _say(sys.stderr, f"error: {exc.message}" + (f"\n  hint: {exc.hint}" if exc.hint else ""))
     else:
-        print(f"internal error: {type(exc).__name__}: {exc}", file=stream)
-        print(
+        _say(
+            sys.stderr,
+            f"internal error: {type(exc).__name__}: {exc}\n"
             "  this is a bug in mpack; rerun with MPACK_DEBUG=1 and report the traceback",
-            file=stream,
         )
 
 
@@ -492,32 +537,99 @@ def _usage_error(e: Any) -> UsageError:
     return UsageError(e.format_message(), hint=f"see `{name} -h`")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mpack`` console script; returns (and exits with) the exit code.
+# --- interrupts -----------------------------------------------------------------------------
 
-    Every failure is one message on stderr (``error: ...`` plus a ``hint:``), or with ``--json``
-    one JSON document on stdout, and an exit code: 2 bad input or usage, 3 environment, 1 bug.
-    """
-    args = sys.argv[1:] if argv is None else list(argv)
-    debug = os.environ.get("MPACK_DEBUG") == "1"
-    as_json = "--json" in args
+# Note [interrupts]: SIGTERM (systemd, Kubernetes, `timeout`, a CI job cancelled) is handled as
+# SIGINT is: the handler raises KeyboardInterrupt in the main thread, so the cleanup written for
+# Ctrl-C runs for both (convert removes its work directory and its lock: Note [atomic output]
+# in convert/staging.py; the scheme check's child is stopped). Python's default for SIGTERM is
+# to die at once, leaving both behind. The first signal is remembered and main() reports it:
+# one line on stderr (and one JSON document under --json), exit 128 + its number (130, 143),
+# as a shell reports a process the signal killed. The handlers are put back as soon as one
+# fires, so a second signal acts at once (SIGTERM kills, SIGINT raises again). A signal that
+# was ignored where mpack started (nohup, a background job) stays ignored; `mpack serve` sets
+# its own handlers while it serves (runtime/daemon.py).
+
+#: What a command has at stake, said after an interrupt ("nothing was written to OUT"): one
+#: function per running command (convert adds one), emptied by each main().
+_at_stake: list[Callable[[], str]] = []
+
+
+@contextlib.contextmanager
+def _interrupts(caught: list[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (Note [interrupts]); the one
+    that fired first is appended to ``caught``."""
+    old: dict[int, Any] = {}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+        old.clear()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        caught.append(signum)
+        restore()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # only it may set handlers
+        for s in (signal.SIGINT, signal.SIGTERM):
+            h = signal.getsignal(s)
+            if h is not None and h is not signal.SIG_IGN:
+                old[s] = signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        restore()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of what ``path`` names, None if nothing (or nothing we can see)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _output_note(out: str) -> Callable[[], str]:
+    """What happened to ``-o out`` when a convert is interrupted, found by comparing what it
+    names before and after: a sidecar appears there only by the final rename (Note [atomic
+    output]), so an unchanged OUT means the run left nothing behind."""
+    path = Path(out).expanduser()
+    before = _identity(path)
+
+    def note() -> str:
+        if _identity(path) != before:
+            return f"the sidecar at {out} was finished before the signal came"
+        return f"nothing was written to {out}" if before is None else f"{out} was left as it was"
+
+    return note
+
+
+def _interrupted(signum: int) -> Interrupted:
+    name = signal.Signals(signum).name
+    notes = [f() for f in _at_stake]
+    return Interrupted(signum, "; ".join([f"interrupted ({name})", *notes]))
+
+
+# --- the entry point ------------------------------------------------------------------------
+
+
+def _run(args: list[str], *, as_json: bool, debug: bool) -> int:
+    """Run the command ``args``; return its exit code, its error (if any) printed."""
     try:
         result = app(args=args, prog_name="mpack", standalone_mode=False)
-        code = result if isinstance(result, int) else 0  # --help and --version return 0
+        return result if isinstance(result, int) else 0  # --help and --version return 0
     except _click_error("NoArgsIsHelpError") as e:
-        print(e.ctx.get_help() if e.ctx is not None else "", file=sys.stderr)  # type: ignore[attr-defined]
-        code = 2
+        _say(sys.stderr, e.ctx.get_help() if e.ctx is not None else "")  # type: ignore[attr-defined]
+        return 2
     except _click_error("Exit") as e:
-        code = e.exit_code  # type: ignore[attr-defined]
-    except _click_error("Abort"):
-        print("interrupted", file=sys.stderr)
-        code = 130
+        return e.exit_code  # type: ignore[attr-defined]
+    except _click_error("Abort"):  # click < typer's own: KeyboardInterrupt, as typer's Exit(130)
+        return 130
     except _click_error("UsageError") as e:
-        code = 2
-        _print_error(_usage_error(e), code, as_json=as_json)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
+        _print_error(_usage_error(e), 2, as_json=as_json)
+        return 2
     except Exception as e:  # noqa: BLE001 - the one place that maps every error
         if debug:
             import traceback
@@ -526,6 +638,44 @@ def main(argv: list[str] | None = None) -> int:
         err = as_mpack_error(e)
         code = exit_code_for(err)
         _print_error(err, code, as_json=as_json)
+        return code
+
+
+def _flush_at_exit() -> None:
+    """Flush stdout and stderr now; one whose reader went away is silenced, so that Python's
+    own flush at exit neither prints "Exception ignored" nor exits 120 (Note [closed stdout])."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            from mpack.ui import silence
+
+            silence(stream)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mpack`` console script; returns (and exits with) the exit code.
+
+    Every failure is one message on stderr (``error: ...`` plus a ``hint:``), or with ``--json``
+    one JSON document on stdout, and an exit code (:data:`EXIT_CODES`): 2 bad input or usage,
+    3 environment, 1 bug, 130 / 143 interrupted by SIGINT / SIGTERM (Note [interrupts]). A
+    closed stdout changes nothing (Note [closed stdout] in :mod:`mpack.ui`).
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = os.environ.get("MPACK_DEBUG") == "1"
+    as_json = "--json" in args
+    _at_stake.clear()
+    caught: list[int] = []
+    try:
+        with _interrupts(caught):
+            code = _run(args, as_json=as_json, debug=debug)
+    except KeyboardInterrupt:  # one outside the command (typer turns those inside into 130)
+        code = 130
+    if caught or code == 130:
+        interrupt = _interrupted(caught[0] if caught else signal.SIGINT)
+        code = interrupt.exit_code
+        _print_error(interrupt, code, as_json=as_json)
+    _flush_at_exit()
     if argv is None:
         sys.exit(code)
     return code

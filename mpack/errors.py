@@ -4,7 +4,8 @@ An ``MpackError`` carries a message that names the file, layer and value at faul
 ``hint``: the next thing to do (often a command). The CLI prints both and exits with
 ``exit_code``: 2 for bad input or usage (the user can fix it), 3 for the environment (permission
 denied, read-only file system, disk full: nothing wrong with the input or with mpack), 1 for an
-internal error.
+internal error, 128 + the signal's number for a command stopped by SIGINT or SIGTERM (130, 143:
+:class:`Interrupted`).
 Anything that is *not* an ``MpackError`` is a bug in mpack and exits 1. Tracebacks are shown
 only with ``MPACK_DEBUG=1``.
 
@@ -85,6 +86,17 @@ class EnvironmentFailure(MpackError, OSError):
     read-only file system, disk full, too many open files. Exit code 3."""
 
     exit_code = 3
+
+
+class Interrupted(MpackError):
+    """SIGINT or SIGTERM stopped the command (Note [interrupts] in mpack/cli.py). Only the CLI
+    makes one, to report it; ``exit_code`` is 128 + the signal's number, as a shell reports a
+    process the signal killed: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int, message: str, *, file: str | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+        self.file = file
 
 
 class CudaError(MpackError, RuntimeError):

@@ -25,11 +25,45 @@ from mpack import target
 PIPE_WIDTH = 4096
 
 
+def silence(stream: Any) -> None:
+    """Point ``stream``'s descriptor at /dev/null: its reader went away (EPIPE) or it failed.
+
+    Note [closed stdout]: ``mpack inspect SC | head -1`` closes the pipe while mpack still
+    writes. That is the reader's choice, not a failure of the command: the rest of the output is
+    dropped, the command finishes its work (a sidecar is never left half-written because of it)
+    and exits with the status it would have had anyway (0 when the work succeeded), so a CI job
+    under ``set -o pipefail`` does not fail on ``| head``. With the descriptor on /dev/null, the
+    later writes, and Python's flush of the stream at exit, succeed: no "Exception ignored"
+    message, no exit status 120.
+    """
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.dup2(null, stream.fileno())
+        finally:
+            os.close(null)
+
+
+class _Console(Console):
+    """A rich console whose stream may be closed by its reader (Note [closed stdout])."""
+
+    def on_broken_pipe(self) -> None:
+        # rich's own exits with status 1, and points stdout (whichever stream broke) at /dev/null
+        self.quiet = True
+        silence(self.file)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        try:
+            super().print(*objects, **kwargs)
+        except BrokenPipeError:  # rich < 13.8 has no on_broken_pipe and lets it through
+            self.on_broken_pipe()
+
+
 def _console(stderr: bool) -> Console:
     """markup=False: paths, layer and tensor names are data, printed as they are ("out[/]x" or
     "[red]" in a path must neither crash nor vanish); colour comes only from explicit styles.
     Not on a terminal: no wrapping at 80 columns (``PIPE_WIDTH``), no colour codes."""
-    c = Console(stderr=stderr, markup=False)
+    c = _Console(stderr=stderr, markup=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
         c.width = PIPE_WIDTH
     return c
@@ -93,9 +127,9 @@ def _styled(word: str, style: str, rest: str = "") -> Text:
 
 
 def print_json(doc: Any) -> None:
-    """Exactly one JSON document on stdout (for ``--json``)."""
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    sys.stdout.flush()
+    """Exactly one JSON document on stdout (for ``--json``); none once its reader went away
+    (Note [closed stdout])."""
+    write_line(sys.stdout, json.dumps(doc, indent=2, sort_keys=True))
 
 
 def human_bytes(n: int) -> str:
@@ -392,6 +426,7 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
             )
         )
     else:
+        # the note says why and what to do; "source not checked" is said here, once
         console.print(
             "source not checked: "
             + (report.get("source_note") or "no --source, and the manifest records no local path")
@@ -434,21 +469,18 @@ def emit_ready(info: dict[str, Any]) -> None:
 
 
 def write_line(stream: Any, line: str) -> None:
-    """Write and flush one line of output (the daemon's log, convert's progress); never raises.
-    A write that fails (the pipe's reader went away: EPIPE; a full disk) drops the line, and the
-    stream's descriptor is pointed at /dev/null: later lines are dropped too, and the flush at
-    interpreter exit cannot turn the daemon's clean stop into an error (Python exits 120 when it
-    fails)."""
+    """Write and flush one line of output (a JSON document, the daemon's log, convert's
+    progress); never raises. A write that fails (the pipe's reader went away: EPIPE; a full
+    disk) drops the line and silences the stream (:func:`silence`): later lines are dropped too,
+    and the flush at interpreter exit cannot turn a clean stop into an error (Python exits 120
+    when it fails)."""
     if stream is None:
         return
     try:
         stream.write(line + "\n")
         stream.flush()
     except (OSError, ValueError):
-        with contextlib.suppress(OSError, ValueError):
-            null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-            os.dup2(null, stream.fileno())
-            os.close(null)
+        silence(stream)
 
 
 def emit_event(event: dict[str, Any]) -> None:

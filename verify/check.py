@@ -9,7 +9,8 @@ Three checks, each one stricter, and a fourth on request:
    :func:`mpack.verify.rederive.find_source`), every Marlin tensor re-derived and compared byte
    for byte, and the pass-through tensors compared with their source bytes, on the GPU when
    there is one (``rederive_device``). When no source is found, ``source_note`` says why and
-   how to get one;
+   how to get one, and the sidecar passes on its checksums alone, unless ``require_source``
+   (``verify --require-source``, for CI) makes that an error;
 3. the layout read backwards: each weight, scale and bias unpacks to the source's values;
 4. with ``forward``: token ids run through a model built from the sidecar and through
    transformers on the source, greedy tokens and logits compared (:mod:`mpack.verify.forward`).
@@ -28,7 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack.errors import InputError, MpackError, UsageError, VerificationError
+from mpack.errors import (
+    InputError,
+    MpackError,
+    SourceNotFoundError,
+    UsageError,
+    VerificationError,
+)
 from mpack.sidecar import (
     COMMON_NAME,
     FileLayout,
@@ -122,6 +129,7 @@ def verify(
     forward: bool = False,
     device: str = "cpu",
     rederive_device: str = "auto",
+    require_source: bool = False,
 ) -> Verification:
     """Verify ``sidecar``: checksums, re-derivation from its source, and optionally the model
     outputs (see the module docstring).
@@ -136,6 +144,8 @@ def verify(
         rederive_device: where the re-derivation (checks 2 and 3) transforms the source:
             ``auto`` (CUDA when present, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; the
             result is the same on each.
+        require_source: fail when the source is not found (given or recorded), instead of
+            passing on the checksums alone (``--require-source``, for CI).
 
     Returns:
         A :class:`Verification`; its ``problems`` list every mismatch found (call
@@ -146,6 +156,8 @@ def verify(
             ``mpack convert`` would refuse; a ``rederive_device`` that is not here; with
             ``forward``, a device that is not here (before any other work) or no source found
             (``UsageError``).
+        SourceNotFoundError: with ``require_source``, no source found (the files are sound;
+            damaged files are returned as problems, as without it).
     """
     if revision is not None and source is None:
         raise UsageError(f"revision {revision} applies to a given source; pass source too")
@@ -153,9 +165,10 @@ def verify(
         from mpack.runtime.protocol import parse_device
 
         parse_device(device)  # a device that is not there fails now, not after the re-derivation
-    from mpack.convert.pipeline import check_device_name
+    from mpack.convert.pipeline import check_device_here
 
-    check_device_name(rederive_device, "--rederive-device")  # a typo fails before any work
+    # a typo, or a GPU where there is none, fails before any work
+    check_device_here(rederive_device, "--rederive-device")
     from mpack.convert.timeline import Timeline
 
     tl = Timeline()
@@ -168,6 +181,12 @@ def verify(
                   rederive_device, tl)  # fmt: skip
     if result.problems:
         result.hint = regenerate_hint_of(m, path)
+    elif require_source and not result.source_checked:
+        raise SourceNotFoundError(
+            f"{path}: --require-source: source not checked: {result.source_note}",
+            hint="pass --source DIR (the checkpoint directory or Hub repo id it was converted "
+            "from), or leave out --require-source to accept the checksums alone",
+        )
     elif forward:
         if not result.source_checked:
             raise UsageError("--forward needs the source checkpoint: pass --source")

@@ -99,20 +99,20 @@ def _recorded_source(m: dict[str, Any]) -> tuple[ResolvedSource | None, str | No
             return cached_source(repo, rev), None
         except SourceNotFoundError as e:
             return None, (
-                f"source not checked: {e.message} (looked offline); only the files were "
-                f"checked. To re-derive every tensor, download it (hf download {repo} "
-                f"--revision {rev}) or pass --source DIR"
+                f"{e.message} (looked offline); only the files were checked. To re-derive "
+                f"every tensor, download it (hf download {repo} --revision {rev}) or pass "
+                "--source DIR"
             )
     if kind == "local" and isinstance(path, str) and path:
         if Path(path).is_dir():
             return resolve_source(path), None
         return None, (
-            f"source not checked: the recorded source directory {path} is not there; only the "
-            "files were checked. Pass --source DIR (or a Hub repo id) to re-derive every tensor"
+            f"the recorded source directory {path} is not there; only the files were checked. "
+            "Pass --source DIR (or a Hub repo id) to re-derive every tensor"
         )
     return None, (
-        "source not checked: the manifest records no source mpack can find; only the files "
-        "were checked. Pass --source DIR (or a Hub repo id) to re-derive every tensor"
+        "the manifest records no source mpack can find; only the files were checked. Pass "
+        "--source DIR (or a Hub repo id) to re-derive every tensor"
     )
 
 
