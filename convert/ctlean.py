@@ -7,9 +7,11 @@ process that goes on to use compressed-tensors for anything else.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +47,15 @@ DEFERRED = ("transformers",)
 # transformers and forwards to it. A use the placeholder cannot forward (isinstance, a base
 # class, a pydantic field type) raises, which makes the lean verdict a crash and the child runs
 # the full import: as for the packages, the stand-in can only speed up a good check.
+#
+# Note [deferred compile]: compressed-tensors 0.17.0 (the version vLLM 0.33.0 pins) decorates an FP4
+# helper in quantization/quant_args.py, the models' own file, with `@torch.compile`. That imports
+# torch._dynamo (and torch.distributed.tensor) when the file runs: 2.0 s of the lean check's 2.3 s
+# on the 2-core machine, for a function an FP8 parse never calls. So while the lean import runs a
+# compressed_tensors module, `torch.compile` is :func:`_deferred_compile`: a function compiles on
+# its first call, with the real `torch.compile` and the same options. The real one is back as soon
+# as the module has run, and a lean verdict that is not `ok` is checked again by the full import, as
+# above.
 
 
 def _reexport_sources(init: Path) -> list[str]:
@@ -83,9 +94,58 @@ class _LazyPackageLoader(importlib.abc.Loader):
         module.__getattr__ = lookup  # type: ignore[method-assign]
 
 
+def _deferred_compile(compile: Any) -> Any:
+    """``torch.compile`` that compiles a function on its first call (Note [deferred compile])."""
+
+    def deferred(model: Any = None, **options: Any) -> Any:
+        if model is None:  # @torch.compile(options...)
+            return lambda m: deferred(m, **options)
+        if not inspect.isfunction(model):  # a module or other callable: compiled now, as usual
+            return compile(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    deferred.mpack_deferred = True  # type: ignore[attr-defined]
+    return deferred
+
+
+class _CompileDeferred(importlib.abc.Loader):
+    """A module's own loader, run with ``torch.compile`` deferred (Note [deferred compile])."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        import torch  # every module the parse reaches imports it anyway
+
+        real = torch.compile
+        if not getattr(real, "mpack_deferred", False):  # not already inside another module's run
+            torch.compile = _deferred_compile(real)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = real
+
+    def __getattr__(self, attr: str) -> Any:  # get_source, get_code, ... for tracebacks
+        if attr == "loader":
+            raise AttributeError(attr)
+        return getattr(self.loader, attr)
+
+
 class _LazyPackages(importlib.abc.MetaPathFinder):
     """Every package under ``compressed_tensors`` is made by :class:`_LazyPackageLoader`; its
-    plain modules are found and run as usual."""
+    plain modules are found and run as usual, with ``torch.compile`` deferred."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -93,7 +153,11 @@ class _LazyPackages(importlib.abc.MetaPathFinder):
         if fullname != ROOT and not fullname.startswith(ROOT + "."):
             return None
         real = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if real is None or real.submodule_search_locations is None or real.origin is None:
+        if real is None or real.origin is None:
+            return real
+        if real.submodule_search_locations is None:  # a module: run as usual, compile deferred
+            if real.loader is not None:
+                real.loader = _CompileDeferred(real.loader)
             return real
         spec = importlib.machinery.ModuleSpec(
             fullname, _LazyPackageLoader(Path(real.origin)), origin=real.origin, is_package=True

@@ -41,7 +41,7 @@ ENVIRONMENT = {
     "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
     "MPACK_NO_VERDICT_CACHE=1": "check the quantization config every time (no cached verdict)",
     "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels and scheme verdicts (~/.cache/mpack)",
-    "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (../shared/golden)",
+    "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (tests/data/golden)",
 }
 #: What each exit status means (shown at the end of ``mpack --help``; README, "Exit codes").
 EXIT_CODES = {

@@ -31,6 +31,7 @@ transformers and compressed-tensors lazily.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -252,7 +253,9 @@ def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> Non
         config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])},
         ignore=["lm_head"],
     )
-    apply_quantization_config(model, qconfig, show_progress=False)
+    # show_progress (its progress bar, off here) came after 0.17.0, the version vLLM 0.33.0 pins.
+    quiet = "show_progress" in inspect.signature(apply_quantization_config).parameters
+    apply_quantization_config(model, qconfig, **({"show_progress": False} if quiet else {}))
     quantized = [
         (name, m) for name, m in model.named_modules() if hasattr(m, "quantization_scheme")
     ]

@@ -18,6 +18,7 @@ pytest.importorskip("compressed_tensors")
 
 from helpers import edit_config, python_c, weight_args  # noqa: E402
 
+from mpack.convert import ctlean  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 
 # In a fresh interpreter: the verdict with the lean import, then with the full import, and
@@ -123,3 +124,47 @@ def test_deferred_transformers_forwards_to_the_real_module() -> None:
         "print(sys.modules['transformers'] is transformers)\n"
     )
     assert python_c(code).split() == ["True", "3", "True", "True"]
+
+
+def test_deferred_compile_compiles_on_first_call() -> None:
+    """Note [deferred compile]: a function is compiled on its first call, once, with the
+    decorator's options; the wrapper keeps the function's name."""
+    calls: list[dict] = []
+
+    def compile_(model, **options):
+        calls.append(options)
+        return lambda *args: ("compiled", model(*args))
+
+    deferred = ctlean._deferred_compile(compile_)
+
+    @deferred
+    def inc(x):
+        return x + 1
+
+    @deferred(mode="max-autotune")
+    def double(x):
+        return 2 * x
+
+    assert calls == []
+    assert inc(1) == ("compiled", 2) and inc(2) == ("compiled", 3)
+    assert double(3) == ("compiled", 6)
+    assert calls == [{}, {"mode": "max-autotune"}]
+    assert inc.__name__ == "inc"
+
+
+def test_deferred_compile_only_while_a_module_runs(tmp_path: Path) -> None:
+    """A module run through the lean import's loader sees the deferred `torch.compile`; the real
+    one is back when it has run."""
+    import importlib.util
+
+    import torch
+
+    src = tmp_path / "probe_mod.py"
+    src.write_text("import torch\nDEFERRED = getattr(torch.compile, 'mpack_deferred', False)\n")
+    real = torch.compile
+    spec = importlib.util.spec_from_file_location("probe_mod", src)
+    spec.loader = ctlean._CompileDeferred(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.DEFERRED is True
+    assert torch.compile is real

@@ -1,8 +1,8 @@
 """Fail if a `pip install --dry-run --report FILE` would install torch, a CUDA wheel or vLLM.
 
-`make` runs it on the dry run of .venv-vllm's resolved deps, before the real install: vLLM's
-dependency tree reaches a CUDA torch (~9 GB of nvidia-* wheels) from many sides, and one
-unconstrained resolver run is enough to replace the CPU torch with it.
+`make` runs it on the dry run of .venv-vllm's resolved deps (mpack's own among them), before the
+real install: vLLM's dependency tree reaches a CUDA torch (~9 GB of nvidia-* wheels) from many
+sides, and one unconstrained resolver run is enough to replace the CPU torch with it.
 
 usage: python tests/vllm/check_dry_run.py REPORT.json
 """
