@@ -9,7 +9,9 @@ How it is built and run:
 
 * the source is compiled with NVRTC (``cuda.bindings.nvrtc``) for the device's architecture
   (``sm_90`` on an H100/H200) into a cubin, cached in ``kernels`` of :mod:`mpack.cache` under
-  a name keyed by the source hash, the options, the architecture and the NVRTC version;
+  a name keyed by the source hash, the options, the architecture and the NVRTC version, and
+  read back only from an entry nobody else could have written (Note [cache trust] in
+  :mod:`mpack.cache`);
 * the cubin is loaded with ``cuModuleLoadData`` into the device's primary context (the one
   torch uses) and launched with ``cuLaunchKernel`` on torch's current stream, so it is ordered
   with the torch work around it like any torch op;
@@ -145,16 +147,26 @@ def compile_kernel(
     major, minor = nvrtc_version()
     opts = [f"--gpu-architecture={target}".encode(), *(o.encode() for o in _NVRTC_OPTIONS)]
     key = hashlib.sha256(src + b"\0" + b"\0".join(opts)).hexdigest()[:20]
-    cached = cache.cache_dir("kernels") / (
-        f"marlin_repack-{target}-nvrtc{major}.{minor}-{key}.{'ptx' if ptx else 'cubin'}"
-    )
-    image = cache.get(cached) if use_cache else None
-    if image:
+    name = f"marlin_repack-{target}-nvrtc{major}.{minor}-{key}.{'ptx' if ptx else 'cubin'}"
+    image = cached_image(name, ptx) if use_cache else None
+    if image is not None:
         return image
     failed = f"NVRTC {major}.{minor} could not compile {src_path} for {target}"
     image = _nvrtc_compile(src, src_path.name, opts, ptx, failed)
     if use_cache:
-        cache.put(cached, image)
+        cache.write_entry("kernels", name, image)
+    return image
+
+
+def cached_image(name: str, ptx: bool) -> bytes | None:
+    """A build kept in ``kernels`` of mpack's cache, or None. The entry must pass Note [cache
+    trust] in :mod:`mpack.cache` (ours, not group- or other-writable, no symlink, a regular file
+    under a size cap): the image is loaded into the GPU and run. A cubin must start as an ELF
+    file and PTX must end in the NUL that ``cuModuleLoadData`` needs (a torn write is compiled
+    again rather than refused by the driver)."""
+    image = cache.read_entry("kernels", name, then="the kernel is compiled again")
+    if not image or not (image.endswith(b"\0") if ptx else image.startswith(b"\x7fELF")):
+        return None
     return image
 
 

@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 # nothing). An entry that does not read back as one is ignored, and one whose layers disagree
 # with the headers is checked again (:meth:`SchemeCheck.agree`). ``MPACK_NO_VERDICT_CACHE=1``
 # turns the cache off.
+# The key is no secret (anyone who can read the source can compute it), and a kept "ok" lets a
+# checkpoint through that the check would refuse (and `verify --source` with it). So an entry
+# counts only if nobody but us could have written it: Note [cache trust] in mpack/cache.py (the
+# root, ``verdicts`` and the entry ours and not group- or other-writable, no symlink, a regular
+# file under a size cap). Any other entry is ignored, the check runs, and ``mpack -v`` says so;
+# a ``verdicts`` that breaks the rule is never written to.
 
 #: Changes whenever an entry's meaning or the key's inputs change.
 VERDICT_FORMAT = 1
@@ -102,13 +108,16 @@ def _feed(h: Any, name: str, data: bytes) -> None:
     h.update(data)
 
 
-def _verdict_path(key: str) -> Path:
-    return cache.cache_dir("verdicts") / f"{key}.json"
+def _entry_name(key: str) -> str:
+    return f"{key}.json"
 
 
 def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
-    """The layers of a good verdict kept under ``key``, or None (missing, or not one)."""
-    raw = cache.get(_verdict_path(key))
+    """The layers of a good verdict kept under ``key``, or None (missing, not one, or not to be
+    trusted: Note [cache trust] in :mod:`mpack.cache`)."""
+    raw = cache.read_entry(
+        "verdicts", _entry_name(key), then="the quantization config is checked instead"
+    )
     if raw is None:
         return None
     try:
@@ -121,7 +130,7 @@ def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
                     and isinstance(bias, bool)):  # fmt: skip
                 return None
             layers[module] = (strategy, n, k, bias)
-    except (ValueError, TypeError, AttributeError, KeyError):
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
         return None
     return layers
 
@@ -129,7 +138,9 @@ def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
 def keep_verdict(key: str, layers: dict[str, tuple[str, int, int, bool]], root: Path) -> bool:
     """Keep a good verdict (best effort; False where the cache cannot be written)."""
     entry = {"format": VERDICT_FORMAT, "key": key, "source": str(root), "layers": layers}
-    return cache.put(_verdict_path(key), json.dumps(entry, sort_keys=True).encode())
+    return cache.write_entry(
+        "verdicts", _entry_name(key), json.dumps(entry, sort_keys=True).encode()
+    )
 
 
 class SchemeCheck:

@@ -1,6 +1,6 @@
 """mpack's per-user cache: things that cost time to make and are safe to make again.
 
-Two kinds live here, each in its own folder under ``$MPACK_CACHE_DIR`` (default
+Two kinds live here, each in its own folder under the cache root, ``$MPACK_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/mpack``, else ``~/.cache/mpack``):
 
 - ``kernels``: the NVRTC builds of the fused repack kernel (:mod:`mpack.convert.cuda_repack`);
@@ -8,50 +8,216 @@ Two kinds live here, each in its own folder under ``$MPACK_CACHE_DIR`` (default
   config (Note [verdict cache] in :mod:`mpack.convert.scheme_check`).
 
 Everything here is best effort: an entry is written whole or not at all (a temporary file
-renamed into place), a cache that cannot be read or written is skipped without a word, and
-removing the folder at any time only costs the time to make its entries again.
+renamed into place), a cache that cannot be read or written is skipped (with ``mpack -v``, a
+line says why), and removing the folder at any time only costs the time to make its entries
+again. Entries are read and written only through :func:`read_entry` and :func:`write_entry`,
+which apply Note [cache trust].
 """
+
+# Note [cache trust]: an entry decides things (a kept "ok" verdict lets a checkpoint through
+# without compressed-tensors' check; a cubin is loaded and run on the GPU), and its name is
+# computable by anyone (the sha256 of public bytes). So an entry counts only if nobody but us
+# could have put it there, the rule the runtime directory follows (runtime/protocol.py):
+#
+# - the root, the kind's folder and the entry are each owned by our effective uid and not
+#   writable by group or others;
+# - none of them is a symbolic link (each is opened with O_NOFOLLOW, the folders with
+#   O_DIRECTORY, the next one relative to the descriptor of the one before, and every check is
+#   an fstat of the open descriptor: nothing can be swapped between the check and the use);
+# - an entry is a regular file (opened O_NONBLOCK: a FIFO cannot block us) of at most
+#   CAPS[kind] bytes, and no more than that is ever read.
+#
+# Anything else is ignored, never repaired or removed: the verdict is reached by the check
+# itself, the kernel is compiled again, and ``mpack -v`` says which part broke the rule. A
+# write follows the same rule: a root or folder that is missing is made (mode 0700); one that
+# breaks the rule is left alone and nothing is written, so a planted ``verdicts`` symlink can
+# never make us write where someone else chose. An entry is replaced only where the name holds
+# a regular file of ours. The folders above the root are the user's own choice and are not
+# checked (``~/.cache`` is often a symlink to a larger disk).
+#
+# Entries are not signed. A key kept in the root (an HMAC over each entry) would be readable by
+# exactly those the rule already lets write there (our uid and root), and a cache copied or
+# restored from elsewhere (a CI cache) brings its key along; kept anywhere else, it would make
+# every restored cache useless. So the rule above is the whole of the trust: a cache shared
+# with someone you do not trust, even under one uid, must not be shared (docs/RUNTIME.md).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
-import tempfile
+import secrets
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["cache_dir", "get", "put"]
+__all__ = ["CAPS", "cache_dir", "cache_root", "read_entry", "write_entry"]
+
+log = logging.getLogger("mpack.cache")
+
+#: The most bytes one entry of each kind may have. A verdict of a 47,000-linear MoE is ~5 MB;
+#: the repack kernel's cubin is well under 1 MB.
+CAPS: dict[str, int] = {"kernels": 16 << 20, "verdicts": 64 << 20}
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Untrusted(Exception):
+    """A part of the cache breaks Note [cache trust]; the message says which and how."""
+
+
+def cache_root() -> Path:
+    """``$MPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpack``, else ``~/.cache/mpack``.
+
+    Raises:
+        RuntimeError: none is set and the home directory is unknown.
+    """
+    root = os.environ.get("MPACK_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mpack"
 
 
 def cache_dir(kind: str) -> Path:
-    """The folder of one kind of entry: ``$MPACK_CACHE_DIR/<kind>``, else
-    ``$XDG_CACHE_HOME/mpack/<kind>``, else ``~/.cache/mpack/<kind>``."""
-    root = os.environ.get("MPACK_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(base) / "mpack")
-    return Path(root) / kind
+    """The folder of one kind of entry: ``<cache root>/<kind>``."""
+    return cache_root() / kind
 
 
-def get(path: Path) -> bytes | None:
-    """The entry's bytes, or None where it is missing or cannot be read."""
+def _kind_word(mode: int) -> str:
+    from mpack.fsutil import kind_of
+
+    return kind_of(mode)
+
+
+def _check_owned(st: os.stat_result, path: Path) -> None:
+    """Ours and not writable by group or others (Note [cache trust])."""
+    if st.st_uid != os.geteuid():
+        raise Untrusted(f"{path} belongs to uid {st.st_uid}, not to uid {os.geteuid()}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Untrusted(
+            f"{path} can be written by group or others (mode {stat.filemode(st.st_mode)})"
+        )
+
+
+def _open_dir(name: str | Path, path: Path, dir_fd: int | None, *, create: bool) -> int:
+    """A checked descriptor of the folder ``name`` (relative to ``dir_fd``), made 0700 first
+    where it is missing and ``create``. Raises FileNotFoundError (missing), Untrusted, OSError."""
     try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def put(path: Path, data: bytes) -> bool:
-    """Write an entry whole (a concurrent reader sees all of it or none); False where the cache
-    cannot be written (the caller goes on without it)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
             raise
+        if dir_fd is None:  # the folders above the root are the user's (Note [cache trust])
+            Path(name).parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+        return _open_dir(name, path, dir_fd, create=False)
+    except NotADirectoryError:  # O_NOFOLLOW | O_DIRECTORY on a symlink says ENOTDIR too
+        try:
+            what = _kind_word(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            what = "not a directory"
+        raise Untrusted(f"{path} is {what}, not a directory") from None
+    try:
+        _check_owned(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _kind_fd(kind: str, *, create: bool) -> Iterator[tuple[int, Path]]:
+    """The checked descriptor of ``kind``'s folder and its path."""
+    if kind not in CAPS:
+        raise ValueError(f"no such cache kind: {kind!r}")
+    root = cache_root()
+    root_fd = _open_dir(root, root, None, create=create)
+    try:
+        kind_fd = _open_dir(kind, root / kind, root_fd, create=create)
+    finally:
+        os.close(root_fd)
+    try:
+        yield kind_fd, root / kind
+    finally:
+        os.close(kind_fd)
+
+
+def _check_name(name: str) -> None:
+    if not name or name.startswith(".") or "/" in name or "\0" in name:
+        raise ValueError(f"not a cache entry name: {name!r}")
+
+
+def read_entry(kind: str, name: str, *, then: str = "it is made again") -> bytes | None:
+    """The bytes of entry ``name`` of ``kind``, or None where it is missing, cannot be read, or
+    breaks Note [cache trust] (then a debug line says why, ending with ``then``: what the
+    caller does instead)."""
+    _check_name(name)
+    cap = CAPS[kind]
+    try:
+        path = cache_dir(kind) / name
+        with _kind_fd(kind, create=False) as (kind_fd, _):
+            try:
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=kind_fd
+                )
+            except OSError as e:
+                if e.errno == errno.ELOOP:  # O_NOFOLLOW: the entry is a symlink
+                    raise Untrusted(f"{path} is a symbolic link") from None
+                raise
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise Untrusted(f"{path} is {_kind_word(st.st_mode)}, not a regular file")
+                _check_owned(st, path)
+                if st.st_size > cap:
+                    raise Untrusted(f"{path} has {st.st_size} bytes, more than {cap}")
+                data = f.read(cap + 1)
+            if len(data) > cap:
+                raise Untrusted(f"{path} has more than {cap} bytes")
+            return data
+    except FileNotFoundError:
+        return None
+    except (OSError, Untrusted, RuntimeError) as e:
+        log.info("cache entry %s/%s ignored: %s; %s", kind, name, e, then)
+    return None
+
+
+def write_entry(kind: str, name: str, data: bytes) -> bool:
+    """Write entry ``name`` of ``kind`` whole (a concurrent reader sees all of it or none);
+    False where the cache cannot be written or breaks Note [cache trust] (the caller goes on
+    without it)."""
+    _check_name(name)
+    if len(data) > CAPS[kind]:
+        return False
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    try:
+        with _kind_fd(kind, create=True) as (kind_fd, folder):
+            try:
+                st = os.stat(name, dir_fd=kind_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:  # never replace what we did not write
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise Untrusted(
+                        f"{folder / name} is in the way ({_kind_word(st.st_mode)} of uid "
+                        f"{st.st_uid})"
+                    )
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=kind_fd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, name, src_dir_fd=kind_fd, dst_dir_fd=kind_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=kind_fd)
+                raise
+    except (Untrusted, RuntimeError) as e:
+        log.info("cache entry %s/%s not written: %s", kind, name, e)
+        return False
     except OSError:
         return False
     return True
