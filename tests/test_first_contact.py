@@ -32,9 +32,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "convert"), str(HERE / "runtime")]
 
 from helpers import CliPool, assert_refused, cli, explain, manifest, sha256, snapshot  # noqa: E402
+from hf_cache import add_repo  # noqa: E402
 from rt_helpers import DaemonProc, child_env  # noqa: E402
 from sidecar_factory import make_sidecar  # noqa: E402
-from test_hub_source import COMMIT, add_repo  # noqa: E402
+from test_hub_source import COMMIT  # noqa: E402
 
 from mpack.errors import UnsupportedSchemeError  # noqa: E402
 from mpack.fixtures import make_checkpoint, make_int_checkpoint  # noqa: E402

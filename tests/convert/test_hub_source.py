@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +21,7 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("huggingface_hub")
 
 from helpers import CliPool, assert_refused, cli, explain, manifest, tmp_dirs  # noqa: E402
+from hf_cache import add_repo  # noqa: E402
 
 from mpack.fixtures import make_checkpoint  # noqa: E402
 
@@ -30,47 +29,6 @@ REPO = "org/tiny"
 PARTIAL = "org/partial"  # its tree listing names a shard its snapshot lacks
 COMMIT = hashlib.sha1(b"mpack test commit").hexdigest()
 TAG = "v1.0"
-
-
-def git_blob_sha1(data: bytes) -> str:
-    """The git object id of a file (how the Hub names the blob of a non-LFS file)."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def add_repo(
-    cache: Path, repo: str, files: dict[str, bytes], commit: str, refs: list[str], *,
-    missing: tuple[str, ...] = (),
-) -> Path:  # fmt: skip
-    """Lay out ``repo`` at ``commit`` in an HF cache as a finished download would.
-
-    ``blobs/<id>``: LFS files (``*.safetensors``) are named by their sha256, the others by their
-    git blob sha1. ``snapshots/<commit>/<file>``: relative symlinks to the blobs (files in
-    ``missing`` are left out). ``refs/<ref>``: the commit, no newline.
-    ``trees/<commit>.json``: the cached tree listing (plus a README.md that the allow-patterns
-    of a conversion skip). Returns the snapshot directory.
-    """
-    root = cache / ("models--" + repo.replace("/", "--"))
-    snap = root / "snapshots" / commit
-    (root / "blobs").mkdir(parents=True)
-    snap.mkdir(parents=True)
-    (root / "refs").mkdir()
-    tree: dict[str, Any] = {"README.md": {"size": 11, "blob_id": git_blob_sha1(b"# tiny\n...")}}
-    for name, data in files.items():
-        lfs = name.endswith(".safetensors")
-        blob = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
-        (root / "blobs" / blob).write_bytes(data)
-        if name not in missing:
-            os.symlink(f"../../blobs/{blob}", snap / name)
-        tree[name] = {"size": len(data), "blob_id": git_blob_sha1(data)}
-        if lfs:
-            tree[name].update(lfs_sha256=blob, lfs_size=len(data))
-    for ref in refs:
-        (root / "refs" / ref).write_text(commit)
-    (root / "trees").mkdir()
-    (root / "trees" / f"{commit}.json").write_text(
-        json.dumps({"format_version": 1, "files": tree}, indent=1)
-    )
-    return snap
 
 
 @pytest.fixture(scope="module")
