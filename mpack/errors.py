@@ -104,8 +104,11 @@ class CudaError(MpackError, RuntimeError):
     allocating, exporting or mapping device memory (mpack/cudadrv.py)."""
 
 
-class ProtocolError(MpackError, ConnectionError):
-    """A peer that broke the serve/attach protocol (bad size, version, schema)."""
+class ProtocolError(DaemonError):
+    """A peer that broke the serve/attach protocol (bad size, version, schema, descriptor).
+
+    A ``DaemonError``: the peer's fault, not mpack's (exit 2), and what the vLLM loader's
+    ``attach: auto`` falls back from like any other daemon that cannot serve us."""
 
 
 #: errno values that say "the machine refused", not "mpack has a bug" (exit code 3).
@@ -114,6 +117,42 @@ ENVIRONMENT_ERRNOS = frozenset(
     for n in ("EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "EMFILE", "ENFILE", "EIO", "ENOMEM")
     if hasattr(errno, n)
 )
+
+
+#: How many characters of an untrusted value a message quotes (:func:`quote`).
+QUOTE_LIMIT = 200
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``value`` as a message may quote it: escaped and capped.
+
+    Note [quoting untrusted text]: layer names, keys and file names come from files anyone can
+    write. Printed raw, an escape sequence in a layer name (ESC ``[2J``) clears the user's
+    terminal, a bidi override makes a message read backwards, and a 10 MB name puts 10 MB in
+    every message that quotes it. So a message quotes such a value through here: a string as
+    ``repr`` writes it (C0 and C1 control characters, DEL, bidi overrides and the other invisible
+    format characters, line separators and lone surrogates all escaped: ``'\\x1b[2J'``), at most
+    ``limit`` of its characters, then ``...`` and its full length when it is longer. Anything else
+    by its ``repr``, escaped and capped the same way. ``--json`` output does not go through here:
+    JSON escapes control characters itself, and the document stays faithful to the file.
+    """
+    if isinstance(value, str):
+        text, out = value, repr(value[:limit])  # repr escapes every non-printable character
+    else:
+        text = repr(value)
+        out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    if len(text) > limit:
+        out += f"... ({len(text)} characters)"
+    return out
+
+
+def shown(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """A string as it is when it prints as it reads (every character printable, at most
+    ``limit`` of them), else :func:`quote` of it: for a name that leads a line or fills a table
+    cell, where quotes around every ordinary name would only be noise."""
+    if isinstance(value, str) and len(value) <= limit and value.isprintable():
+        return value
+    return quote(value, limit)
 
 
 def environment_failure(exc: OSError, doing: str = "") -> EnvironmentFailure:

@@ -17,10 +17,12 @@ first, so each of those starts 64-byte aligned (Note [alignment]).
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import json
 import os
+import re
 import stat
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,7 +31,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mpack import __version__, target
-from mpack.errors import CorruptFileError, FormatVersionError, InputError, SourceNotFoundError
+from mpack.errors import (
+    CorruptFileError,
+    FormatVersionError,
+    InputError,
+    SourceNotFoundError,
+    quote,
+    shown,
+)
 from mpack.fsutil import kind_of, open_regular, open_regular_file, os_error, read_capped
 from mpack.iokit import FileWriter, fd_chunk_digests, hash_fd_range
 
@@ -126,7 +135,8 @@ def regenerate_hint(source: str | None, out: str | os.PathLike | None) -> str:
 def regenerate_hint_of(manifest: Mapping[str, Any], sidecar: str | os.PathLike) -> str:
     """``regenerate it: <command>`` for a sidecar, its source taken from the manifest."""
     src = manifest.get("source") if isinstance(manifest.get("source"), Mapping) else {}
-    return "regenerate it: " + regenerate_hint(src.get("repo") or src.get("path"), sidecar)
+    origin = src.get("repo") or src.get("path")  # the manifest's: escaped, as every message quotes
+    return "regenerate it: " + regenerate_hint(shown(origin, 4096) if origin else None, sidecar)
 
 
 # --- safetensors layout ------------------------------------------------------------------
@@ -245,7 +255,7 @@ def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
     for e in entries:
         if e.offset != pos:
             raise CorruptFileError(
-                f"{path}: tensor {e.name!r} starts at byte {e.offset}, expected {pos}"
+                f"{path}: tensor {quote(e.name)} starts at byte {e.offset}, expected {pos}"
             )
         pos += e.nbytes
     if pos != size:
@@ -306,7 +316,9 @@ def _header_entry(name: str, info: Any, start: int, path: Path) -> TensorEntry:
     except (KeyError, TypeError, ValueError):
         ok = False
     if not ok:
-        raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
+        raise CorruptFileError(
+            f"{path}: tensor {quote(name)} has a malformed header entry {quote(info)}"
+        )
     return TensorEntry(name, dtype, shape, start + a, b - a)
 
 
@@ -391,7 +403,9 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
     Everything a reader acts on is bounded here, before anything acts on it: the TP size, file
     sizes, chunk sizes and layer dims are integers in range, the target's enums are known, file
     names are plain names listed once, and every rank file the TP size implies is listed
-    (Note [trust model for files] in mpack/fsutil.py).
+    (Note [trust model for files] in mpack/fsutil.py); a whole-file sha256 agrees with the chunk
+    digest of a one-chunk file (Note [both digests]); ``source`` holds strings, a Hub repo id
+    and commit, and file entries with one form of digest each.
 
     Raises:
         FormatVersionError: a format version this mpack does not read (with the regenerate command).
@@ -403,7 +417,7 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
         m.get("format_version"), bool
     ):
         raise FormatVersionError(
-            f"{where}: sidecar format version {m.get('format_version')!r}, this mpack "
+            f"{where}: sidecar format version {quote(m.get('format_version'), 40)}, this mpack "
             f"({__version__}) reads version{'s' if len(READABLE_VERSIONS) > 1 else ''} "
             f"{', '.join(map(str, READABLE_VERSIONS))}",
             hint=regenerate_hint_of(m, Path(where).parent),
@@ -415,11 +429,12 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
                 f"{where}: manifest key {key!r} is missing or not a {typ.__name__}"
             )
     _check_target(m["target"], where)
+    _check_source(m["source"], where)
     names: set[str] = set()
     for f in m["files"]:
         _check_file_entry(f, m["format_version"], where)
         if f["name"] in names:
-            raise CorruptFileError(f"{where}: file {f['name']!r} is listed twice")
+            raise CorruptFileError(f"{where}: file {quote(f['name'])} is listed twice")
         names.add(f["name"])
     tp = m["target"]["tp_size"]
     missing = [rank_file_name(r, tp) for r in range(tp) if rank_file_name(r, tp) not in names]
@@ -433,8 +448,8 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
         ok = ok and all(type(ly.get(k)) is int and 1 <= ly[k] <= MAX_DIM for k in LAYER_DIMS)
         if not ok:
             raise CorruptFileError(
-                f"{where}: layer {name!r} is malformed (needs integer {', '.join(LAYER_DIMS)} in "
-                f"1..{MAX_DIM} and a boolean bias): {str(ly)[:200]}"
+                f"{where}: layer {quote(name)} is malformed (needs integer "
+                f"{', '.join(LAYER_DIMS)} in 1..{MAX_DIM} and a boolean bias): {quote(ly)}"
             )
     return m
 
@@ -450,14 +465,14 @@ def _check_target(t: dict[str, Any], where: str | os.PathLike) -> None:
     tp = t["tp_size"]
     if type(tp) is not int or not 1 <= tp <= MAX_TP:
         raise CorruptFileError(
-            f"{where}: target tp_size is {str(tp)[:40]}, not an integer in 1..{MAX_TP}"
+            f"{where}: target tp_size is {quote(tp, 40)}, not an integer in 1..{MAX_TP}"
         )
     allowed = {"kernel": (target.KERNEL,), "profile": target.PROFILES,
                "act_dtype": tuple(target.ACT_DTYPES), "fusion": target.FUSIONS}  # fmt: skip
     for key, values in allowed.items():
         if t[key] not in values:
             raise CorruptFileError(
-                f"{where}: target {key} is {str(t[key])[:40]!r}, not one of {', '.join(values)}"
+                f"{where}: target {key} is {quote(t[key], 40)}, not one of {', '.join(values)}"
             )
     for key in ("engine", "engine_version"):
         if not isinstance(t[key], str):
@@ -479,17 +494,111 @@ def _check_file_entry(f: Any, version: int, where: str | os.PathLike) -> None:
         and type(size) is int
         and 0 <= size <= MAX_FILE_BYTES
     ):
-        raise CorruptFileError(f"{where}: malformed files entry {str(f)[:200]}")
+        raise CorruptFileError(f"{where}: malformed files entry {quote(f)}")
     name = f["name"]
-    if "/" in name or "\0" in name or name in ("", ".", "..") or name == MANIFEST_NAME:
-        raise CorruptFileError(f"{where}: file name {name[:80]!r} is not a plain file name")
+    if not _is_plain_name(name) or name == MANIFEST_NAME:
+        raise CorruptFileError(
+            f"{where}: file name {quote(name, 80)} is not a plain file name",
+            hint="a sidecar's files are named as FORMAT.md says: printable, no '/', not . or ..",
+        )
     ch = f.get("chunks")
-    if ch is not None and not (
+    if ch is not None and not _chunks_ok(ch, size):
+        raise CorruptFileError(f"{where}: malformed chunks of {quote(name, 80)}")
+    if ch is not None and "sha256" in f and size <= ch["bytes"] and ch["sha256"] != [f["sha256"]]:
+        # one chunk is the whole file: its two digests must be the same (Note [both digests])
+        raise CorruptFileError(
+            f"{where}: {name}: sha256 {f['sha256'][:16]}... and its one chunk digest "
+            f"{ch['sha256'][0][:16]}... differ (both cover the whole file)",
+            hint="regenerate it: " + regenerate_hint(None, Path(where).parent),
+        )
+
+
+def _chunks_ok(ch: Any, size: int) -> bool:
+    """A ``chunks`` record of a file of ``size`` bytes: a chunk size in range and one digest
+    per chunk."""
+    return (
         isinstance(ch, dict) and type(ch.get("bytes")) is int and 1 <= ch["bytes"] <= MAX_FILE_BYTES
         and isinstance(ch.get("sha256"), list) and len(ch["sha256"]) == max(1, -(-size // ch["bytes"]))
         and all(_is_digest(d) for d in ch["sha256"])
+    )  # fmt: skip
+
+
+#: The most bytes a file name may have (NAME_MAX on Linux).
+MAX_NAME_BYTES = 255
+
+
+def _is_plain_name(name: str) -> bool:
+    """A file name a sidecar may list: printable (no control or format characters, no lone
+    surrogates), no ``/``, not ``.`` or ``..``, at most ``MAX_NAME_BYTES`` in UTF-8."""
+    return (
+        name.isprintable() and "/" not in name and name not in ("", ".", "..")
+        and len(name.encode()) <= MAX_NAME_BYTES
+    )  # fmt: skip
+
+
+def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
+    """``source``: its strings are strings, and ``files``, where given, a list of entries with
+    a relative path, a size and one form of digest (FORMAT.md), so that ``verify --source`` and
+    a re-conversion compare them without tripping on a type."""
+    for key in ("kind", "path", "repo", "revision", "requested_revision"):
+        if src.get(key) is not None and not isinstance(src[key], str):
+            raise CorruptFileError(
+                f"{where}: source {key} is {quote(src[key], 40)}, not a string",
+                hint=regenerate_hint_of({"source": {}}, Path(where).parent),
+            )
+    if src.get("kind") == "hub" and not (
+        isinstance(src.get("repo"), str) and _is_repo_id(src["repo"])
+        and (src.get("revision") is None or _is_commit(src["revision"]))
     ):  # fmt: skip
-        raise CorruptFileError(f"{where}: malformed chunks of {name[:80]!r}")
+        # verify looks a recorded Hub source up in the local cache by these two
+        raise CorruptFileError(
+            f"{where}: source repo {quote(src.get('repo'), 100)} at revision "
+            f"{quote(src.get('revision'), 60)} is not a Hugging Face repo id at a commit",
+            hint=regenerate_hint_of({"source": {}}, Path(where).parent),
+        )
+    files = src.get("files", [])
+    if not isinstance(files, list):
+        raise CorruptFileError(
+            f"{where}: source files is {quote(files, 40)}, not a list of file entries",
+            hint=regenerate_hint_of({"source": src}, Path(where).parent),
+        )
+    for f in files:
+        size = f.get("size") if isinstance(f, dict) else None
+        ok = isinstance(f, dict) and type(size) is int and 0 <= size <= MAX_FILE_BYTES
+        ok = ok and isinstance(f.get("name"), str) and _is_source_name(f["name"])
+        # one form of digest, never both (Note [both digests])
+        ok = ok and ("sha256" in f) != ("chunks" in f)
+        ok = ok and (_is_digest(f["sha256"]) if "sha256" in f else _chunks_ok(f["chunks"], size))
+        if not ok:
+            raise CorruptFileError(
+                f"{where}: malformed source files entry {quote(f)} (needs a relative name, a "
+                "size, and sha256 or chunks, not both)",
+                hint=regenerate_hint_of({"source": src}, Path(where).parent),
+            )
+
+
+#: One part of a Hugging Face repo id: ASCII letters, digits, ``_.-``, at most 96, starting and
+#: ending with a letter, digit or ``_`` (huggingface_hub's own rule, checked without importing it).
+_REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+
+
+def _is_repo_id(repo: str) -> bool:
+    """``name`` or ``org/name``, as the Hub accepts it (no ``--``, ``..`` or ``.git`` end)."""
+    parts = repo.split("/")
+    return (
+        len(parts) <= 2 and all(_REPO_PART.fullmatch(p) for p in parts)
+        and "--" not in repo and ".." not in repo and not repo.endswith(".git")
+    )  # fmt: skip
+
+
+def _is_commit(rev: Any) -> bool:
+    return isinstance(rev, str) and len(rev) == 40 and all(c in "0123456789abcdef" for c in rev)
+
+
+def _is_source_name(name: str) -> bool:
+    """A source file's name: a printable path relative to the source directory, inside it."""
+    parts = name.split("/")
+    return name.isprintable() and not name.startswith("/") and ".." not in parts and "" not in parts
 
 
 def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
@@ -522,13 +631,78 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
             hint=f"if {sidecar} is a checkpoint, convert it: mpack convert {sidecar} -o "
             f"{sidecar.name or 'out'}-marlin",
         ) from None
+    text = _manifest_text(raw, path)
     try:
-        m = json.loads(raw)
+        m = json.loads(text)
     except (ValueError, RecursionError) as e:
         what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise CorruptFileError(f"{path}: malformed JSON ({what})") from None
+    if _SURROGATE_ESCAPE.search(text):  # rare: the walk runs only where an escape may be one
+        where = _lone_surrogate(m)
+        if where is not None:
+            raise CorruptFileError(
+                f"{path}: {where} holds a lone surrogate (a \\ud800-\\udfff escape that "
+                "is not half of a pair): not Unicode text",
+                hint=regenerate_hint_of(m if isinstance(m, dict) else {}, sidecar),
+            )
     check_manifest(m, path)
     return m, hashlib.sha256(raw).hexdigest()  # Note [manifest digest]
+
+
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+         (codecs.BOM_UTF8, "UTF-8"), (codecs.BOM_UTF16_LE, "UTF-16"),
+         (codecs.BOM_UTF16_BE, "UTF-16"))  # fmt: skip
+#: A JSON string escape of a UTF-16 surrogate; a lone one parses into a str no codec encodes.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _manifest_text(raw: bytes, path: Path) -> str:
+    """``mpack.json``'s bytes as text: UTF-8 without a byte order mark (FORMAT.md). Python's
+    ``json.loads`` would take UTF-16 and UTF-32 as well, and UTF-8-encoded surrogates."""
+    hint = f"write {MANIFEST_NAME} as UTF-8 without a byte order mark (mpack writes it so)"
+    for bom, enc in _BOMS:
+        if raw.startswith(bom):
+            raise CorruptFileError(
+                f"{path}: starts with a {enc} byte order mark; a manifest is UTF-8 without one",
+                hint=hint,
+            )
+    if b"\0" in raw:  # JSON text has no NUL byte; UTF-16 and UTF-32 text of ASCII is full of them
+        raise CorruptFileError(
+            f"{path}: holds NUL bytes (UTF-16 or UTF-32 text?); a manifest is UTF-8", hint=hint
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptFileError(
+            f"{path}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})", hint=hint
+        ) from None
+
+
+def _lone_surrogate(doc: Any) -> str | None:
+    """Where in the parsed JSON ``doc`` a string (or a key) holds a lone surrogate, e.g.
+    ``files[2].name``; None when none does."""
+    stack: list[tuple[str, Any]] = [("the manifest", doc)]
+    while stack:
+        at, x = stack.pop()
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if not _is_unicode(k):
+                    return f"a key of {at}"
+                key = shown(k, 40)
+                stack.append((key if at == "the manifest" else f"{at}.{key}", v))
+        elif isinstance(x, list):
+            stack.extend((f"{at}[{i}]", v) for i, v in enumerate(x))
+        elif isinstance(x, str) and not _is_unicode(x):
+            return at
+    return None
+
+
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def expected_rank_tensors(m: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -546,10 +720,11 @@ def rank_tensor_problems(layout: FileLayout, m: Mapping[str, Any], name: str) ->
     """How a rank file's tensors differ from :func:`expected_rank_tensors` (empty: they agree)."""
     expected = expected_rank_tensors(m)
     got = {e.name: (e.dtype, tuple(e.shape)) for e in layout.entries}
-    problems = [f"{name}: tensor {t} is missing" for t in sorted(set(expected) - set(got))]
-    problems += [f"{name}: unexpected tensor {t}" for t in sorted(set(got) - set(expected))]
+    # names from the manifest and the header: escaped and capped (Note [quoting untrusted text])
+    problems = [f"{name}: tensor {shown(t)} is missing" for t in sorted(set(expected) - set(got))]
+    problems += [f"{name}: unexpected tensor {shown(t)}" for t in sorted(set(got) - set(expected))]
     problems += [
-        f"{name}: {t} is {got[t]}, the manifest implies {expected[t]}"
+        f"{name}: {shown(t)} is {got[t]}, the manifest implies {expected[t]}"
         for t in sorted(set(got) & set(expected))
         if got[t] != expected[t]
     ]
@@ -608,17 +783,38 @@ def digest_problems(f: Mapping[str, Any], got: Sequence[str]) -> list[str]:
 
 
 def _file_problems(fd: int, p: Path, f: Mapping[str, Any], digests: bool = True) -> list[str]:
-    """How the open file ``fd`` differs from its files entry ``f`` (size, then digests unless
-    not ``digests``)."""
+    """How the open file ``fd`` differs from its files entry ``f``: size, then digests (the
+    chunk digests only where ``digests``; the caller checks them otherwise), then a whole-file
+    sha256 given beside several chunk digests (Note [both digests])."""
     size = os.fstat(fd).st_size
     if size != f["size"]:
         return [f"{f['name']}: size {size}, manifest says {f['size']}"]
-    if not digests:
-        return []
     ch = f.get("chunks")
-    if ch:  # the chunk digests cover every byte; the loader checks the same
-        return digest_problems(f, fd_chunk_digests(fd, p, ch["bytes"], size))
-    return digest_problems(f, [hash_fd_range(fd, p, 0, size)])
+    if digests:
+        if ch:  # the chunk digests cover every byte; the loader checks the same
+            problems = digest_problems(f, fd_chunk_digests(fd, p, ch["bytes"], size))
+        else:
+            problems = digest_problems(f, [hash_fd_range(fd, p, 0, size)])
+        if problems:
+            return problems
+    if ch and "sha256" in f and len(ch["sha256"]) > 1:
+        whole = hash_fd_range(fd, p, 0, size)
+        if whole != f["sha256"]:
+            return [
+                f"{f['name']}: sha256 of the whole file is {whole[:16]}..., manifest says "
+                f"{f['sha256'][:16]}..."
+            ]
+    return []
+
+
+# Note [both digests]: a files entry may carry a whole-file ``sha256`` beside its ``chunks``
+# (copied files; every file of a version 1 sidecar). Both are checked, never one in place of the
+# other: where the file is one chunk, the two digests are of the same bytes and must be equal,
+# which check_manifest sees without reading the file (every reader refuses a manifest where
+# they differ); where it is several chunks, ``mpack verify`` also hashes the whole file
+# (check_files). The loader checks the chunk digests, which cover every byte, and does not
+# spend a single-stream hash of a large file on the second digest. A ``source.files`` entry
+# carries one form or the other, never both (FORMAT.md).
 
 
 def check_files(
@@ -634,7 +830,7 @@ def check_files(
     listed = {f["name"] for f in manifest["files"]}
     for entry in sorted(os.listdir(sidecar)):
         if entry != MANIFEST_NAME and entry not in listed:
-            problems.append(f"{entry}: not listed in the manifest (an unexpected file)")
+            problems.append(f"{shown(entry)}: not listed in the manifest (an unexpected file)")
     for f in manifest["files"]:
         p = Path(sidecar) / f["name"]
         try:

@@ -35,6 +35,7 @@ from mpack.errors import (
     SourceNotFoundError,
     UsageError,
     VerificationError,
+    shown,
 )
 from mpack.sidecar import (
     COMMON_NAME,
@@ -54,6 +55,8 @@ __all__ = ["MAX_LISTED", "Verification", "verify"]
 
 #: Problems listed one by one in the error; the rest are counted.
 MAX_LISTED = 20
+#: The most characters of one listed problem.
+PROBLEM_LIMIT = 1000
 
 
 @dataclass
@@ -100,7 +103,9 @@ class Verification:
         differ; None when :attr:`ok`."""
         if self.problems:
             n = len(self.problems)
-            listed = self.problems[:MAX_LISTED]
+            # each problem quotes its names already (Note [quoting untrusted text]); this also
+            # escapes and caps a line that did not, whoever wrote it
+            listed = [shown(p, PROBLEM_LIMIT) for p in self.problems[:MAX_LISTED]]
             if n > MAX_LISTED:
                 listed.append(f"... and {n - MAX_LISTED} more")
             return VerificationError(

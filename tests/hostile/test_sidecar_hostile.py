@@ -1,4 +1,6 @@
-"""Sidecars that are not what they claim (red-team report, issue 11, items 4-8, 13, 14).
+"""Sidecars that are not what they claim (red-team report, issue 11, items 4-8, 13, 14; issue 24,
+item 11, and the suite's own gaps: real device nodes, a flipped byte only a digest can see, a
+manifest refused before it is parsed).
 
 Every consumer (inspect, verify, serve, ``load()``, ``attach()``) must refuse, quickly and with
 a clear ``MpackError`` (exit 2), a sidecar whose files are FIFOs, symlinks out of the directory,
@@ -14,6 +16,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -31,8 +34,15 @@ from conftest import flip_byte  # noqa: E402
 from helpers import cli  # noqa: E402
 from sidecar_factory import make_sidecar  # noqa: E402
 
-from mpack.errors import CorruptFileError, EnvironmentFailure, InputError, exit_code_for  # noqa: E402
-from mpack.iokit import sha256_file  # noqa: E402
+import mpack.sidecar  # noqa: E402
+from mpack.errors import (  # noqa: E402
+    CorruptFileError,
+    EnvironmentFailure,
+    InputError,
+    VerificationError,
+    exit_code_for,
+)
+from mpack.iokit import chunk_digests, sha256_file  # noqa: E402
 from mpack.runtime import attach, load  # noqa: E402
 from mpack.runtime.layout import plan_rank  # noqa: E402
 from mpack.sidecar import (  # noqa: E402
@@ -158,7 +168,33 @@ def _raise_problems(sc: Path) -> None:
         raise InputError("; ".join(problems))
 
 
-def test_a_device_file_as_a_rank_file_is_refused(sc):
+def plant_dev_zero(path: Path) -> None:
+    """A real character device node at ``path``: /dev/zero's (major 1, minor 5), which never
+    ends. Needs CAP_MKNOD (root)."""
+    path.unlink()
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 5))
+    except PermissionError:
+        pytest.skip("creating a device node needs root (CAP_MKNOD)")
+    assert stat.S_ISCHR(os.lstat(path).st_mode)
+
+
+def test_a_device_node_as_a_rank_file_is_refused(sc):
+    # without the regular-file check it would be read as a 0-byte file (st_size of a device):
+    # "too short", not "a character device"
+    plant_dev_zero(sc / RANK0)
+    for what in ("plan_rank", "load"):
+        err = finishes(_consumers(sc)[what])
+        assert isinstance(err, InputError) and "is a character device" in str(err), (what, err)
+    assert any(
+        RANK0 in p and "character device" in p for p in check_files(sc, load_manifest(sc)[0])
+    )
+    for cmd in ("verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "is a character device" in r.stderr, (cmd, r.stderr)
+
+
+def test_a_symlink_to_a_device_as_a_rank_file_is_refused(sc):
     (sc / RANK0).unlink()
     os.symlink("/dev/zero", sc / RANK0)  # a link: refused as such, never read
     err = finishes(lambda: plan_rank(sc, 0))
@@ -202,19 +238,52 @@ def test_the_sidecar_directory_itself_may_be_a_symlink(sc, tmp_path):
 # --- 6. manifest size and numbers -------------------------------------------------------------
 
 
-def test_dev_zero_as_manifest_is_refused_at_once(sc):
+def test_a_symlink_to_dev_zero_as_manifest_is_refused_at_once(sc):
     (sc / MANIFEST_NAME).unlink()
     os.symlink("/dev/zero", sc / MANIFEST_NAME)
     err = finishes(lambda: load_manifest(sc))
     assert isinstance(err, InputError) and "symbolic link" in str(err)
 
 
-def test_an_oversized_manifest_is_refused_before_it_is_parsed(sc):
+def test_a_device_node_as_manifest_is_refused_by_every_consumer(sc):
+    # without the regular-file check, the cap would refuse it after reading 32 MiB of zeros:
+    # "more than the ... bytes", not "a character device"
+    plant_dev_zero(sc / MANIFEST_NAME)
+    for what, fn in _consumers(sc).items():
+        err = finishes(fn)
+        assert isinstance(err, InputError), (what, err)
+        assert "is a character device" in str(err) and MANIFEST_NAME in str(err), (what, err)
+    for cmd in ("inspect", "verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "is a character device" in r.stderr, (cmd, r.stderr)
+
+
+class ParseSpy:
+    """``mpack.sidecar``'s ``json``, with ``loads`` recording the size of what it parses."""
+
+    def __init__(self) -> None:
+        self.parsed: list[int] = []
+
+    def loads(self, s: str | bytes) -> Any:
+        self.parsed.append(len(s))
+        return json.loads(s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(json, name)
+
+
+def test_an_oversized_manifest_is_refused_before_it_is_parsed(sc, monkeypatch):
+    spy = ParseSpy()
+    monkeypatch.setattr(mpack.sidecar, "json", spy)
+    load_manifest(sc)
+    assert spy.parsed  # the spy sees a manifest parsed
+    spy.parsed.clear()
     m = json.loads((sc / MANIFEST_NAME).read_text())
     m["padding"] = "x" * (MAX_MANIFEST + 1)
     (sc / MANIFEST_NAME).write_text(json.dumps(m))
     with pytest.raises(InputError, match=f"more than the {MAX_MANIFEST}"):
         load_manifest(sc)
+    assert spy.parsed == []  # refused on its size alone
 
 
 @pytest.mark.parametrize(
@@ -259,6 +328,145 @@ def test_every_number_and_name_is_bounded(sc, edit, match):
         load_manifest(sc)
 
 
+# --- issue 24, item 11: the manifest's encoding, its digests, its source ---------------------
+
+
+@pytest.mark.parametrize(
+    "encoding, match",
+    [("utf-16", "UTF-16 byte order mark"), ("utf-16-le", "NUL bytes"),
+     ("utf-32", "UTF-32 byte order mark"), ("utf-8-sig", "UTF-8 byte order mark")],
+)  # fmt: skip
+def test_a_manifest_that_is_not_plain_utf8_is_refused(sc, encoding, match):
+    text = (sc / MANIFEST_NAME).read_text()
+    (sc / MANIFEST_NAME).write_bytes(text.encode(encoding))  # the same JSON, other bytes
+    with pytest.raises(CorruptFileError, match=match):
+        load_manifest(sc)
+    r = mpack_cli("inspect", sc)
+    assert r.returncode == 2 and match in r.stderr and "UTF-8" in r.stderr, r.stderr
+
+
+def test_a_manifest_with_a_byte_that_is_not_utf8_is_refused(sc):
+    raw = (sc / MANIFEST_NAME).read_bytes().replace(b'"test/random"', b'"test/r\xe9ndom"')
+    (sc / MANIFEST_NAME).write_bytes(raw)
+    at = raw.index(b"\xe9")
+    with pytest.raises(CorruptFileError, match=f"not UTF-8 \\(byte 0xe9 at offset {at}\\)"):
+        load_manifest(sc)
+
+
+@pytest.mark.parametrize("where", ["files", "layers", "created_by"])
+def test_a_lone_surrogate_in_the_manifest_is_bad_input(sc, where):
+    text = (sc / MANIFEST_NAME).read_text()
+    if where == "files":  # the name of a listed file (was UnicodeEncodeError, exit 1)
+        text = text.replace('"name": "common.safetensors"', '"name": "common\\ud800.safetensors"')
+        (sc / "common.safetensors").unlink()
+    elif where == "layers":
+        text = text.replace('"model.layers.0.mlp.down_proj"', '"model.layers.0.\\udc80"')
+    else:
+        text = text.replace('"created_by": "mpack', '"created_by": "\\udfff mpack')
+    (sc / MANIFEST_NAME).write_text(text)
+    with pytest.raises(CorruptFileError, match="lone surrogate") as e:
+        load_manifest(sc)
+    assert where in str(e.value)
+    for cmd in ("inspect", "verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "lone surrogate" in r.stderr, (cmd, r.stderr)
+
+
+def test_a_pair_of_surrogates_is_one_character_and_accepted(sc):
+    text = (sc / MANIFEST_NAME).read_text()
+    (sc / MANIFEST_NAME).write_text(
+        text.replace('"created_by": "mpack', '"created_by": "\\ud83d\\ude00')
+    )
+    assert load_manifest(sc)[0]["created_by"].startswith("\U0001f600")
+
+
+@pytest.mark.parametrize("name", ["bell\x07.json", "rtl\u202e.json", "nl\n.json", "x" * 256])
+def test_a_file_name_that_is_not_printable_or_too_long_is_refused(sc, name):
+    def edit(m: dict[str, Any]) -> None:
+        m["files"].append({"name": name, "size": 2, "sha256": OTHER_DIGEST})
+
+    rewrite_manifest(sc, edit)
+    with pytest.raises(CorruptFileError, match="is not a plain file name") as e:
+        load_manifest(sc)
+    assert not any(c in str(e.value) for c in "\x07\u202e\n"), e.value  # quoted, escaped
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and "is not a plain file name" in r.stderr, r.stderr
+
+
+def _chunked(sc: Path, name: str, chunk: int, sha256: str | None) -> None:
+    """Give ``name``'s files entry true ``chunk``-byte digests, and ``sha256`` beside them."""
+
+    def edit(m: dict[str, Any]) -> None:
+        for f in m["files"]:
+            if f["name"] == name:
+                f["chunks"] = {"bytes": chunk, "sha256": chunk_digests(sc / name, chunk)}
+                f["sha256"] = sha256
+
+    rewrite_manifest(sc, edit)
+
+
+OTHER_DIGEST = "0" * 64
+
+
+def test_a_whole_file_sha256_beside_one_chunk_digest_must_agree(sc):
+    common = "common.safetensors"
+    _chunked(sc, common, 1 << 26, sha256_file(sc / common))
+    load_manifest(sc)  # both digests true: fine
+    _chunked(sc, common, 1 << 26, OTHER_DIGEST)  # the chunk is true; the whole-file one is not
+    with pytest.raises(CorruptFileError, match="and its one chunk digest .* differ"):
+        load_manifest(sc)
+    for cmd in ("verify", "serve"):
+        r = mpack_cli(cmd, sc)
+        assert r.returncode == 2 and "differ" in r.stderr and common in r.stderr, (cmd, r.stderr)
+
+
+def test_a_whole_file_sha256_beside_several_chunk_digests_is_checked_by_verify(sc):
+    common = "common.safetensors"
+    _chunked(sc, common, 4096, sha256_file(sc / common))
+    assert check_files(sc, load_manifest(sc)[0]) == []
+    _chunked(sc, common, 4096, OTHER_DIGEST)  # every chunk digest is true
+    m = load_manifest(sc)[0]
+    for elsewhere in ((), (common,)):  # hashed here, or chunks streamed by verify --source
+        problems = check_files(sc, m, hashed_elsewhere=elsewhere)
+        assert problems == [
+            f"{common}: sha256 of the whole file is {sha256_file(sc / common)[:16]}..., "
+            f"manifest says {OTHER_DIGEST[:16]}..."
+        ], elsewhere
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2 and "sha256 of the whole file" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "files, match",
+    [("x", "source files is 'x', not a list"),
+     ({"a": 1}, "not a list"),
+     (["x"], "malformed source files entry 'x'"),
+     ([{"name": "../etc/passwd", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
+     ([{"name": "/etc/passwd", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
+     ([{"name": "a\x1b.json", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
+     ([{"name": "a.json", "size": "1", "sha256": OTHER_DIGEST}], "malformed source files"),
+     ([{"name": "a.json", "size": 1, "sha256": OTHER_DIGEST,
+        "chunks": {"bytes": 64, "sha256": [OTHER_DIGEST]}}], "not both")],
+    ids=["string", "dict", "string-entry", "dotdot", "absolute", "control", "size", "both"],
+)  # fmt: skip
+def test_source_files_of_the_wrong_type_are_bad_input(sc, files, match):
+    rewrite_manifest(sc, lambda m: m["source"].__setitem__("files", files))
+    with pytest.raises(CorruptFileError, match=match):
+        load_manifest(sc)
+
+
+def test_verify_refuses_source_files_that_are_a_string_with_exit_2(converted, tmp_path):
+    ck, pristine_sc = converted
+    sc = Path(shutil.copytree(pristine_sc, tmp_path / "sc"))
+    rewrite_manifest(sc, lambda m: m["source"].__setitem__("files", "x"))
+    # the recorded source is here, so verify would re-derive and read source.files (was exit 1,
+    # TypeError)
+    for args in ((), ("--source", ck)):
+        r = mpack_cli("verify", sc, *args)
+        assert r.returncode == 2, r.stderr
+        assert "source files is 'x'" in r.stderr and "internal error" not in r.stderr
+
+
 # --- 7. loading is as strict as verifying ----------------------------------------------------
 
 
@@ -301,6 +509,34 @@ def test_a_rank_file_with_other_tensors_than_the_layers_imply_is_refused_on_load
 
 
 # --- 8. verify checks every file the target implies, and nothing else -------------------------
+
+
+def test_verify_and_load_fail_a_rank_file_with_one_flipped_data_byte_on_its_digest(sc):
+    # the last byte is tensor data: the header, the tensor names and shapes and the size all
+    # still match, so only the digest check can notice
+    flip_byte(sc / RANK0, (sc / RANK0).stat().st_size - 1)
+    assert read_layout(sc / RANK0).size == (sc / RANK0).stat().st_size
+    want = load_manifest(sc)[0]
+    (entry,) = [f for f in want["files"] if f["name"] == RANK0]
+    r = mpack_cli("verify", sc)
+    assert r.returncode == 2, r.stderr
+    assert f"{RANK0}: sha256 " in r.stderr and f"manifest says {entry['sha256'][:16]}..." in (
+        r.stderr
+    )
+    with pytest.raises(VerificationError, match="sha256"):
+        load(sc, rank=0)
+
+
+def test_verify_with_the_source_fails_a_flipped_byte_on_its_chunk_digest(converted, tmp_path):
+    ck, pristine_sc = converted
+    sc = Path(shutil.copytree(pristine_sc, tmp_path / "sc"))
+    rank = sc / rank_file_name(0, 1)
+    flip_byte(rank, rank.stat().st_size - 1)
+    r = mpack_cli("verify", sc, "--source", ck)
+    assert r.returncode == 2, r.stderr
+    # the streamed check's digest finding, not the comparison's (which is then left out)
+    assert f"{rank.name}: sha256 of bytes 0..{rank.stat().st_size} is " in r.stderr, r.stderr
+    assert "manifest says" in r.stderr
 
 
 def test_verify_fails_a_corrupted_rank_file_whose_entry_was_removed(sc):

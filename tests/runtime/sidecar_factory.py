@@ -85,7 +85,7 @@ def make_sidecar(
         files.append(_write(out / COMMON_NAME, specs, rng))
     manifest = new_manifest(
         target=target_of(profile="w8a16", act_dtype="bfloat16", tp=tp, fusion="vllm"),
-        source={"repo": "test/random", "revision": f"seed-{seed}", "files": {}},
+        source={"repo": "test/random", "revision": f"seed-{seed}", "files": []},
         model={"architecture": "LlamaForCausalLM", "hidden_size": hidden, "layers": layers},
         layers=table,
         files=files,
