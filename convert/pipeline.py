@@ -175,14 +175,15 @@ def run_convert(
     out = output_path(out)
     src = resolve_source(str(source), revision, show_progress=progress is not None)
     check_apart(out, src.path)
-    with output_lock(out), _watched(src, scheme_check, tl) as watch:
+    with output_lock(out) as parent, _watched(src, scheme_check, tl) as watch:
         with tl.span("main", "validate", start=tl.t0):
             ck, plan = _open_and_plan(src, watch.check, profile=profile, act_dtype=act_dtype,
                                       tp=tp, fuse=fuse, passthrough=passthrough)  # fmt: skip
         names = source_files(src, ck.files)
         records = functools.partial(watch.records, names)
         with staged_sidecar(out, plan.target, common=COMMON_NAME in plan.files, src=src,
-                            files=records, force=force, timeline=tl) as stage:  # fmt: skip
+                            files=records, force=force, timeline=tl,
+                            parent=parent) as stage:  # fmt: skip
             if stage.up_to_date:
                 watch.check_unchanged()  # the digests compared are of these files
                 m, digest = stage.current

@@ -18,12 +18,13 @@ torch and numpy are imported only by the ring, when one is made.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -394,6 +395,18 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors ignored
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """An ``OSError`` without a file name raised inside (a ``write`` or ``fsync`` that failed:
+    disk full) gets ``path``, so that its message names the file."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = os.fspath(path)
+        raise
+
+
 class FileWriter:
     """Writes a new file of ``size`` bytes front to back, hashing every byte as it goes.
 
@@ -432,8 +445,9 @@ class FileWriter:
     def _write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
         done = 0
-        while done < len(mv):
-            done += self._f.write(mv[done:])
+        with naming(self.path):
+            while done < len(mv):
+                done += self._f.write(mv[done:])
         if self._h is not None:
             self._h.update(mv)
         self._pos += len(mv)
@@ -486,7 +500,8 @@ class FileWriter:
             self._submit_chunk(len(self._chunk_futs))  # the last, shorter chunk (or an empty file)
         for fut in self._flushes:
             fut.result()
-        os.fsync(self._f.fileno())
+        with naming(self.path):
+            os.fsync(self._f.fileno())
         self._f.close()
         self.chunks = [f.result() for f in self._chunk_futs]
         return self._pos, self._h.hexdigest() if self._h is not None else None
@@ -505,11 +520,13 @@ def copy_file(a: Path, b: Path, chunk_bytes: int) -> dict[str, Any]:
     whole, digester = hashlib.sha256(), ChunkDigester(chunk_bytes)
     with open(a, "rb", buffering=0) as fa, open(b, "wb") as fb:
         while data := fa.read(digester.next_piece(COPY_BYTES)):
-            fb.write(data)
+            with naming(b):
+                fb.write(data)
             whole.update(data)
             digester.add(data)
-        fb.flush()
-        os.fsync(fb.fileno())
+        with naming(b):
+            fb.flush()
+            os.fsync(fb.fileno())
     return {"name": b.name, "size": digester.pos, "sha256": whole.hexdigest(),
             "chunks": {"bytes": chunk_bytes, "sha256": digester.digests()}}  # fmt: skip
 

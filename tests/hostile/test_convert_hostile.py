@@ -8,6 +8,8 @@ in-process runs call ``run_convert`` itself, the others ``python -m mpack.cli``.
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +29,13 @@ from helpers import cli, cli_env, explain, manifest, snapshot, tensor_range  # n
 
 from mpack.convert.pipeline import run_convert  # noqa: E402
 from mpack.convert.source import SourceChangedError  # noqa: E402
-from mpack.convert.staging import _work_path, lock_path, work_dirs  # noqa: E402
+from mpack.convert.staging import (  # noqa: E402
+    _work_path,
+    check_apart,
+    lock_path,
+    output_path,
+    work_dirs,
+)
 from mpack.errors import BusyError, InputError, UsageError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 
@@ -273,6 +281,25 @@ def test_output_reaching_into_the_source_through_a_symlink_is_refused(
     assert snapshot(src) == before and sorted(os.listdir(src)) == sorted(before)
 
 
+def test_symlinked_source_with_output_inside_the_real_source_is_refused(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """`mpack convert link -o real/sidecar` where `link -> real`: the two paths look apart, but
+    the sidecar would land inside the checkpoint. The source is resolved before the check
+    (check_apart resolves it itself, whoever calls it)."""
+    real = Path(shutil.copytree(ckpt, tmp_path / "real"))
+    before = snapshot(real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for out in (real / "sidecar", real):
+        with pytest.raises(UsageError, match=f"lies inside the source checkpoint {real}"):
+            run_convert(link, out, device="cpu")
+        with pytest.raises(UsageError, match=f"lies inside the source checkpoint {real}"):
+            check_apart(output_path(out), link)  # the unresolved link, as a caller may pass it
+    assert snapshot(real) == before and sorted(os.listdir(real)) == sorted(before)
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
 def test_source_inside_the_output_is_refused(ckpt: Path, tmp_path: Path) -> None:
     """A --force run onto a sidecar that holds the checkpoint would remove the checkpoint."""
     sc = tmp_path / "sc"
@@ -321,3 +348,89 @@ def test_output_with_a_long_name(ckpt: Path, tmp_path: Path) -> None:
     names = {p.name for p in (_work_path(out, "tmp"), _work_path(out, "old"), lock_path(out))}
     short = {p.name for p in (_work_path(tmp_path / "s", "tmp"), lock_path(tmp_path / "s"))}
     assert {len(n) for n in names} <= {len(n) for n in short} and max(map(len, names)) < 40
+
+
+# --- issue 24 item 12: bad -o and a full disk are exit 2 and 3, not 1 -------------------------
+
+
+def _in_mount_namespace(script: str, *args: str | os.PathLike) -> subprocess.CompletedProcess:
+    """Run ``sh -c script sh ARGS`` as root of a private user and mount namespace, where it may
+    mount (a tmpfs, a bind mount) and whatever it mounts goes away with it; skip where no such
+    namespace can be made. ``$PYTHON`` runs this interpreter."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare(1) to mount in a private mount namespace")
+    ns = [unshare, "--user", "--map-root-user", "--mount"]
+    probe = subprocess.run([*ns, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
+    return subprocess.run(
+        [*ns, "sh", "-c", script, "sh", *map(str, args)], capture_output=True, text=True,
+        env=cli_env({"PYTHON": sys.executable}), timeout=180,
+    )  # fmt: skip
+
+
+def test_output_name_longer_than_the_file_system_takes_is_refused(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    r = cli("convert", ckpt, "-o", tmp_path / ("s" * 256), "--device", "cpu")
+    assert r.returncode == 2, explain(r)
+    assert "(256 characters) is 256 bytes long, more than the 255 a file name may have" in (
+        r.stderr
+    )
+    assert "choose a shorter name" in r.stderr and "Traceback" not in r.stderr
+    deep = tmp_path.joinpath(*["d" * 200] * 21)  # every name fits, the whole path does not
+    with pytest.raises(UsageError, match="too long for the sidecar's files in it"):
+        run_convert(ckpt, deep, device="cpu")
+    assert os.listdir(tmp_path) == []
+
+
+def test_output_under_the_home_of_no_such_user_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    user = "nosuchuser"
+    with pytest.raises(KeyError):
+        pwd.getpwnam(user)
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "convert", str(ckpt), "-o", f"~{user}/x"],
+        capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 2, explain(r)
+    assert f"error: -o ~{user}/x: ~{user} names a home directory, but there is no user {user}" in (
+        r.stderr
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_bind_mount_output_is_refused_up_front(ckpt: Path, tmp_path: Path) -> None:
+    """A bind mount of a directory of the same file system: same device, so only the mount
+    table tells; the rename at the end would fail (EBUSY) after the whole conversion."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    r = _in_mount_namespace(
+        'mount --bind "$1" "$2" && exec "$PYTHON" -m mpack.cli convert "$3" -o "$2" --device cpu',
+        tmp_path / "a", tmp_path / "b", ckpt,
+    )  # fmt: skip
+    assert r.returncode == 2, explain(r)
+    assert f"-o {tmp_path / 'b'} ({tmp_path / 'b'}) is a mount point" in r.stderr, r.stderr
+    assert "convert: " not in r.stderr, "refused only after the conversion"
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"] and os.listdir(tmp_path / "a") == []
+
+
+def test_full_disk_names_the_file(ckpt: Path, tmp_path: Path) -> None:
+    """A 256 KiB tmpfs as -o's parent: exit 3, the message names the file that did not fit,
+    and the run leaves nothing there."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = _in_mount_namespace(
+        'mount -t tmpfs -o size=256k mpack-test "$1" || exit 99\n'
+        '"$PYTHON" -m mpack.cli convert "$2" -o "$1/out" --device cpu; rc=$?\n'
+        'echo "left: $(ls -A "$1")" >&2; exit $rc',
+        mnt, ckpt,
+    )  # fmt: skip
+    assert r.returncode == 3, explain(r)
+    assert re.search(
+        rf"error: {re.escape(str(mnt))}/\.mpack-[0-9a-f]{{12}}\.tmp-[0-9a-f]{{8}}/"
+        rf"[a-z0-9_.-]+: No space left on device while writing the sidecar {re.escape(str(mnt))}/out",
+        r.stderr,
+    ), r.stderr
+    assert "?:" not in r.stderr
+    assert r.stderr.splitlines()[-1] == "left: ", r.stderr
