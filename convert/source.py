@@ -29,6 +29,7 @@ from mpack.errors import (
     SourceNotFoundError,
     UsageError,
     environment_failure,
+    shown,
 )
 from mpack.fsutil import read_capped
 from mpack.iokit import (
@@ -141,12 +142,13 @@ def recorded_origin(sidecar: Path) -> tuple[str, str | None]:
     if not isinstance(rec, dict):
         return "a source its mpack.json does not record", None
     repo, rev, path = (rec.get(k) for k in ("repo", "revision", "path"))
+    # Lenient, but what it returns goes into a message: quoted (Note [quoting untrusted text]).
     if rec.get("kind") == "hub" and isinstance(repo, str) and repo:
         if isinstance(rev, str) and rev:
-            return f"{repo[:200]}@{rev[:12]}", f"{repo[:200]} --revision {rev[:64]}"
-        return repo[:200], repo[:200]
+            return f"{shown(repo)}@{shown(rev[:12])}", f"{shown(repo)} --revision {shown(rev[:64])}"
+        return shown(repo), shown(repo)
     if isinstance(path, str) and path:
-        return path[:4096], path[:4096]
+        return shown(path, 4096), shown(path, 4096)
     return "a source its mpack.json does not record", None
 
 

@@ -205,3 +205,17 @@ def test_status_escapes_a_peers_sidecar_and_device(capsys, monkeypatch):
     ui.emit_status([doc], as_json=False)
     out = capsys.readouterr().out
     assert not raw_in(out) and "\\x1b[31msc" in out and "\\x1b[2J" in out, out
+
+
+def test_a_sidecar_given_as_source_quotes_what_its_manifest_records(tmp_path):
+    """convert's "already an mpack sidecar" message reads the manifest leniently (any version),
+    but what it quotes from it is escaped like every other message."""
+    sc = tmp_path / "sc"
+    sc.mkdir()
+    recorded = {"source": {"kind": "local", "path": "/models/\x1b[31mred" + "x" * 5000}}
+    (sc / MANIFEST_NAME).write_text(json.dumps(recorded))
+    r = cli("convert", str(sc), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "already an mpack sidecar" in r.stderr
+    assert "\x1b" not in r.stderr and "\\x1b[31m" in r.stderr
+    assert not (tmp_path / "out").exists()
