@@ -19,7 +19,12 @@ from rich.table import Table
 from rich.text import Text
 
 from mpack import target
+from mpack.errors import shown
 
+#: How much of a sentence that may quote a manifest's strings is shown (:func:`emit_verify`).
+NOTE_LIMIT = 2000
+#: How much of a path from a manifest or a peer is shown (PATH_MAX on Linux).
+PATH_LIMIT = 4096
 #: Width of output that goes to a pipe or a file: wide enough that no digest or path is broken
 #: across lines (a table still takes only the width its cells need).
 PIPE_WIDTH = 4096
@@ -81,6 +86,16 @@ def set_verbose(verbose: bool) -> None:
     global _verbose
     _verbose = verbose
     if verbose:
+        # mpack's debug log (``logging.getLogger("mpack.<module>")``), one line each on stderr:
+        # what the library chose to skip and why (a cache entry it does not trust, ...).
+        import logging
+
+        log = logging.getLogger("mpack")
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("mpack: %(message)s"))
+            log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
         return
     for key, value in (
         ("TRANSFORMERS_VERBOSITY", "error"),
@@ -362,25 +377,28 @@ def file_digest_cells(f: dict[str, Any]) -> tuple[str, str]:
 
 
 def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool) -> None:
+    """The manifest for people. Every string the manifest holds is shown through
+    :func:`mpack.errors.shown` (Note [quoting untrusted text]): escaped, capped; ``--json``
+    prints it as it is (JSON escapes control characters itself)."""
     if as_json:
         print_json({"sidecar": str(sidecar), "manifest_digest": digest, **m})
         return
     t, src = m["target"], m["source"]
     origin = (
-        f"{src.get('repo')} @ {src.get('revision')}"
+        f"{shown(src.get('repo'))} @ {shown(src.get('revision'))}"
         if src.get("kind") == "hub"
-        else src.get("path")
+        else shown(src.get("path"), PATH_LIMIT)
     )
     console.print(
         _styled(
             str(sidecar),
             "bold",
-            f"  format {m['format']} v{m['format_version']}, {m.get('created_by', '')}",
+            f"  format {m['format']} v{m['format_version']}, {shown(m.get('created_by', ''))}",
         )
     )
     console.print(
-        f"target: {t['kernel']} for {t['engine']} {t['engine_version']}, profile {t['profile']}, "
-        f"{t['act_dtype']}, tp {t['tp_size']}, fusion {t['fusion']}"
+        f"target: {t['kernel']} for {shown(t['engine'])} {shown(t['engine_version'])}, "
+        f"profile {t['profile']}, {t['act_dtype']}, tp {t['tp_size']}, fusion {t['fusion']}"
     )
     console.print(f"source: {origin} ({len(src.get('files', []))} files)")
     console.print(f"manifest digest: {digest}")
@@ -389,17 +407,26 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
         ft.add_column(col)
     for f in m["files"]:
         sha, chunks = file_digest_cells(f)
-        ft.add_row(f["name"], human_bytes(f["size"]), sha, chunks)
+        ft.add_row(shown(f["name"]), human_bytes(f["size"]), sha, chunks)
     console.print(ft)
     lt = Table(title=f"{layer_count(m)}, per rank; {t['tp_size']} rank(s)")
     for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias"):
         lt.add_column(col)
-    for name, ly in sorted(m["layers"].items(), key=lambda kv: kv[1].get("index", 0)):
+    for name, ly in sorted(m["layers"].items(), key=_layer_order):
+        # check_manifest checks the dims and bias; the rest is shown as it is, escaped
         lt.add_row(
-            name, f"{ly['n']} x {ly['k']}", f"{ly['np']} x {ly['kp']}",
-            ly["strategy"] + (" requant" if ly["requantized"] else ""), ly["parallel"], "yes" if ly["bias"] else "",
+            shown(name), f"{ly['n']} x {ly['k']}", f"{ly['np']} x {ly['kp']}",
+            shown(ly.get("strategy", "?")) + (" requant" if ly.get("requantized") else ""),
+            shown(ly.get("parallel", "?")), "yes" if ly["bias"] else "",
         )  # fmt: skip
     console.print(lt)
+
+
+def _layer_order(item: tuple[str, dict[str, Any]]) -> tuple[int, int, str]:
+    """Layers by ``index`` (an entry without an integer one last, by name)."""
+    name, ly = item
+    index = ly.get("index")
+    return (0, index, name) if type(index) is int else (1, 0, name)
 
 
 def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
@@ -420,17 +447,16 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
             _styled(
                 "ok",
                 "green",
-                f": {report['tensors_compared']} tensors re-derived from {report['source']} "
+                f": {report['tensors_compared']} tensors re-derived from {shown(report['source'])} "
                 f"(on {report.get('rederive_device', 'cpu')}) are byte-identical; "
                 f"{report['layers_checked']} layers unpack to the source bytes",
             )
         )
     else:
         # the note says why and what to do; "source not checked" is said here, once
-        console.print(
-            "source not checked: "
-            + (report.get("source_note") or "no --source, and the manifest records no local path")
-        )
+        # the note may quote the manifest's source path or repo: escaped, capped
+        note = report.get("source_note") or "no --source, and the manifest records no local path"
+        console.print("source not checked: " + shown(note, NOTE_LIMIT))
     if fwd:
         t = Table(
             title=f"forward: sidecar vs transformers reference ({fwd['device']}, tp {fwd['tp']})"
@@ -483,11 +509,30 @@ def write_line(stream: Any, line: str) -> None:
         silence(stream)
 
 
+def write_line_direct(stream: Any, line: str) -> None:
+    """:func:`write_line`, but straight to the stream's descriptor, past its buffer and the
+    buffer's lock: the daemon's log thread may block in ``write(2)`` for good (a stalled reader),
+    and the interpreter's exit must not wait for that lock (Note [logging never blocks serving]
+    in runtime/daemon.py). A stream without a descriptor (a test's capture) gets ``write_line``."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        write_line(stream, line)
+        return
+    data = (line + "\n").encode(getattr(stream, "encoding", None) or "utf-8", "backslashreplace")
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        silence(stream)
+
+
 def emit_event(event: dict[str, Any]) -> None:
-    """One log line on stderr per daemon event (attach, detach, refusals, bad requests)."""
-    rest = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
+    """One log line on stderr per daemon event (attach, detach, refusals, bad requests). A value
+    may hold what a peer sent: escaped and capped (Note [quoting untrusted text])."""
+    rest = " ".join(f"{k}={shown(str(v), NOTE_LIMIT)}" for k, v in event.items() if k != "event")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    write_line(sys.stderr, f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip())
+    write_line_direct(sys.stderr, f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip())
 
 
 def _uptime(s: float) -> str:
@@ -517,12 +562,18 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
                 f" ({d['device'][5:]})" if d["device"].startswith("cuda:") else ""
             )
             t.add_row(
-                d["sidecar"], f"{d['rank']}/{d['tp_size']}", dev, human_bytes(d["bytes"]),
+                shown(d["sidecar"], PATH_LIMIT), f"{d['rank']}/{d['tp_size']}", shown(dev),
+                human_bytes(d["bytes"]),
                 f"{len(d['clients'])}: {pids}", _uptime(d["uptime_s"]), str(d["pid"]),
             )  # fmt: skip
         console.print(t)
     for d in stale:
-        if d.get("pointer"):  # a daemon started with --socket left a pointer behind
+        if d.get("state") == "error":  # something answers there, not as a daemon should
+            console.print(
+                f"no usable answer at {d['socket']}: {d.get('reason', '?')}",
+                markup=False, highlight=False,
+            )  # fmt: skip
+        elif d.get("pointer"):  # a daemon started with --socket left a pointer behind
             console.print(
                 f"stale pointer {d['pointer']} to {d['socket']}: {d.get('reason', 'no daemon')}"
             )

@@ -33,12 +33,13 @@ def load(sidecar: Any, *, rank: int = 0, device: str = "cpu") -> SharedWeights:
 
 
 def attach(
-    sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None
+    sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None, **kw: Any
 ) -> SharedWeights:
-    """Zero-copy read-only views of a daemon's memory (see ``mpack.runtime.client.attach``)."""
+    """Zero-copy read-only views of a daemon's memory (see ``mpack.runtime.client.attach``;
+    ``timeout`` there)."""
     from mpack.runtime.client import attach as _attach
 
-    return _attach(sidecar, rank=rank, device=device, socket=socket)
+    return _attach(sidecar, rank=rank, device=device, socket=socket, **kw)
 
 
 def serve(

@@ -1,20 +1,39 @@
-"""The client side: ``attach`` to a daemon's allocation, and ``query_status`` for ``mpack status``."""
+"""The client side: ``attach`` to a daemon's allocation, and ``query_status`` for ``mpack status``.
+
+Note [what a client takes from its peer]: the other end of the socket is a process of our own
+uid (``_connect`` checks), but not necessarily a healthy ``mpack serve``: a wedged process, an
+older or newer mpack, or a hostile program may listen there. So a client bounds and checks
+everything before acting on it: the whole reply must arrive within ``timeout`` (one deadline,
+not one per ``recv``: a peer dripping a byte at a time cannot hold it), at most
+``MAX_REPLY_BYTES`` and ``MAX_TENSORS`` entries, each entry inside the allocation, and, on the
+host backend, the descriptor must be a sealed memfd of exactly the announced size
+(``host.memfd_problem``) before it is mapped. Every way such a peer can fail us is a
+``DaemonError`` (``ProtocolError`` is one): what ``attach: auto`` in the vLLM loader falls back
+from, and for ``mpack status`` a report about that socket, never a crash.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+import stat
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack.errors import DaemonError, ProtocolError
+from mpack import fsutil
+from mpack.errors import CudaError, DaemonError, ProtocolError, quote, shown
 from mpack.runtime import protocol as P
 from mpack.runtime.layout import check_rank, tensors_from_wire
 from mpack.sidecar import load_manifest
 
 if TYPE_CHECKING:
     from mpack.runtime.weights import SharedWeights
+
+
+class _NoDaemon(DaemonError):
+    """Nothing listens at the path: no socket, or a stale one whose daemon died."""
 
 
 def _connect(path: Path, what: str, start_hint: str, timeout: float) -> socket.socket:
@@ -28,7 +47,7 @@ def _connect(path: Path, what: str, start_hint: str, timeout: float) -> socket.s
             " (a stale socket: its daemon died)" if isinstance(e, ConnectionRefusedError) else ""
         )
         serves = f" serves {what}" if what else ""
-        raise DaemonError(f"no daemon{serves} at {path}{stale}", hint=start_hint) from None
+        raise _NoDaemon(f"no daemon{serves} at {path}{stale}", hint=start_hint) from None
     except OSError as e:
         sock.close()
         raise DaemonError(f"cannot connect to {path}: {e.strerror}", hint=start_hint) from None
@@ -44,23 +63,32 @@ def _connect(path: Path, what: str, start_hint: str, timeout: float) -> socket.s
 
 
 def _request(
-    sock: socket.socket, msg: dict[str, Any], path: Path
+    sock: socket.socket, msg: dict[str, Any], path: Path, timeout: float
 ) -> tuple[dict[str, Any], list[int]]:
+    """Send ``msg``; the peer's reply and fds, all of it within ``timeout`` seconds (Note [what a
+    client takes from its peer]).
+
+    Raises:
+        DaemonError: no reply in time, the connection broke, or an ``error`` reply.
+        ProtocolError: a reply that is not a frame of our protocol version.
+    """
     try:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             # A daemon that refuses us replies at once and closes; its reply is still queued.
             P.send_message(sock, msg)
-        reply, fds = P.recv_message(sock, P.MAX_REPLY_BYTES)
+        reply, fds = P.recv_message(sock, P.MAX_REPLY_BYTES, deadline=time.monotonic() + timeout)
+    except P.WireError as e:
+        raise ProtocolError(f"the daemon at {path} broke the protocol: {e}") from None
     except TimeoutError:
-        raise DaemonError(
-            f"the daemon at {path} did not answer within {sock.gettimeout():g} s"
-        ) from None
+        raise DaemonError(f"the daemon at {path} did not answer within {timeout:g} s") from None
     except (BrokenPipeError, ConnectionResetError):
         raise DaemonError(f"the daemon at {path} closed the connection") from None
+    except OSError as e:
+        raise DaemonError(f"cannot read the reply of the daemon at {path}: {e.strerror}") from None
     if reply["type"] == P.ERROR:
         for fd in fds:
             os.close(fd)
-        raise DaemonError(f"the daemon at {path} refused: {reply.get('message')!s:.500}")
+        raise DaemonError(f"the daemon at {path} refused: {shown(reply.get('message'), 500)}")
     return reply, fds
 
 
@@ -80,9 +108,13 @@ def attach(
     mapping (host: ``mmap`` PROT_READ of a sealed memfd; CUDA: a PROT_READ VMM mapping); see
     Note [lifetime of a mapping] in weights.py for when it is released.
 
+    ``timeout`` bounds the connect and, separately, the whole reply.
+
     Raises:
-        DaemonError: no daemon there, or one that serves something else or refused us.
-        ProtocolError: a daemon that broke the protocol.
+        DaemonError: no daemon there, one that serves something else or refused us, or a peer
+            that does not answer in time or sends what cannot be mapped (Note [what a client
+            takes from its peer]).
+        ProtocolError: a peer that broke the protocol (a ``DaemonError`` too).
         FormatVersionError, CorruptFileError, UsageError: the sidecar or arguments.
     """
     from mpack.runtime.weights import SharedWeights
@@ -97,10 +129,10 @@ def attach(
     try:
         hello = {"type": P.ATTACH, "digest": digest, "rank": rank, "device": dev.key,
                  "pid": os.getpid()}  # fmt: skip
-        reply, fds = _request(sock, hello, path)
+        reply, fds = _request(sock, hello, path, timeout)
         try:
             size, tensors = _check_attached(reply, fds, path, (digest, rank, dev), what)
-            base = _map(fds[0], size, dev)
+            base = _map(fds[0], size, dev, path)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -142,37 +174,98 @@ def _check_attached(
         )
     size, data_size = reply.get("size"), reply.get("data_size")
     if not (type(size) is int and type(data_size) is int and 0 < data_size <= size):
-        raise ProtocolError(f"the daemon at {path} sent sizes {size!r}, {data_size!r}")
-    tensors = tensors_from_wire(reply.get("tensors"), data_size)
+        raise ProtocolError(f"the daemon at {path} sent sizes {quote(size)}, {quote(data_size)}")
     if len(fds) != 1:
         raise ProtocolError(f"the daemon at {path} sent {len(fds)} descriptors, not 1")
     if reply.get("backend") != _backend(dev):
-        raise ProtocolError(f"the daemon at {path} serves backend {reply.get('backend')!r}")
+        raise ProtocolError(f"the daemon at {path} serves backend {quote(reply.get('backend'))}")
+    items = reply.get("tensors")
+    if isinstance(items, list) and len(items) > P.MAX_TENSORS:
+        raise ProtocolError(
+            f"the daemon at {path} lists {len(items)} tensors; a client accepts at most "
+            f"{P.MAX_TENSORS}"
+        )
+    try:
+        tensors = tensors_from_wire(items, data_size)
+    except ProtocolError as e:
+        raise ProtocolError(f"the daemon at {path} sent a bad layout: {e}") from None
     return size, tensors
 
 
-def _map(fd: int, size: int, dev: P.Device) -> Any:
-    """Map the daemon's memory read-only in this process: host ``mmap`` or CUDA VMM."""
+def _map(fd: int, size: int, dev: P.Device, path: Path) -> Any:
+    """Map the daemon's memory read-only in this process: host ``mmap`` or CUDA VMM, once the
+    descriptor passed the checks of Note [what a client takes from its peer].
+
+    Raises:
+        ProtocolError: a descriptor that cannot be what the daemon serves.
+        DaemonError: the mapping failed.
+    """
+    problem = _fd_problem(fd, size, dev)
+    if problem is not None:
+        raise ProtocolError(f"the daemon at {path} sent {problem}")
+    try:
+        if dev.kind == "cpu":
+            from mpack.runtime.host import map_readonly
+
+            return map_readonly(fd, size)
+        from mpack.runtime.cuda_vmm import map_readonly as map_device
+
+        assert dev.ordinal is not None
+        return map_device(fd, size, dev.ordinal)
+    except (OSError, ValueError, CudaError) as e:
+        raise DaemonError(f"cannot map the memory the daemon at {path} sent: {e}") from None
+
+
+def _fd_problem(fd: int, size: int, dev: P.Device) -> str | None:
+    """What rules ``fd`` out as the allocation of ``size`` bytes on ``dev``, or None.
+
+    Host: a sealed memfd of exactly ``size`` bytes (``host.memfd_problem``). CUDA: no FIFO,
+    socket or directory (the driver's handle is none of these); the driver checks the rest when
+    it imports the handle, and a failure there is a ``DaemonError`` (``_map``).
+    """
     if dev.kind == "cpu":
-        from mpack.runtime.host import map_readonly
+        from mpack.runtime.host import memfd_problem
 
-        return map_readonly(fd, size)
-    from mpack.runtime.cuda_vmm import map_readonly as map_device
-
-    assert dev.ordinal is not None
-    return map_device(fd, size, dev.ordinal)
+        return memfd_problem(fd, size)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISDIR(mode):
+        return f"{fsutil.kind_of(mode)}, not a CUDA memory handle"
+    return None
 
 
 def status_of(path: Path, *, timeout: float = 5.0) -> dict[str, Any]:
-    """The status document of the daemon at ``path`` (see Daemon.status)."""
+    """The status document of the daemon at ``path`` (see Daemon.status), its fields checked
+    (``protocol.check_status``), with ``"state": "serving"``.
+
+    Raises:
+        DaemonError: nothing listens there, or the peer did not answer in time or refused us.
+        ProtocolError: the peer answered, but not with a status reply of our protocol.
+    """
     sock = _connect(path, "", "start one with: mpack serve SIDECAR", timeout)
     with contextlib.closing(sock):
-        reply, fds = _request(sock, {"type": P.STATUS}, path)
+        reply, fds = _request(sock, {"type": P.STATUS}, path, timeout)
     for fd in fds:
         os.close(fd)
     if reply["type"] != P.STATUS:
-        raise ProtocolError(f"the daemon at {path} answered status with {reply['type']!r}")
+        raise ProtocolError(f"the daemon at {path} answered status with {quote(reply['type'])}")
+    try:
+        P.check_status(reply)
+    except P.WireError as e:
+        raise ProtocolError(f"the daemon at {path} broke the protocol: {e}") from None
     return {"state": "serving", **{k: v for k, v in reply.items() if k not in ("v", "type")}}
+
+
+def probe(path: Path) -> dict[str, Any]:
+    """``status_of(path)``, or a document saying why not: ``{"state": "stale", "socket"}``
+    when nothing listens (its daemon died), ``{"state": "error", "socket", "reason"}`` when
+    something answers but not as a daemon of ours should (Note [what a client takes from its
+    peer]: a wedged process, another protocol version, garbage, another uid)."""
+    try:
+        return status_of(path)
+    except _NoDaemon:
+        return {"state": "stale", "socket": str(path)}
+    except DaemonError as e:
+        return {"state": "error", "socket": str(path), "reason": str(e)[:500]}
 
 
 def query_status(
@@ -182,33 +275,41 @@ def query_status(
 
     With ``socket``: that daemon. With ``sidecar``: every daemon serving it (any rank, any
     device) that this user's runtime directory knows of. With neither: every such daemon. A
-    daemon is known by its socket there, or, when it was started with ``serve --socket PATH``,
-    by the pointer it wrote there (Note [pointers to --socket daemons] in protocol.py); its
-    document then has ``"pointer"``. Sockets whose daemon died, and pointers that lead to no
-    such daemon, are listed as ``{"state": "stale", "socket": ...}`` (a pointer's also with
-    ``"pointer"`` and ``"reason"``).
+    daemon is known by its socket there (under any name: one started with ``serve --socket``
+    in that directory too), or, when it was started with ``serve --socket PATH`` elsewhere, by
+    the pointer it wrote there (Note [pointers to --socket daemons] in protocol.py); its
+    document then has ``"pointer"``. Whether a daemon serves ``sidecar`` is what it reports
+    (its manifest digest), not its socket's name. Sockets whose daemon died, and pointers that
+    lead to no such daemon, are listed as ``{"state": "stale", "socket": ...}`` (a pointer's
+    also with ``"pointer"`` and ``"reason"``); a socket where something answers but not as a
+    daemon should, as ``{"state": "error", "socket": ..., "reason": ...}`` (:func:`probe`).
+    With ``sidecar``, those are listed only for sockets named after its digest.
 
     Raises:
-        DaemonError: ``socket`` or ``sidecar`` given and no live daemon found.
+        DaemonError: ``socket`` or ``sidecar`` given and no live daemon found (``ProtocolError``
+            for a peer at ``socket`` that broke the protocol).
     """
     if socket is not None:
         return [status_of(Path(socket))]
-    prefix = ""
+    digest = prefix = ""
     if sidecar is not None:
         _, digest = load_manifest(sidecar)
         prefix = digest[:16] + "-"
     d = P.runtime_dir()
-    paths = sorted(d.glob(f"{prefix}*{P.SOCKET_SUFFIX}")) if d.is_dir() else []
+    paths = sorted(d.glob(f"*{P.SOCKET_SUFFIX}")) if d.is_dir() else []
     pointers = sorted(d.glob(f"{prefix}*{P.POINTER_SUFFIX}")) if d.is_dir() else []
-    docs = []
-    for p in paths:
-        try:
-            docs.append(status_of(p))
-        except DaemonError:
-            docs.append({"state": "stale", "socket": str(p)})
+
+    def wanted(doc: dict[str, Any], name: str) -> bool:
+        if doc["state"] == "serving":
+            return not digest or doc["digest"] == digest
+        return name.startswith(prefix)
+
+    docs = [doc for p in paths if wanted(doc := probe(p), p.name)]
     seen = {doc["socket"] for doc in docs}
     for ptr in pointers:
         doc = _follow_pointer(ptr)
+        if not wanted(doc, ptr.name):
+            continue
         if doc["socket"] not in seen or doc["state"] != "serving":
             docs.append(doc)
             seen.add(doc["socket"])
@@ -230,7 +331,7 @@ def _follow_pointer(ptr: Path) -> dict[str, Any]:
     stale = {"state": "stale", "socket": sock, "pointer": str(ptr)}
     try:
         doc = status_of(Path(sock))
-    except (DaemonError, ProtocolError) as e:
+    except DaemonError as e:  # ProtocolError too
         return {**stale, "reason": f"no daemon answers there ({e})"[:300]}
     if doc.get("socket") != sock or doc.get("pid") != pid:
         return {**stale, "reason": f"the daemon there is pid {doc.get('pid')}, not {pid}"}

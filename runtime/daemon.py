@@ -1,6 +1,7 @@
 """``mpack serve``: load one rank once, then hand read-only mappings of it to local processes.
 
-One thread, one ``selectors`` loop, non-blocking sockets: no client can block the daemon by
+One serving thread (and one that writes the log: Note [logging never blocks serving]), one
+``selectors`` loop, non-blocking sockets: no client can block the daemon by
 connecting and hanging, by sending half a frame, or by not reading its reply (each connection
 has ``HELLO_TIMEOUT_S`` to finish its request and take the reply). Every request is bounded
 and schema-checked before anything acts on it (protocol.py), and answered with an ``error``
@@ -22,19 +23,29 @@ file is opened with ``O_NOFOLLOW`` and must be a regular file of ours with mode 
 it holds; a file at the socket path is removed only if ``lstat`` shows a socket of ours; the new
 socket is made 0600 by the umask, not by a ``chmod`` that would follow a planted symlink.
 
-Logging never stops the daemon (``Daemon.on_event``): a log callback that fails, e.g. because
-the reader of its pipe went away, costs that line and the later ones, nothing else.
+Note [logging never blocks serving]: the serving thread never writes a log line itself. It
+hands each event to a bounded queue (``LOG_QUEUE_EVENTS``) without waiting, and a thread of its
+own calls the log callback. A reader that stops reading (``mpack serve S 2>&1 >/dev/null |
+sleep 600``: once the 64 KiB pipe is full, ``write(2)`` blocks) then blocks only that thread;
+while the queue is full, events are dropped and counted, and the count is logged as a
+``log-dropped`` event once there is room again (the total also in ``stopped``, as
+``log_dropped``). A callback that raises (its reader went away, a full disk) costs that line and the later ones.
+A stopping daemon waits at most ``LOG_DRAIN_S`` for its log. The callback ``mpack serve`` uses
+writes to the descriptor directly (``ui.emit_event``), not through ``sys.stderr``'s buffer,
+whose lock a thread blocked in ``write`` would hold through the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import resource
 import selectors
 import signal
 import socket
 import stat
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
@@ -51,6 +62,53 @@ Callback = Callable[[dict[str, Any]], None]
 # Each stops the daemon cleanly (socket and lock removed, exit 0). SIGHUP too: a closed terminal
 # or a `nohup`-less start must not leave a stale socket behind.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+LOG_QUEUE_EVENTS = 1024  # events waiting for the log thread before more are dropped
+LOG_DRAIN_S = 2.0  # how long a stopping daemon waits for its log to be written
+
+
+class EventLog:
+    """Calls ``callback(event)`` on a thread of its own, fed through a bounded queue, so that a
+    slow or stalled log never blocks the caller (Note [logging never blocks serving])."""
+
+    def __init__(self, callback: Callback, capacity: int = LOG_QUEUE_EVENTS) -> None:
+        self._callback: Callback | None = callback
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(capacity)
+        self.dropped = 0  # events dropped since the last ``log-dropped`` event was queued
+        self.dropped_total = 0
+        self._thread = threading.Thread(target=self._run, name="mpack-serve-log", daemon=True)
+        self._thread.start()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        """Queue ``event`` (after a ``log-dropped`` event, if some were dropped); never waits."""
+        try:
+            if self.dropped:
+                self._queue.put_nowait({"event": "log-dropped", "lines": self.dropped})
+                self.dropped = 0
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+            self.dropped_total += 1
+
+    def _run(self) -> None:
+        while (event := self._queue.get()) is not None:
+            if self._callback is None:
+                continue
+            try:
+                self._callback(event)
+            except Exception:  # noqa: BLE001 - any failure of the log, which has nowhere to go
+                self._callback = None
+
+    def close(self, timeout: float = LOG_DRAIN_S) -> bool:
+        """Let the thread write what is queued and end, waiting up to ``timeout`` seconds;
+        whether it did (if not, it stays blocked in the callback: a daemon thread, it does not
+        hold up the exit)."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
 
 
 @dataclass
@@ -96,7 +154,9 @@ class Daemon:
     """The accept/serve loop over one ``Served`` allocation at ``path``.
 
     ``owner_uid`` is the only uid allowed to connect (default: this process's own).
-    ``on_event`` receives ``{"event": ..., ...}`` dicts for the log (attach, detach, refusals).
+    ``on_event`` receives ``{"event": ..., ...}`` dicts for the log (attach, detach, refusals);
+    while ``run`` runs, it is called on a thread of its own (Note [logging never blocks
+    serving]).
     """
 
     def __init__(
@@ -112,6 +172,7 @@ class Daemon:
         self.advertise = advertise  # write a pointer for `mpack status` (a --socket daemon)
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self._log = on_event
+        self._event_log: EventLog | None = None  # while run() runs
         self.hello_timeout = P.HELLO_TIMEOUT_S
         self.conns: dict[int, _Conn] = {}
         self.sel = selectors.DefaultSelector()
@@ -123,6 +184,19 @@ class Daemon:
 
     def run(self, on_ready: Callback | None = None) -> None:
         """Bind, print READY (through ``on_ready``), serve until a ``STOP_SIGNALS``, clean up."""
+        if self._log is not None:
+            self._event_log = EventLog(self._log)
+        try:
+            self._run(on_ready)
+        finally:
+            if self._event_log is not None:
+                log, self._event_log = self._event_log, None
+                if self._listener is not None:  # it served: say it stopped
+                    lost = {"log_dropped": log.dropped_total} if log.dropped_total else {}
+                    log({"event": "stopped", "pid": os.getpid(), **lost})
+                log.close()
+
+    def _run(self, on_ready: Callback | None) -> None:
         self._listener = _bind(self.path)
         ino = os.lstat(self.path).st_ino
         pointer = self._advertise()
@@ -157,7 +231,6 @@ class Daemon:
             if pointer is not None:
                 P.remove_pointer(*pointer)
             _unlink_if_ours(self.path, ino)
-            self.on_event({"event": "stopped", "pid": os.getpid()})
 
     def _advertise(self) -> tuple[Path, int] | None:
         """Write the pointer ``mpack status`` follows to a ``--socket`` daemon (Note [pointers to
@@ -180,14 +253,9 @@ class Daemon:
         self._stop = True
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """Hand ``event`` to the log. Logging never stops the daemon: if the log callback fails
-        (its reader went away, a full disk), this event and every later one are dropped."""
-        if self._log is None:
-            return
-        try:
-            self._log(event)
-        except Exception:  # noqa: BLE001 - any failure of the log, which has nowhere to go
-            self._log = None
+        """Hand ``event`` to the log; never waits for it (Note [logging never blocks serving])."""
+        if self._event_log is not None:
+            self._event_log(event)
 
     # --- connections ----------------------------------------------------------------------
 
@@ -273,7 +341,13 @@ class Daemon:
                 f"asked for digest {got[0][:16]}... rank {got[1]} on {got[2][:64]}",
             )
             return
-        if self._attached is None:  # the same reply for every client: encoded once
+        conn.lease_pending = True
+        self._send(conn, self._attached_reply(), [s.export.fd])
+
+    def _attached_reply(self) -> bytes:
+        """The ``attached`` frame: the same for every client, so encoded once."""
+        if self._attached is None:
+            s = self.served
             self._attached = P.encode({
                 "type": P.ATTACHED,
                 "digest": s.plan.digest,
@@ -284,8 +358,7 @@ class Daemon:
                 "data_size": s.plan.size,
                 "tensors": tensors_to_wire(s.plan.tensors),
             })  # fmt: skip
-        conn.lease_pending = True
-        self._send(conn, self._attached, [s.export.fd])
+        return self._attached
 
     def _reply_error(self, conn: _Conn, code: str, message: str) -> None:
         self.on_event({"event": "bad-request", "pid": conn.pid, "code": code, "message": message})
@@ -464,22 +537,25 @@ def serve(
 ) -> None:
     """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command).
 
-    Order: manifest and headers checked (format version, rank) -> socket path -> lock -> fill
-    while verifying checksums -> listen -> (``socket_path`` given) a pointer for ``mpack
-    status`` in the runtime directory -> ``on_ready`` -> serve. Any failure before listening
-    raises (nothing is served and no socket is left behind). The pointer is best effort (Note
-    [pointers to --socket daemons] in protocol.py): an ``on_event`` ``no-pointer`` says why
-    there is none; a clean stop removes it with the socket.
+    Order: manifest and headers checked (format version, rank; a layout that fits in a reply
+    a client takes) -> socket path -> lock -> fill while verifying checksums -> listen ->
+    (``socket_path`` given) a pointer for ``mpack status`` in the runtime directory ->
+    ``on_ready`` -> serve. Any failure before listening raises (nothing is served and no
+    socket is left behind). The pointer is best effort (Note [pointers to --socket daemons] in
+    protocol.py): an ``on_event`` ``no-pointer`` says why there is none; a clean stop removes
+    it with the socket.
 
     Raises:
         FormatVersionError, CorruptFileError, VerificationError: an unusable sidecar.
         UsageError: a bad rank or device (a CUDA device this machine does not have).
         InputError: a ``--socket`` directory others can write, or a lock file that is a symlink,
             not ours or not mode 0600 (Note [trust model for the socket directory]).
-        DaemonError: another daemon serves the same thing, or the socket cannot be made (a
-            file in its place that is not a socket of ours).
+        DaemonError: another daemon serves the same thing, the socket cannot be made (a
+            file in its place that is not a socket of ours), or the rank has more tensors than
+            a client takes (``protocol.MAX_TENSORS``).
     """
     plan = plan_rank(sidecar, rank)
+    _check_reply_fits(plan)
     dev = P.resolve_device(device)
     if socket_path is None:
         path = P.socket_path(plan.digest, rank, dev.key, create=True)
@@ -508,6 +584,19 @@ def serve(
             daemon.run(on_ready)
         finally:
             export.close()
+
+
+def _check_reply_fits(plan: Plan) -> None:
+    """Refuse, before the fill, a rank whose ``attached`` reply no client would take
+    (``MAX_TENSORS``, ``MAX_REPLY_BYTES``; the other fields add well under 1 KiB)."""
+    n = len(plan.tensors)
+    wire = len(P.encode({"tensors": tensors_to_wire(plan.tensors)})) + 1024
+    if n > P.MAX_TENSORS or wire > P.MAX_REPLY_BYTES:
+        raise DaemonError(
+            f"{plan.sidecar}: rank {plan.rank} has {n} tensors ({wire} bytes on the wire); a "
+            f"client accepts at most {P.MAX_TENSORS} tensors in {P.MAX_REPLY_BYTES} bytes",
+            hint="load it privately with mpack.runtime.load()",
+        )
 
 
 def _pointer_path(digest: str, rank: int, device_key: str, path: Path) -> Path | None:

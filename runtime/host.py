@@ -17,9 +17,11 @@ import contextlib
 import fcntl
 import mmap
 import os
+import stat
 import warnings
 from typing import TYPE_CHECKING
 
+from mpack import fsutil
 from mpack.runtime.loader import FillStats, HostDest, fill
 
 if TYPE_CHECKING:
@@ -66,6 +68,31 @@ class HostExport:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def memfd_problem(fd: int, size: int) -> str | None:
+    """What is wrong with ``fd`` as a served rank of ``size`` bytes, or None: it must be a regular
+    file (a memfd) of exactly ``size`` bytes carrying ``SEALS`` (Note [read-only host mapping]).
+
+    A client checks this before mapping what a peer sent: a pipe cannot be mapped, a file shorter
+    than ``size`` faults (SIGBUS) on the first read past its end, and one without the shrink seal
+    could be truncated under the mapping later.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        kind = fsutil.kind_of(st.st_mode)
+        return f"{'a descriptor of another kind' if kind.startswith('not') else kind}, not a memfd"
+    if st.st_size != size:
+        return f"a file of {st.st_size} bytes, not the {size} bytes announced"
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: not a file that can carry seals (only a memfd can)
+        seals = 0
+    if seals & SEALS != SEALS:
+        return (
+            f"a file without the write, shrink and grow seals (seals {seals:#x}, need {SEALS:#x})"
+        )
+    return None
 
 
 def map_readonly(fd: int, size: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import socket
 import stat
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,15 @@ PROTOCOL_VERSION = 1
 MAGIC = b"MPAK"
 HEADER = struct.Struct("<4sI")  # magic, payload length
 MAX_REQUEST_BYTES = 64 * 1024  # what the daemon accepts: requests are a few hundred bytes
-MAX_REPLY_BYTES = 64 * 1024 * 1024  # what a client accepts: the layout of a large model
+# What a client accepts (Note [what a client takes from its peer] in client.py): a rank of a
+# Llama 405B has a few thousand tensors, well under 1 MiB on the wire; the caps leave room for
+# ten times that, and bound what a hostile peer can make a client parse (16 MiB of tiny entries
+# cost about 1 s and 200 MB before their count is checked).
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+MAX_TENSORS = 65536  # entries in an ``attached`` reply's tensor list
 MAX_FDS = 4  # ancillary slots a client reads (one is used)
 HELLO_TIMEOUT_S = 5.0  # a connection must deliver its request (and take its reply) within this
-CLIENT_TIMEOUT_S = 30.0  # how long a client waits for the daemon's reply
+CLIENT_TIMEOUT_S = 30.0  # how long a client waits for the daemon's whole reply
 MAX_CONNECTIONS = 4096  # open connections (leases included) one daemon keeps
 SOCKET_SUFFIX = ".sock"
 LOCK_SUFFIX = ".lock"
@@ -151,6 +157,38 @@ def check_request(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
+#: The fields of a ``status`` reply that ``mpack status`` reads, and their types.
+STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "sidecar": str, "digest": str, "rank": int, "tp_size": int, "device": str,
+    "device_label": str, "backend": str, "bytes": int, "socket": str, "pid": int,
+    "uptime_s": (int, float), "clients": list,
+}  # fmt: skip
+
+
+def check_status(msg: dict[str, Any]) -> dict[str, Any]:
+    """Schema of a ``status`` reply (the fields ``STATUS_FIELDS`` names; more are allowed);
+    return it unchanged.
+
+    Raises:
+        WireError: a field missing or of another type, or a client without an integer pid.
+    """
+    for key, kind in STATUS_FIELDS.items():
+        value = msg.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            got = "no" if key not in msg else f"{_json_kind(value)} as"
+            raise WireError(BAD_MESSAGE, f'status reply has {got} "{key}"')
+    for c in msg["clients"]:
+        if not (isinstance(c, dict) and type(c.get("pid")) is int):
+            raise WireError(BAD_MESSAGE, 'status reply lists a client without an integer "pid"')
+    return msg
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}  # fmt: skip
+    return kinds.get(type(value), "null")
+
+
 # --- blocking client side ----------------------------------------------------------------------
 
 
@@ -159,17 +197,28 @@ def send_message(sock: socket.socket, msg: dict[str, Any]) -> None:
 
 
 def recv_message(
-    sock: socket.socket, cap: int = MAX_REPLY_BYTES
+    sock: socket.socket, cap: int = MAX_REPLY_BYTES, *, deadline: float | None = None
 ) -> tuple[dict[str, Any], list[int]]:
     """Read exactly one frame (and any fds sent with it) from a blocking socket.
 
-    The caller owns (and must close) the returned fds, also when it then raises.
+    ``deadline`` (a ``time.monotonic()`` value) bounds the whole frame, not each ``recv``: a peer
+    that drips a byte at a time cannot hold the reader past it. The caller owns (and must close)
+    the returned fds, except when this raises: they are closed then.
+
+    Raises:
+        WireError: a bad frame, a length over ``cap``, too many fds, or a closed connection.
+        TimeoutError: ``deadline`` passed (or the socket's own timeout, without a deadline).
     """
     buf = bytearray()
     fds: list[int] = []
     try:
         need = HEADER.size
         while len(buf) < need:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no complete reply after {len(buf)} bytes")
+                sock.settimeout(left)
             data, got, flags, _ = socket.recv_fds(sock, min(need - len(buf), 1 << 20), MAX_FDS)
             fds.extend(got)
             if flags & socket.MSG_CTRUNC:

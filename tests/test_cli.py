@@ -95,7 +95,7 @@ def test_mpack_error_prints_hint(monkeypatch, capsys):
         (SourceNotFoundError("s"), 2, FileNotFoundError),
         (CorruptFileError("c"), 2, ValueError),
         (DaemonError("d"), 2, ConnectionError),
-        (ProtocolError("p"), 1, ConnectionError),
+        (ProtocolError("p"), 2, DaemonError),  # a peer's fault, not mpack's (issue 24.6)
         (MpackError("m"), 1, Exception),
         (RuntimeError("r"), 1, Exception),
     ],
