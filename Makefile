@@ -46,10 +46,11 @@ VLLM_REQS_NODEPS := xgrammar
 # The compressed-tensors-facing part of the main suite, run again in .venv-vllm: mpack on vLLM
 # 0.33.0's pins (compressed-tensors 0.17.0, transformers 5.20) where .venv has the newest
 # (0.20.1, 5.24). The config parse, its lean import, the fixtures transformers loads, the bad
-# inputs compressed-tensors refuses, and the golden conversions end to end.
+# inputs compressed-tensors refuses, and the golden conversions end to end. Also the vLLM
+# loader's hostile inputs (tests/hostile/test_vllm_hostile.py, skipped in .venv).
 VLLM_PINNED_TESTS := tests/convert/test_ctlean.py tests/convert/test_checkpoint.py \
 	tests/convert/test_bad_inputs.py tests/test_fixtures.py \
-	tests/convert/test_convert.py::test_golden_case_cli
+	tests/convert/test_convert.py::test_golden_case_cli tests/hostile/test_vllm_hostile.py
 
 .PHONY: install install-vllm test test-vllm test-gpu lint format demo bench dist clean
 

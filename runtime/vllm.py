@@ -3,32 +3,40 @@
 Installed with the ``vllm`` extra, mpack registers :func:`register` under vLLM's
 ``vllm.general_plugins`` entry point group; vLLM calls it in every process (API server, engine
 core, workers) and it registers the load format ``mpack``. This is the only module of mpack that
-imports vLLM (docs/VLLM.md).
+imports vLLM (docs/VLLM.md); the checks it runs on its inputs are runtime/vllm_checks.py.
 
 What :class:`MpackModelLoader` does, in order (Note [loading from a sidecar]):
 
-1. **Checks, before any model memory is allocated**: the sidecar's manifest (the same strict
-   checks as every mpack reader), then its target against the engine: vLLM's version, the TP
-   size, the activation dtype against the model dtype, the fusion, and the profile against the
-   compressed-tensors scheme vLLM will choose on this GPU (``w8a16``: CompressedTensorsW8A16Fp8;
-   ``w8a8-marlin``: CompressedTensorsW8A8Fp8, sm >= 8.9); the checkpoint's quantization scheme
-   must be FP8 with tensor or channel weight scales, and the model's dimensions those the
-   sidecar was made from. A ``--linear-backend`` other than Marlin is refused; left at ``auto``,
-   the FP8 linear layers of this model are put on Marlin (the sidecar holds Marlin weights).
+1. **Checks, before any model memory is allocated** (Note [the loader trusts nothing in the
+   sidecar] in runtime/vllm_checks.py): ``--model-loader-extra-config``; the sidecar's manifest
+   (the same strict checks as every mpack reader), then its target against the engine: vLLM's
+   version, the TP size, the activation dtype against the model dtype, the fusion, and the
+   profile against the compressed-tensors scheme vLLM will choose on this GPU (``w8a16``:
+   CompressedTensorsW8A16Fp8; ``w8a8-marlin``: CompressedTensorsW8A8Fp8, sm >= 8.9); the
+   checkpoint's quantization scheme must be FP8 with tensor or channel weight scales, the
+   model's dimensions those the sidecar was made from, the sidecar's layers exactly the linears
+   vLLM will run on FP8 Marlin, and ``common.safetensors`` (or a ``--no-passthrough`` sidecar's
+   ``shards``) fit for this model. A ``--linear-backend`` other than Marlin is refused; left at
+   ``auto``, the FP8 linear layers of this model are put on Marlin (the sidecar holds Marlin
+   weights).
 2. **The rank's tensors**: attached zero-copy from ``mpack serve`` (``attach: auto|require``) or
    loaded privately with :func:`mpack.runtime.load` (``never``, or ``auto`` with no daemon).
 3. **The model, built as vLLM builds it** (``create_model``), on the target device.
 4. **Every Marlin layer** gets the sidecar's ``weight``, ``weight_scale`` and ``bias`` as its
    parameters' data (the attached views themselves: no copy), loses ``input_scale`` as Marlin's
-   own processing would, and is left out of ``process_weights_after_loading``.
+   own processing would, and is left out of ``process_weights_after_loading``. Every layer vLLM
+   built with a quantization scheme must be one of them, and each must have exactly those
+   parameters.
 5. **Everything else goes through vLLM's own code**: embeddings, norms and lm_head are fed from
    ``common.safetensors`` to ``model.load_weights`` (vLLM shards them for its TP rank), and every
-   other module gets vLLM's ordinary post-load processing.
+   other module gets vLLM's ordinary post-load processing. Every parameter of the model must
+   then have been loaded: vLLM checks that itself only for unquantized models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -40,29 +48,42 @@ import torch
 from torch import nn
 
 from mpack import arch
-from mpack.errors import DaemonError, InputError, MpackError, UnsupportedSchemeError, UsageError
+from mpack.errors import (
+    CorruptFileError,
+    DaemonError,
+    InputError,
+    MpackError,
+    UsageError,
+    shown,
+)
+from mpack.runtime.vllm_checks import (
+    ATTACH_MODES,
+    EXTRA_KEYS,
+    OTHER_MODEL_HINT,
+    PROFILE_SCHEMES,
+    EngineMismatchError,
+    Options,
+    check_common,
+    check_layers,
+    check_shards,
+    check_target,
+    decoder_linears,
+    expected_profile,
+)
 from mpack.sidecar import (
     COMMON_NAME,
     MANIFEST_NAME,
     MODEL_DIMS,
     expected_rank_tensors,
     load_manifest,
+    read_layout,
 )
 
 log = logging.getLogger("mpack.vllm")
 
 LOAD_FORMAT = "mpack"
-ATTACH_MODES = ("auto", "require", "never")
-#: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
-EXTRA_KEYS = ("sidecar", "attach", "socket")
-#: The compressed-tensors scheme class vLLM runs each profile's layers with.
-PROFILE_SCHEMES = {"w8a16": "CompressedTensorsW8A16Fp8", "w8a8-marlin": "CompressedTensorsW8A8Fp8"}
 #: vLLM's quantization keys of the two FP8 paths that run through Marlin.
 MARLIN_QUANT_KEYS = ("w8a16_fp8", "fp8_w8a8")
-
-
-class EngineMismatchError(UnsupportedSchemeError):
-    """The sidecar was made for another engine, TP size, profile, dtype or model."""
 
 
 def register() -> None:
@@ -83,33 +104,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """``--model-loader-extra-config`` for ``--load-format mpack``."""
-
-    sidecar: str | None = None
-    attach: str = "auto"
-    socket: str | None = None
-
-    @classmethod
-    def parse(cls, extra: Any) -> Options:
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
-        if unknown:
-            raise UsageError(
-                f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} for "
-                f"--load-format mpack",
-                hint=f"the keys are {', '.join(EXTRA_KEYS)} (docs/VLLM.md)",
-            )
-        opts = cls(**extra)
-        if opts.attach not in ATTACH_MODES:
-            raise UsageError(
-                f"--model-loader-extra-config: attach is {opts.attach!r}, not one of "
-                f"{', '.join(ATTACH_MODES)}"
-            )
-        return opts
-
-
 def sidecar_dir(opts: Options, model: str) -> Path:
     """The sidecar: ``{"sidecar": PATH}``, else the model directory itself."""
     if opts.sidecar:
@@ -123,74 +117,7 @@ def sidecar_dir(opts: Options, model: str) -> Path:
     )
 
 
-# --- checks against the engine (before any model memory) ----------------------------------------
-
-
-def expected_profile(quant_config: dict[str, Any], capability: int | None) -> str:
-    """The mpack profile of the scheme vLLM 0.33.0 picks for an FP8 compressed-tensors config:
-    W8A8 (activations quantized too) on sm >= 8.9 -> ``w8a8-marlin``; weight-only, or any FP8 on
-    an older GPU -> ``w8a16``.
-
-    Raises:
-        EngineMismatchError: a scheme vLLM does not run through its FP8 Marlin path (block or
-            group FP8, integer weights, ...).
-    """
-    groups = quant_config.get("config_groups") or {}
-    acts = set()
-    for name, group in groups.items():
-        w = (group or {}).get("weights") or {}
-        strategy, kind, bits = w.get("strategy"), w.get("type"), w.get("num_bits")
-        if not (kind == "float" and bits == 8 and strategy in ("tensor", "channel")):
-            raise EngineMismatchError(
-                f"quantization group {name!r}: weights {kind} {bits}-bit, strategy {strategy}: "
-                "vLLM runs only FP8 weights with tensor or channel scales through its FP8 Marlin "
-                "path, which is what an mpack sidecar holds",
-                hint="convert and serve this model without mpack",
-            )
-        acts.add(bool(group.get("input_activations")))
-    if not groups:
-        raise EngineMismatchError("the model's quantization config has no config_groups")
-    w8a8 = any(acts)
-    return "w8a8-marlin" if (w8a8 and capability is not None and capability >= 89) else "w8a16"
-
-
-def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) -> None:
-    """Every fact of the sidecar's target that the engine fixes, compared; one error naming both
-    values for the first that differs (docs/VLLM.md, "What is refused")."""
-    t = manifest["target"]
-    checks = [
-        ("engine version", t["engine_version"], engine["version"],
-         f"convert it for this vLLM: mpack convert SOURCE -o {where} --force (mpack targets "
-         f"vLLM {t['engine_version']})"),
-        ("tensor-parallel size", t["tp_size"], engine["tp_size"],
-         f"run vLLM with --tensor-parallel-size {t['tp_size']}, or convert with "
-         f"--tp {engine['tp_size']}"),
-        ("activation dtype", t["act_dtype"], engine["dtype"],
-         f"run vLLM with --dtype {t['act_dtype']}, or convert with --act-dtype {engine['dtype']}"),
-        ("fusion", t["fusion"], "vllm", "convert with --fuse vllm (vLLM's fused layer names)"),
-        ("profile", t["profile"], engine["profile"],
-         f"convert with --profile {engine['profile']}: {engine['profile_why']}"),
-    ]  # fmt: skip
-    for what, have, want, hint in checks:
-        if have != want:
-            raise EngineMismatchError(
-                f"{where}: the sidecar's {what} is {have}, the engine's is {want}", hint=hint
-            )
-    made_from = (manifest.get("model") or {}).get("architecture")
-    if made_from not in arch.LLAMA_FAMILY or made_from != engine["architecture"]:
-        raise EngineMismatchError(
-            f"{where}: the sidecar was made from a {made_from} model, this model is a "
-            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(arch.LLAMA_FAMILY)}",
-            hint="serve the sidecar of this model (mpack inspect shows what a sidecar holds)",
-        )
-    cfg = (manifest.get("model") or {}).get("config") or {}
-    for key in MODEL_DIMS:
-        if key in cfg and key in engine["model"] and cfg[key] != engine["model"][key]:
-            raise EngineMismatchError(
-                f"{where}: the sidecar was made from a model with {key} {cfg[key]}, this model "
-                f"has {engine['model'][key]}",
-                hint="serve the sidecar of this model (mpack inspect shows what a sidecar holds)",
-            )
+# --- checks against the engine (before any model memory): runtime/vllm_checks.py ----------------
 
 
 def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
@@ -209,15 +136,41 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
     profile = expected_profile(qc, capability)
     why = f"vLLM runs this checkpoint with {PROFILE_SCHEMES[profile]} on sm {capability}"
     text = model_config.hf_config.get_text_config()
+    dims = {k: getattr(text, k) for k in MODEL_DIMS if getattr(text, k, None) is not None}
     return {
         "version": vllm.__version__,
         "tp_size": get_tensor_model_parallel_world_size(),
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "profile": profile,
         "profile_why": why,
-        "model": {k: getattr(text, k) for k in MODEL_DIMS if hasattr(text, k)},
+        "model": dims,
+        "tied": bool(getattr(text, "tie_word_embeddings", False)),
         "architecture": (getattr(model_config.hf_config, "architectures", None) or [None])[0],
     }
+
+
+def marlin_layer_names(quant_config: Any, num_layers: int) -> set[str]:
+    """The linears vLLM will build with an FP8 scheme (so, under ``--load-format mpack``, on
+    Marlin) in a Llama-family model of ``num_layers`` decoder layers, before it builds them.
+
+    vLLM decides per linear, from the checkpoint's quantization config: ``ignore``, then the
+    config groups' ``targets`` (names, regexes or class names), a fused linear matching only when
+    all its shards do. This asks vLLM's own ``CompressedTensorsConfig.get_scheme_dict`` the
+    question it asks while building each layer; it reads only the layer's name and its class's
+    name, so a stand-in object of the same class name is enough. The copy of the config gets the
+    fused-module mapping that vLLM hands it from the model class at build time."""
+    qc = copy.copy(quant_config)
+    qc.packed_modules_mapping = {k: list(v) for k, v in arch.FUSED.items()}
+    names = set()
+    for name, cls_name in decoder_linears(num_layers).items():
+        stand_in = type(cls_name, (), {})()
+        try:
+            scheme = qc.get_scheme_dict(stand_in, name)
+        except ValueError as e:  # shards of one fused linear in different schemes
+            raise EngineMismatchError(f"{name}: {e}") from None
+        if scheme and scheme.get("weights") is not None:
+            names.add(name)
+    return names
 
 
 def force_marlin(vllm_config: Any) -> None:
@@ -269,11 +222,25 @@ def _device_label(target: torch.device) -> str:
 # --- the loader ----------------------------------------------------------------------------------
 
 
-def checked_sidecar(
-    opts: Options, vllm_config: Any, model_config: Any
-) -> tuple[Path, dict[str, Any]]:
-    """The sidecar to load and its manifest, once everything the engine fixes agrees with it
-    (before any model memory); the model's FP8 linears are then put on Marlin."""
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A sidecar that agrees with the engine (:func:`checked_sidecar`), and what the load needs
+    of it."""
+
+    sidecar: Path
+    manifest: dict[str, Any]
+    dims: dict[str, int]  # the model's dimensions (MODEL_DIMS), equal to the sidecar's
+    tied: bool  # the model's lm_head is its embeddings
+    #: For a ``--no-passthrough`` sidecar: the checkpoint modules its Marlin layers stand for,
+    #: whose tensors vLLM must skip when it reads the checkpoint; None: the sidecar has its own
+    #: ``common.safetensors``.
+    skip: frozenset[str] | None
+
+
+def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Checked:
+    """The sidecar to load, once everything the engine fixes agrees with it, before any model
+    memory (Note [the loader trusts nothing in the sidecar] in runtime/vllm_checks.py); the
+    model's FP8 linears are then put on Marlin."""
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp != 1:
         raise UsageError(
@@ -283,9 +250,27 @@ def checked_sidecar(
         )
     sidecar = sidecar_dir(opts, model_config.model)
     manifest, _ = load_manifest(sidecar)
-    check_target(manifest, _engine_facts(vllm_config, model_config), sidecar)
+    engine = _engine_facts(vllm_config, model_config)
+    check_target(manifest, engine, sidecar)
+    dims = engine["model"]
+    check_layers(manifest, marlin_layer_names(vllm_config.quant_config, dims["num_hidden_layers"]),
+                 sidecar)  # fmt: skip
+    skip = None
+    if COMMON_NAME in {f["name"] for f in manifest["files"]}:
+        common = read_layout(sidecar / COMMON_NAME, follow=False)
+        check_common({e.name: e.shape for e in common.entries}, manifest["layers"], dims,
+                     engine["tied"], sidecar / COMMON_NAME)  # fmt: skip
+    elif (Path(model_config.model) / MANIFEST_NAME).is_file():
+        raise InputError(
+            f"{model_config.model}: the sidecar has no {COMMON_NAME} (written with "
+            "--no-passthrough), so vLLM has no embeddings, norms or lm_head to load",
+            hint="pass the original checkpoint as the model and "
+            '--model-loader-extra-config \'{"sidecar": "PATH"}\'',
+        )
+    else:
+        skip = frozenset(check_shards(manifest, sidecar))
     force_marlin(vllm_config)
-    return sidecar, manifest
+    return Checked(sidecar, manifest, dims, engine["tied"], skip)
 
 
 @functools.cache
@@ -312,26 +297,30 @@ def loader_class() -> type:
             pass  # the sidecar is local; a Hub model argument is resolved by vLLM itself
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
-            weights = getattr(model, "_mpack_weights", None)
-            if weights is None:
+            checked = getattr(model, "_mpack_checked", None)
+            if checked is None:
                 raise MpackError("--load-format mpack loads weights only through load_model")
-            self._load_rest(model, model_config, weights)
+            self._load_rest(model, model_config, checked, model._mpack_weights)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             from vllm.distributed import get_tensor_model_parallel_rank
 
-            sidecar, manifest = checked_sidecar(self.options, vllm_config, model_config)
+            checked = checked_sidecar(self.options, vllm_config, model_config)
             load_device = vllm_config.load_config.device or vllm_config.device_config.device
             target = torch.device(load_device)
             rank = get_tensor_model_parallel_rank()
-            weights = rank_weights(sidecar, self.options, rank, _device_label(target))
+            weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
             try:
+                if checked.skip is None:  # the tensors loaded are those whose header was checked
+                    check_common(_common_shapes(weights), checked.manifest["layers"],
+                                 checked.dims, checked.tied, checked.sidecar / COMMON_NAME)  # fmt: skip
                 with set_default_torch_dtype(model_config.dtype):
                     with target:
                         model = self.create_model(vllm_config, model_config, prefix)
                     model._mpack_weights = weights  # the lease and mappings live with the model
-                    layers = _swap_in(model, manifest, weights, sidecar)
-                    self._load_rest(model, model_config, weights)
+                    model._mpack_checked = checked
+                    layers = _swap_in(model, checked.manifest, weights, checked.sidecar)
+                    self._load_rest(model, model_config, checked, weights, layers)
                     _process_others(
                         model, layers, model_config, target, process_weights_after_loading
                     )
@@ -340,11 +329,87 @@ def loader_class() -> type:
                 raise
             return model.eval()
 
-        def _load_rest(self, model: nn.Module, model_config: Any, weights: Any) -> None:
-            """Every non-Marlin tensor, through vLLM's own weight loaders."""
-            model.load_weights(_rest_of_model(self, model, model_config, weights))
+        def _load_rest(
+            self,
+            model: nn.Module,
+            model_config: Any,
+            checked: Checked,
+            weights: Any,
+            layers: dict[str, nn.Module] | None = None,
+        ) -> None:
+            """Every non-Marlin tensor, through vLLM's own weight loaders; then, at load time
+            (``layers`` given), every parameter of the model must have been loaded."""
+            source = (
+                checked.sidecar / COMMON_NAME if checked.skip is None else Path(model_config.model)
+            )
+            last: list[str] = []  # the tensor vLLM was given last: the one it failed on
+
+            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, t in _rest_of_model(self, model, model_config, checked, weights):
+                    last[:] = [name]
+                    yield name, t
+
+            try:
+                loaded = model.load_weights(tensors())
+            except torch.OutOfMemoryError:
+                raise  # the machine's fault, not the file's
+            except (AssertionError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as e:
+                # vLLM's weight loaders assert and index what they are given: a file that does
+                # not fit this model ends in one of these, deep inside vLLM.
+                at = f" at tensor {shown(last[0])}" if last else ""
+                raise CorruptFileError(
+                    f"{source}: vLLM could not load it into this model{at}: "
+                    f"{type(e).__name__}: {shown(str(e))}",
+                    hint=OTHER_MODEL_HINT,
+                ) from e
+            if layers is not None:
+                _check_all_loaded(model, loaded, layers, source)
 
     return MpackModelLoader
+
+
+def _common_shapes(weights: Any) -> dict[str, tuple[int, ...]]:
+    """The tensors of the loaded ``common.safetensors``: every tensor not in the rank file."""
+    in_rank_file = expected_rank_tensors(weights.manifest)
+    return {n: tuple(weights[n].shape) for n in weights if n not in in_rank_file}
+
+
+def _check_all_loaded(
+    model: nn.Module, loaded: Any, layers: dict[str, nn.Module], source: Path
+) -> None:
+    """Every parameter of the model has its bytes from the sidecar or from ``source``.
+
+    vLLM runs this check itself only for unquantized models (``track_weights_loading``): on a
+    quantized one, a parameter nobody loaded keeps uninitialised memory. The exemptions are
+    vLLM's: the KV-cache scales an FP8 checkpoint may leave out (they default to 1), empty
+    placeholders, and parameters the quantization config builds. The Marlin layers' parameters
+    came from the sidecar (:func:`_swap_in` checked each of them)."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+    from vllm.model_executor.model_loader.default_loader import _CONFIG_BUILT_PARAMS
+
+    if not isinstance(loaded, set):
+        raise MpackError(
+            f"{type(model).__name__}.load_weights did not say which weights it loaded, so "
+            "--load-format mpack cannot check that every one was"
+        )
+    done = set(loaded)
+    held = set(layers.values())
+    for name, module in model.named_modules():
+        exempt = module in held or isinstance(getattr(module, "quant_method", None),
+                                              BaseKVCacheMethod)  # fmt: skip
+        for pname, p in module.named_parameters(recurse=False):
+            if exempt or p.numel() == 0 or pname in _CONFIG_BUILT_PARAMS:
+                done.add(f"{name}.{pname}" if name else pname)
+    missing = sorted(
+        (n for n, _ in model.named_parameters() if n not in done), key=arch.natural_key
+    )
+    if missing:
+        raise InputError(
+            f"{source}: has no tensor for {len(missing)} parameter(s) of the model, "
+            f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: vLLM would run "
+            "them from uninitialised memory",
+            hint=OTHER_MODEL_HINT,
+        )
 
 
 def _scheme_kernel(layer: nn.Module) -> tuple[Any, Any]:
@@ -368,13 +433,26 @@ def _swap_in(
 
     modules = dict(model.named_modules())
     want = PROFILE_SCHEMES[manifest["target"]["profile"]]
-    missing = [n for n in manifest["layers"] if n not in modules]
+    missing = sorted((n for n in manifest["layers"] if n not in modules), key=arch.natural_key)
     if missing:
         raise EngineMismatchError(
-            f"{sidecar}: the model has no layer {missing[0]}"
+            f"{sidecar}: the model has no layer {shown(missing[0])}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             + ": the sidecar was made for another model",
-            hint="serve the sidecar of this model (mpack inspect shows its layers)",
+            hint=OTHER_MODEL_HINT,
+        )
+    # Every layer vLLM built with a quantization scheme runs on Marlin (force_marlin) and must
+    # get the sidecar's weights: vLLM would otherwise repack uninitialised memory.
+    uncovered = sorted(
+        (n for n, m in modules.items() if _scheme_kernel(m)[0] is not None and n not in
+         manifest["layers"]), key=arch.natural_key,
+    )  # fmt: skip
+    if uncovered:
+        raise EngineMismatchError(
+            f"{sidecar}: the sidecar has no weights for layer {uncovered[0]}"
+            + (f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else "")
+            + ", which this model runs on FP8 Marlin",
+            hint=OTHER_MODEL_HINT,
         )
     for name, ly in manifest["layers"].items():
         layer = modules[name]
@@ -391,17 +469,22 @@ def _swap_in(
                 f"{sidecar}: layer {name} is {dims[0]} x {dims[1]} in the model, "
                 f"{ly['n']} x {ly['k']} in the sidecar"
             )
-        for leaf in ("weight", "weight_scale", "bias"):
-            key = f"{name}.{leaf}"
-            if key in weights:
-                param = getattr(layer, leaf, None)
-                if isinstance(param, nn.Parameter):
-                    param.data = weights[key]
-                else:
-                    layer.register_parameter(leaf, nn.Parameter(weights[key], requires_grad=False))
-        layer._parameters.pop("input_scale", None)
+        layer._parameters.pop("input_scale", None)  # Marlin's own processing drops it
         with contextlib.suppress(AttributeError):
             delattr(layer, "input_scale")
+        params = {k: p for k, p in layer.named_parameters(recurse=False)}
+        leaves = {
+            leaf for leaf in ("weight", "weight_scale", "bias") if f"{name}.{leaf}" in weights
+        }
+        if set(params) != leaves:  # the rank file's tensors are the manifest's (load/attach)
+            raise EngineMismatchError(
+                f"{sidecar}: layer {name} has parameters {', '.join(sorted(params))} in the "
+                f"model, {', '.join(sorted(leaves))} in the sidecar"
+                + (" (the layer's bias differs)" if "bias" in set(params) ^ leaves else ""),
+                hint=OTHER_MODEL_HINT,
+            )
+        for leaf, param in params.items():
+            param.data = weights[f"{name}.{leaf}"]
         layer.processed_weight_dims = (0, 1)
         _as_processed(scheme, ly)
     return {name: modules[name] for name in manifest["layers"]}
@@ -422,28 +505,19 @@ def _as_processed(scheme: Any, ly: dict[str, Any]) -> None:
 
 
 def _rest_of_model(
-    loader: Any, model: nn.Module, model_config: Any, weights: Any
+    loader: Any, model: nn.Module, model_config: Any, checked: Checked, weights: Any
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors vLLM loads itself: ``common.safetensors`` from the sidecar's allocation, or,
     for a sidecar written with ``--no-passthrough``, the checkpoint's tensors other than the
-    Marlin layers' (the manifest's ``shards`` name their checkpoint modules)."""
-    manifest = weights.manifest
-    in_rank_file = expected_rank_tensors(manifest)
-    common = [n for n in weights if n not in in_rank_file]
-    if common:
-        for name in common:
-            yield name, weights[name]
+    Marlin layers' (``checked.skip``: the checkpoint modules their ``shards`` name)."""
+    if checked.skip is None:
+        in_rank_file = expected_rank_tensors(weights.manifest)
+        for name in weights:
+            if name not in in_rank_file:
+                yield name, weights[name]
         return
-    if (Path(model_config.model) / MANIFEST_NAME).is_file():
-        raise InputError(
-            f"{model_config.model}: the sidecar has no {COMMON_NAME} (written with "
-            "--no-passthrough), so vLLM has no embeddings, norms or lm_head to load",
-            hint="pass the original checkpoint as the model and "
-            '--model-loader-extra-config \'{"sidecar": "PATH"}\'',
-        )
-    skip = {s["module"] for ly in manifest["layers"].values() for s in ly.get("shards", [])}
     for name, tensor in loader.get_all_weights(model_config, model):
-        if name.rpartition(".")[0] not in skip:
+        if name.rpartition(".")[0] not in checked.skip:
             yield name, tensor
 
 
@@ -469,4 +543,15 @@ def _process_others(
         torch.accelerator.empty_cache()
 
 
-__all__ = ["LOAD_FORMAT", "Options", "check_target", "expected_profile", "loader_class", "register"]
+__all__ = [
+    "ATTACH_MODES",
+    "EXTRA_KEYS",
+    "LOAD_FORMAT",
+    "EngineMismatchError",
+    "Options",
+    "check_target",
+    "expected_profile",
+    "loader_class",
+    "marlin_layer_names",
+    "register",
+]

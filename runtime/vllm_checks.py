@@ -1,0 +1,347 @@
+"""What ``--load-format mpack`` checks before vLLM builds the model (runtime/vllm.py).
+
+Note [the loader trusts nothing in the sidecar]: a sidecar's manifest passes mpack's strict
+reader (mpack.sidecar.check_manifest), but a schema-valid manifest can still describe another
+model, or only part of this one: a ``model.config`` without dimensions, a ``layers`` table that
+leaves decoder layers out, a ``common.safetensors`` from a model with another vocabulary. vLLM
+would load such a sidecar without a word (it skips its own "weights not loaded" check for
+quantized models) and serve from uninitialised memory. So every fact the loader acts on is
+checked here against the engine, before any model memory is allocated:
+
+* ``--model-loader-extra-config``: known keys, each of the right type;
+* the target (engine version, TP size, dtype, fusion, profile) and the architecture;
+* ``model.config``: a mapping holding every dimension of ``MODEL_DIMS``, each equal to the
+  engine's (a missing dimension is a mismatch, not a pass);
+* ``layers``: not empty, and exactly the linears vLLM will run on FP8 Marlin in this model (the
+  engine's layer count and quantization config say which);
+* ``shards`` of a ``--no-passthrough`` sidecar, whose checkpoint tensors vLLM must skip;
+* the tensors of ``common.safetensors``: none belongs to a Marlin layer, embeddings and norms
+  have the engine's vocabulary and hidden size, no decoder layer beyond the model's.
+
+After the build, runtime/vllm.py checks the model itself the same way (every Marlin layer gets
+sidecar weights, every other parameter is loaded). This module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from mpack import arch
+from mpack.errors import InputError, UnsupportedSchemeError, UsageError, quote, shown
+from mpack.sidecar import MANIFEST_NAME, MODEL_DIMS
+
+ATTACH_MODES = ("auto", "require", "never")
+#: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
+EXTRA_KEYS = ("sidecar", "attach", "socket")
+#: The compressed-tensors scheme class vLLM runs each profile's layers with.
+PROFILE_SCHEMES = {"w8a16": "CompressedTensorsW8A16Fp8", "w8a8-marlin": "CompressedTensorsW8A8Fp8"}
+#: Where vLLM's Llama-family models keep their decoder layers.
+DECODER_PREFIX = "model.layers"
+#: The linears of one decoder layer, as vLLM names them, and vLLM's class for each.
+DECODER_LINEARS = {
+    "self_attn.qkv_proj": "QKVParallelLinear",
+    "self_attn.o_proj": "RowParallelLinear",
+    "mlp.gate_up_proj": "MergedColumnParallelLinear",
+    "mlp.down_proj": "RowParallelLinear",
+}
+_DECODER_INDEX = re.compile(re.escape(DECODER_PREFIX) + r"\.(\d+)\.")
+
+
+class EngineMismatchError(UnsupportedSchemeError):
+    """The sidecar was made for another engine, TP size, profile, dtype or model."""
+
+
+OTHER_MODEL_HINT = "serve the sidecar of this model (mpack inspect shows what a sidecar holds)"
+
+
+def _more(names: list[str]) -> str:
+    """``NAME`` or ``NAME (and N more)``: the first of a sorted list, for a message."""
+    return shown(names[0]) + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+
+# --- --model-loader-extra-config ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """``--model-loader-extra-config`` for ``--load-format mpack``."""
+
+    sidecar: str | None = None
+    attach: str = "auto"
+    socket: str | None = None
+
+    @classmethod
+    def parse(cls, extra: Any) -> Options:
+        """Raises:
+        UsageError: not a mapping, an unknown key, or a value of the wrong type (the key named).
+        """
+        where = "--model-loader-extra-config"
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise UsageError(
+                f"{where}: {quote(extra)} is a {type(extra).__name__}, not a JSON object",
+                hint='pass a JSON object, e.g. \'{"sidecar": "PATH"}\' (docs/VLLM.md)',
+            )
+        unknown = sorted(str(k) for k in extra if k not in EXTRA_KEYS)
+        if unknown:
+            raise UsageError(
+                f"{where}: unknown key(s) {', '.join(map(quote, unknown))} for --load-format mpack",
+                hint=f"the keys are {', '.join(EXTRA_KEYS)} (docs/VLLM.md)",
+            )
+        for key in ("sidecar", "socket"):  # paths: a non-empty string, or absent
+            value = extra.get(key)
+            if value is not None and not (isinstance(value, str) and value and "\0" not in value):
+                raise UsageError(
+                    f"{where}: {key} is {quote(value)}, not a path",
+                    hint=f'pass {key} as a JSON string, e.g. \'{{"{key}": "/path"}}\'',
+                )
+        opts = cls(**extra)
+        if not isinstance(opts.attach, str) or opts.attach not in ATTACH_MODES:
+            raise UsageError(
+                f"{where}: attach is {quote(opts.attach)}, not one of {', '.join(ATTACH_MODES)}",
+                hint='e.g. \'{"attach": "auto"}\' (docs/VLLM.md)',
+            )
+        return opts
+
+
+# --- the target and the model -------------------------------------------------------------------
+
+
+def expected_profile(quant_config: Any, capability: int | None) -> str:
+    """The mpack profile of the scheme vLLM 0.33.0 picks for an FP8 compressed-tensors config:
+    W8A8 (activations quantized too) on sm >= 8.9 -> ``w8a8-marlin``; weight-only, or any FP8 on
+    an older GPU -> ``w8a16``.
+
+    Raises:
+        EngineMismatchError: a scheme vLLM does not run through its FP8 Marlin path (block or
+            group FP8, integer weights, ...).
+    """
+    groups = quant_config.get("config_groups") if isinstance(quant_config, Mapping) else None
+    if not isinstance(groups, Mapping) or not groups:
+        raise EngineMismatchError("the model's quantization config has no config_groups")
+    acts = set()
+    for name, group in groups.items():
+        group = group if isinstance(group, Mapping) else {}
+        w = group.get("weights") if isinstance(group.get("weights"), Mapping) else {}
+        strategy, kind, bits = w.get("strategy"), w.get("type"), w.get("num_bits")
+        if not (kind == "float" and bits == 8 and strategy in ("tensor", "channel")):
+            raise EngineMismatchError(
+                f"quantization group {shown(name)}: weights {shown(kind)} {shown(bits)}-bit, "
+                f"strategy {shown(strategy)}: vLLM runs only FP8 weights with tensor or channel "
+                "scales through its FP8 Marlin path, which is what an mpack sidecar holds",
+                hint="convert and serve this model without mpack",
+            )
+        acts.add(bool(group.get("input_activations")))
+    w8a8 = any(acts)
+    return "w8a8-marlin" if (w8a8 and capability is not None and capability >= 89) else "w8a16"
+
+
+def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) -> None:
+    """Every fact of the sidecar's target and model that the engine fixes, compared; one error
+    naming both values for the first that differs (docs/VLLM.md, "What is refused")."""
+    t = manifest["target"]
+    checks = [
+        ("engine version", t["engine_version"], engine["version"],
+         f"convert it for this vLLM: mpack convert SOURCE -o {where} --force (mpack targets "
+         f"vLLM {shown(t['engine_version'])})"),
+        ("tensor-parallel size", t["tp_size"], engine["tp_size"],
+         f"run vLLM with --tensor-parallel-size {t['tp_size']}, or convert with "
+         f"--tp {engine['tp_size']}"),
+        ("activation dtype", t["act_dtype"], engine["dtype"],
+         f"run vLLM with --dtype {t['act_dtype']}, or convert with --act-dtype {engine['dtype']}"),
+        ("fusion", t["fusion"], "vllm", "convert with --fuse vllm (vLLM's fused layer names)"),
+        ("profile", t["profile"], engine["profile"],
+         f"convert with --profile {engine['profile']}: {engine['profile_why']}"),
+    ]  # fmt: skip
+    for what, have, want, hint in checks:
+        if have != want:
+            raise EngineMismatchError(
+                f"{where}: the sidecar's {what} is {shown(have)}, the engine's is {want}",
+                hint=hint,
+            )
+    made_from = manifest["model"].get("architecture")
+    if made_from not in arch.LLAMA_FAMILY or made_from != engine["architecture"]:
+        raise EngineMismatchError(
+            f"{where}: the sidecar was made from a {shown(made_from)} model, this model is a "
+            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(arch.LLAMA_FAMILY)}",
+            hint=OTHER_MODEL_HINT,
+        )
+    check_model_config(manifest, engine["model"], where)
+
+
+def check_model_config(manifest: dict[str, Any], engine_dims: dict[str, Any], where: Path) -> None:
+    """``model.config`` holds every dimension of ``MODEL_DIMS``, each an integer equal to the
+    engine's. A missing ``num_key_value_heads`` is ``num_attention_heads`` (the rule of
+    transformers and vLLM, and what a checkpoint that omits it means); any other missing
+    dimension is a mismatch: a manifest that names no dimensions says nothing about its model."""
+    manifest_path = Path(where) / MANIFEST_NAME
+    cfg = manifest["model"].get("config")
+    if not isinstance(cfg, Mapping):
+        raise EngineMismatchError(
+            f"{manifest_path}: model.config is {quote(cfg, 80)}, not a JSON object",
+            hint="regenerate the sidecar with mpack convert (it records the model's dimensions)",
+        )
+    have = dict(cfg)
+    if "num_key_value_heads" not in have and "num_attention_heads" in have:
+        have["num_key_value_heads"] = have["num_attention_heads"]
+    for key in MODEL_DIMS:
+        mine, theirs = have.get(key), engine_dims.get(key)
+        if key not in have or type(mine) is not int:
+            what = "no " + key if key not in have else f"{key} {quote(mine)}"
+            raise EngineMismatchError(
+                f"{manifest_path}: model.config has {what}, this model has {key} {theirs}: "
+                "the sidecar does not say it was made from this model",
+                hint=OTHER_MODEL_HINT + "; or regenerate it with mpack convert",
+            )
+        if mine != theirs:
+            raise EngineMismatchError(
+                f"{where}: the sidecar was made from a model with {key} {mine}, this model "
+                f"has {theirs}",
+                hint=OTHER_MODEL_HINT,
+            )
+
+
+def decoder_linears(num_layers: int) -> dict[str, str]:
+    """Every linear of a Llama-family model's decoder layers, by vLLM name -> vLLM class name."""
+    return {
+        f"{DECODER_PREFIX}.{i}.{leaf}": cls
+        for i in range(num_layers)
+        for leaf, cls in DECODER_LINEARS.items()
+    }
+
+
+def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path) -> None:
+    """The sidecar's ``layers`` are exactly ``expected``: the linears vLLM will run on FP8
+    Marlin in this model. None may be left out (vLLM would run it from uninitialised memory),
+    none may be extra (the sidecar of another model), and ``layers`` may not be empty."""
+    manifest_path = Path(where) / MANIFEST_NAME
+    layers, expected = manifest["layers"], set(expected)
+    if not layers:
+        raise EngineMismatchError(
+            f"{manifest_path}: layers is empty: the sidecar holds no Marlin weights, and this "
+            f"model runs {len(expected)} linear layers on FP8 Marlin",
+            hint="regenerate the sidecar with mpack convert",
+        )
+    missing = sorted(expected - set(layers), key=arch.layer_order)
+    if missing:
+        raise EngineMismatchError(
+            f"{manifest_path}: the sidecar has no weights for layer {_more(missing)}, which this "
+            f"model runs on FP8 Marlin: it covers {len(layers)} of the model's "
+            f"{len(expected)} FP8 linear layers",
+            hint=OTHER_MODEL_HINT,
+        )
+    extra = sorted(set(layers) - expected, key=arch.natural_key)
+    if extra:
+        raise EngineMismatchError(
+            f"{manifest_path}: the model has no FP8 linear layer {_more(extra)}: the sidecar "
+            "was made for another model",
+            hint=OTHER_MODEL_HINT,
+        )
+
+
+def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
+    """The checkpoint modules the Marlin layers of a ``--no-passthrough`` sidecar stand for (vLLM
+    must skip their tensors when it reads the checkpoint), from each layer's ``shards``: a list
+    of ``{"module", "rows"}``, the modules those of vLLM's fusion of the layer, the rows adding
+    up to ``n`` (docs/FORMAT.md)."""
+    manifest_path = Path(where) / MANIFEST_NAME
+    skip: set[str] = set()
+    for name, ly in manifest["layers"].items():
+        shards = ly.get("shards")
+        ok = isinstance(shards, list) and all(
+            isinstance(s, Mapping)
+            and isinstance(s.get("module"), str)
+            and type(s.get("rows")) is int
+            and s["rows"] >= 1
+            for s in shards
+        )
+        if ok:
+            modules = [s["module"] for s in shards]
+            ok = modules == arch.shard_modules(name) and sum(s["rows"] for s in shards) == ly["n"]
+        if not ok:
+            raise InputError(
+                f"{manifest_path}: layer {_more([name])}: shards is {quote(shards)}, not "
+                f"[{{'module', 'rows'}}, ...] for {', '.join(arch.shard_modules(name))} with "
+                f"rows adding up to n={ly['n']}",
+                hint="regenerate the sidecar with mpack convert",
+            )
+        skip.update(modules)
+    return skip
+
+
+def check_common(
+    tensors: Mapping[str, tuple[int, ...]],
+    marlin: Iterable[str],
+    dims: Mapping[str, int],
+    tied: bool,
+    path: Path,
+) -> None:
+    """The tensors of ``common.safetensors`` (name -> shape), which vLLM's own loaders take.
+
+    Every tensor a Llama-family model needs besides its Marlin layers must be there: the
+    embeddings, the final norm, each decoder layer's two norms, and lm_head unless the model
+    ties it to the embeddings (``tied``). The architectures' own extras (Qwen3's q/k norms) are
+    checked once the model is built, as every parameter is. None may belong to a Marlin layer
+    (vLLM would write it into the sidecar's tensors, which an attached engine maps read-only),
+    none to a decoder layer the model does not have, and the embeddings, lm_head and norms must
+    have the model's vocabulary and hidden size (vLLM asserts the vocabulary deep in its loader,
+    after the whole model is built)."""
+    owned = {m for layer in marlin for m in (layer, *arch.shard_modules(layer))}
+    vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,)}  # fmt: skip
+    norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    required = {"model.embed_tokens.weight", "model.norm.weight"}
+    required |= {f"{DECODER_PREFIX}.{i}.{n}" for i in range(layers) for n in norms}
+    required |= set() if tied else {"lm_head.weight"}
+    missing = sorted(required - set(tensors), key=arch.natural_key)
+    if missing:
+        raise EngineMismatchError(
+            f"{path}: has no {_more(missing)}, which this model needs: vLLM would run it from "
+            "uninitialised memory",
+            hint=OTHER_MODEL_HINT,
+        )
+    for name in sorted(tensors, key=arch.natural_key):
+        module = name.rpartition(".")[0]
+        if module in owned:
+            raise InputError(
+                f"{path}: tensor {_more([name])} belongs to the Marlin layer the sidecar's rank "
+                "files hold: vLLM would write it over the sidecar's weights",
+                hint="regenerate the sidecar with mpack convert",
+            )
+        m = _DECODER_INDEX.match(name)
+        if m and int(m.group(1)) >= layers:
+            raise EngineMismatchError(
+                f"{path}: tensor {_more([name])} is for decoder layer {m.group(1)}, this model "
+                f"has {layers} decoder layers",
+                hint=OTHER_MODEL_HINT,
+            )
+        want = shapes.get(name) or ((hidden,) if m and name.endswith(norms) else None)
+        if want is not None and tuple(tensors[name]) != want:
+            what = "vocab_size x hidden_size" if len(want) == 2 else "hidden_size"
+            raise EngineMismatchError(
+                f"{path}: {name} is {list(tensors[name])}, this model's is {list(want)} "
+                f"({what}): the file was taken from another model",
+                hint=OTHER_MODEL_HINT,
+            )
+
+
+__all__ = [
+    "ATTACH_MODES",
+    "EXTRA_KEYS",
+    "PROFILE_SCHEMES",
+    "EngineMismatchError",
+    "Options",
+    "check_common",
+    "check_layers",
+    "check_model_config",
+    "check_shards",
+    "check_target",
+    "decoder_linears",
+    "expected_profile",
+]
