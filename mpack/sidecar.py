@@ -443,6 +443,11 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
             f"{where}: tp_size is {tp} but the manifest's files do not list "
             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
         )
+    if not m["layers"]:  # convert refuses a checkpoint without FP8 layers; so does a reader
+        raise CorruptFileError(
+            f"{where}: the manifest lists no layers (a sidecar holds at least one Marlin layer)",
+            hint="convert the checkpoint again: mpack convert SRC -o OUT --force",
+        )
     for name, ly in m["layers"].items():
         ok = isinstance(ly, dict) and type(ly.get("bias")) is bool
         ok = ok and all(type(ly.get(k)) is int and 1 <= ly[k] <= MAX_DIM for k in LAYER_DIMS)

@@ -616,3 +616,14 @@ def test_markup_in_a_path_is_printed_verbatim(sc, tmp_path, name):
         r = mpack_cli(cmd, odd, env={"COLUMNS": "400"})
         assert r.returncode == 0, (cmd, r.stderr)
         assert name in r.stdout, (cmd, r.stdout)
+
+
+def test_a_manifest_without_layers_is_refused_by_every_consumer(sc):
+    """``layers: {}`` (re-signed, schema-valid otherwise) is no sidecar: load, attach and serve
+    must refuse it, not serve READY with nothing in it (FORMAT.md: minProperties 1)."""
+    rewrite_manifest(sc, lambda m: m.__setitem__("layers", {}))
+    for consume in _consumers(sc).values():
+        with pytest.raises(CorruptFileError, match="lists no layers"):
+            consume()
+    r = cli("serve", str(sc), "--rank", "0", "--device", "cpu")
+    assert r.returncode == 2 and "lists no layers" in r.stderr, r.stderr

@@ -30,6 +30,7 @@ from mpack.sidecar import (
     target_of,
     write_manifest,
 )
+from mpack.target import packed_specs
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -120,11 +121,16 @@ def test_a_sidecar_without_common_serves_the_rank_file_only(tmp_path):
 
 
 def _one_file_sidecar(path: Path, specs: list[TensorSpec]) -> Path:
-    """A sidecar with no Marlin layers (an empty rank file) whose common.safetensors holds
-    ``specs``, zero-filled (a rank file may hold only what the manifest's layers imply)."""
+    """A sidecar with one small Marlin layer (zero-filled; a manifest lists at least one) whose
+    common.safetensors holds ``specs``, zero-filled (a rank file may hold only what the
+    manifest's layers imply)."""
     path.mkdir()
+    layers = {"l": {"n": 64, "k": 128, "np": 64, "kp": 128, "bias": False}}
+    rank = [
+        TensorSpec(n, dt, shape) for n, dt, shape in packed_specs("l", 64, 128, "bfloat16", False)
+    ]
     files = []
-    for name, file_specs in ((rank_file_name(0, 1), []), ("common.safetensors", specs)):
+    for name, file_specs in ((rank_file_name(0, 1), rank), ("common.safetensors", specs)):
         layout = FileLayout.plan(file_specs)
         w = HashingWriter(path / name, layout)
         for e in layout.entries:
@@ -132,7 +138,7 @@ def _one_file_sidecar(path: Path, specs: list[TensorSpec]) -> Path:
         size, digest = w.finish()
         files.append({"name": name, "size": size, "sha256": digest})
     write_manifest(path, new_manifest(target=target_of(profile="w8a16", act_dtype="bfloat16", tp=1, fusion="vllm"),
-                                      source={}, model={}, layers={}, files=files))  # fmt: skip
+                                      source={}, model={}, layers=layers, files=files))  # fmt: skip
     return path
 
 
