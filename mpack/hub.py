@@ -1,0 +1,614 @@
+"""Publishing sidecars to the Hugging Face Hub: one commit, a model card, one folder per target.
+
+``mpack push SIDECAR REPO_ID`` (and ``mpack convert ... --push REPO_ID``) go through here, in
+two steps (docs/HUB.md):
+
+1. :func:`plan_push`, without the network: find the sidecar(s), check each as ``mpack verify``
+   does without the source (manifest, every file's size and digests, the safetensors headers and
+   tensor names), and lay out the files and the model card. A directory that is not a sidecar,
+   or a sidecar whose bytes fail their checks, is refused here, before any network call.
+2. :func:`push`: one commit through huggingface_hub (its token and ``HF_ENDPOINT``), whose errors
+   become mpack's own (:class:`HubError`).
+
+The layout in the repo (Note [repo layout]):
+
+* one sidecar: its files at the repo root, with the card as ``README.md``;
+* several (a directory of sidecars, such as the multi-target ``mpack convert`` writes, named by
+  :func:`target_dir_name`): each in the folder of its target's name, the copied model files
+  (``config.json``, tokenizer files) also at the root so that the root is a model vLLM can
+  start, and one card at the root listing every target.
+
+This module is core (docs/ARCHITECTURE.md): it imports no other layer, and huggingface_hub only
+inside :func:`push`, so a dry run imports nothing that talks to the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpack import __version__
+from mpack.errors import (
+    EnvironmentFailure,
+    InputError,
+    SourceNotFoundError,
+    UsageError,
+    VerificationError,
+)
+from mpack.sidecar import (
+    COMMON_NAME,
+    COPIED_FILES,
+    MANIFEST_NAME,
+    check_files,
+    load_manifest,
+    rank_tensor_problems,
+    read_layout,
+    regenerate_hint_of,
+    safetensors_files,
+)
+from mpack.target import dir_name
+
+#: The model card's name: the Hub shows a repo's README.md as its card.
+CARD_NAME = "README.md"
+#: The one file the Hub makes itself in a new repo; a push keeps it (Note [repo layout]).
+GITATTRIBUTES = ".gitattributes"
+#: Tags of every pushed repo (the Hub lists them on the page and filters by them).
+TAGS = ("mpack", "marlin", "fp8", "compressed-tensors", "vllm")
+#: Problems listed one by one when a sidecar fails its checks.
+MAX_LISTED = 20
+#: ``namespace/name``: the Hub's repo id characters; huggingface_hub checks the finer rules.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class HubError(EnvironmentFailure):
+    """The Hub could not be reached, or refused a request that was well formed. Exit code 3."""
+
+
+class HubAuthError(HubError):
+    """No token, a token the Hub rejects, or one that may not write to the repo. Exit code 3."""
+
+
+# --- the layout ---------------------------------------------------------------------------
+
+
+def target_dir_name(manifest: Mapping[str, Any]) -> str:
+    """The folder name of a sidecar's target: ``tp{N}-{profile}-{act_dtype}``, e.g.
+    ``tp2-w8a16-bfloat16``; ``-fuse-none`` is appended for a sidecar with checkpoint names
+    (``--fuse none``), so that no two targets share a name.
+
+    Both the multi-target ``mpack convert`` (``OUT/<name>/``) and ``mpack push`` (the repo
+    folder) use it."""
+    return dir_name(manifest["target"])  # mpack.target owns the naming
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One file of the commit: where it goes in the repo, its size, and where its bytes come
+    from (``local``; None for the generated card, whose bytes are the plan's ``card``)."""
+
+    path_in_repo: str
+    size: int
+    local: Path | None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One sidecar of a push: its directory, the repo folder it goes to (``""``: the root),
+    its manifest and manifest digest."""
+
+    sidecar: Path
+    folder: str
+    manifest: dict[str, Any]
+    digest: str
+
+    @property
+    def name(self) -> str:
+        return target_dir_name(self.manifest)
+
+
+@dataclass
+class PushPlan:
+    """Everything a push sends, known before any network call (:func:`plan_push`)."""
+
+    repo_id: str
+    revision: str | None  # None: the default branch
+    private: bool
+    targets: list[Target]
+    uploads: list[Upload]  # sorted by path in the repo; the card included
+    card: str
+    skipped: list[str] = field(default_factory=list)  # plain files beside the target folders
+    #: (st_dev, st_ino, st_size, st_mtime_ns) of each local file when it was checked
+    stamps: dict[Path, tuple[int, int, int, int]] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(u.size for u in self.uploads)
+
+    def report(self) -> dict[str, Any]:
+        """The facts ``mpack push --json`` prints (``--dry-run`` too)."""
+        return {
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "private": self.private,
+            "targets": [
+                {
+                    "folder": t.folder,
+                    "name": t.name,
+                    "sidecar": str(t.sidecar),
+                    "manifest_digest": t.digest,
+                    "target": t.manifest["target"],
+                }
+                for t in self.targets
+            ],
+            "files": [
+                {
+                    "path": u.path_in_repo,
+                    "size": u.size,
+                    "local": None if u.local is None else str(u.local),
+                }
+                for u in self.uploads
+            ],
+            "bytes": self.total_bytes,
+            "skipped": self.skipped,
+            "card": self.card,
+        }
+
+
+@dataclass
+class PushResult:
+    """What :func:`push` did: the plan, the commit made, and the files it deleted."""
+
+    plan: PushPlan
+    commit: str | None  # the commit's sha
+    url: str | None  # the commit's page on the Hub
+    deleted: list[str] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        return self.plan.report() | {"commit": self.commit, "url": self.url,
+                                     "deleted": self.deleted}  # fmt: skip
+
+
+def check_repo_id(repo_id: str) -> str:
+    """``repo_id`` if it has the form ``namespace/name``; else ``UsageError``. The namespace is
+    required: the card's commands name the repo in full."""
+    if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id or "--" in repo_id:
+        raise UsageError(
+            f"REPO_ID {repo_id!r} is not a Hub repo id of the form namespace/name",
+            hint="for example: mpack push ./llama8b-marlin my-org/llama8b-marlin",
+        )
+    return repo_id
+
+
+def plan_push(
+    sidecar: str | os.PathLike,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+) -> PushPlan:
+    """What :func:`push` would send, checked, without the network.
+
+    ``sidecar`` is a sidecar directory (pushed to the repo root) or a directory of sidecars
+    (each pushed to the folder :func:`target_dir_name` names; entries whose name starts with
+    ``.``, such as a conversion's work directory, are left out, and so are plain files).
+
+    Raises:
+        UsageError: a malformed ``repo_id``.
+        InputError: not a sidecar (no valid ``mpack.json``: its subclasses name the file), a
+            folder beside the targets that is not a sidecar, two sidecars of one target, or
+            targets converted from different sources.
+        VerificationError: a sidecar whose files fail their sizes, digests or headers.
+    """
+    check_repo_id(repo_id)
+    if revision is not None and not revision.strip():
+        raise UsageError("--revision is empty; give a branch name, or leave it out for main")
+    root = Path(sidecar)
+    dirs, skipped = _sidecar_dirs(root)
+    targets: list[Target] = []
+    stamps: dict[Path, tuple[int, int, int, int]] = {}
+    for d in dirs:
+        m, digest = load_manifest(d)
+        stamps |= _stamps(d, m)  # before the checks: a file replaced after them is caught
+        _check_sidecar(d, m)
+        targets.append(Target(d, "" if d == root else target_dir_name(m), m, digest))
+    _check_targets(targets)
+    card = model_card(repo_id, targets, revision=revision)
+    uploads = [Upload(CARD_NAME, len(card.encode()), None)]
+    for t in targets:
+        prefix = f"{t.folder}/" if t.folder else ""
+        names = [f["name"] for f in t.manifest["files"]] + [MANIFEST_NAME]
+        uploads += [Upload(prefix + n, stamps[t.sidecar / n][2], t.sidecar / n) for n in names]
+    if targets[0].folder:  # Note [repo layout]: the model's own files at the root too
+        first = targets[0]
+        uploads += [
+            Upload(f["name"], f["size"], first.sidecar / f["name"])
+            for f in first.manifest["files"]
+            if f["name"] in COPIED_FILES
+        ]
+    uploads.sort(key=lambda u: u.path_in_repo)
+    return PushPlan(repo_id, revision, private, targets, uploads, card, skipped, stamps)
+
+
+def _sidecar_dirs(root: Path) -> tuple[list[Path], list[str]]:
+    """The sidecar directories under ``root`` (``[root]`` when it holds a manifest), and the
+    plain files beside them that are not pushed."""
+    try:
+        has_manifest = (root / MANIFEST_NAME).exists() or not root.is_dir()
+    except OSError:
+        has_manifest = True
+    if has_manifest:
+        return [root], []  # load_manifest says what is wrong with it, if anything
+    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    dirs = [p for p in entries if p.is_dir()]
+    if not any((d / MANIFEST_NAME).exists() for d in dirs):
+        return [root], []  # neither a sidecar nor a folder of them: load_manifest refuses it
+    for d in dirs:
+        if not (d / MANIFEST_NAME).exists():
+            raise InputError(
+                f"{d}: no {MANIFEST_NAME}: not a sidecar, beside the sidecars in {root}",
+                hint="move it out of the directory, or push one sidecar at a time",
+            )
+    return dirs, [p.name for p in entries if not p.is_dir()]
+
+
+def _stamps(d: Path, m: Mapping[str, Any]) -> dict[Path, tuple[int, int, int, int]]:
+    """The identity and size of every file of sidecar ``d`` (missing ones are left out: the
+    checks report them)."""
+    out = {}
+    for name in [f["name"] for f in m["files"]] + [MANIFEST_NAME]:
+        with contextlib.suppress(OSError):
+            st = os.stat(d / name, follow_symlinks=False)
+            out[d / name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _check_sidecar(d: Path, m: dict[str, Any]) -> None:
+    """Check 1 of ``mpack verify`` (mpack/verify/check.py), from the core's parts: every
+    listed file's size and digests, no unlisted file, the safetensors headers parse and the
+    rank files hold the tensors the manifest implies. Raises ``VerificationError``."""
+    problems = check_files(d, m)
+    for name in safetensors_files(m):
+        try:
+            layout = read_layout(d / name, follow=False)
+        except InputError as e:
+            problems.append(str(e))
+            continue
+        if name != COMMON_NAME:
+            problems += rank_tensor_problems(layout, m, name)
+    if problems:
+        listed = problems[:MAX_LISTED]
+        if len(problems) > MAX_LISTED:
+            listed.append(f"... and {len(problems) - MAX_LISTED} more")
+        raise VerificationError(
+            f"{d}: {len(problems)} problem(s), nothing pushed:\n  " + "\n  ".join(listed),
+            hint=regenerate_hint_of(m, d),
+        )
+
+
+def _source_key(m: Mapping[str, Any]) -> tuple[Any, ...]:
+    s = m.get("source") or {}
+    files = tuple((f.get("name"), f.get("sha256")) for f in s.get("files") or ())
+    return s.get("kind"), s.get("repo"), s.get("revision"), s.get("path"), files
+
+
+def _check_targets(targets: list[Target]) -> None:
+    """Several targets share one repo and one card: one source, and one sidecar per target."""
+    seen: dict[str, Path] = {}
+    for t in targets:
+        if t.folder and t.folder in seen:
+            raise InputError(
+                f"{seen[t.folder]} and {t.sidecar}: both are target {t.folder}",
+                hint="push each to its own repo, or remove one",
+            )
+        seen[t.folder] = t.sidecar
+    first = targets[0]
+    for t in targets[1:]:
+        if _source_key(t.manifest) != _source_key(first.manifest):
+            raise InputError(
+                f"{t.sidecar} and {first.sidecar} were converted from different sources "
+                f"({_source_name(t.manifest)}; {_source_name(first.manifest)})",
+                hint="push the targets of each source to a repo of its own",
+            )
+
+
+# --- the model card -----------------------------------------------------------------------
+
+
+def _source_name(m: Mapping[str, Any]) -> str:
+    s = m.get("source") or {}
+    if s.get("kind") == "hub":
+        return f"{s.get('repo')}@{s.get('revision') or s.get('requested_revision') or 'main'}"
+    return f"local directory {s.get('path')}"
+
+
+def _hub_source(m: Mapping[str, Any]) -> str | None:
+    """The source's Hub repo id, when it was converted from one."""
+    s = m.get("source") or {}
+    repo = s.get("repo")
+    ok = s.get("kind") == "hub" and isinstance(repo, str) and _REPO_ID.fullmatch(repo)
+    return repo if ok else None
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n:.1f} TiB"
+
+
+def serve_commands(repo_id: str, t: Target, revision: str | None = None) -> list[str]:
+    """The shell lines that serve target ``t`` of ``repo_id``: one ``mpack serve`` per rank
+    (optional daemons), then ``vllm serve``. A target in a folder is named
+    ``repo_id/<folder>``; the repo root holds the model's config for vLLM (Note [repo
+    layout]). A branch is ``@branch`` for mpack (its ``verify --revision`` is the source's) and
+    ``--revision`` for vLLM."""
+    tg = t.manifest["target"]
+    tp = tg["tp_size"]
+    ref = f"{repo_id}/{t.folder}" if t.folder else repo_id
+    branch = revision if revision and revision != "main" else None
+    at, rev = (f"@{branch}", f" --revision {branch}") if branch else ("", "")
+    lines = [f"mpack serve {ref}{at} --rank {r} --device cuda:{r} &" for r in range(tp)]
+    if tg.get("fusion", "vllm") != "vllm":
+        return lines  # checkpoint names: for mpack.runtime, not for vLLM's loader
+    vllm = f"vllm serve {repo_id} --load-format mpack{rev}"
+    if tp > 1:
+        vllm += f" --tensor-parallel-size {tp}"
+    model_dtype = ((t.manifest.get("model") or {}).get("config") or {}).get("dtype")
+    if tg["act_dtype"] != model_dtype:  # vLLM runs in the checkpoint's dtype unless told
+        vllm += f" --dtype {tg['act_dtype']}"
+    if t.folder:
+        vllm += f' --model-loader-extra-config \'{{"sidecar": "{ref}"}}\''
+    return [*lines, vllm]
+
+
+def model_card(repo_id: str, targets: list[Target], *, revision: str | None = None) -> str:
+    """The repo's ``README.md``: YAML front matter for the Hub, where the weights come from,
+    the targets and the commands that serve each (docs/HUB.md, "The model card")."""
+    first = targets[0].manifest
+    source = first.get("source") or {}
+    base = _hub_source(first)
+    front = [f"base_model: {base}", "base_model_relation: quantized"] if base else []
+    front.append("library_name: vllm")
+    if str((first.get("model") or {}).get("architecture", "")).endswith("ForCausalLM"):
+        front.append("pipeline_tag: text-generation")
+    front.append(f"tags: [{', '.join(TAGS)}]")
+    engine = {f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}"
+              for t in targets}  # fmt: skip
+    made_by = sorted({str(t.manifest.get("created_by", "mpack ?")) for t in targets})
+    if base:
+        origin = f"`{base}` (Hugging Face Hub)"
+        commit = f"`{source.get('revision')}`"
+        if source.get("requested_revision"):
+            commit += f" (asked for: `{source['requested_revision']}`)"
+    else:
+        origin = f"a local directory, `{source.get('path')}` on the machine that converted it"
+        commit = "none: not a Hub repo (each mpack.json lists the sha256 of every source file)"
+    out = ["---", *front, "---", "", f"# {repo_id}", ""]
+    out += [
+        f"Marlin FP8 weights of {origin}, packed ahead of time by "
+        "[mpack](https://github.com/mpack-marlin/mpack) for "
+        f"{' and '.join(sorted(engine)).replace('vllm', 'vLLM')}. With `--load-format mpack`, "
+        "vLLM takes its FP8 linear layers from here as they are instead of repacking each one "
+        "at start-up; the bytes are those its own repack makes.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| source | {origin} |",
+        f"| source commit | {commit} |",
+        f"| converted with | {', '.join(made_by)} |",
+        f"| pushed with | mpack {__version__} |",
+        "",
+        "## Targets",
+        "",
+        "| folder | vLLM | profile | TP | act dtype | size | manifest digest |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in targets:
+        tg = t.manifest["target"]
+        size = sum(f["size"] for f in t.manifest["files"])
+        out.append(
+            f"| {f'`{t.folder}/`' if t.folder else 'the repo root'} | {tg['engine_version']} | "
+            f"{tg['profile']} | {tg['tp_size']} | {tg['act_dtype']} | {_human(size)} | "
+            f"`{t.digest}` |"
+        )
+    out += [
+        "",
+        "The manifest digest is the sha256 of the target's `mpack.json`, which lists the size "
+        "and sha256 of every file (per 64 MiB chunk): `mpack serve` and the loader check every "
+        "byte against it. vLLM picks the profile itself: `w8a8-marlin` for a W8A8 checkpoint "
+        "on a GPU of compute capability 8.9 or later, `w8a16` otherwise; the loader refuses a "
+        "sidecar of the other profile.",
+        "",
+        "## Serve",
+        "",
+        "The `mpack serve` daemons (one per rank and GPU) are optional: they share the weights "
+        "zero-copy between engines. Without them each vLLM worker loads its rank itself.",
+    ]
+    for t in targets:
+        out += ["", f"### {t.name}", "", "```sh", *serve_commands(repo_id, t, revision), "```"]
+        if t.manifest["target"].get("fusion", "vllm") != "vllm":
+            out += ["", "Checkpoint layer names (`--fuse none`): for `mpack.runtime`; vLLM's "
+                    "loader needs vLLM's fused names."]  # fmt: skip
+    if base:
+        at = f"@{revision}" if revision and revision != "main" else ""
+        refs = [(f"{repo_id}/{t.folder}" if t.folder else repo_id) + at for t in targets]
+        out += ["", "## Check", "", "Re-derive every byte from the source checkpoint:", "",
+                "```sh", *(f"mpack verify {r} --source {base}" for r in refs), "```"]  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+# --- the push -----------------------------------------------------------------------------
+
+# Note [repo layout]: a push makes the revision hold exactly what it sends, plus the Hub's
+# .gitattributes: files of an earlier push that this one does not send (a rank file of another
+# TP size, a target no longer built) are deleted in the same commit, so the card never lists
+# less than the repo holds and a loader never finds a stale file beside a manifest. The Hub's
+# history keeps the old files. A sidecar itself never holds a README.md (it is not among the
+# copied files, and an unlisted file fails the checks), so the card replaces nothing of it.
+# With several targets the root also gets the copied model files (config.json, tokenizer
+# files), identical in every target of one source: vLLM reads the model's config and tokenizer
+# from the model argument, the repo, and the weights from the folder named in
+# --model-loader-extra-config.
+
+
+def push(plan: PushPlan, *, api: Any = None, show_progress: bool = False) -> PushResult:
+    """Send ``plan`` as one commit: create the repo if needed (``private`` applies only then),
+    the branch if ``revision`` names a new one, then ``create_commit`` with every upload and the
+    deletions of Note [repo layout].
+
+    ``api``: an ``huggingface_hub.HfApi`` (default: a new one, which takes its token from
+    ``HF_TOKEN`` or ``hf auth login`` and its endpoint from ``HF_ENDPOINT``); tests pass a
+    stand-in.
+
+    Raises:
+        HubAuthError: no token, or one that may not write to the repo (exit 3).
+        HubError: the Hub cannot be reached (or ``HF_HUB_OFFLINE`` is set), or refused (exit 3).
+        InputError: the Hub refused the request as malformed, or a file changed after it was
+            checked (exit 2).
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(library_name="mpack", library_version=__version__)
+    rid, rev = plan.repo_id, plan.revision
+    branch = rev if rev and rev != "main" else None
+    with _hub_errors(rid, rev, api), _progress_bars(show_progress):
+        api.create_repo(rid, repo_type="model", private=plan.private, exist_ok=True)
+        if branch:
+            api.create_branch(rid, branch=branch, repo_type="model", exist_ok=True)
+        present = api.list_repo_files(rid, revision=branch, repo_type="model")
+        sent = {u.path_in_repo for u in plan.uploads}
+        deleted = sorted(p for p in present if p not in sent and p != GITATTRIBUTES)
+        ops: list[Any] = [
+            CommitOperationAdd(
+                path_in_repo=u.path_in_repo,
+                path_or_fileobj=plan.card.encode() if u.local is None else str(u.local),
+            )
+            for u in plan.uploads
+        ]  # each local file is read and hashed here
+        _check_unchanged(plan)  # ... so a file replaced since the checks is caught now
+        ops += [CommitOperationDelete(path_in_repo=p) for p in deleted]
+        info = api.create_commit(
+            rid, ops, commit_message=_commit_message(plan),
+            commit_description=_commit_description(plan), revision=branch, repo_type="model",
+        )  # fmt: skip
+    return PushResult(plan, getattr(info, "oid", None), getattr(info, "commit_url", None),
+                      deleted)  # fmt: skip
+
+
+def push_sidecar(
+    sidecar: str | os.PathLike,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    api: Any = None,
+    show_progress: bool = False,
+) -> PushResult:
+    """:func:`plan_push` then :func:`push`: check ``sidecar`` (nothing is sent when it fails),
+    then send it to ``repo_id`` in one commit."""
+    plan = plan_push(sidecar, repo_id, revision=revision, private=private)
+    return push(plan, api=api, show_progress=show_progress)
+
+
+def _check_unchanged(plan: PushPlan) -> None:
+    for path, before in plan.stamps.items():
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            now = None
+        if now != before:
+            raise InputError(
+                f"{path}: changed after it was checked (another mpack convert writing here?); "
+                "nothing pushed",
+                hint="run the push again once the sidecar is finished",
+            )
+
+
+def _commit_message(plan: PushPlan) -> str:
+    names = ", ".join(t.name for t in plan.targets)
+    return f"mpack push: {names} from {_source_name(plan.targets[0].manifest)}"
+
+
+def _commit_description(plan: PushPlan) -> str:
+    lines = [f"Pushed with mpack {__version__}. Manifest digests (sha256 of mpack.json):"]
+    lines += [f"- {t.folder or '(root)'}: {t.digest}" for t in plan.targets]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """huggingface_hub's upload bars only when mpack shows progress (not --json/--quiet)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    was_disabled = are_progress_bars_disabled()
+    if not show:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not show and not was_disabled:
+            enable_progress_bars()
+
+
+_LOGIN = "log in with `hf auth login`, or set HF_TOKEN to a token with write access"
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None, api: Any) -> Iterator[None]:
+    """huggingface_hub's errors as mpack's: auth and network exit 3, a malformed request 2."""
+    from huggingface_hub import errors as hf
+
+    endpoint = getattr(api, "endpoint", None) or "the Hub"
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    # The transport's own errors: requests' are OSErrors; httpx's derive from its HTTPError,
+    # which huggingface_hub.errors exports where it uses httpx.
+    transport = (OSError, getattr(hf, "HTTPError", OSError))
+    try:
+        yield
+    except hf.HFValidationError as e:
+        raise UsageError(f"{where}: {e}") from None
+    except getattr(hf, "OfflineModeIsEnabled", ()):
+        raise HubError(
+            f"{where}: HF_HUB_OFFLINE is set, and a push needs the network",
+            hint="unset HF_HUB_OFFLINE (or use --dry-run to see what would be sent)",
+        ) from None
+    except hf.LocalTokenNotFoundError:
+        raise HubAuthError(f"{where}: no Hugging Face token found", hint=_LOGIN) from None
+    except hf.RepositoryNotFoundError:
+        raise HubAuthError(
+            f"{where}: the Hub says the repo does not exist or this token may not see it",
+            hint=f"check the repo id; {_LOGIN} to its namespace",
+        ) from None
+    except hf.RevisionNotFoundError:
+        raise SourceNotFoundError(f"{where}: no such branch on the Hub") from None
+    except hf.HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        said = getattr(e, "server_message", None) or str(e).splitlines()[0]
+        if status in (401, 403):
+            raise HubAuthError(
+                f"{where}: the Hub refused the token (HTTP {status}): {said}", hint=_LOGIN
+            ) from None
+        if status is not None and 400 <= status < 500 and status not in (408, 429):
+            raise InputError(f"{where}: the Hub refused the push (HTTP {status}): {said}") from None
+        raise HubError(
+            f"{where}: the Hub answered HTTP {status}: {said}", hint="try again later"
+        ) from None
+    except transport as e:
+        raise HubError(
+            f"{where}: cannot reach {endpoint} ({type(e).__name__}: {e})",
+            hint="check the network, and HF_ENDPOINT if it is set",
+        ) from None
