@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mpack.convert.multi import MultiConvertResult
     from mpack.convert.pipeline import ConvertResult
 
-__all__ = ["ConvertResult", "convert", "verify"]
+__all__ = ["ConvertResult", "MultiConvertResult", "convert", "verify"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from mpack.convert.pipeline import ConvertResult
 
         return ConvertResult
+    if name == "MultiConvertResult":
+        from mpack.convert.multi import MultiConvertResult
+
+        return MultiConvertResult
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -27,15 +33,23 @@ def convert(
     out: str | os.PathLike,
     *,
     revision: str | None = None,
-    profile: str = "w8a16",
-    act_dtype: str | None = None,
-    tp: int = 1,
+    profile: str | Sequence[str] = "w8a16",
+    act_dtype: str | Sequence[str] | None = None,
+    tp: int | Sequence[int] = 1,
     fuse: str = "vllm",
     device: str = "auto",
     passthrough: bool = True,
     force: bool = False,
-) -> ConvertResult:
+    skip_invalid: bool = False,
+) -> ConvertResult | MultiConvertResult:
     """Write a Marlin FP8 sidecar for ``source`` at ``out``; return what was done.
+
+    Several targets: give lists, e.g. ``tp=[1, 2, 4, 8]``, ``profile=["w8a16", "w8a8-marlin"]``;
+    their cross product is the set of targets. With more than one, ``out`` becomes a directory
+    holding one sidecar per target at ``out/<name>`` (``tp{N}-{profile}-{act_dtype}``:
+    :func:`mpack.target.dir_name`), the source is read once for all of them, and a
+    :class:`MultiConvertResult` comes back (``results``: a ``ConvertResult`` per target;
+    ``skipped``). Each sidecar is byte for byte the one a run for that target alone writes.
 
     Args:
         source: a checkpoint directory, or a Hugging Face repo id (resolved with ``revision``).
@@ -49,6 +63,8 @@ def convert(
             present: Note [auto device]), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
         passthrough: also write ``common.safetensors`` (embeddings, norms, lm_head).
         force: redo the work even if ``out`` is up to date, or replace another sidecar there.
+        skip_invalid: with several targets, leave out those that cannot be made (e.g. a TP
+            that does not divide the heads) instead of refusing the run; at least one must be.
 
     Returns:
         A :class:`ConvertResult`, the same facts ``mpack convert --json`` prints: ``out`` (the
@@ -62,8 +78,16 @@ def convert(
         MpackError: bad input (a subclass with ``exit_code`` 2), with nothing written at ``out``;
             e.g. ``OutputExistsError`` when ``out`` holds another sidecar and ``force`` is off.
     """
+    from mpack.convert.multi import run_convert_many, target_specs
     from mpack.convert.pipeline import run_convert
 
+    specs = target_specs(tp, profile, act_dtype)
+    if len(specs) > 1:
+        return run_convert_many(
+            source, out, specs, revision=revision, fuse=fuse, device=device,
+            passthrough=passthrough, force=force, skip_invalid=skip_invalid,
+        )  # fmt: skip
+    tp, profile, act_dtype = specs[0].tp, specs[0].profile, specs[0].act_dtype
     return run_convert(
         source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
         device=device, passthrough=passthrough, force=force,

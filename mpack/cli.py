@@ -10,6 +10,7 @@ same way (Note [interrupts]); a closed stdout is not an error (Note [closed stdo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import signal
@@ -171,7 +172,11 @@ Source = Annotated[
 ]
 Sidecar = Annotated[
     Path,
-    typer.Argument(metavar="SIDECAR", help="Sidecar directory (written by `mpack convert`)."),
+    typer.Argument(
+        metavar="SIDECAR",
+        help="Sidecar directory (written by `mpack convert`), or Hub repo id "
+        "org/name[/<target>][@revision] (docs/HUB.md).",
+    ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
 
@@ -197,7 +202,7 @@ ProfileOpt = Annotated[
         "--profile",
         metavar=PROFILE_CHOICES,
         help="w8a16: vLLM's W8A16 path, weight bytes unchanged; w8a8-marlin: W8A8 forced onto "
-        "Marlin, per-tensor shards requantized to their max scale.",
+        "Marlin, per-tensor shards requantized to their max scale. A comma list: a target each.",
     ),
 ]
 ConvertActDtypeOpt = Annotated[
@@ -206,11 +211,8 @@ ConvertActDtypeOpt = Annotated[
         "--act-dtype",
         metavar=ACT_DTYPE_CHOICES,
         help="Activation dtype the kernel runs in; scales and bias are stored in it. "
-        "[default: the checkpoint's dtype]",
+        "A comma list: a target each. [default: the checkpoint's dtype]",
     ),
-]
-TpOpt = Annotated[
-    int, typer.Option("--tp", metavar="N", help="Tensor-parallel size: one rank file per rank.")
 ]
 FuseOpt = Annotated[
     str,
@@ -238,6 +240,31 @@ NoPassthroughOpt = Annotated[
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Redo an up-to-date sidecar, or replace another.")
 ]
+ConvertTpOpt = Annotated[
+    str,
+    typer.Option(
+        "--tp",
+        metavar="N[,N...]",
+        help="Tensor-parallel size: one rank file per rank. A comma list (1,2,4,8) makes one "
+        "sidecar per target, OUT/<target>/.",
+    ),
+]
+SkipInvalidOpt = Annotated[
+    bool,
+    typer.Option(
+        "--skip-invalid",
+        help="With several targets, leave out those this checkpoint cannot have (e.g. a TP "
+        "that does not divide the heads) instead of refusing the run.",
+    ),
+]
+PushOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--push",
+        metavar="REPO_ID",
+        help="Then push the sidecar to this Hub repo, as `mpack push OUT REPO_ID` does.",
+    ),
+]
 
 
 @command
@@ -247,36 +274,82 @@ def convert(
     revision: RevisionOpt = None,
     profile: ProfileOpt = "w8a16",
     act_dtype: ConvertActDtypeOpt = None,
-    tp: TpOpt = 1,
+    tp: ConvertTpOpt = "1",
     fuse: FuseOpt = "vllm",
     device: ConvertDeviceOpt = "auto",
     no_passthrough: NoPassthroughOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    push_to: PushOpt = None,
+    skip_invalid: SkipInvalidOpt = False,
 ) -> None:
     """Convert a compressed-tensors FP8 checkpoint into a Marlin FP8 sidecar.
+
+    --tp, --profile and --act-dtype take comma lists: their cross product is the set of
+    targets, all made from one read of the source, each a sidecar in OUT/<target>/
+    (e.g. OUT/tp2-w8a16-bfloat16/).
 
     \b
     Examples:
       mpack convert RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8 -o llama8b-marlin --tp 2
       mpack convert ./my-fp8-model -o out --profile w8a8-marlin --act-dtype float16 --json
+      mpack convert ./my-fp8-model -o out --tp 1,2,4,8 --profile w8a16,w8a8-marlin
     """
     if json_out and quiet:
         raise UsageError("--json and --quiet contradict each other; pick one")
+    if push_to is not None:
+        _check_push_options(push_to, json_out, out)
+    from mpack.convert.multi import target_specs
+
+    specs = target_specs(
+        [_tp_value(v) for v in _comma_list(tp, "--tp")],
+        _comma_list(profile, "--profile"),
+        None if act_dtype is None else _comma_list(act_dtype, "--act-dtype"),
+    )
     _at_stake.append(_output_note(out))  # what an interrupt did to OUT, said if one comes
-    result = _run_convert(
-        source, out, show_progress=not (json_out or quiet), revision=revision, profile=profile,
-        act_dtype=act_dtype, tp=tp, fuse=fuse, device=device, passthrough=not no_passthrough,
-        force=force,
-    )  # fmt: skip
+    options: dict[str, Any] = dict(
+        revision=revision, fuse=fuse, device=device, passthrough=not no_passthrough, force=force
+    )
+    if len(specs) > 1:
+        options.update(specs=specs, skip_invalid=skip_invalid)
+    else:
+        options.update(tp=specs[0].tp, profile=specs[0].profile, act_dtype=specs[0].act_dtype)
+    result = _run_convert(source, out, show_progress=not (json_out or quiet), **options)
     from mpack import ui
 
-    ui.emit_convert(result, as_json=json_out, quiet=quiet)
+    if len(specs) > 1:
+        ui.emit_convert_many(result, as_json=json_out, quiet=quiet)
+    else:
+        ui.emit_convert(result, as_json=json_out, quiet=quiet)
+    if push_to is not None:  # the sidecar is finished and checked again before it is sent
+        from mpack.hub import push_sidecar
+
+        pushed = push_sidecar(result.out, push_to, show_progress=not quiet)
+        if not quiet:
+            _emit_push(pushed.report(), dry_run=False, as_json=False)
+
+
+def _comma_list(value: str, option: str) -> list[str]:
+    """``a,b,c`` -> ``["a", "b", "c"]``; an empty item is refused, naming ``option``."""
+    items = [v.strip() for v in value.split(",")]
+    if not all(items):
+        raise UsageError(
+            f"{option} {value!r}: an empty item in the list", hint=f"e.g. {option} 1,2,4,8"
+        )
+    return items
+
+
+def _tp_value(v: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise UsageError(f"--tp takes whole numbers, got {v!r}", hint="e.g. --tp 1,2,4,8") from None
 
 
 def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) -> Any:
-    """:func:`mpack.convert.pipeline.run_convert` with progress lines. For a local source, two
+    """:func:`mpack.convert.pipeline.run_convert` (with ``specs``, several targets:
+    :func:`mpack.convert.multi.run_convert_many`) with progress lines. For a local source, two
     things start before this process imports torch, so that they overlap its imports: the
     compressed-tensors check, in a forked child (Note [scheme check in a child]), and the kernel's
     read-ahead of the shards (Note [prefetch] in mpack/iokit.py)."""
@@ -297,8 +370,13 @@ def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) 
         from mpack import ui
         from mpack.convert.pipeline import run_convert
 
+        run: Any = run_convert
+        if "specs" in options:
+            from mpack.convert.multi import run_convert_many
+
+            run = functools.partial(run_convert_many, specs=options.pop("specs"))
         with ui.convert_progress(enabled=show_progress) as progress:
-            return run_convert(source, out, progress=progress, scheme_check=early, **options)
+            return run(source, out, progress=progress, scheme_check=early, **options)
     finally:
         if early is not None:
             early.cancel()
@@ -311,10 +389,13 @@ def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
     \b
     Example:
       mpack inspect llama8b-marlin
+      mpack inspect my-org/llama8b-marlin/tp2-w8a16-bfloat16   # fetches mpack.json alone
     """
     from mpack import ui
+    from mpack.hub_sidecar import resolve_sidecar
     from mpack.sidecar import load_manifest
 
+    sidecar = resolve_sidecar(sidecar, fetch="manifest")  # a repo id: mpack.json alone
     manifest, digest = load_manifest(sidecar)
     ui.emit_inspect(sidecar, manifest, digest, as_json=json_out)
 
@@ -373,8 +454,10 @@ def verify(
       mpack verify tiny-marlin --source ./tiny-fp8 --forward
     """
     from mpack import ui
+    from mpack.hub_sidecar import resolve_sidecar
     from mpack.verify import verify as verify_sidecar
 
+    sidecar = resolve_sidecar(sidecar, fetch="all")  # a repo id: every file, to check them all
     if forward:
         ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
     result = verify_sidecar(
@@ -385,6 +468,103 @@ def verify(
         report = result.report() | ({"seconds": result.seconds} if json_out else {})
         ui.emit_verify(report, as_json=json_out)
     result.raise_for_failure()
+
+
+# --- mpack push (mpack/hub.py, docs/HUB.md) -------------------------------------------------
+
+
+@command
+def push(
+    sidecar: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SIDECAR",
+            help="Sidecar directory, or a directory of sidecars (one per target: each goes to "
+            "its own folder of the repo).",
+        ),
+    ],
+    repo_id: Annotated[
+        str, typer.Argument(metavar="REPO_ID", help="Hub model repo, namespace/name.")
+    ],
+    revision: Annotated[
+        str | None,
+        typer.Option(
+            "--revision",
+            metavar="BRANCH",
+            help="Commit to this branch, created from main if missing. [default: main]",
+        ),
+    ] = None,
+    private: Annotated[
+        bool, typer.Option("--private", help="Make the repo private, if the push creates it.")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Check the sidecar and print the files, sizes and model card; send nothing.",
+        ),
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Publish a sidecar to the Hugging Face Hub in one commit, with a model card.
+
+    Checks every file against the manifest first (nothing is sent if one fails). Uses
+    huggingface_hub's login (`hf auth login` or HF_TOKEN) and HF_ENDPOINT.
+
+    \b
+    Examples:
+      mpack push llama8b-marlin my-org/llama8b-marlin --dry-run
+      mpack push llama8b-marlin my-org/llama8b-marlin --private
+      mpack push out/ my-org/llama8b-marlin --json      # out/tp2-w8a16-bfloat16/, ...
+    """
+    from mpack.hub import plan_push
+    from mpack.hub import push as push_plan
+
+    plan = plan_push(sidecar, repo_id, revision=revision, private=private)
+    if dry_run:
+        _emit_push(plan.report(), dry_run=True, as_json=json_out)
+        return
+    result = push_plan(plan, show_progress=not json_out)
+    _emit_push(result.report(), dry_run=False, as_json=json_out)
+
+
+def _check_push_options(repo_id: str, json_out: bool, out: str) -> None:
+    """``convert --push``: refuse what would fail only after the conversion."""
+    from mpack.hub import check_repo_id
+
+    check_repo_id(repo_id)
+    if json_out:
+        raise UsageError(
+            "--push with --json would print two documents",
+            hint=f"convert with --json, then push: mpack push {out} {repo_id} --json",
+        )
+
+
+def _emit_push(report: dict[str, Any], *, dry_run: bool, as_json: bool) -> None:
+    """``mpack push``'s output: one JSON document, or the files (and for a dry run the card)."""
+    from mpack import ui
+
+    if as_json:
+        ui.print_json({"ok": True, "dry_run": dry_run, **report})
+        return
+    files = report["files"]
+    where = report["repo_id"] + (f" (branch {report['revision']})" if report["revision"] else "")
+    n = len(report["targets"])
+    lines = [f"{where}: {n} target{'s' if n > 1 else ''}, {len(files)} files, "
+             f"{ui.human_bytes(report['bytes'])}"]  # fmt: skip
+    width = max(len(f["path"]) for f in files)
+    lines += [
+        f"  {f['path']:<{width}}  {ui.human_bytes(f['size']):>11}  {f['local'] or '(model card)'}"
+        for f in files
+    ]
+    if report["skipped"]:
+        lines.append(f"not pushed (not sidecars): {', '.join(report['skipped'])}")
+    if dry_run:
+        lines += ["dry run: nothing was sent. The model card (README.md):", "", report["card"]]
+    else:
+        lines += [f"deleted (not in this push): {p}" for p in report["deleted"]]
+        lines.append(f"pushed: commit {report['commit']} {report['url'] or ''}".rstrip())
+    ui.write_line(sys.stdout, "\n".join(lines))
 
 
 # --- mpack serve / mpack status (runtime; mpack/runtime/daemon.py, docs/RUNTIME.md) ---------
@@ -418,12 +598,16 @@ def serve(
     Examples:
       mpack serve llama8b-marlin --rank 0 --device cuda:0
       mpack serve llama8b-marlin --device cpu
+      mpack serve my-org/llama8b-marlin@main --rank 1 --device cuda:1   # from the Hub
     """
     from mpack import ui
     from mpack.runtime.daemon import serve as run_daemon
 
     if rank < 0:
         raise UsageError(f"--rank must be >= 0, got {rank}")
+    from mpack.hub_sidecar import resolve_sidecar
+
+    sidecar = resolve_sidecar(sidecar, rank=rank)  # a repo id: this rank's files only
     run_daemon(
         sidecar, rank=rank, device=device, socket_path=socket, on_ready=ui.emit_ready,
         on_event=ui.emit_event,
@@ -436,7 +620,8 @@ def status(
         Path | None,
         typer.Argument(
             metavar="SIDECAR",
-            help="Only daemons serving this sidecar. [default: all of this user's]",
+            help="Only daemons serving this sidecar (directory or Hub repo id). "
+            "[default: all of this user's]",
         ),
     ] = None,
     socket: Annotated[
@@ -446,6 +631,10 @@ def status(
     json_out: JsonOpt = False,
 ) -> None:
     """Show the daemons serving sidecars: rank, device, memory, attached clients, uptime.
+
+    A socket where something answers, but not as a daemon should, is reported with the reason;
+    the daemons beside it are listed all the same. Exits 0 once a daemon serves SIDECAR (a
+    readiness probe: until mpack status SIDECAR; do sleep 0.5; done), 2 while none does.
 
     \b
     Examples:
@@ -457,6 +646,10 @@ def status(
 
     if sidecar is not None and socket is not None:
         raise UsageError("give a SIDECAR or --socket, not both")
+    if sidecar is not None:  # a repo id: its mpack.json (daemons are known by its digest)
+        from mpack.hub_sidecar import resolve_sidecar
+
+        sidecar = resolve_sidecar(sidecar, fetch="manifest")
     ui.emit_status(query_status(sidecar=sidecar, socket=socket), as_json=json_out)
 
 
@@ -595,7 +788,7 @@ def _output_note(out: str) -> Callable[[], str]:
     """What happened to ``-o out`` when a convert is interrupted, found by comparing what it
     names before and after: a sidecar appears there only by the final rename (Note [atomic
     output]), so an unchanged OUT means the run left nothing behind."""
-    path = Path(out).expanduser()
+    path = Path(os.path.expanduser(out))  # Path's raises for ~nosuchuser; output_path says so
     before = _identity(path)
 
     def note() -> str:

@@ -13,7 +13,9 @@ It imports neither torch nor anything else of mpack, so every layer can use it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 ENGINE = "vllm"
 ENGINE_VERSION = "0.33.0"
@@ -64,6 +66,16 @@ def act_dtype(name: str) -> ActDtype:
         raise ValueError(
             f"activation dtype must be one of {', '.join(ACT_DTYPES)}, got {name!r}"
         ) from None
+
+
+def dir_name(target: Mapping[str, Any]) -> str:
+    """The folder name of a sidecar's target (a manifest's ``target``): ``tp{N}-{profile}-
+    {act_dtype}``, e.g. ``tp2-w8a16-bfloat16``; ``-fuse-none`` is appended for a sidecar with
+    checkpoint names (``--fuse none``), so that no two targets share a name. The multi-target
+    ``mpack convert`` writes ``OUT/<name>/``, and ``mpack push`` uploads to that repo folder."""
+    name = f"tp{target['tp_size']}-{target['profile']}-{target['act_dtype']}"
+    fusion = target.get("fusion", "vllm")
+    return name if fusion == "vllm" else f"{name}-fuse-{fusion}"
 
 
 def _roundup(x: int, m: int) -> int:

@@ -315,25 +315,30 @@ def layer_count(m: dict[str, Any]) -> str:
     return f"{n} linear layers" + (f" ({d} decoder layers)" if d is not None else "")
 
 
+def convert_doc(result: Any) -> dict[str, Any]:
+    """``mpack convert --json``'s document for one target (a ``ConvertResult``)."""
+    m = result.manifest
+    files = {f["name"]: f["size"] for f in m["files"]}
+    return {
+        "out": str(result.out),
+        "up_to_date": result.up_to_date,
+        "manifest_digest": result.digest,
+        "target": m["target"],
+        "source": {k: v for k, v in m["source"].items() if k != "files"},
+        "files": files,
+        "bytes": sum(files.values()),
+        "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
+        "layers": len(m["layers"]),  # linear layers (per rank), as before
+        "linear_layers": len(m["layers"]),
+        "decoder_layers": decoder_layers(m),
+    }
+
+
 def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
     m = result.manifest
     files = {f["name"]: f["size"] for f in m["files"]}
     if as_json:
-        print_json(
-            {
-                "out": str(result.out),
-                "up_to_date": result.up_to_date,
-                "manifest_digest": result.digest,
-                "target": m["target"],
-                "source": {k: v for k, v in m["source"].items() if k != "files"},
-                "files": files,
-                "bytes": sum(files.values()),
-                "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
-                "layers": len(m["layers"]),  # linear layers (per rank), as before
-                "linear_layers": len(m["layers"]),
-                "decoder_layers": decoder_layers(m),
-            }
-        )
+        print_json(convert_doc(result))
         return
     if quiet:
         return
@@ -357,6 +362,32 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
         )
     )
     console.print(f"manifest digest {result.digest}")
+
+
+def emit_convert_many(result: Any, *, as_json: bool, quiet: bool) -> None:
+    """A run of several targets (:class:`mpack.convert.multi.MultiConvertResult`): under
+    ``--json`` one document, ``targets`` holding each target as a single run reports it (plus
+    its ``name`` and ``bytes_written``), and ``skipped``; else a line per target."""
+    if as_json:
+        targets = [
+            {"name": r.out.name, **convert_doc(r), "bytes_written": r.bytes_written}
+            for r in result.results
+        ]
+        print_json(
+            {
+                "out": str(result.out),
+                "up_to_date": result.up_to_date,
+                "targets": targets,
+                "skipped": [{"name": n, "reason": why} for n, why in result.skipped],
+            }
+        )
+        return
+    if quiet:
+        return
+    for r in result.results:
+        emit_convert(r, as_json=False, quiet=False)
+    for name, why in result.skipped:
+        console.print(_styled("skipped", "yellow", f" {name}: {why}"))
 
 
 def file_digest_cells(f: dict[str, Any]) -> tuple[str, str]:

@@ -1,0 +1,557 @@
+"""Many targets from one read: ``mpack convert SRC -o OUT --tp 1,2 --profile w8a16,w8a8-marlin``.
+
+Note [many targets]: a CI job that pre-bakes a checkpoint for several engines (TP sizes,
+profiles, activation dtypes) would otherwise read the source once per target; on an 8B model
+the read is most of a conversion. :func:`run_convert_many` reads it once:
+
+1. the source is resolved, stamped, hashed and its scheme checked once (as in
+   :func:`mpack.convert.pipeline.run_convert`), and every target is planned from the headers
+   before any output is touched. An invalid target (a TP that does not divide the heads)
+   refuses the whole run, naming it, unless ``skip_invalid``;
+2. each target is its own sidecar at ``OUT/<name>`` (:func:`mpack.target.dir_name`), with its
+   own lock, up-to-date check, work directory and swap (:mod:`mpack.convert.staging`): Note
+   [atomic output] holds per target. The swaps come last, after every manifest is written, so
+   an interrupted run leaves no target at all (or, interrupted between two swaps, only
+   finished ones);
+3. the fused layers stream once: the read stage reads a unit's checkpoint tensors (the same
+   modules for every target: the fusion is one for the run), and the transform stage runs
+   each target's transform on them and queues the results for the one writer
+   (:class:`MultiStreamer`). The pass-through tensors are read once and written into every
+   target's ``common.safetensors``; the config and tokenizer files are copied from the source
+   once and from that copy to the others.
+
+Each target's bytes are those a single-target run writes: the same plan, the same transform
+functions, the same manifest (tests/convert/test_multi_target.py compares every file). The
+read is on the host: targets on the host path and the driver path read from those arrays as a
+single run does; a torch target (``w8a8-marlin`` requantization, or ``MPACK_NO_HOST_REPACK``)
+gets tensors over them (on CUDA, its weights are copied to the device, and its results back,
+without the pinned rings of a single run: same bytes, not its speed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpack import target as tgt
+from mpack.convert import driver
+from mpack.convert.checkpoint import (
+    Checkpoint,
+    check_scale_values,
+    find_layers,
+    float32_values,
+    open_checkpoint,
+    read_scale_array,
+)
+from mpack.convert.pipeline import (
+    ConvertResult,
+    Progress,
+    _act_dtype,
+    _bump_unless,
+    _Counter,
+    _finish,
+    _host_path,
+    _manifest,
+    _open_writers,
+    _seconds,
+    _watched,
+    check_device_here,
+    resolve_device,
+)
+from mpack.convert.plan import OutLayer, Plan, check_fusion_tp, make_plan
+from mpack.convert.scheme_check import SchemeCheck
+from mpack.convert.source import ResolvedSource, resolve_source, source_files
+from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
+from mpack.convert.stream import Streamer, WriteItem, _flat_bytes
+from mpack.convert.timeline import Timeline
+from mpack.errors import (
+    MpackError,
+    OutputExistsError,
+    UnsupportedSchemeError,
+    UsageError,
+)
+from mpack.iokit import COPY_BYTES, copy_file, pool, put_or_abort
+from mpack.sidecar import (
+    CHUNK_BYTES,
+    COMMON_NAME,
+    COPIED_FILES,
+    MANIFEST_NAME,
+    HashingWriter,
+    rank_file_name,
+    target_of,
+)
+from mpack.target import ACT_DTYPES, BIAS, FUSIONS, PROFILES, SCALE, WEIGHT
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpack.convert.host import Buffers
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One target asked for: a TP size, a profile and an activation dtype (None: the
+    checkpoint's)."""
+
+    tp: int
+    profile: str
+    act_dtype: str | None
+
+
+def target_specs(
+    tp: int | Sequence[int], profile: str | Sequence[str], act_dtype: str | Sequence[str] | None
+) -> list[TargetSpec]:
+    """The cross product of the lists (a single value is a list of one), in the order given,
+    repeats dropped."""
+    tps = [tp] if isinstance(tp, int) else list(tp)
+    profiles = [profile] if isinstance(profile, str) else list(profile)
+    acts = [act_dtype] if act_dtype is None or isinstance(act_dtype, str) else list(act_dtype)
+    for what, values in (("--tp", tps), ("--profile", profiles), ("--act-dtype", acts)):
+        if not values:
+            raise UsageError(f"{what} is empty; give at least one value")
+    specs = [TargetSpec(*t) for t in itertools.product(tps, profiles, acts)]
+    return list(dict.fromkeys(specs))
+
+
+@dataclass
+class MultiConvertResult:
+    """What a run of several targets did: ``out`` (the directory of sidecars), ``results`` (one
+    :class:`~mpack.convert.pipeline.ConvertResult` per target written or up to date, ``out``
+    being ``OUT/<name>``), ``skipped`` (``(name, why)`` of each invalid target left out with
+    ``skip_invalid``)."""
+
+    out: Path
+    results: list[ConvertResult]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def up_to_date(self) -> bool:
+        return all(r.up_to_date for r in self.results)
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+def run_convert_many(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    specs: Sequence[TargetSpec],
+    *,
+    revision: str | None = None,
+    fuse: str = "vllm",
+    device: str = "auto",
+    passthrough: bool = True,
+    force: bool = False,
+    skip_invalid: bool = False,
+    progress: Progress | None = None,
+    scheme_check: SchemeCheck | None = None,
+) -> MultiConvertResult:
+    """Convert ``source`` into one sidecar per target of ``specs`` at ``OUT/<name>``, reading
+    the source once (Note [many targets]). The options are those of
+    :func:`mpack.convert.pipeline.run_convert`; ``skip_invalid``: leave out the targets that
+    cannot be planned (reported in ``skipped``) instead of refusing the run.
+
+    Raises:
+        UsageError: a misspelt profile, activation dtype, fusion or device, a TP below 1.
+        UnsupportedSchemeError: a target that cannot be planned (named, with why), unless
+            ``skip_invalid`` and another target can; every target when none can.
+        OutputExistsError: ``out`` is itself a sidecar; or (per target) as ``run_convert``.
+    """
+    tl = Timeline()
+    _check_options(specs, fuse, device)
+    out = output_path(out)
+    if (out / MANIFEST_NAME).exists():
+        raise OutputExistsError(
+            f"{out} is a sidecar; several targets go into a directory of sidecars (OUT/<target>/)",
+            hint="choose another -o directory for the targets",
+        )
+    src = resolve_source(str(source), revision, show_progress=progress is not None)
+    check_apart(out, src.path)
+    with _watched(src, scheme_check, tl) as watch:
+        with tl.span("main", "validate", start=tl.t0):
+            ck, plans, skipped = _open_and_plan_all(
+                src, watch.check, specs, fuse=fuse, passthrough=passthrough,
+                skip_invalid=skip_invalid,
+            )  # fmt: skip
+        names = source_files(src, ck.files)
+        records = functools.partial(watch.records, names)
+        made: dict[int, tuple[dict[str, Any], str]] = {}  # id(stage) -> manifest, digest
+        with contextlib.ExitStack() as stack:
+            stages = []
+            for plan in plans:
+                out_t = output_path(out / tgt.dir_name(plan.target))
+                parent = stack.enter_context(output_lock(out_t))
+                stages.append(
+                    stack.enter_context(
+                        staged_sidecar(
+                            out_t,
+                            plan.target,
+                            common=COMMON_NAME in plan.files,
+                            src=src,
+                            files=records,
+                            force=force,
+                            timeline=tl,
+                            parent=parent,
+                        )  # fmt: skip
+                    )
+                )
+            todo = [(p, s) for p, s in zip(plans, stages, strict=True) if not s.up_to_date]
+            if not todo:
+                watch.check_unchanged()  # the digests compared are of these files
+            else:
+                works = [s.work for _, s in todo]
+                written = _write_all([p for p, _ in todo], works, device, watch.check, progress,
+                                     tl)  # fmt: skip
+                with tl.span("main", "copy-files"):
+                    copied = _copy_files(src, names, works)
+                with tl.span("main", "wait-source-hashes"):
+                    files_src = records()
+                with tl.span("main", "wait-scheme-check"):
+                    watch.check.agree(ck)
+                with tl.span("main", "manifest"):
+                    watch.check_unchanged()
+                    for (plan, stage), w in zip(todo, written, strict=True):
+                        manifest = _manifest(plan, src, files_src, w, copied)
+                        made[id(stage)] = (manifest, stage.write_manifest(manifest))
+        # every stage swapped into place (in reverse order) when the stack closed
+    results = []
+    for plan, stage in zip(plans, stages, strict=True):
+        if stage.up_to_date:
+            m, digest = stage.current
+            results.append(ConvertResult(stage.out, m, digest, up_to_date=True,
+                                         seconds=_seconds(tl, done=False)))  # fmt: skip
+        else:
+            m, digest = made[id(stage)]
+            results.append(ConvertResult(stage.out, m, digest, up_to_date=False,
+                                         seconds=_seconds(tl, done=True),
+                                         bytes_written=plan.total_bytes,
+                                         timeline=tl.spans()))  # fmt: skip
+    return MultiConvertResult(out, results, skipped)
+
+
+def _check_options(specs: Sequence[TargetSpec], fuse: str, device: str) -> None:
+    """Misspelt values refuse the run whatever ``skip_invalid`` says: they are typos, not
+    targets this checkpoint cannot have."""
+    for s in specs:
+        if s.profile not in PROFILES:
+            raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {s.profile!r}")
+        if s.act_dtype is not None and s.act_dtype not in ACT_DTYPES:
+            raise UsageError(f"--act-dtype must be {' or '.join(ACT_DTYPES)}, got {s.act_dtype!r}")
+        if s.tp < 1:
+            raise UsageError(f"--tp must be at least 1, got {s.tp}")
+    if fuse not in FUSIONS:
+        raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
+    check_device_here(device)
+
+
+def _open_and_plan_all(
+    src: ResolvedSource,
+    check: SchemeCheck,
+    specs: Sequence[TargetSpec],
+    *,
+    fuse: str,
+    passthrough: bool,
+    skip_invalid: bool,
+) -> tuple[Checkpoint, list[Plan], list[tuple[str, str]]]:
+    """Parse the headers and find the layers once, then plan every target. Errors of the
+    checkpoint itself (any target would hit them) stop the run as in a single one."""
+    with check.errors_first():
+        ck = open_checkpoint(src.path, scheme=not check.deferred)
+        find_layers(ck)
+        plans: dict[str, Plan] = {}
+        bad: list[tuple[str, MpackError]] = []
+        for s in specs:
+            act = _act_dtype(ck, s.act_dtype)
+            name = tgt.dir_name(target_of(profile=s.profile, act_dtype=act, tp=s.tp, fusion=fuse))
+            if name in plans or any(n == name for n, _ in bad):
+                continue  # the checkpoint's dtype named both ways
+            try:
+                check_fusion_tp(fuse, s.tp)
+                plans[name] = make_plan(ck, profile=s.profile, act_dtype=act, tp=s.tp,
+                                        fusion=fuse, passthrough=passthrough)  # fmt: skip
+            except (UnsupportedSchemeError, UsageError) as e:
+                bad.append((name, e))
+    if bad and not plans and len({str(e) for _, e in bad}) == 1:
+        raise bad[0][1]  # one error for every target: the checkpoint's own
+    if bad and (not skip_invalid or not plans):
+        listed = "; ".join(f"{n}: {e}" for n, e in bad)
+        raise UnsupportedSchemeError(
+            f"{len(bad)} of {len(bad) + len(plans)} targets cannot be made: {listed}",
+            hint="drop them from --tp / --profile / --act-dtype, or pass --skip-invalid to "
+            "convert the others",
+        )
+    units = [[(ly.name, _modules(ly)) for ly in (u[0] for u in p.units)] for p in plans.values()]
+    assert all(u == units[0] for u in units), "targets of one fusion share their units"
+    return ck, list(plans.values()), [(n, str(e)) for n, e in bad]
+
+
+def _modules(layer: OutLayer) -> list[str]:
+    return list(dict.fromkeys(p.module for p in layer.pieces))
+
+
+# --- stream every target ------------------------------------------------------------------
+
+
+def _write_all(
+    plans: list[Plan],
+    works: list[Path],
+    device: str,
+    check: SchemeCheck,
+    progress: Progress | None,
+    tl: Timeline,
+) -> list[dict[str, dict[str, Any]]]:
+    """Stream every target's files into its work directory; ``{file: {size, chunks}}`` per
+    target (as :func:`mpack.convert.pipeline._write_all` does for one)."""
+    ck = plans[0].ckpt
+    with contextlib.ExitStack() as stack:
+        with tl.span("main", "setup"):
+            writers = [_open_writers(p, w, stack) for p, w in zip(plans, works, strict=True)]
+            count = _Counter(progress, plans[0])
+            count.total = sum(p.total_bytes for p in plans)
+            for ws in writers:
+                for w in ws.values():
+                    count.add_bytes(w.position)
+        stop = threading.Event()
+        with pool("copy", 1) as copier:
+            copied = None
+            commons = [ws[COMMON_NAME] for ws in writers if COMMON_NAME in ws]
+            if commons:
+                bump = functools.partial(_bump_unless, stop, count.add_bytes)
+                copied = copier.submit(copy_tensors_many, ck.read_into, commons, bump, tl)
+            try:
+                sinks = _sinks(plans, writers, device, tl, stack)
+                with tl.span("main", "validate-values"), check.errors_first():
+                    _validate_values(ck, {p.act_dtype for p in plans})
+                with tl.span("main", "stream"):
+                    _stream(sinks, count, tl, stack)
+            except BaseException:
+                stop.set()
+                raise
+            if copied is not None:
+                copied.result()
+        with tl.span("main", "finish"):
+            return [{name: _finish(w) for name, w in ws.items()} for ws in writers]
+
+
+def copy_tensors_many(
+    read_into: Callable[[str, memoryview, int], None],
+    writers: list[HashingWriter],
+    bump: Callable[[int], None],
+    tl: Any,
+) -> None:
+    """:func:`mpack.iokit.copy_tensors` into several files that plan the same tensors (each at
+    its own offset: their headers differ): each piece is read once and written to all."""
+    buf = memoryview(bytearray(COPY_BYTES))
+    for entry in writers[0].layout.entries:
+        at = [w.layout.entry(entry.name).offset for w in writers]
+        for pos in range(0, entry.nbytes, COPY_BYTES):
+            view = buf[: min(COPY_BYTES, entry.nbytes - pos)]
+            t = time.perf_counter()
+            read_into(entry.name, view, pos)
+            t = tl.add("copy", "read", t, time.perf_counter())
+            for w, off in zip(writers, at, strict=True):
+                w.write_at(off + pos, view)
+                bump(len(view))
+            tl.add("copy", "write", t, time.perf_counter())
+
+
+def _copy_files(src: ResolvedSource, names: list[str], works: list[Path]) -> list[dict[str, Any]]:
+    """The config and tokenizer files: from the source into the first work directory, from
+    there into the others (the same bytes, so the same records)."""
+    records = []
+    for n in names:
+        if n not in COPIED_FILES:
+            continue
+        rec = copy_file(src.path / n, works[0] / n, CHUNK_BYTES)
+        for w in works[1:]:
+            assert copy_file(works[0] / n, w / n, CHUNK_BYTES) == rec
+        records.append(rec)
+    return records
+
+
+def _validate_values(ck: Checkpoint, acts: set[str]) -> None:
+    """Every layer's scale values (SPEC §1), read once, for each activation dtype."""
+    for module in ck.layers:
+        scale = read_scale_array(ck, module)
+        for act in sorted(acts):
+            check_scale_values(ck, module, scale, act)
+
+
+@dataclass
+class _Sink:
+    """One target of the stream: its plan and writers, and where its transform runs (``dev``
+    a torch device, or None: the host path, on ``gpu`` when given)."""
+
+    plan: Plan
+    writers: dict[str, HashingWriter]
+    dev: Any = None
+    gpu: driver.GpuRepack | None = None
+    transform: Callable[[OutLayer, dict[str, Any]], list[Any]] | None = None
+
+
+def _sinks(
+    plans: list[Plan],
+    writers: list[dict[str, HashingWriter]],
+    device: str,
+    tl: Timeline,
+    stack: contextlib.ExitStack,
+) -> list[_Sink]:
+    """Each target's path, as :func:`mpack.convert.pipeline.open_device` picks it for a single
+    run; the GPU (driver path) and torch are opened once for all."""
+    from mpack.convert import host
+
+    sinks, gpu, tried, dev = [], None, False, None
+    for plan, ws in zip(plans, writers, strict=True):
+        if _host_path(device, plan):
+            sinks.append(_Sink(plan, ws))
+            continue
+        if device != "cpu" and host.supported(plan):
+            if not tried:
+                tried = True
+                with tl.span("main", "driver"):
+                    gpu = driver.open_gpu(device, plan)
+                if gpu is not None:
+                    stack.callback(gpu.close)
+            if gpu is not None:
+                sinks.append(_Sink(plan, ws, gpu=gpu))
+                continue
+        if dev is None:
+            with tl.span("main", "torch"):
+                dev = resolve_device(device)
+        sinks.append(_Sink(plan, ws, dev=dev))
+    return sinks
+
+
+def _stream(sinks: list[_Sink], count: _Counter, tl: Timeline, stack: contextlib.ExitStack) -> None:
+    from mpack.convert import host, host_repack
+
+    gpu = next((s.gpu for s in sinks if s.gpu is not None), None)
+    on_cpu = any(s.gpu is None and (s.dev is None or s.dev.type == "cpu") for s in sinks)
+    threads = stack.enter_context(host_repack.block_pool()) if on_cpu else None
+    buffers = host.Buffers() if gpu is None else gpu.buffers()
+    stack.callback(buffers.close)
+    for s in sinks:
+        act = s.plan.act_dtype
+        if s.dev is None:
+            s.transform = functools.partial(host.transform, act_dtype=act, pool=threads,
+                                            buffers=buffers, gpu=s.gpu)  # fmt: skip
+        else:
+            from mpack.convert.transform import transform
+
+            pool_ = threads if s.dev.type == "cpu" else None
+            s.transform = functools.partial(transform, act_dtype=act, pool=pool_)
+    MultiStreamer(sinks, buffers, count.add_bytes, count.unit_done, tl).run()
+
+
+def read_raw(ck: Checkpoint, unit: list[OutLayer], buffers: Buffers) -> dict[str, Any]:
+    """A unit's checkpoint tensors as they are stored, read once for every target: weights
+    uint8 ``[N, K]`` (into ``buffers``' arrays), scales float32, biases ``(bytes, dtype)``."""
+    src: dict[str, Any] = {}
+    for module in _modules(unit[0]):
+        wname = f"{module}.{WEIGHT}"
+        t = ck.tensors[wname]
+        src[wname] = ck.read_bytes(wname, buffers.take(t.nbytes)).reshape(t.shape)
+        src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
+        if unit[0].has_bias:
+            bname = f"{module}.{BIAS}"
+            src[bname] = (ck.read_bytes(bname), ck.tensors[bname].dtype)
+    return src
+
+
+def host_src(raw: dict[str, Any], act: str) -> dict[str, np.ndarray]:
+    """What :func:`mpack.convert.host.read_unit` gives, from :func:`read_raw`'s arrays: the
+    biases cast to ``act`` (uint16 bits)."""
+    from mpack.convert.host import act_bits
+
+    st = tgt.act_dtype(act).st
+    out = {}
+    for name, x in raw.items():
+        if isinstance(x, tuple):
+            b, dt = x
+            x = b.view("<u2") if dt == st else act_bits(float32_values(b, dt), act)
+        out[name] = x
+    return out
+
+
+def torch_src(raw: dict[str, Any], ck: Checkpoint, dev: torch.device) -> dict[str, torch.Tensor]:
+    """What :func:`mpack.convert.transform.read_unit` gives, over :func:`read_raw`'s arrays:
+    weights uint8 (on ``dev``), scales float32, biases in their stored dtype (on the host)."""
+    import torch
+
+    from mpack.sidecar import torch_dtype
+
+    out = {}
+    for name, x in raw.items():
+        if isinstance(x, tuple):
+            b, dt = x
+            out[name] = torch.from_numpy(b).view(torch_dtype(dt)).reshape(ck.tensors[name].shape)
+        elif name.endswith(f".{WEIGHT}"):
+            w = torch.from_numpy(x)
+            out[name] = w.to(dev) if dev.type != "cpu" else w
+        else:
+            out[name] = torch.from_numpy(x)
+    return out
+
+
+class MultiStreamer(Streamer):
+    """:class:`mpack.convert.stream.Streamer`'s three stages for several targets: the read
+    stage reads each unit once (:func:`read_raw`), the transform stage runs every target's
+    transform on it, and the one writer writes every target's results. The unit's arrays are
+    handed back to ``buffers`` once every target has transformed it."""
+
+    def __init__(
+        self,
+        sinks: list[_Sink],
+        buffers: Buffers,
+        on_written: Callable[[int], None],
+        on_unit: Callable[[int], None] | None,
+        timeline: Timeline,
+    ) -> None:
+        first = sinks[0]
+        read = functools.partial(read_raw, buffers=buffers)
+        super().__init__(first.plan, first.writers, None, _unused, on_written, on_unit, timeline,
+                         read, buffers.give)  # fmt: skip
+        self.sinks = sinks
+        self._index = 0
+
+    def _transform_unit(self, unit: list[OutLayer], src: dict[str, Any], ready: Any) -> None:
+        i, self._index = self._index, self._index + 1
+        acts: dict[str, dict[str, Any]] = {}
+        for s in self.sinks:
+            if s.dev is None:
+                act = s.plan.act_dtype
+                if act not in acts:
+                    acts[act] = host_src(src, act)
+                mine = acts[act]
+            else:
+                mine = torch_src(src, self.plan.ckpt, s.dev)
+            for layer in s.plan.units[i]:
+                outs = s.transform(layer, mine)  # type: ignore[misc]
+                self._emit_to(s, layer, outs)
+
+    def _emit_to(self, s: _Sink, layer: OutLayer, outs: list[Any]) -> None:
+        """Queue a layer's results for the writer, as host bytes (a torch target's CUDA
+        results are copied back first)."""
+        w = s.writers[rank_file_name(layer.rank, s.plan.tp)]
+        for spec, tensor in zip(layer.tensor_specs(s.plan.act_dtype), outs, strict=True):
+            entry = w.layout.entry(spec.name)
+            if not isinstance(tensor, np.ndarray) and tensor.is_cuda:
+                tensor = tensor.cpu()
+            flat = _flat_bytes(tensor)
+            assert flat.nbytes == entry.nbytes, spec.name
+            owner = tensor if isinstance(tensor, np.ndarray) else None
+            put_or_abort(self._writes, WriteItem(w, entry.offset, flat, owner=owner), self.abort)
+
+
+def _unused(layer: OutLayer, src: dict[str, Any]) -> list[Any]:
+    raise AssertionError("MultiStreamer transforms per target")
