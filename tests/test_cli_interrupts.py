@@ -18,7 +18,7 @@ from mpack import cli
 from mpack.fixtures import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import cli_env, cli_popen  # noqa: E402
+from helpers import cli_env, cli_popen, default_signals  # noqa: E402
 
 from mpack.convert.staging import work_dirs  # noqa: E402
 
@@ -42,7 +42,8 @@ sys.exit(cli.main(["layout", "64", "128", *[a for a in sys.argv[2:] if a != "--i
 
 def _self_signal(name: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", SELF_SIGNAL, name, *extra], capture_output=True,
-                          text=True, env=cli_env(), timeout=120)  # fmt: skip
+                          text=True, env=cli_env(), timeout=120,
+                          preexec_fn=default_signals)  # fmt: skip
 
 
 @pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])

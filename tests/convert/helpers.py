@@ -61,6 +61,17 @@ def python_c(
     return r.stdout
 
 
+def default_signals() -> None:
+    """In the child: SIGINT and SIGTERM as a terminal's foreground job has them. A test suite
+    run as a background job (`make test &`, some CI runners) starts with SIGINT ignored, and
+    mpack keeps an ignored signal ignored (Note [interrupts]), so a test that interrupts a
+    command must not inherit that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def cli_popen(*args: str | os.PathLike, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m mpack.cli ARGS`` without waiting (output captured to pipes)."""
     return subprocess.Popen(
@@ -69,6 +80,7 @@ def cli_popen(*args: str | os.PathLike, env: dict[str, str] | None = None) -> su
         stderr=subprocess.PIPE,
         text=True,
         env=cli_env(env),
+        preexec_fn=default_signals,
     )
 
 
