@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The CI pre-bake recipe (docs/CI.md): convert one model to every target asked for in one read
+# of the source, re-derive every target from the source, and push them all to one Hub repo.
+# examples/github-actions/prebake.yml calls it, and so can any other CI system: it needs bash,
+# python3 (to read mpack's JSON) and mpack on PATH, installed with CPU torch first.
+#
+#   usage: prebake.sh [all|build|push]
+#
+#   build  mpack convert, then mpack verify --require-source for each target
+#   push   mpack push OUT PUSH_REPO, after build: a separate step, so that only it needs the
+#          Hub token
+#   all    build, then push (the default)
+#
+# Settings are environment variables, so that a CI system hands over values, never shell code:
+#   MODEL          the source: a Hub repo id (org/name) or a checkpoint directory. Required.
+#   REVISION       its branch, tag or commit (Hub ids only; default main). A commit makes the
+#                  bake repeatable: every manifest records the commit it was made from.
+#   TP             tensor-parallel sizes, a comma list (default 1)
+#   PROFILE        w8a16 and/or w8a8-marlin, a comma list (default w8a16)
+#   ACT_DTYPE      bfloat16 and/or float16, a comma list (default: the checkpoint's dtype)
+#   SKIP_INVALID   1: leave out the targets this model cannot have (a TP that does not divide
+#                  its heads) instead of failing the run
+#   OUT            where the sidecars go (default out): OUT/<target>/, or OUT itself for one target
+#   REPORTS        where mpack's JSON documents go (default reports): convert.json,
+#                  verify-<target>.json, push.json
+#   PUSH_REPO      the Hub repo to push to, namespace/name. Required for push.
+#   PUSH_REVISION  the branch to push to (default: the repo's main)
+#   PUSH_DRY_RUN   1 or true: check the sidecars and print the files and the card; send nothing
+# The Hub settings are huggingface_hub's: HF_TOKEN, HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE.
+set -euo pipefail
+
+OUT=${OUT:-out}
+REPORTS=${REPORTS:-reports}
+
+is_true() {
+  case "$1" in 1 | true | True | TRUE | yes) return 0 ;; *) return 1 ;; esac
+}
+
+# mpack uses its cache only if the folders and entries are yours and not writable by group or
+# others (docs/RUNTIME.md, "mpack's cache"); else it ignores them and redoes the work. A CI cache
+# is restored with the modes it was saved with, which a runner's umask may have made wider, so
+# take group and other write away. Ownership cannot be fixed here: restore the cache as the user
+# that runs mpack. Only restore a cache your own trusted runs saved: entries are not signed.
+trust_cache() {
+  local dir=${MPACK_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/mpack}
+  if [ -d "$dir" ] && [ ! -L "$dir" ]; then
+    chmod -R go-w "$dir" ||
+      echo "prebake: could not restrict $dir (not yours?); mpack will not use its entries" >&2
+  fi
+}
+
+# Reads mpack's JSON documents: python3 has json in its standard library, jq is not everywhere.
+report() {
+  python3 - "$@" <<'PY'
+import json, sys
+from pathlib import Path
+
+what, doc = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+if what == "targets":  # convert.json -> the sidecar of each target, one a line
+    out = Path(sys.argv[3]).resolve()
+    targets = doc["targets"] if "targets" in doc else [doc]
+    made = {Path(t["out"]).resolve() for t in targets}
+    for t in doc.get("skipped", []):
+        print(f"prebake: skipped {t['name']}: {t['reason']}", file=sys.stderr)
+    # A target folder this run did not make (a self-hosted runner's OUT from an earlier run
+    # with other targets) would go to the Hub with the rest: stop before verifying anything.
+    stale = sorted(d.name for d in (out.iterdir() if out.is_dir() else ())
+                   if d.is_dir() and (d / "mpack.json").is_file() and d.resolve() not in made)
+    if out not in made and stale:
+        sys.exit(f"prebake: {out} holds targets this run did not make: {', '.join(stale)}; "
+                 "remove them, or start from an empty OUT")
+    for t in targets:
+        print(t["out"])
+elif what == "verify":
+    print(f"prebake: verified {doc['sidecar']}: {doc['tensors_compared']} tensors re-derived "
+          f"from {doc['source']}")
+elif what == "push":
+    done = "would send" if doc.get("dry_run") else "sent"
+    print(f"prebake: {done} {len(doc['files'])} files, {doc['bytes']} bytes, to "
+          f"{doc['repo_id']} ({doc.get('url') or 'dry run'})")
+    for f in doc["files"]:
+        print(f"  {f['path']}  {f['size']}")
+    if doc.get("dry_run"):
+        print(doc["card"])
+PY
+}
+
+build() {
+  : "${MODEL:?set MODEL to a Hub repo id (org/name) or a checkpoint directory}"
+  trust_cache
+  mkdir -p "$REPORTS"
+  local args=(convert "$MODEL" -o "$OUT" --tp "${TP:-1}" --profile "${PROFILE:-w8a16}" --json)
+  if [ -n "${ACT_DTYPE:-}" ]; then args+=(--act-dtype "$ACT_DTYPE"); fi
+  if [ -n "${REVISION:-}" ]; then args+=(--revision "$REVISION"); fi
+  if is_true "${SKIP_INVALID:-0}"; then args+=(--skip-invalid); fi
+  echo "+ mpack ${args[*]}" >&2
+  mpack "${args[@]}" >"$REPORTS/convert.json"
+  local targets dirs dir
+  targets=$(report targets "$REPORTS/convert.json" "$OUT")
+  mapfile -t dirs <<<"$targets"
+  # verify takes one sidecar: each target is re-derived from the source on its own (one read
+  # of the source each; the source is in the HF cache by now, and verify --source reads the
+  # commit the manifest records, not whatever main is now).
+  for dir in "${dirs[@]}"; do
+    [ -n "$dir" ] || continue # every target skipped
+    echo "+ mpack verify $dir --source $MODEL --require-source --json" >&2
+    mpack verify "$dir" --source "$MODEL" --require-source --json \
+      >"$REPORTS/verify-$(basename "$dir").json"
+    report verify "$REPORTS/verify-$(basename "$dir").json"
+  done
+}
+
+push() {
+  : "${PUSH_REPO:?set PUSH_REPO to the Hub repo to push to (namespace/name)}"
+  mkdir -p "$REPORTS"
+  local args=(push "$OUT" "$PUSH_REPO" --json)
+  if [ -n "${PUSH_REVISION:-}" ]; then args+=(--revision "$PUSH_REVISION"); fi
+  if is_true "${PUSH_DRY_RUN:-0}"; then args+=(--dry-run); fi
+  echo "+ mpack ${args[*]}" >&2
+  mpack "${args[@]}" >"$REPORTS/push.json"
+  report push "$REPORTS/push.json"
+}
+
+case "${1:-all}" in
+  build) build ;;
+  push) push ;;
+  all)
+    build # not `build && push`: bash ignores set -e inside a && list
+    push
+    ;;
+  *)
+    echo "usage: $0 [all|build|push]" >&2
+    exit 2
+    ;;
+esac
