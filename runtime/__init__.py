@@ -25,30 +25,48 @@ if TYPE_CHECKING:
 __all__ = ["SharedWeights", "attach", "load", "serve"]
 
 
-def load(sidecar: Any, *, rank: int = 0, device: str = "cpu") -> SharedWeights:
-    """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``)."""
+def load(
+    sidecar: Any, *, rank: int = 0, device: str = "cpu", revision: str | None = None
+) -> SharedWeights:
+    """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``).
+
+    ``sidecar``: a directory, or a Hub repo id ``org/name[/<target>][@revision]`` (or
+    ``revision=``): only this rank's files are fetched (``mpack.hub_sidecar``, docs/HUB.md)."""
+    from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.loader import load as _load
 
-    return _load(sidecar, rank=rank, device=device)
+    path = resolve_sidecar(sidecar, revision, rank=rank)
+    return _load(path, rank=rank, device=device)
 
 
 def attach(
-    sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None, **kw: Any
+    sidecar: Any,
+    *,
+    rank: int = 0,
+    device: str = "cpu",
+    socket: Any = None,
+    revision: str | None = None,
+    **kw: Any,
 ) -> SharedWeights:
     """Zero-copy read-only views of a daemon's memory (see ``mpack.runtime.client.attach``;
-    ``timeout`` there)."""
+    ``timeout`` there). ``sidecar``: a directory or a Hub repo id, as for :func:`load`; only
+    its ``mpack.json`` is fetched (the daemon is found by the manifest's digest)."""
+    from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.client import attach as _attach
 
-    return _attach(sidecar, rank=rank, device=device, socket=socket, **kw)
+    path = resolve_sidecar(sidecar, revision, fetch="manifest")
+    return _attach(path, rank=rank, device=device, socket=socket, **kw)
 
 
 def serve(
     sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None, **kw: Any
 ) -> None:
-    """Run the daemon in this process until SIGTERM/SIGINT (see ``mpack.runtime.daemon.serve``)."""
+    """Run the daemon in this process until SIGTERM/SIGINT (see ``mpack.runtime.daemon.serve``);
+    ``sidecar`` a directory or a Hub repo id, as for :func:`load`."""
+    from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.daemon import serve as _serve
 
-    _serve(sidecar, rank=rank, device=device, socket_path=socket, **kw)
+    _serve(resolve_sidecar(sidecar, rank=rank), rank=rank, device=device, socket_path=socket, **kw)
 
 
 def __getattr__(name: str) -> Any:

@@ -78,6 +78,7 @@ from mpack.sidecar import (
     load_manifest,
     read_layout,
 )
+from mpack.target import dir_name
 
 log = logging.getLogger("mpack.vllm")
 
@@ -104,29 +105,60 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def sidecar_dir(opts: Options, model: str) -> Path:
-    """The sidecar: ``{"sidecar": PATH}``, else the model directory itself."""
+def sidecar_dir(
+    opts: Options,
+    model: str,
+    revision: str | None = None,
+    *,
+    rank: int | None = None,
+    target: dict[str, Any] | None = None,
+) -> Path:
+    """The sidecar, as a local directory: ``{"sidecar": PATH_OR_REPO_ID}``, else the model
+    itself (a directory, or a Hub repo id at vLLM's ``--revision``).
+
+    A repo id is fetched through the HF cache (mpack/hub_sidecar.py): the manifest, then the
+    files of TP rank ``rank`` (every rank's for None). ``target``: the engine's target, whose
+    folder is taken in a multi-target repo (or directory) named without one. vLLM's
+    ``--revision`` is the model's: a ``"sidecar"`` beside another checkpoint takes its own
+    ``@revision``."""
+    from mpack.hub_sidecar import resolve_sidecar
+
     if opts.sidecar:
-        return Path(opts.sidecar)
-    if (Path(model) / MANIFEST_NAME).is_file():
-        return Path(model)
+        return resolve_sidecar(opts.sidecar, rank=rank, target=target)
+    local = Path(model).exists()
+    path = resolve_sidecar(model, None if local else revision, rank=rank, target=target)
+    if (path / MANIFEST_NAME).is_file():
+        return path
     raise InputError(
-        f"{model}: not an mpack sidecar (no {MANIFEST_NAME}) and no sidecar named",
-        hint="serve the sidecar directory as the model, or pass "
-        '--model-loader-extra-config \'{"sidecar": "PATH"}\'',
+        f"{model}: not an mpack sidecar (no {MANIFEST_NAME}"
+        + (f", nor a folder {dir_name(target)} holding one" if target else "")
+        + ") and no sidecar named",
+        hint="serve the sidecar (a directory or Hub repo id) as the model, or pass "
+        '--model-loader-extra-config \'{"sidecar": "PATH_OR_REPO_ID"}\'',
     )
+
+
+def engine_target(engine: dict[str, Any]) -> dict[str, Any]:
+    """The target the engine runs (a manifest's ``target`` keys, for its folder name)."""
+    return {"tp_size": engine["tp_size"], "profile": engine["profile"],
+            "act_dtype": engine["dtype"], "fusion": "vllm"}  # fmt: skip
 
 
 # --- checks against the engine (before any model memory): runtime/vllm_checks.py ----------------
 
 
-def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
-    import vllm
-    from vllm.distributed import get_tensor_model_parallel_world_size
+def _capability() -> int | None:
     from vllm.platforms import current_platform
 
     cap = current_platform.get_device_capability()
-    capability = cap.to_int() if cap is not None else None
+    return cap.to_int() if cap is not None else None
+
+
+def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
+    import vllm
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    capability = _capability()
     qc = getattr(model_config.hf_config, "quantization_config", None)
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         raise EngineMismatchError(
@@ -248,9 +280,12 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
             f"(--pipeline-parallel-size {pp})",
             hint="use tensor parallelism (mpack convert --tp N)",
         )
-    sidecar = sidecar_dir(opts, model_config.model)
-    manifest, _ = load_manifest(sidecar)
+    from vllm.distributed import get_tensor_model_parallel_rank
+
     engine = _engine_facts(vllm_config, model_config)
+    sidecar = sidecar_dir(opts, model_config.model, model_config.revision,
+                          rank=get_tensor_model_parallel_rank(), target=engine_target(engine))  # fmt: skip
+    manifest, _ = load_manifest(sidecar)
     check_target(manifest, engine, sidecar)
     dims = engine["model"]
     check_layers(manifest, marlin_layer_names(vllm_config.quant_config, dims["num_hidden_layers"]),
@@ -260,7 +295,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         common = read_layout(sidecar / COMMON_NAME, follow=False)
         check_common({e.name: e.shape for e in common.entries}, manifest["layers"], dims,
                      engine["tied"], sidecar / COMMON_NAME)  # fmt: skip
-    elif (Path(model_config.model) / MANIFEST_NAME).is_file():
+    elif not opts.sidecar:  # the model argument is the sidecar: there is no checkpoint
         raise InputError(
             f"{model_config.model}: the sidecar has no {COMMON_NAME} (written with "
             "--no-passthrough), so vLLM has no embeddings, norms or lm_head to load",
@@ -294,7 +329,22 @@ def loader_class() -> type:
             )
 
         def download_model(self, model_config: Any) -> None:
-            pass  # the sidecar is local; a Hub model argument is resolved by vLLM itself
+            """Fetch the sidecar ahead of ``load_model`` (every rank's files: this call has no
+            rank), at the current engine's target when a config is set."""
+            from vllm.config import get_current_vllm_config_or_none
+
+            cfg = get_current_vllm_config_or_none()
+            target = None
+            if cfg is not None and cfg.model_config is not None:
+                qc = getattr(model_config.hf_config, "quantization_config", None)
+                with contextlib.suppress(MpackError, TypeError, AttributeError):
+                    target = {
+                        "tp_size": cfg.parallel_config.tensor_parallel_size,
+                        "profile": expected_profile(qc, _capability()),
+                        "act_dtype": str(model_config.dtype).removeprefix("torch."),
+                        "fusion": "vllm",
+                    }
+            sidecar_dir(self.options, model_config.model, model_config.revision, target=target)
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             checked = getattr(model, "_mpack_checked", None)

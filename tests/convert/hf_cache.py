@@ -43,8 +43,9 @@ def add_repo(
         lfs = name.endswith(".safetensors")
         blob = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
         (root / "blobs" / blob).write_bytes(data)
-        if name not in missing:
-            os.symlink(f"../../blobs/{blob}", snap / name)
+        if name not in missing:  # a name in a folder ("tp2-w8a16-bfloat16/mpack.json") too
+            (snap / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.path.relpath(root / "blobs" / blob, (snap / name).parent), snap / name)
         tree[name] = {"size": len(data), "blob_id": git_blob_sha1(data)}
         if lfs:
             tree[name].update(lfs_sha256=blob, lfs_size=len(data))
