@@ -152,25 +152,6 @@ def recorded_origin(sidecar: Path) -> tuple[str, str | None]:
     return "a source its mpack.json does not record", None
 
 
-@contextlib.contextmanager
-def _hub_progress(show: bool) -> Iterator[None]:
-    """huggingface_hub's own progress bars only when mpack shows progress (not --json/--quiet)."""
-    from huggingface_hub.utils import (
-        are_progress_bars_disabled,
-        disable_progress_bars,
-        enable_progress_bars,
-    )
-
-    was_disabled = are_progress_bars_disabled()
-    if not show:
-        disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not show and not was_disabled:
-            enable_progress_bars()
-
-
 def cached_source(repo: str, revision: str) -> ResolvedSource:
     """``repo`` at ``revision`` from the local Hugging Face cache only: never a network call
     (``local_files_only``), whatever ``HF_HUB_OFFLINE`` says.
@@ -199,7 +180,9 @@ def _snapshot(
 
     rev = f"@{revision}" if revision else ""
     try:
-        with _hub_progress(show_progress):
+        from mpack.hub import hub_progress  # the one owner of that switch
+
+        with hub_progress(show_progress):
             path = Path(
                 snapshot_download(
                     repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS,

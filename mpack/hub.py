@@ -480,7 +480,7 @@ def push(plan: PushPlan, *, api: Any = None, show_progress: bool = False) -> Pus
         api = HfApi(library_name="mpack", library_version=__version__)
     rid, rev = plan.repo_id, plan.revision
     branch = rev if rev and rev != "main" else None
-    with _hub_errors(rid, rev, api), _progress_bars(show_progress):
+    with _hub_errors(rid, rev, api), hub_progress(show_progress):
         api.create_repo(rid, repo_type="model", private=plan.private, exist_ok=True)
         if branch:
             api.create_branch(rid, branch=branch, repo_type="model", exist_ok=True)
@@ -546,8 +546,9 @@ def _commit_description(plan: PushPlan) -> str:
 
 
 @contextlib.contextmanager
-def _progress_bars(show: bool) -> Iterator[None]:
-    """huggingface_hub's upload bars only when mpack shows progress (not --json/--quiet)."""
+def hub_progress(show: bool) -> Iterator[None]:
+    """huggingface_hub's own progress bars (downloads, uploads) only when mpack shows progress
+    (not --json/--quiet). Also convert's, for a Hub source."""
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,
