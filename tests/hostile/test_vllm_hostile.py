@@ -166,7 +166,7 @@ BAD: dict[str, dict[str, Any]] = {
     "1-layer-config-forged": dict(
         about=r"no weights for layer", needs=("model.layers.1", "mpack.json")
     ),
-    "layers-empty": dict(about=r"layers is empty", needs=("mpack.json",)),
+    "layers-empty": dict(about=r"lists no layers", needs=("mpack.json",)),
     "config-missing-vocab": dict(about=r"model\.config has no vocab_size", needs=("1000",)),
     "common-without-norm": dict(about=r"has no model\.norm\.weight", needs=(COMMON_NAME,)),
     # Known only once vLLM has built the model: Qwen3's q/k norms are the architecture's own.
