@@ -155,6 +155,19 @@ def shown(value: object, limit: int = QUOTE_LIMIT) -> str:
     return quote(value, limit)
 
 
+#: Problems a message lists one by one; the rest are counted.
+MAX_LISTED = 20
+
+
+def listed(problems: list[str], limit: int = 1000) -> str:
+    """``problems`` for a message, one per indented line: at most :data:`MAX_LISTED`, each
+    escaped and capped at ``limit`` characters (:func:`shown`), then how many more."""
+    lines = [shown(p, limit) for p in problems[:MAX_LISTED]]
+    if len(problems) > MAX_LISTED:
+        lines.append(f"... and {len(problems) - MAX_LISTED} more")
+    return "\n  " + "\n  ".join(lines)
+
+
 def environment_failure(exc: OSError, doing: str = "") -> EnvironmentFailure:
     """An ``EnvironmentFailure`` for an ``OSError`` whose errno is in ``ENVIRONMENT_ERRNOS``."""
     where = exc.filename if exc.filename is not None else "?"

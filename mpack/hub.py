@@ -39,17 +39,14 @@ from mpack.errors import (
     SourceNotFoundError,
     UsageError,
     VerificationError,
+    listed,
 )
 from mpack.sidecar import (
-    COMMON_NAME,
     COPIED_FILES,
     MANIFEST_NAME,
-    check_files,
     load_manifest,
-    rank_tensor_problems,
-    read_layout,
     regenerate_hint_of,
-    safetensors_files,
+    sidecar_problems,
 )
 from mpack.target import dir_name
 
@@ -59,8 +56,6 @@ CARD_NAME = "README.md"
 GITATTRIBUTES = ".gitattributes"
 #: Tags of every pushed repo (the Hub lists them on the page and filters by them).
 TAGS = ("mpack", "marlin", "fp8", "compressed-tensors", "vllm")
-#: Problems listed one by one when a sidecar fails its checks.
-MAX_LISTED = 20
 #: ``namespace/name``: the Hub's repo id characters; huggingface_hub checks the finer rules.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -268,24 +263,12 @@ def _stamps(d: Path, m: Mapping[str, Any]) -> dict[Path, tuple[int, int, int, in
 
 
 def _check_sidecar(d: Path, m: dict[str, Any]) -> None:
-    """Check 1 of ``mpack verify`` (mpack/verify/check.py), from the core's parts: every
-    listed file's size and digests, no unlisted file, the safetensors headers parse and the
-    rank files hold the tensors the manifest implies. Raises ``VerificationError``."""
-    problems = check_files(d, m)
-    for name in safetensors_files(m):
-        try:
-            layout = read_layout(d / name, follow=False)
-        except InputError as e:
-            problems.append(str(e))
-            continue
-        if name != COMMON_NAME:
-            problems += rank_tensor_problems(layout, m, name)
+    """Check 1 of ``mpack verify`` (:func:`mpack.sidecar.sidecar_problems`). Raises
+    ``VerificationError``."""
+    problems = sidecar_problems(d, m)[0]
     if problems:
-        listed = problems[:MAX_LISTED]
-        if len(problems) > MAX_LISTED:
-            listed.append(f"... and {len(problems) - MAX_LISTED} more")
         raise VerificationError(
-            f"{d}: {len(problems)} problem(s), nothing pushed:\n  " + "\n  ".join(listed),
+            f"{d}: {len(problems)} problem(s), nothing pushed:{listed(problems)}",
             hint=regenerate_hint_of(m, d),
         )
 

@@ -822,6 +822,26 @@ def _file_problems(fd: int, p: Path, f: Mapping[str, Any], digests: bool = True)
 # carries one form or the other, never both (FORMAT.md).
 
 
+def sidecar_problems(
+    sidecar: Path, m: dict[str, Any], *, hashed_elsewhere: Iterable[str] = ()
+) -> tuple[list[str], dict[str, FileLayout]]:
+    """``mpack verify``'s checks 1, without the source: :func:`check_files`, then every
+    safetensors file's header, and the rank files' tensors against the manifest
+    (:func:`rank_tensor_problems`). Returns the problems and the layout of every safetensors
+    file that parses. Used by ``mpack verify`` and by ``mpack push`` before it sends anything."""
+    problems = check_files(sidecar, m, hashed_elsewhere=hashed_elsewhere)
+    layouts: dict[str, FileLayout] = {}
+    for name in safetensors_files(m):  # every rank file is listed (check_manifest)
+        try:
+            layouts[name] = read_layout(sidecar / name, follow=False)
+        except InputError as e:
+            problems.append(str(e))
+            continue
+        if name != COMMON_NAME:
+            problems += rank_tensor_problems(layouts[name], m, name)
+    return problems, layouts
+
+
 def check_files(
     sidecar: str | os.PathLike, manifest: Mapping[str, Any], *, hashed_elsewhere: Iterable[str] = ()
 ) -> list[str]:

@@ -69,6 +69,7 @@ from mpack.runtime.vllm_checks import (
     check_target,
     decoder_linears,
     expected_profile,
+    first_and_more,
 )
 from mpack.sidecar import (
     COMMON_NAME,
@@ -486,9 +487,8 @@ def _swap_in(
     missing = sorted((n for n in manifest["layers"] if n not in modules), key=arch.natural_key)
     if missing:
         raise EngineMismatchError(
-            f"{sidecar}: the model has no layer {shown(missing[0])}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + ": the sidecar was made for another model",
+            f"{sidecar}: the model has no layer {first_and_more(missing)}: the sidecar was made "
+            "for another model",
             hint=OTHER_MODEL_HINT,
         )
     # Every layer vLLM built with a quantization scheme runs on Marlin (force_marlin) and must
@@ -499,9 +499,8 @@ def _swap_in(
     )  # fmt: skip
     if uncovered:
         raise EngineMismatchError(
-            f"{sidecar}: the sidecar has no weights for layer {uncovered[0]}"
-            + (f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else "")
-            + ", which this model runs on FP8 Marlin",
+            f"{sidecar}: the sidecar has no weights for layer {first_and_more(uncovered)}, which "
+            "this model runs on FP8 Marlin",
             hint=OTHER_MODEL_HINT,
         )
     for name, ly in manifest["layers"].items():

@@ -58,7 +58,7 @@ class EngineMismatchError(UnsupportedSchemeError):
 OTHER_MODEL_HINT = "serve the sidecar of this model (mpack inspect shows what a sidecar holds)"
 
 
-def _more(names: list[str]) -> str:
+def first_and_more(names: list[str]) -> str:
     """``NAME`` or ``NAME (and N more)``: the first of a sorted list, for a message."""
     return shown(names[0]) + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
@@ -230,7 +230,7 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
     missing = sorted(expected - set(layers), key=arch.layer_order)
     if missing:
         raise EngineMismatchError(
-            f"{manifest_path}: the sidecar has no weights for layer {_more(missing)}, which this "
+            f"{manifest_path}: the sidecar has no weights for layer {first_and_more(missing)}, which this "
             f"model runs on FP8 Marlin: it covers {len(layers)} of the model's "
             f"{len(expected)} FP8 linear layers",
             hint=OTHER_MODEL_HINT,
@@ -238,7 +238,7 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
     extra = sorted(set(layers) - expected, key=arch.natural_key)
     if extra:
         raise EngineMismatchError(
-            f"{manifest_path}: the model has no FP8 linear layer {_more(extra)}: the sidecar "
+            f"{manifest_path}: the model has no FP8 linear layer {first_and_more(extra)}: the sidecar "
             "was made for another model",
             hint=OTHER_MODEL_HINT,
         )
@@ -265,7 +265,7 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
             ok = modules == arch.shard_modules(name) and sum(s["rows"] for s in shards) == ly["n"]
         if not ok:
             raise InputError(
-                f"{manifest_path}: layer {_more([name])}: shards is {quote(shards)}, not "
+                f"{manifest_path}: layer {first_and_more([name])}: shards is {quote(shards)}, not "
                 f"[{{'module', 'rows'}}, ...] for {', '.join(arch.shard_modules(name))} with "
                 f"rows adding up to n={ly['n']}",
                 hint="regenerate the sidecar with mpack convert",
@@ -302,7 +302,7 @@ def check_common(
     missing = sorted(required - set(tensors), key=arch.natural_key)
     if missing:
         raise EngineMismatchError(
-            f"{path}: has no {_more(missing)}, which this model needs: vLLM would run it from "
+            f"{path}: has no {first_and_more(missing)}, which this model needs: vLLM would run it from "
             "uninitialised memory",
             hint=OTHER_MODEL_HINT,
         )
@@ -310,14 +310,14 @@ def check_common(
         module = name.rpartition(".")[0]
         if module in owned:
             raise InputError(
-                f"{path}: tensor {_more([name])} belongs to the Marlin layer the sidecar's rank "
+                f"{path}: tensor {first_and_more([name])} belongs to the Marlin layer the sidecar's rank "
                 "files hold: vLLM would write it over the sidecar's weights",
                 hint="regenerate the sidecar with mpack convert",
             )
         m = _DECODER_INDEX.match(name)
         if m and int(m.group(1)) >= layers:
             raise EngineMismatchError(
-                f"{path}: tensor {_more([name])} is for decoder layer {m.group(1)}, this model "
+                f"{path}: tensor {first_and_more([name])} is for decoder layer {m.group(1)}, this model "
                 f"has {layers} decoder layers",
                 hint=OTHER_MODEL_HINT,
             )

@@ -30,33 +30,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpack.errors import (
-    InputError,
+    MAX_LISTED,
     MpackError,
     SourceNotFoundError,
     UsageError,
     VerificationError,
-    shown,
+    listed,
 )
 from mpack.sidecar import (
-    COMMON_NAME,
     FileLayout,
-    check_files,
     load_manifest,
-    rank_tensor_problems,
-    read_layout,
     regenerate_hint_of,
     safetensors_files,
+    sidecar_problems,
 )
 
 if TYPE_CHECKING:
     from mpack.convert.timeline import Timeline
 
 __all__ = ["MAX_LISTED", "Verification", "verify"]
-
-#: Problems listed one by one in the error; the rest are counted.
-MAX_LISTED = 20
-#: The most characters of one listed problem.
-PROBLEM_LIMIT = 1000
 
 
 @dataclass
@@ -102,14 +94,11 @@ class Verification:
         """The error this result stands for: every problem listed, else model outputs that
         differ; None when :attr:`ok`."""
         if self.problems:
-            n = len(self.problems)
-            # each problem quotes its names already (Note [quoting untrusted text]); this also
-            # escapes and caps a line that did not, whoever wrote it
-            listed = [shown(p, PROBLEM_LIMIT) for p in self.problems[:MAX_LISTED]]
-            if n > MAX_LISTED:
-                listed.append(f"... and {n - MAX_LISTED} more")
+            # each problem quotes its names already (Note [quoting untrusted text]); listed()
+            # also escapes and caps a line that did not, whoever wrote it
             return VerificationError(
-                f"{self.sidecar}: {n} problem(s):\n  " + "\n  ".join(listed), hint=self.hint
+                f"{self.sidecar}: {len(self.problems)} problem(s):{listed(self.problems)}",
+                hint=self.hint,
             )
         if not self.ok:
             return VerificationError(
@@ -207,21 +196,11 @@ def verify(
 def _check_files(
     sidecar: Path, m: dict[str, Any], *, streamed: bool = False
 ) -> tuple[list[str], dict[str, FileLayout]]:
-    """Checks 1: the problems found, and the layout of every safetensors file that parses.
-    ``streamed``: leave the digests of the safetensors files to the re-derivation
-    (:func:`mpack.verify.rederive.rederive`), which reads them anyway."""
-    names = safetensors_files(m)
-    problems = check_files(sidecar, m, hashed_elsewhere=names if streamed else ())
-    layouts: dict[str, FileLayout] = {}
-    for name in names:  # every rank file is listed (check_manifest); common.safetensors may not be
-        try:
-            layouts[name] = read_layout(sidecar / name, follow=False)
-        except InputError as e:
-            problems.append(str(e))
-            continue
-        if name != COMMON_NAME:
-            problems += rank_tensor_problems(layouts[name], m, name)
-    return problems, layouts
+    """Checks 1 (:func:`mpack.sidecar.sidecar_problems`). ``streamed``: leave the digests of the
+    safetensors files to the re-derivation (:func:`mpack.verify.rederive.rederive`), which reads
+    them anyway."""
+    names = safetensors_files(m) if streamed else ()
+    return sidecar_problems(sidecar, m, hashed_elsewhere=names)
 
 
 def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
