@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# `--load-format mpack` on the device with vLLM 0.33.0's compiled ops, in two back-to-back calls
-# to the same warm machine (call 1 leaves its work in /tmp for call 2). vLLM does not fit in one
-# call: a call carries at most 64 MiB, the tree's 17 MiB included, and the compiled ops alone are
+# vLLM 0.33.0 with its compiled ops on the device, in back-to-back calls to the same warm
+# machine (each call leaves its work in /tmp for the next). vLLM does not fit in one call: a
+# call carries at most 64 MiB, the tree's 17 MiB included, and the compiled ops alone are
 # 60 MiB as xz; see docs/VLLM.md "How it is tested" and scripts/vllm_pack.py.
 #   PHASE=1 (carry .vllmdev/p1 .vllmdev/w .vllmdev/vllm-py.tar.xz .vllmdev/so.sha256):
 #       unpack vLLM's Python files and the wheels its import needs into /tmp/vllm-site, and
 #       the wheels mpack's environment shares with it (w/msite.txt) into /tmp/mpack-site
+#   PHASE=fa (carry .vllmdev/fa; optional, after 1): vLLM's FlashAttention 3 build
 #   PHASE=2 (carry .vllmdev/p2): join the compiled ops, the rest of mpack's environment
 #       (p2/mw: what .device/wheels holds beyond w/), install mpack into both environments,
-#       run scripts/vllm_gpu.py (the comparison of all 16 layer kinds, then the 8B-shaped
-#       benchmark) and leave its JSON in $OUT.
+#       check which platform vLLM resolves (adding scripts/vllm_platform_standin.py where its
+#       probe fails) and whether its flash attention imports (else scripts/vllm_fa_standin.py),
+#       then run RUN (below) and leave its JSON in $OUT.
+#   PHASE=run (carry nothing): run RUN again on what the calls before left.
+# RUN: gpu (default): scripts/vllm_gpu.py, all 16 layer kinds, then the 8B-shaped load bench;
+#      tokens: scripts/vllm_engine.py tokens (engines generate: ordinary, private, attached);
+#      restart: scripts/vllm_engine.py restart (8B-shaped: two engines, SIGKILL, time to ready).
 # Prepare .vllmdev/ here with: bash scripts/device_vllm.sh --pack  (downloads the vllm wheel into
 # /tmp/vllmwhl if it is not there; needs .device/wheels; prints each call's size, refuses > 60 MiB)
 set -uo pipefail
@@ -20,6 +26,17 @@ fi
 OUT=${OUT:-/tmp/mpack-out}; mkdir -p "$OUT"
 VSITE=/tmp/vllm-site; MSITE=/tmp/mpack-site
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+run_step() {
+  case "${RUN:-gpu}" in
+  gpu) timeout "${RUN_S:-480}" python3 scripts/vllm_gpu.py run --out "$OUT" --mpack-env "$MSITE" \
+         --vllm-env "$VSITE" --bench-layers "${BENCH_LAYERS:-32}" ${VLLM_GPU_ARGS:-} 2>&1 | tee "$OUT/vllm_gpu.log"
+       return "${PIPESTATUS[0]}" ;;
+  tokens|restart) timeout "${RUN_S:-560}" python3 scripts/vllm_engine.py "$RUN" --out "$OUT" \
+         --mpack-env "$MSITE" --vllm-env "$VSITE" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine-$RUN.txt"
+       return "${PIPESTATUS[0]}" ;;
+  *) echo "RUN=gpu, tokens or restart"; return 2 ;;
+  esac
+}
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 case "${PHASE:-}" in
 1)
@@ -34,15 +51,37 @@ case "${PHASE:-}" in
   cat /tmp/vso/part00 .vllmdev/p2/part01 > /tmp/vso/_C_stable_libtorch.abi3.so.xz || exit 1
   (cd /tmp/vso && sha256sum -c so.sha256) || exit 1
   xz -dc /tmp/vso/_C_stable_libtorch.abi3.so.xz > "$VSITE/vllm/_C_stable_libtorch.abi3.so" || exit 1
-  cp scripts/vllm_fa_standin.py "$VSITE/vllm/vllm_flash_attn/__init__.py" || exit 1  # see its docstring
   if compgen -G '.vllmdev/p2/mw/*.whl' >/dev/null; then pipi "$MSITE" .vllmdev/p2/mw/*.whl || exit 1; fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$MSITE" . || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$VSITE" . || exit 1
+  # flash attention: vLLM's own module where its FA3 build came (PHASE=fa) and imports
+  if ! PYTHONPATH=$VSITE python3 -c "import vllm.vllm_flash_attn" 2>"$OUT/fa-import.txt"; then
+    cp scripts/vllm_fa_standin.py "$VSITE/vllm/vllm_flash_attn/__init__.py" || exit 1  # see its docstring
+    echo "flash attention: stand-in (scripts/vllm_fa_standin.py)" | tee -a "$OUT/fa-import.txt"
+  fi
+  # the platform: vLLM's own probe first; its CUDA class through its plugin group if that fails
+  probe='from vllm.platforms import current_platform as p; print(type(p).__name__, p.is_cuda())'
+  PYTHONPATH=$VSITE python3 -c "$probe" 2>/dev/null | tail -1 | tee "$OUT/platform.txt"
+  if ! grep -q " True$" "$OUT/platform.txt"; then
+    cp scripts/vllm_platform_standin.py "$VSITE/mpack_vllm_platform_standin.py" || exit 1
+    d="$VSITE/mpack_vllm_platform_standin-0.dist-info"; mkdir -p "$d"
+    printf 'Metadata-Version: 2.1\nName: mpack-vllm-platform-standin\nVersion: 0\n' > "$d/METADATA"
+    printf '[vllm.platform_plugins]\nmpack_cuda = mpack_vllm_platform_standin:cuda\n' > "$d/entry_points.txt"
+    : > "$d/RECORD"
+    echo "with scripts/vllm_platform_standin.py:" | tee -a "$OUT/platform.txt"
+    PYTHONPATH=$VSITE python3 -c "$probe" 2>/dev/null | tail -1 | tee -a "$OUT/platform.txt"
+  fi
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
   PYTHONPATH=$VSITE python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-  timeout "${RUN_S:-480}" python3 scripts/vllm_gpu.py run --out "$OUT" --mpack-env "$MSITE" --vllm-env "$VSITE" \
-      --bench-layers "${BENCH_LAYERS:-32}" ${VLLM_GPU_ARGS:-} 2>&1 | tee "$OUT/vllm_gpu.log"
-  exit "${PIPESTATUS[0]}" ;;
+  run_step ;;
+fa)
+  mkdir -p /tmp/vfa && cp .vllmdev/fa/* /tmp/vfa/ || exit 1
+  (cd /tmp/vfa && sha256sum -c fa.sha256) || exit 1
+  xz -dc /tmp/vfa/_vllm_fa3_C.abi3.so.xz > "$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" || exit 1
+  PYTHONPATH=$VSITE python3 -c "import torch; torch.ops.load_library('$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'); print('FA3 loads on torch', torch.__version__)" 2>&1 | tail -3 | tee "$OUT/fa3.txt"
+  ;;
+run)
+  run_step ;;
 *)
-  echo "PHASE=1 or PHASE=2 (see the header)"; exit 2 ;;
+  echo "PHASE=1, fa, 2 or run (see the header)"; exit 2 ;;
 esac

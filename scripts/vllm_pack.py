@@ -57,6 +57,10 @@ DEV = REPO / ".vllmdev"
 VERSION = "0.33.0"
 SO = "vllm/_C_stable_libtorch.abi3.so"
 SO_XZ = "_C_stable_libtorch.abi3.so.xz"  # the name device_vllm.sh joins the parts into
+# vLLM's FlashAttention 3 build (Hopper), for the engine runs (scripts/vllm_engine.py): 165 MiB,
+# about 11 MiB as xz, in a call of its own (PHASE=fa). FA2 (294 MiB) stays behind: on sm 9.0
+# vLLM picks FA3.
+FA3 = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 # docs/VLLM.md ("CUDA and the driver"): the index's sha256 of the x86-64 wheel, as it is quoted.
 WHEEL_SHA_HEAD, WHEEL_SHA_TAIL = "4b6bdec4", "83aa"
 MIB = 1 << 20
@@ -162,6 +166,25 @@ def pack_so(data: bytes) -> bytes:
     return lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, filters=filters)
 
 
+def wheel_record(z: zipfile.ZipFile) -> dict[str, str]:
+    """The wheel's RECORD: file name -> ``sha256=...``."""
+    rows = csv.reader(io.StringIO(z.read(f"vllm-{VERSION}.dist-info/RECORD").decode()))
+    return {row[0]: row[1] for row in rows if len(row) == 3 and row[1]}  # names may hold commas
+
+
+def pack_fa(z: zipfile.ZipFile, record: dict[str, str]) -> None:
+    """.vllmdev/fa: FA3 as xz and its sha256, for the call PHASE=fa of device_vllm.sh."""
+    fa = DEV / "fa"
+    shutil.rmtree(fa, ignore_errors=True)
+    fa.mkdir(parents=True)
+    print(f"compressing {FA3} (x86 filter + xz -9e)")
+    data = pack_so(read_checked(z, record, FA3))
+    name = Path(FA3).name + ".xz"
+    (fa / name).write_bytes(data)
+    (fa / "fa.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
+    print(f"call PHASE=fa: {(tree_bytes() + len(data)) / MIB:6.2f} MiB  carry: .vllmdev/fa")
+
+
 def pins() -> dict[str, str]:
     """constraints-vllm.txt, name -> version."""
     out = {}
@@ -241,21 +264,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wheel-dir", type=Path, default=Path("/tmp/vllmwhl"))
     ap.add_argument("--limit-mib", type=float, default=60.0)
+    ap.add_argument("--fa-only", action="store_true", help="only .vllmdev/fa (FA3, PHASE=fa)")
     args = ap.parse_args()
     limit = int(args.limit_mib * MIB)
+    if args.fa_only:
+        with zipfile.ZipFile(get_wheel(args.wheel_dir)) as z:
+            pack_fa(z, wheel_record(z))
+        return 0
 
     device_wheels = REPO / ".device" / "wheels"
     if not any(device_wheels.glob("*.whl")):
         fail(f"{device_wheels} holds no wheels: call 2 installs mpack's environment from it", 3)
     whl = get_wheel(args.wheel_dir)
 
-    shutil.rmtree(DEV, ignore_errors=True)
+    for d in ("p1", "p2", "w", "w-download"):
+        shutil.rmtree(DEV / d, ignore_errors=True)
+    for f in ("vllm-py.tar.xz", "so.sha256"):
+        (DEV / f).unlink(missing_ok=True)
     for d in ("p1", "p2"):
         (DEV / d).mkdir(parents=True)
     with zipfile.ZipFile(whl) as z:
-        record_name = f"vllm-{VERSION}.dist-info/RECORD"
-        rows = csv.reader(io.StringIO(z.read(record_name).decode()))  # names may hold commas
-        record = {row[0]: row[1] for row in rows if len(row) == 3 and row[1]}
+        record = wheel_record(z)
+        pack_fa(z, record)
         print("packing vLLM's Python files (xz -9e, about a minute)")
         n = pack_python(z, record, DEV / "vllm-py.tar.xz")
         print(f"  {n} files")
