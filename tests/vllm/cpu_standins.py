@@ -27,6 +27,11 @@ W8A8 requantization) runs unchanged. What a CPU lacks is stood in for, each for 
    * ``static_scaled_fp8_quant`` (the W8A8 per-tensor requantization to the largest shard scale):
      vLLM's GPU arithmetic, SPEC §4.
 
+6. ``torch.cpu._is_amx_tile_supported`` says no: where the CPU has AMX tiles, vLLM's CPU
+   dispatch of unquantized linears (embeddings, lm_head: not the FP8 Marlin layers) packs their
+   weights with ``torch.ops._C.convert_weight_packed``, an op of vLLM's CPU build that the CUDA
+   wheel does not hold. vLLM then takes the path it takes on CPUs without AMX.
+
 Use: ``install()`` once, before anything imports vLLM; ``set_profile(p)`` before each model build.
 """
 
@@ -86,6 +91,10 @@ def install(profile: str = "w8a16") -> None:
 
     # 5. The CUDA-only ops, on the CPU.
     _define_ops()
+
+    # 6. No AMX: on a CPU with AMX tiles vLLM packs unquantized weights (embeddings, lm_head)
+    # with CPU ops of its CPU build (``_C.convert_weight_packed``) that the CUDA wheel lacks.
+    torch.cpu._is_amx_tile_supported = lambda: False
     _state["installed"] = True
 
 

@@ -1,0 +1,1 @@
+"""Conversion: planning, repacking, the streaming driver and its output (mpack.convert)."""

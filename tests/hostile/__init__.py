@@ -1,0 +1,1 @@
+"""Hostile inputs: damaged sidecars, caches, peers and outputs, each refused with a clear error."""

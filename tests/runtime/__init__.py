@@ -1,0 +1,1 @@
+"""The runtime: wire protocol, loader, CUDA VMM and the serve/attach daemon (mpack.runtime)."""
