@@ -1,4 +1,4 @@
-"""``mpack.convert``: compressed-tensors FP8 checkpoint -> Marlin sidecar, and its verification.
+"""``mpack.convert``: compressed-tensors FP8 checkpoint -> Marlin sidecar (one target or many).
 
 ``import mpack.convert`` is cheap: the pipeline (torch, compressed-tensors) loads on first use.
 """
@@ -84,14 +84,29 @@ def convert(
     specs = target_specs(tp, profile, act_dtype)
     if len(specs) > 1:
         return run_convert_many(
-            source, out, specs, revision=revision, fuse=fuse, device=device,
-            passthrough=passthrough, force=force, skip_invalid=skip_invalid,
-        )  # fmt: skip
+            source,
+            out,
+            specs,
+            revision=revision,
+            fuse=fuse,
+            device=device,
+            passthrough=passthrough,
+            force=force,
+            skip_invalid=skip_invalid,
+        )
     tp, profile, act_dtype = specs[0].tp, specs[0].profile, specs[0].act_dtype
     return run_convert(
-        source, out, revision=revision, profile=profile, act_dtype=act_dtype, tp=tp, fuse=fuse,
-        device=device, passthrough=passthrough, force=force,
-    )  # fmt: skip
+        source,
+        out,
+        revision=revision,
+        profile=profile,
+        act_dtype=act_dtype,
+        tp=tp,
+        fuse=fuse,
+        device=device,
+        passthrough=passthrough,
+        force=force,
+    )
 
 
 def verify(

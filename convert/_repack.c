@@ -5,17 +5,16 @@
  * output: the Marlin tiles, int32 [Kp/16][4*Np], little-endian words (SPEC section 5). Rows
  * n >= N and bytes k >= K are the zero padding of SPEC section 3.3.
  *
- * Word p of tile (kt, nt) holds four bytes of row n = 64*nt + 16*w + 8*h + t8, where
- * p = 32*t8 + 8*kmid + 2*w + h, at k = 16*kt + 2*kmid + {0, 8, 1, 9} (least significant byte
- * first). So the 16 bytes of one row in one k-tile, split into halves lo (k 0..7) and hi
- * (k 8..15) and interleaved byte by byte (lo0 hi0 lo1 hi1 ...), are the four words of
- * kmid = 0..3 in order: one 16-byte load and four 4-byte stores, 8 words apart.
+ * Which byte goes to which word, and the names below (nt, kt, t8, w, h, kmid, p): docs/LAYOUT.md,
+ * "The tile formula", its reading "by row". In short, a row's 16 bytes of one k-tile, halves
+ * interleaved byte by byte, are its four words: one 16-byte load and four 4-byte stores, 8 words
+ * apart.
  *
  * Two kernels give the same words. The scalar one does the above row by row. The SSE2 one
  * (x86-64; Note [tile kernel] in convert/host_repack.py) writes a whole tile front to back: for
- * each t8, the eight rows n = 64*nt + 8*j + t8 (j = 2*w + h = 0..7) own words
- * p = 32*t8 + 8*kmid + j, so their interleaved 16 bytes, transposed as a 4x4 matrix of words
- * per four rows, are the tile's words 32*t8 .. 32*t8 + 31 in order.
+ * each t8, the eight rows that own the tile's words 32*t8 .. 32*t8 + 31 are loaded and
+ * interleaved, and their words, transposed as a 4x4 matrix of words per four rows, are those
+ * 32 words in order.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -149,7 +149,8 @@ class Checkpoint:
 
 
 def find_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
-    """``quantization_config``, else ``text_config.quantization_config``, else ``compression_config``.
+    """``quantization_config``, else ``text_config.quantization_config``, else
+    ``compression_config``.
 
     The old ``compression_config`` wrapped the quantization config one level down.
     """
@@ -176,7 +177,8 @@ def check_quant_scheme(qc: dict[str, Any], where: Path) -> None:
     """
     if qc.get("quant_method") != "compressed-tensors":
         raise UnsupportedSchemeError(
-            f"{where}: quant_method is {qc.get('quant_method')!r}, mpack reads compressed-tensors checkpoints",
+            f"{where}: quant_method is {qc.get('quant_method')!r}, "
+            "mpack reads compressed-tensors checkpoints",
             hint="convert the model with llm-compressor (compressed-tensors FP8) first",
         )
     groups = qc.get("config_groups")
@@ -318,7 +320,8 @@ def open_checkpoint(root: str | os.PathLike, *, scheme: bool = True) -> Checkpoi
 
 
 def _read_config(root: Path, scheme: bool) -> tuple[dict[str, Any], Any]:
-    """``config.json`` and, with ``scheme``, its quantization config parsed by compressed-tensors."""
+    """``config.json`` and, with ``scheme``, its quantization config parsed by
+    compressed-tensors."""
     cfg_path = root / CONFIG_NAME
     if not cfg_path.is_file():
         raise SourceNotFoundError(f"{root}: no {CONFIG_NAME}: not a Hugging Face model directory")
@@ -410,7 +413,8 @@ def find_layers(ck: Checkpoint) -> dict[str, QuantLayer]:
         w = ck.tensors[wname]
         if w.dtype != "F8_E4M3":
             raise UnsupportedSchemeError(
-                f"{_where(ck, wname)}: weight dtype {w.dtype}, expected F8_E4M3 (int or non-8-bit weights)",
+                f"{_where(ck, wname)}: weight dtype {w.dtype}, expected F8_E4M3 "
+                "(int or non-8-bit weights)",
                 hint="mpack converts FP8 checkpoints (presets FP8 / FP8_DYNAMIC)",
             )
         layers[module] = _check_layer(ck, module, w, t)
@@ -479,7 +483,8 @@ def _check_scheme(ck: Checkpoint, module: str, where: str) -> str:
     strategy = str(getattr(args.strategy, "value", args.strategy))
     if str(getattr(args.type, "value", args.type)) != "float" or args.num_bits != 8:
         raise UnsupportedSchemeError(
-            f"{where}: weight scheme {args.type} {args.num_bits}-bit; mpack packs 8-bit float (FP8) only"
+            f"{where}: weight scheme {args.type} {args.num_bits}-bit; "
+            "mpack packs 8-bit float (FP8) only"
         )
     if strategy not in ("tensor", "channel"):
         raise UnsupportedSchemeError(
@@ -531,12 +536,14 @@ def check_scale_values(ck: Checkpoint, module: str, scale: Any, act_dtype: str) 
     if big.any():
         i = int(np.flatnonzero(big)[0])
         raise UnsupportedSchemeError(
-            f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} and would become inf "
-            f"after Marlin's exponent fold in {act_dtype}",
+            f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} "
+            f"and would become inf after Marlin's exponent fold in {act_dtype}",
             hint=(
-                f"use --act-dtype float16 (limit {ACT_DTYPES['float16'].fold_limit}) or a checkpoint with smaller scales"
+                f"use --act-dtype float16 (limit {ACT_DTYPES['float16'].fold_limit}) "
+                "or a checkpoint with smaller scales"
                 if act_dtype == "bfloat16"
-                else "this checkpoint's scales are too large for Marlin; re-quantize it with smaller scales"
+                else "this checkpoint's scales are too large for Marlin; "
+                "re-quantize it with smaller scales"
             ),
         )
 

@@ -24,42 +24,43 @@ DEFERRED = ("transformers",)
 
 # Note [lean import]: `import compressed_tensors` runs every package's __init__, which re-exports
 # everything: its model-offloading helpers import transformers and torch.distributed.tensor. That
-# is 3.0 s after torch on this 2-core machine and 8.3 s on the H200 host, longer than the stream
-# of an 8B model, so the scheme check's verdict was the last thing a warm `mpack convert` waited
-# for. The check needs three pydantic models (QuantizationConfig, QuantizationScheme,
-# QuantizationArgs) and `match_name`. So the child installs a finder under which each package of
-# compressed_tensors is created without running its __init__: a name looked up on the package is
-# found, on first use, in the submodules that __init__ imports from, in its order (what its
-# `from .x import *` lines would have bound). The models and validators are compressed-tensors'
-# own code, imported from their own files; only the package-wide re-exports that the parse never
-# touches are left out. A refusal or a failure under the lean import is not trusted: the child
-# then runs the check again with the full import (scheme_check._scheme_child), so a good
-# checkpoint can only get faster and a bad one gets the same error. tests/convert/test_ctlean.py
-# checks that both imports reach the same verdict on good and bad configs, and that the lean one
-# leaves transformers' model code and torch.distributed.tensor unimported.
+# takes longer than the stream of an 8B model, so the scheme check's verdict was the last thing a
+# warm `mpack convert` waited for (figures: docs/BENCHMARKS.md, sections 2 and 9). The check needs
+# three pydantic models (QuantizationConfig, QuantizationScheme, QuantizationArgs) and `match_name`.
+# So the child installs a finder under which each package of compressed_tensors is created without
+# running its __init__: a name looked up on the package is found, on first use, in the submodules
+# that __init__ imports from, in its order (what its `from .x import *` lines would have bound). The
+# models and validators are compressed-tensors' own code, imported from their own files; only the
+# package-wide re-exports that the parse never touches are left out. A refusal or a failure under
+# the lean import is not trusted: the child then runs the check again with the full import
+# (scheme_check._scheme_child), so a good checkpoint can only get faster and a bad one gets the same
+# error. tests/convert/test_ctlean.py checks that both imports reach the same verdict on good and
+# bad configs, and that the lean one leaves transformers' model code and torch.distributed.tensor
+# unimported.
 #
 # Note [deferred transformers]: the models' base class (`Aliasable`) lives in
 # compressed_tensors/utils/helpers.py, which imports `AutoConfig` and `PretrainedConfig` from
-# transformers at its top for helpers the parse never calls. `import transformers` is 0.57 s on
-# the 2-core machine, about a third of the check after torch. Under the lean import, the child
-# therefore gets a stand-in `transformers` module whose names are placeholders
-# (:class:`_Deferred`): using one (calling it, reading an attribute) imports the real
-# transformers and forwards to it. A use the placeholder cannot forward (isinstance, a base
-# class, a pydantic field type) raises, which makes the lean verdict a crash and the child runs
-# the full import: as for the packages, the stand-in can only speed up a good check.
+# transformers at its top for helpers the parse never calls. `import transformers` is a large part
+# of the check after torch (figures: docs/BENCHMARKS.md, sections 6.1 and 9). Under the lean import,
+# the child therefore gets a stand-in `transformers` module whose names are placeholders
+# (:class:`_Deferred`): using one (calling it, reading an attribute) imports the real transformers
+# and forwards to it. A use the placeholder cannot forward (isinstance, a base class, a pydantic
+# field type) raises, which makes the lean verdict a crash and the child runs the full import: as
+# for the packages, the stand-in can only speed up a good check.
 #
 # Note [deferred compile]: compressed-tensors 0.17.0 (the version vLLM 0.33.0 pins) decorates an FP4
 # helper in quantization/quant_args.py, the models' own file, with `@torch.compile`. That imports
-# torch._dynamo (and torch.distributed.tensor) when the file runs: 2.0 s of the lean check's 2.3 s
-# on the 2-core machine, for a function an FP8 parse never calls. So while the lean import runs a
-# compressed_tensors module, `torch.compile` is :func:`_deferred_compile`: a function compiles on
-# its first call, with the real `torch.compile` and the same options. The real one is back as soon
-# as the module has run, and a lean verdict that is not `ok` is checked again by the full import, as
-# above.
+# torch._dynamo (and torch.distributed.tensor) when the file runs: most of the lean check's time
+# (figures: docs/BENCHMARKS.md, section 9), for a function an FP8 parse never calls. So while the
+# lean import runs a compressed_tensors module, `torch.compile` is :func:`_deferred_compile`: a
+# function compiles on its first call, with the real `torch.compile` and the same options. The real
+# one is back as soon as the module has run, and a lean verdict that is not `ok` is checked again by
+# the full import, as above.
 
 
 def _reexport_sources(init: Path) -> list[str]:
-    """The submodules a package's ``__init__.py`` imports from (``from .x import ...``), in order."""
+    """The submodules a package's ``__init__.py`` imports from (``from .x import ...``), in
+    order."""
     tree = ast.parse(init.read_text(encoding="utf-8"), filename=str(init))
     return [
         node.module

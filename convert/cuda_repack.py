@@ -22,9 +22,9 @@ How it is built and run:
 Importing this module imports neither torch nor cuda-bindings, and touches no CUDA: each
 happens on the first call that needs it. Building, loading and launching need no torch
 (:mod:`mpack.convert.driver` runs the kernel without it); :func:`pack_weight_cuda` and
-:func:`available` are the torch wrappers. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch path is used);
-``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; builds are cached in
-``kernels`` of mpack's cache (:mod:`mpack.cache`, ``MPACK_CACHE_DIR``).
+:func:`available` are the torch wrappers. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch
+path is used); ``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; builds are
+cached in ``kernels`` of mpack's cache (:mod:`mpack.cache`, ``MPACK_CACHE_DIR``).
 """
 
 from __future__ import annotations

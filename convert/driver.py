@@ -1,7 +1,7 @@
 """The CUDA conversion without torch: the host path, with the weight repack on the GPU.
 
-Note [driver path]: the CUDA path of ``convert`` spent half its time importing torch (4.5 s of
-8.8 s for an 8B model on the H200 host, 11 s from a cold disk), and used it for three things:
+Note [driver path]: the CUDA path of ``convert`` spent half its time importing torch, more of
+it from a cold disk (figures: docs/BENCHMARKS.md, section 9), and used it for three things:
 pinned host memory, copies between host and device, and a stream to order them. The repack
 itself is our own kernel (``cuda/marlin_repack.cu``), built with NVRTC and launched through the
 driver already (:mod:`mpack.convert.cuda_repack`), and the scales and bias are numpy on the host
@@ -38,9 +38,10 @@ import numpy as np
 from mpack import cudadrv, env_flag, target
 from mpack.convert import cuda_repack, host, host_repack
 from mpack.convert.plan import Plan
+from mpack.device import CONVERT, DeviceSpec
 from mpack.errors import UsageError
 
-__all__ = ["ENV_OFF", "GpuRepack", "Piece", "check_cuda_here", "open_gpu", "ordinal_of"]
+__all__ = ["ENV_OFF", "GpuRepack", "Piece", "check_cuda_here", "open_gpu"]
 
 #: Set to 1 to convert on CUDA through torch instead (same bytes).
 ENV_OFF = "MPACK_NO_DRIVER_PATH"
@@ -50,10 +51,9 @@ Piece = tuple[np.ndarray, tuple[int, int], tuple[int, int]]
 
 
 def ordinal_of(device: str) -> int:
-    """The CUDA ordinal ``device`` names: ``cuda:i`` -> i; ``cuda`` and ``auto`` -> 0, the
-    device torch would take first."""
-    kind, _, index = device.partition(":")
-    return int(index) if kind == "cuda" and index else 0
+    """Kept for tests/convert/test_driver.py: the CUDA ordinal ``device`` names
+    (:attr:`mpack.device.DeviceSpec.ordinal`). Use that instead."""
+    return DeviceSpec.parse(device, CONVERT).ordinal
 
 
 def check_cuda_here(device: str, count: int, option: str = "--device") -> None:
@@ -63,7 +63,7 @@ def check_cuda_here(device: str, count: int, option: str = "--device") -> None:
         raise UsageError(
             f"{option} {device}: no CUDA device here", hint=f"use {option} cpu (identical bytes)"
         )
-    if ordinal_of(device) >= count:
+    if DeviceSpec.parse(device, CONVERT, option).ordinal >= count:
         raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
 
 
@@ -87,8 +87,9 @@ def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | N
         check_cuda_here(device, count, option)
     elif count == 0:
         return None
+    ordinal = DeviceSpec.parse(device, CONVERT, option).ordinal
     try:
-        gpu = GpuRepack(ordinal_of(device))
+        gpu = GpuRepack(ordinal)
     except Exception:  # the kernel does not build or load here: the torch path decides
         return None
     if not gpu.self_check():
@@ -169,8 +170,8 @@ class GpuRepack:
         return out
 
     def _copy_rows(self, d: Any, a: np.ndarray, r0: int, r1: int, c0: int, to: int, k: int) -> None:
-        """Rows ``[r0, r1)``, columns ``[c0, c0 + k)`` of host array ``a`` -> device ``[r1 - r0, k]``
-        at ``to``, on the stream."""
+        """Rows ``[r0, r1)``, columns ``[c0, c0 + k)`` of host array ``a`` -> device
+        ``[r1 - r0, k]`` at ``to``, on the stream."""
         c = d.CUDA_MEMCPY2D()
         c.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_HOST
         c.srcHost = a.ctypes.data + r0 * a.strides[0] + c0

@@ -1,7 +1,7 @@
 """The conversion's CPU path without torch: numpy and the native repack.
 
-Note [host path]: on a CPU-only runner, a conversion spent a third of its time importing torch
-(5 s of 15 s for an 8B model on the H200 host), which it needed for nothing but tensor
+Note [host path]: on a CPU-only runner, a conversion spent a large share of its time importing
+torch (figures: docs/BENCHMARKS.md, sections 6 and 9), which it needed for nothing but tensor
 arithmetic on bytes it already had in memory. This module does one rank's layer (SPEC §3) with
 numpy: the weight through the native repack (:mod:`mpack.convert.host_repack`) straight from
 the checkpoint rows, and the scales and bias, a few KB, with numpy's IEEE casts. The rounding
@@ -33,9 +33,23 @@ from mpack.target import BIAS, SCALE, WEIGHT
 if TYPE_CHECKING:
     from mpack.convert.driver import GpuRepack
 
-__all__ = ["Buffers", "act_bits", "backwards", "bf16_bits", "bias_vector", "f16_bits", "pack_bias",
-           "pack_scales", "read_unit", "scale_vector", "supported", "transform", "unpack_bias",
-           "unpack_scales", "weight_rows"]  # fmt: skip
+__all__ = [
+    "Buffers",
+    "act_bits",
+    "backwards",
+    "bf16_bits",
+    "bias_vector",
+    "f16_bits",
+    "pack_bias",
+    "pack_scales",
+    "read_unit",
+    "scale_vector",
+    "supported",
+    "transform",
+    "unpack_bias",
+    "unpack_scales",
+    "weight_rows",
+]
 
 _BIAS_DTYPES = ("BF16", "F16", "F32")
 _PERM = np.array(target.SCALE_PERM, dtype=np.intp)
@@ -60,19 +74,17 @@ def supported(plan: Plan) -> bool:
 # --- buffers ----------------------------------------------------------------------------------
 
 
+# Note [recycled buffers]: a fresh array of a few hundred MB is fresh memory, and the first
+# write to each of its pages is a page fault in which the kernel zeroes the page; under a
+# sandboxing kernel (gVisor) a fault costs more. The host path reads and writes each weight once,
+# so the stream reuses its arrays: :meth:`Buffers.take` gives a cached array of that size when
+# one is free, :meth:`Buffers.give` caches an array once nothing reads it any more. At most
+# ``keep`` arrays of each size are cached, so the cache is bounded by the largest layers, not by
+# the model. Figures: docs/BENCHMARKS.md, sections 6.1 and 9.
 class Buffers:
     """Byte arrays handed round again: a checkpoint weight once its unit is transformed, a packed
-    weight once it is written.
-
-    Note [recycled buffers]: a fresh array of a few hundred MB is fresh memory, and the first
-    write to each of its pages is a page fault in which the kernel zeroes the page; under a
-    sandboxing kernel (gVisor, on the H200 machine) a fault costs more. The host path reads and
-    writes each weight once, so the stream reuses its arrays: :meth:`take` gives a cached array
-    of that size when one is free, :meth:`give` caches an array once nothing reads it any more.
-    At most ``keep`` arrays of each size are cached, so the cache is bounded by the largest
-    layers, not by the model. On the 2-core machine the repack of an 8B model's layers took
-    4.40 s into fresh arrays and 3.98 s into used ones (``scripts/bench_repack.py --cpu-only``);
-    the effect inside a whole conversion on the H200 was not measured apart.
+    weight once it is written; at most ``keep`` of each size are cached (Note [recycled
+    buffers]).
 
     ``alloc``: makes the arrays of :data:`MIN_BYTES` or more instead of ``np.empty``, returning
     ``(array, handle)``; ``free(handle)`` releases one that the cache has no room for, and
@@ -314,14 +326,20 @@ def backwards(
     rows = weight_rows(layer, src)
     want_scales = act_bits(scale_vector(layer, src), act_dtype)
     out = [
-        (f"{layer.name}.weight does not unpack to the checkpoint bytes",
-         host_repack.unpack_differs(packed[0], rows, layer.k, pool)),
-        (f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
-         not np.array_equal(unpack_scales(packed[1], act_dtype, layer.n), want_scales)),
-    ]  # fmt: skip
+        (
+            f"{layer.name}.weight does not unpack to the checkpoint bytes",
+            host_repack.unpack_differs(packed[0], rows, layer.k, pool),
+        ),
+        (
+            f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
+            not np.array_equal(unpack_scales(packed[1], act_dtype, layer.n), want_scales),
+        ),
+    ]
     if layer.has_bias:
         out.append(
-            (f"{layer.name}.bias does not unpack to the checkpoint bias",
-             not np.array_equal(unpack_bias(packed[2], layer.n), bias_vector(layer, src)))
-        )  # fmt: skip
+            (
+                f"{layer.name}.bias does not unpack to the checkpoint bias",
+                not np.array_equal(unpack_bias(packed[2], layer.n), bias_vector(layer, src)),
+            )
+        )
     return out

@@ -1,32 +1,29 @@
 """The Marlin FP8 weight repack on the host, native and torch-free.
 
-Note [host repack]: the torch-op repack of :func:`mpack.convert.marlin.repack` makes three
-strided passes over every block and runs one torch call at a time per Python thread; on the
-CPU it was a conversion's bottleneck (issue 15: 8.8 s of busy transform for an 8B model on 12
-threads of the H200 host, 20 s on 4 cores). ``convert/_repack.c`` does the same layout in one
-pass: per row and k-tile, one 16-byte load, a byte interleave and four 4-byte stores (the
-derivation is in the C file), padding included, reading the checkpoint rows where they are
-(a fused or sliced layer is a list of row addresses, not a copy). It releases the GIL, so the
-n-tiles of a layer are split over a pool of plain threads. Within an n-tile it makes one pass
-over the 64 rows per block of :data:`K_BLOCK` k-tiles: the stores of one row go to every k-tile,
-each in another output row 16*Np bytes away, and a whole row at a time (``K_BLOCK = 0``) sends
-them to up to 896 such places, more than the first-level cache holds. On the H200 host's Xeon that
-ran at 0.32-0.45 GB/s per core, 0.38 GB/s inside a conversion (18.6 of the 4-core conversion's 45
-CPU-seconds); blocks of 16 k-tiles ran at 0.76-0.98 GB/s there (``docs/bench/repack-kblock-*.json``).
+Note [host repack]: the torch-op repack of :func:`mpack.convert.marlin.repack` makes three strided
+passes over every block and runs one torch call at a time per Python thread; on the CPU it was a
+conversion's bottleneck (issue 15; figures: docs/BENCHMARKS.md, section 6). ``convert/_repack.c``
+does the same layout in one pass: per row and k-tile, one 16-byte load, a byte interleave and four
+4-byte stores (the layout: docs/LAYOUT.md, "The tile formula"), padding included, reading the
+checkpoint rows where they are (a fused or sliced layer is a list of row addresses, not a copy). It
+releases the GIL, so the n-tiles of a layer are split over a pool of plain threads. Within an n-tile
+it makes one pass over the 64 rows per block of :data:`K_BLOCK` k-tiles: the stores of one row go to
+every k-tile, each in another output row 16*Np bytes away, and a whole row at a time
+(``K_BLOCK = 0``) sends them to up to 896 such places, more than the first-level cache holds: a
+block of 16 k-tiles keeps the 16 output tiles it writes there (figures: docs/BENCHMARKS.md, section
+6.2).
 
-Note [tile kernel]: the row kernel above stores 4 bytes at a time to 4 places 32 bytes apart,
-and a row's next k-tile lands 16*Np bytes further on. On x86-64 the extension also has a kernel
-that writes one whole 1 KB tile at a time, front to back: the eight rows of one ``t8`` own 32
-consecutive words of the tile, so eight 16-byte loads, a byte interleave each (SSE2 unpack) and
-two 4x4 transposes of 32-bit words give those 32 words as eight 16-byte stores. The 64 rows of
-an n-tile are then read 16 bytes a k-tile at a time, sequentially each. Per core it runs at
-3.7-6.0 GB/s on the H200 host's Xeon against 1.2-1.7 for the row kernel in blocks of 16, and at
-4.4-6.0 against 1.3-1.5 on the 2-core AMD machine (``scripts/bench_repack.py --kernels
-tile,rows:16,rows:0``, ``docs/bench/repack-kernels-h200.json``); in a 4-core conversion on the
-H200 the repack went from 10.1 to 3.2 CPU-seconds (docs/BENCHMARKS.md section 6.3). The read-back
-(:func:`unpack_differs`) runs the same steps backwards (the transpose is its own inverse; the
-interleave is undone by one pack of the even and the odd bytes). SSE2 is part of the x86-64
-ABI, so the plain build has it; elsewhere (aarch64) :data:`KERNEL` is ``"rows"``.
+Note [tile kernel]: the row kernel above stores 4 bytes at a time to 4 places 32 bytes apart, and a
+row's next k-tile lands 16*Np bytes further on. On x86-64 the extension also has a kernel that
+writes one whole 1 KB tile at a time, front to back: the eight rows of one ``t8`` own 32 consecutive
+words of the tile, so eight 16-byte loads, a byte interleave each (SSE2 unpack) and two 4x4
+transposes of 32-bit words give those 32 words as eight 16-byte stores. The 64 rows of an n-tile are
+then read 16 bytes a k-tile at a time, sequentially each, and the kernel beats the row kernel per
+core and inside a conversion (figures, with the command that measures them,
+``scripts/bench_repack.py --kernels tile,rows:16,rows:0``: docs/BENCHMARKS.md, section 6.3). The
+read-back (:func:`unpack_differs`) runs the same steps backwards (the transpose is its own inverse;
+the interleave is undone by one pack of the even and the odd bytes). SSE2 is part of the x86-64 ABI,
+so the plain build has it; elsewhere (aarch64) :data:`KERNEL` is ``"rows"``.
 
 The extension is optional (setup.py): where it was not built, :func:`available` is False and
 callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give the same bytes
@@ -49,8 +46,17 @@ try:
 except ImportError:  # not built here (no C compiler at install time)
     _repack = None
 
-__all__ = ["KERNEL", "K_BLOCK", "RUN_BYTES", "available", "block_pool", "block_workers", "pack_rows", "rows_of",
-           "unpack_differs"]  # fmt: skip
+__all__ = [
+    "KERNEL",
+    "K_BLOCK",
+    "RUN_BYTES",
+    "available",
+    "block_pool",
+    "block_workers",
+    "pack_rows",
+    "rows_of",
+    "unpack_differs",
+]
 
 #: Input bytes per call into the extension when a pool splits a layer (whole n-tiles).
 RUN_BYTES = 4 << 20
@@ -127,8 +133,9 @@ def packed_out(np_: int, kp: int, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _over_tiles(call: Callable[[int, int], Any], tiles: int, kp: int,
-                pool: Executor | None) -> list[Any]:  # fmt: skip
+def _over_tiles(
+    call: Callable[[int, int], Any], tiles: int, kp: int, pool: Executor | None
+) -> list[Any]:
     """``call(t0, t1)`` over n-tiles ``[0, tiles)`` in runs of about :data:`RUN_BYTES` of input,
     on ``pool``'s threads when given; the results in order."""
     step = max(1, RUN_BYTES // (64 * max(kp, 16)))  # n-tiles per call
@@ -166,8 +173,12 @@ def pack_rows(
         np_, kp = target.padded_nk(n, k)
     out = packed_out(np_, kp, out)
     a_rows, a_out, tile = addrs.ctypes.data, out.ctypes.data, _tile_kernel()
-    _over_tiles(lambda t0, t1: _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK, tile),
-                np_ // 64, kp, pool)  # fmt: skip
+    _over_tiles(
+        lambda t0, t1: _repack.repack_tiles(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK, tile),
+        np_ // 64,
+        kp,
+        pool,
+    )
     return out
 
 
@@ -198,7 +209,11 @@ def unpack_differs(
     a_rows, a_out, tile = addrs.ctypes.data, packed.ctypes.data, _tile_kernel()
     return any(
         _over_tiles(
-            lambda t0, t1: _repack.unpack_differs(a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK, tile),
-            -(-n // 64), kp, pool,
+            lambda t0, t1: _repack.unpack_differs(
+                a_rows, n, k, np_, kp, a_out, t0, t1, K_BLOCK, tile
+            ),
+            -(-n // 64),
+            kp,
+            pool,
         )
-    )  # fmt: skip
+    )

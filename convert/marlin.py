@@ -5,10 +5,9 @@ compressed-tensors checkpoint weight ``Wck`` (float8_e4m3fn ``[N, K]``, row-majo
 
 * **Padding** (SPEC §3.3): ``N`` and ``K`` grow to ``(Np, Kp)``, zero bytes at the end of each.
 * **Weight** (SPEC §5): the fp8 bytes are cut into tiles of 16 (k) x 64 (n), tiles in row-major
-  order (k-tile outer). One tile is 1024 bytes = 256 int32 words; word ``p`` of a tile holds
-  four k-values of one column ``n``: ``k = 2(t&3) + {0, 8, 1, 9}`` (LSB first) where ``t = p>>3``
-  and ``n = 16*((p>>1)&3) + 8*(p&1) + (t>>2)``. The result is int32 ``[Kp/16, 4*Np]``; a
-  k-tile is one row of it.
+  order (k-tile outer), each 1024 bytes = 256 int32 words holding four k-values of one column
+  apiece (which, where: docs/LAYOUT.md, "The tile formula"). The result is int32
+  ``[Kp/16, 4*Np]``; a k-tile is one row of it.
 * **Scales** (SPEC §7): one per output channel, cast to the activation dtype, zero-padded,
   permuted inside every group of 32 channels, and multiplied by ``2**8`` (fp16) or ``2**120``
   (bf16) to undo the exponent shift of the kernel's fp8 widening.
@@ -52,7 +51,8 @@ __all__ = [
     "unrepack",
 ]
 
-#: The torch dtype of each activation dtype of the kernel (the facts: :data:`mpack.target.ACT_DTYPES`).
+#: The torch dtype of each activation dtype of the kernel (the facts:
+#: :data:`mpack.target.ACT_DTYPES`).
 TORCH_ACT_DTYPES: dict[str, torch.dtype] = {
     name: torch_dtype(a.st) for name, a in target.ACT_DTYPES.items()
 }
@@ -60,15 +60,15 @@ TORCH_ACT_DTYPES: dict[str, torch.dtype] = {
 #: The 32-channel permutation of scales and bias (SPEC §7.4), one of the target's facts.
 SCALE_PERM = target.SCALE_PERM
 
-# The tile, as axes of the checkpoint's [N, K] bytes (SPEC §5):
-#   n = 64*nt + 16*w + 8*h + t8          k = 16*kt + 8*khi + 2*kmid + klo
-# The packed row kt holds, per n-tile, the axes in the order (t8, kmid, w, h, klo, khi).
+# The tile's axes (nt, w, h, t8 of n; kt, khi, kmid, klo of k) and their order in a packed row:
+# docs/LAYOUT.md, "The tile formula". The shape comments below use those names.
 #
 # Note [word-level repack]: permuting single bytes through 8 axes is slow on CPU (strided copies
 # with 2-element inner loops). Instead: (1) view the bytes as int16 lanes (k, k+1) and swap the
 # khi/kmid lane axes, so each int32 holds bytes (k0, k1, k8, k9) of one (n, kt, kmid); (2) permute
 # whole int32 words (n-tile axes, k-tile first); (3) swap the middle two bytes of every word,
-# giving (k0, k8, k1, k9) = (klo, khi) order. Same bytes as the 8-axis byte permute, 3x faster.
+# giving (k0, k8, k1, k9) = (klo, khi) order. Same bytes as the 8-axis byte permute, moved as
+# 2- and 4-byte elements instead of single bytes (figures: docs/BENCHMARKS.md, sections 1 and 9).
 _WORD_AXES = (4, 0, 3, 5, 1, 2)  # (nt,w,h,t8,kt,kmid) -> (kt,nt,t8,kmid,w,h)
 _WORD_AXES_INV = tuple(_WORD_AXES.index(i) for i in range(6))
 
@@ -101,37 +101,32 @@ def _swap_middle_bytes_(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
+# Note [repack in blocks]: on the CPU the three passes (pair the int16 lanes, permute the
+# words, swap their middle bytes) run over a block of n-tiles at a time, about
+# ``REPACK_BLOCK_BYTES`` of input, so each pass reads what the previous one left in cache
+# instead of streaming the whole layer through memory three times. Each pass is small, so
+# torch's own intra-op threads (OpenMP, a barrier per pass) stall whenever one of them loses its
+# core to the conversion's I/O and hashing threads; a conversion therefore gives the blocks to a
+# pool of plain threads, each running torch ops on one thread (:func:`block_pool`). Blocks are
+# 4 MiB, not 1 MiB (about one core's L2): alone the two sizes tie, but next to busy hashing
+# threads, the case of a conversion, fewer torch calls mean fewer hand-overs of the GIL among the
+# pool's threads. For the same reason a first pass made of shifts and masks (twice the torch
+# calls), faster on one core, was slower on many threads: not kept. On a GPU the whole layer is
+# one block (the fused kernel of :mod:`mpack.convert.cuda_repack` is the fast path there). Where
+# the native host repack is built, :func:`pack_weight` uses it for CPU tensors instead of this
+# function (Note [host repack] in :mod:`mpack.convert.host_repack`: faster on fewer threads);
+# this torch path stays as the fallback and as a second implementation the tests compare it
+# with. Figures: docs/BENCHMARKS.md, sections 1, 6 and 9.
 def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     """Repack checkpoint fp8 rows into Marlin tiles, without padding (SPEC §5).
 
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, row-major; ``N % 64 == 0``, ``K % 16 == 0``.
-        pool: CPU only: repack the blocks on these threads (see :func:`block_pool`).
+        pool: CPU only: repack the blocks on these threads (see :func:`block_pool`; Note
+            [repack in blocks]).
 
     Returns:
         int32 ``[K/16, 4*N]`` on ``wck``'s device (little-endian words).
-
-    Note [repack in blocks]: on the CPU the three passes (pair the int16 lanes, permute the
-    words, swap their middle bytes) run over a block of n-tiles at a time, about
-    ``REPACK_BLOCK_BYTES`` of input, so each pass reads what the previous one left in cache
-    instead of streaming the whole layer through memory three times. This is ~2.4x faster on 2
-    cores (0.48 -> 1.15 GB/s for a 28672 x 4096 layer). Each pass is small, so torch's own
-    intra-op threads (OpenMP, a barrier per pass) stall whenever one of them loses its core to
-    the conversion's I/O and hashing threads; a conversion therefore gives the blocks to a pool
-    of plain threads, each running torch ops on one thread (:func:`block_pool`). On the 16-core
-    H200 host, one 8B decoder layer (``scripts/bench_repack.py --cpu-sweep``): 1.87 GB/s on 12
-    pool threads against 1.61 GB/s for whole-layer ops on 16 OpenMP threads; next to 8 threads
-    busy hashing, 0.68 GB/s against 0.02 GB/s (1 MiB blocks) or 0.50 GB/s (whole layer).
-    Blocks are 4 MiB, not 1 MiB (about one core's L2), since issue 15's sweep on that host: 1.84
-    against 1.85 GB/s alone, but 1.25 against 0.74 GB/s next to 8 hashing threads, the case of a
-    conversion (fewer torch calls, so fewer hand-overs of the GIL among the pool's threads). A
-    variant of the first pass made of shifts and masks (twice the torch calls) was 25% faster
-    on one core here and slower on the 12 threads there (1.26 GB/s alone, 0.68 loaded): not
-    kept. On a GPU the whole layer is one block (the fused kernel of
-    :mod:`mpack.convert.cuda_repack` is the fast path there). Where the native host repack is
-    built, :func:`pack_weight` uses it for CPU tensors instead of this function (Note [host
-    repack] in :mod:`mpack.convert.host_repack`, about 3x faster on half the threads); this torch
-    path stays as the fallback and as a second implementation the tests compare it with.
     """
     n, k = wck.shape
     if n % 64 or k % 16:
@@ -238,7 +233,8 @@ def pack_weight(
 
 
 def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of :func:`pack_weight`: int32 ``[Kp/16, 4*Np]`` -> uint8 ``[N, K]`` (padding dropped)."""
+    """Inverse of :func:`pack_weight`: int32 ``[Kp/16, 4*Np]`` -> uint8 ``[N, K]``
+    (padding dropped)."""
     w = unrepack(packed)  # [Np, Kp]
     if w.shape[0] < n or w.shape[1] < k:
         raise ValueError(

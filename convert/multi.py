@@ -66,7 +66,7 @@ from mpack.convert.pipeline import (
     _seconds,
     _watched,
     check_device_here,
-    resolve_device,
+    torch_device,
 )
 from mpack.convert.plan import OutLayer, Plan, check_fusion_tp, make_plan
 from mpack.convert.scheme_check import SchemeCheck
@@ -180,9 +180,13 @@ def run_convert_many(
     with _watched(src, scheme_check, tl) as watch:
         with tl.span("main", "validate", start=tl.t0):
             ck, plans, skipped = _open_and_plan_all(
-                src, watch.check, specs, fuse=fuse, passthrough=passthrough,
+                src,
+                watch.check,
+                specs,
+                fuse=fuse,
+                passthrough=passthrough,
                 skip_invalid=skip_invalid,
-            )  # fmt: skip
+            )
         names = source_files(src, ck.files)
         records = functools.partial(watch.records, names)
         made: dict[int, tuple[dict[str, Any], str]] = {}  # id(stage) -> manifest, digest
@@ -202,7 +206,7 @@ def run_convert_many(
                             force=force,
                             timeline=tl,
                             parent=parent,
-                        )  # fmt: skip
+                        )
                     )
                 )
             todo = [(p, s) for p, s in zip(plans, stages, strict=True) if not s.up_to_date]
@@ -210,8 +214,7 @@ def run_convert_many(
                 watch.check_unchanged()  # the digests compared are of these files
             else:
                 works = [s.work for _, s in todo]
-                written = _write_all([p for p, _ in todo], works, device, watch.check, progress,
-                                     tl)  # fmt: skip
+                written = _write_all([p for p, _ in todo], works, device, watch.check, progress, tl)
                 with tl.span("main", "copy-files"):
                     copied = _copy_files(src, names, works)
                 with tl.span("main", "wait-source-hashes"):
@@ -228,14 +231,24 @@ def run_convert_many(
     for plan, stage in zip(plans, stages, strict=True):
         if stage.up_to_date:
             m, digest = stage.current
-            results.append(ConvertResult(stage.out, m, digest, up_to_date=True,
-                                         seconds=_seconds(tl, done=False)))  # fmt: skip
+            results.append(
+                ConvertResult(
+                    stage.out, m, digest, up_to_date=True, seconds=_seconds(tl, done=False)
+                )
+            )
         else:
             m, digest = made[id(stage)]
-            results.append(ConvertResult(stage.out, m, digest, up_to_date=False,
-                                         seconds=_seconds(tl, done=True),
-                                         bytes_written=plan.total_bytes,
-                                         timeline=tl.spans()))  # fmt: skip
+            results.append(
+                ConvertResult(
+                    stage.out,
+                    m,
+                    digest,
+                    up_to_date=False,
+                    seconds=_seconds(tl, done=True),
+                    bytes_written=plan.total_bytes,
+                    timeline=tl.spans(),
+                )
+            )
     return MultiConvertResult(out, results, skipped)
 
 
@@ -277,8 +290,14 @@ def _open_and_plan_all(
                 continue  # the checkpoint's dtype named both ways
             try:
                 check_fusion_tp(fuse, s.tp)
-                plans[name] = make_plan(ck, profile=s.profile, act_dtype=act, tp=s.tp,
-                                        fusion=fuse, passthrough=passthrough)  # fmt: skip
+                plans[name] = make_plan(
+                    ck,
+                    profile=s.profile,
+                    act_dtype=act,
+                    tp=s.tp,
+                    fusion=fuse,
+                    passthrough=passthrough,
+                )
             except (UnsupportedSchemeError, UsageError) as e:
                 bad.append((name, e))
     if bad and not plans and len({str(e) for _, e in bad}) == 1:
@@ -427,7 +446,7 @@ def _sinks(
                 continue
         if dev is None:
             with tl.span("main", "torch"):
-                dev = resolve_device(device)
+                dev = torch_device(device)
         sinks.append(_Sink(plan, ws, dev=dev))
     return sinks
 
@@ -443,8 +462,9 @@ def _stream(sinks: list[_Sink], count: _Counter, tl: Timeline, stack: contextlib
     for s in sinks:
         act = s.plan.act_dtype
         if s.dev is None:
-            s.transform = functools.partial(host.transform, act_dtype=act, pool=threads,
-                                            buffers=buffers, gpu=s.gpu)  # fmt: skip
+            s.transform = functools.partial(
+                host.transform, act_dtype=act, pool=threads, buffers=buffers, gpu=s.gpu
+            )
         else:
             from mpack.convert.transform import transform
 
@@ -519,8 +539,17 @@ class MultiStreamer(Streamer):
     ) -> None:
         first = sinks[0]
         read = functools.partial(read_raw, buffers=buffers)
-        super().__init__(first.plan, first.writers, None, _unused, on_written, on_unit, timeline,
-                         read, buffers.give)  # fmt: skip
+        super().__init__(
+            first.plan,
+            first.writers,
+            None,
+            _unused,
+            on_written,
+            on_unit,
+            timeline,
+            read,
+            buffers.give,
+        )
         self.sinks = sinks
         self._index = 0
 

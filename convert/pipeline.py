@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -68,6 +67,7 @@ from mpack.convert.source import (
 )
 from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
 from mpack.convert.timeline import Timeline
+from mpack.device import CONVERT, DeviceSpec, no_cuda_here
 from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
 from mpack.iokit import Aborted, copy_file, copy_tensors, pool
 from mpack.sidecar import (
@@ -177,13 +177,27 @@ def run_convert(
     check_apart(out, src.path)
     with output_lock(out) as parent, _watched(src, scheme_check, tl) as watch:
         with tl.span("main", "validate", start=tl.t0):
-            ck, plan = _open_and_plan(src, watch.check, profile=profile, act_dtype=act_dtype,
-                                      tp=tp, fuse=fuse, passthrough=passthrough)  # fmt: skip
+            ck, plan = _open_and_plan(
+                src,
+                watch.check,
+                profile=profile,
+                act_dtype=act_dtype,
+                tp=tp,
+                fuse=fuse,
+                passthrough=passthrough,
+            )
         names = source_files(src, ck.files)
         records = functools.partial(watch.records, names)
-        with staged_sidecar(out, plan.target, common=COMMON_NAME in plan.files, src=src,
-                            files=records, force=force, timeline=tl,
-                            parent=parent) as stage:  # fmt: skip
+        with staged_sidecar(
+            out,
+            plan.target,
+            common=COMMON_NAME in plan.files,
+            src=src,
+            files=records,
+            force=force,
+            timeline=tl,
+            parent=parent,
+        ) as stage:
             if stage.up_to_date:
                 watch.check_unchanged()  # the digests compared are of these files
                 m, digest = stage.current
@@ -206,46 +220,51 @@ def run_convert(
                 # and hashed are those stamped
                 manifest = _manifest(plan, src, files_src, written, copied)
                 digest = stage.write_manifest(manifest)
-    return ConvertResult(out, manifest, digest, up_to_date=False, seconds=_seconds(tl, done=True),
-                         bytes_written=plan.total_bytes, timeline=tl.spans())  # fmt: skip
+    return ConvertResult(
+        out,
+        manifest,
+        digest,
+        up_to_date=False,
+        seconds=_seconds(tl, done=True),
+        bytes_written=plan.total_bytes,
+        timeline=tl.spans(),
+    )
 
 
 # --- options ------------------------------------------------------------------------------
 
 
-_DEVICE_HELP = "{} must be auto, cpu, cuda or cuda:<i>, got {!r}"
-
-
-def check_device_name(device: str, option: str = "--device") -> None:
-    """``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:<i>`` (whether it is here is for
-    :func:`resolve_device`); no torch needed. ``option``: the flag named in the error."""
-    kind, _, index = device.partition(":")
-    if device not in ("auto", "cpu", "cuda") and not (kind == "cuda" and index.isdigit()):
-        raise UsageError(_DEVICE_HELP.format(option, device))
-
-
 def check_device_here(device: str, option: str = "--device") -> None:
-    """Refuse a CUDA ``device`` on a machine surely without CUDA (:func:`no_cuda_here`), before
-    any work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked
-    once the device opens (the same ``UsageError``, :func:`mpack.convert.driver.check_cuda_here`)."""
-    check_device_name(device, option)
-    if device.startswith("cuda") and no_cuda_here():
+    """Refuse a ``device`` that is not one of convert's names (:data:`mpack.device.CONVERT`), or
+    a CUDA one on a machine surely without CUDA (:func:`mpack.device.no_cuda_here`), before any
+    work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked once
+    the device opens (the same ``UsageError``, :func:`mpack.convert.driver.check_cuda_here`).
+    ``option``: the flag named in the error."""
+    if DeviceSpec.parse(device, CONVERT, option).kind == "cuda" and no_cuda_here():
         driver.check_cuda_here(device, 0, option)
 
 
-def resolve_device(device: str, option: str = "--device") -> torch.device:
-    """``auto`` -> CUDA when present, else CPU; ``cpu``; ``cuda`` / ``cuda:i``. ``option``: the
-    flag named in an error."""
+def torch_device(device: str, option: str = "--device") -> torch.device:
+    """The torch device a conversion on ``device`` runs on: ``auto`` -> CUDA when present, else
+    CPU; ``cpu``; ``cuda`` / ``cuda:i``. ``option``: the flag named in an error.
+
+    Raises:
+        UsageError: a bad name, or a CUDA device that is not here.
+    """
     import torch
 
-    check_device_name(device, option)
-    if device == "auto":
+    if DeviceSpec.parse(device, CONVERT, option).kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         driver.check_cuda_here(device, count, option)
     return dev
+
+
+#: The old name of :func:`torch_device`, kept for convert/multi.py, scripts/bench_convert.py and
+#: tests/convert/test_driver.py until they call it by its name.
+resolve_device = torch_device
 
 
 def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str, device: str) -> None:
@@ -365,8 +384,14 @@ def _open_and_plan(
     with check.errors_first():
         ck = open_checkpoint(src.path, scheme=not check.deferred)
         find_layers(ck)
-        plan = make_plan(ck, profile=profile, act_dtype=_act_dtype(ck, act_dtype), tp=tp,
-                         fusion=fuse, passthrough=passthrough)  # fmt: skip
+        plan = make_plan(
+            ck,
+            profile=profile,
+            act_dtype=_act_dtype(ck, act_dtype),
+            tp=tp,
+            fusion=fuse,
+            passthrough=passthrough,
+        )
     return ck, plan
 
 
@@ -379,6 +404,17 @@ def validate_values(ck: Checkpoint, plan: Plan) -> None:
 # --- stream into the stage ----------------------------------------------------------------
 
 
+# Note [torch off the critical path]: a fresh process spends its first seconds importing torch
+# (more with a cold disk; figures: docs/BENCHMARKS.md, section 9) and starting CUDA. Nothing
+# before the Marlin layers needs it: resolving the source, planning from the headers, the
+# output's lock and work directory, the source hashes, and the pass-through tensors (a plain byte
+# copy into their own file, a quarter of an 8B model's bytes). So this module imports torch only
+# in :func:`_write_all`, after the pass-through copy has started on its thread: the copy and the
+# hashing run while the interpreter imports. Then the device is checked and every layer's scale
+# values (an error stops the copy, and the work directory goes), and the Marlin layers go
+# through :class:`mpack.convert.stream.Streamer` (read, transform and write on their own
+# threads, pinned staging rings on CUDA). Each file hashes as it is written
+# (:class:`mpack.sidecar.HashingWriter`).
 def _write_all(
     plan: Plan,
     work: Path,
@@ -387,20 +423,8 @@ def _write_all(
     progress: Progress | None,
     tl: Timeline,
 ) -> dict[str, dict[str, Any]]:
-    """Stream every output file into ``work``; return ``{file: {size, chunks}}``.
-
-    Note [torch off the critical path]: a fresh process spends its first seconds importing torch
-    (3.4 s warm on the H200 host, more cold) and starting CUDA. Nothing before the Marlin layers
-    needs it: resolving the source, planning from the headers, the output's lock and work
-    directory, the source hashes, and the pass-through tensors (a plain byte copy into their
-    own file, a quarter of an 8B model's bytes). So this module imports torch only here, after
-    the pass-through copy has started on its thread: the copy and the hashing run while the
-    interpreter imports. Then the device is checked and every layer's scale values (an error
-    stops the copy, and the work directory goes), and the Marlin layers go through
-    :class:`mpack.convert.stream.Streamer` (read, transform and write on their own threads,
-    pinned staging rings on CUDA). Each file hashes as it is written
-    (:class:`mpack.sidecar.HashingWriter`).
-    """
+    """Stream every output file into ``work``; return ``{file: {size, chunks}}`` (Note [torch
+    off the critical path])."""
     with contextlib.ExitStack() as stack:
         with tl.span("main", "setup"):
             writers = _open_writers(plan, work, stack)
@@ -412,8 +436,9 @@ def _write_all(
             copied = None
             if COMMON_NAME in writers:
                 bump = functools.partial(_bump_unless, stop, count.add_bytes)
-                copied = copier.submit(copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME],
-                                       bump, tl)  # fmt: skip
+                copied = copier.submit(
+                    copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME], bump, tl
+                )
             try:
                 dev, gpu = open_device(device, plan, tl, stack)
                 with tl.span("main", "validate-values"), check.errors_first():
@@ -451,7 +476,7 @@ def open_device(
             stack.callback(gpu.close)
             return None, gpu
     with tl.span("main", spans[1]):
-        return resolve_device(device, option), None
+        return torch_device(device, option), None
 
 
 def host_io(
@@ -472,18 +497,18 @@ def host_io(
 AUTO_HOST_CORES = 8
 
 
+# Note [auto device]: the bytes are the same on every path, so ``auto`` is the fastest one
+# here. On a many-core machine with a GPU (the 16-core H200 host), the host path converted the
+# 8B checkpoint as fast as the CUDA path without torch (the driver path, Note [driver path]),
+# and faster than the CUDA path with it: a tie, so the host path, which starts no GPU and pins
+# no memory. On few cores the host path is CPU-bound, most of its CPU time the repack, and the
+# driver path needs far fewer CPU-seconds, so below 8 cores ``auto`` keeps the GPU when there is
+# one. Figures: docs/BENCHMARKS.md, sections 6.1, 6.2 and 9.
 def _host_path(device: str, plan: Plan) -> bool:
     """Convert on the CPU without torch (Note [host path] in :mod:`mpack.convert.host`): the
     device is ``cpu``, or ``auto`` on a machine surely without CUDA or with at least
-    :data:`AUTO_HOST_CORES` usable cores, and the host path takes every layer of the plan.
-
-    Note [auto device]: the bytes are the same on every path, so ``auto`` is the fastest one
-    here. On the H200 host (16 cores), the host path converted the 8B checkpoint in 4.84-5.79 s,
-    the CUDA path in 10.07 s with torch and 5.31-5.56 s without it (the driver path, Note
-    [driver path]): a tie, so the host path, which starts no GPU and pins no memory. On 4 cores
-    the host path is CPU-bound (12.5-14.9 s, 45 CPU-seconds, 19 of them the repack), and the
-    driver path needs 26 CPU-seconds (docs/BENCHMARKS.md section 6.2), so below 8 cores
-    ``auto`` keeps the GPU when there is one.
+    :data:`AUTO_HOST_CORES` usable cores, and the host path takes every layer of the plan (Note
+    [auto device]).
     """
     from mpack.convert import host
 
@@ -493,18 +518,6 @@ def _host_path(device: str, plan: Plan) -> bool:
     elif device != "cpu":
         return False
     return host.supported(plan)
-
-
-def no_cuda_here() -> bool:
-    """Whether this process surely sees no CUDA device, known without torch:
-    ``CUDA_VISIBLE_DEVICES`` hides them all, or (Linux) no GPU driver's device node exists
-    (NVIDIA's ``/dev/nvidiactl``, or ``/dev/kfd`` of ROCm, which torch also calls CUDA).
-    False means "ask torch"."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
 
 
 def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> None:
@@ -537,8 +550,9 @@ def _stream_layers(
         from mpack.convert import host
 
         buffers, read = host_io(plan, gpu, stack)
-        xf = functools.partial(host.transform, act_dtype=plan.act_dtype, pool=threads,
-                               buffers=buffers, gpu=gpu)  # fmt: skip
+        xf = functools.partial(
+            host.transform, act_dtype=plan.act_dtype, pool=threads, buffers=buffers, gpu=gpu
+        )
         recycle = buffers.give
     else:
         from mpack.convert.transform import transform

@@ -90,10 +90,17 @@ class Plan:
         for i, unit in enumerate(self.units):
             ly = unit[0]
             out[ly.name] = {
-                "index": i, "n": ly.n, "k": ly.k, "np": ly.np_, "kp": ly.kp, "strategy": ly.strategy,
-                "parallel": ly.parallel, "bias": ly.has_bias, "requantized": ly.requant,
+                "index": i,
+                "n": ly.n,
+                "k": ly.k,
+                "np": ly.np_,
+                "kp": ly.kp,
+                "strategy": ly.strategy,
+                "parallel": ly.parallel,
+                "bias": ly.has_bias,
+                "requantized": ly.requant,
                 "shards": [{"module": p.module, "rows": p.width} for p in ly.pieces],
-            }  # fmt: skip
+            }
         return out
 
     @property
@@ -152,7 +159,8 @@ def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
         missing = [m for m in want if m not in members]
         if missing:
             raise UnsupportedSchemeError(
-                f"{ck.root}: {name} needs {', '.join(want)}; quantized FP8 {', '.join(missing)} not found"
+                f"{ck.root}: {name} needs {', '.join(want)}; "
+                f"quantized FP8 {', '.join(missing)} not found"
             )
         groups[name] = want
     return sorted(groups.items(), key=lambda g: arch.layer_order(g[0]))
@@ -189,7 +197,8 @@ def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> 
         sub = m.rpartition(".")[2]
         if sub in want_n and ly.n != want_n[sub]:
             raise UnsupportedSchemeError(
-                f"{ck.root}: {m}.weight has N={ly.n}, {CONFIG_NAME} implies {want_n[sub]} (heads/head_dim/intermediate)"
+                f"{ck.root}: {m}.weight has N={ly.n}, {CONFIG_NAME} implies {want_n[sub]} "
+                "(heads/head_dim/intermediate)"
             )
         if sub in want_k and ly.k != want_k[sub]:
             raise UnsupportedSchemeError(
@@ -221,9 +230,14 @@ def _groups(
 
 
 def _out_layer(
-    ck: Checkpoint, name: str, members: list[str], dims: Dims | None, tp: int, rank: int,
+    ck: Checkpoint,
+    name: str,
+    members: list[str],
+    dims: Dims | None,
+    tp: int,
+    rank: int,
     profile: str,
-) -> OutLayer:  # fmt: skip
+) -> OutLayer:
     """``name`` on ``rank``: its pieces and padded dims."""
     if dims is None:
         m = members[0]
@@ -239,10 +253,18 @@ def _out_layer(
     np_, kp = target.padded_nk(n, k)
     first = ck.layers[members[0]]
     return OutLayer(
-        name=name, rank=rank, pieces=pieces, n=n, k=k, np_=np_, kp=kp, strategy=first.strategy,
-        parallel=parallel, has_bias=first.has_bias,
+        name=name,
+        rank=rank,
+        pieces=pieces,
+        n=n,
+        k=k,
+        np_=np_,
+        kp=kp,
+        strategy=first.strategy,
+        parallel=parallel,
+        has_bias=first.has_bias,
         requant=profile == "w8a8-marlin" and first.strategy == "tensor",
-    )  # fmt: skip
+    )
 
 
 def make_plan(
@@ -263,8 +285,13 @@ def make_plan(
     plan = Plan(
         ck, profile, act_dtype, tp, fusion, units, passthrough_names(ck) if passthrough else []
     )
-    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "tp_size": str(tp),
-            "profile": profile, "act_dtype": act_dtype}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "tp_size": str(tp),
+        "profile": profile,
+        "act_dtype": act_dtype,
+    }
     for rank in range(tp):
         specs = [s for unit in units for s in unit[rank].tensor_specs(act_dtype)]
         plan.files[rank_file_name(rank, tp)] = FileLayout.plan(specs, {**meta, "rank": str(rank)})

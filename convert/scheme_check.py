@@ -23,35 +23,34 @@ if TYPE_CHECKING:
     from mpack.convert.checkpoint import Checkpoint
 
 # Note [scheme check in a child]: compressed-tensors imports transformers (and with it
-# torch.distributed, sympy, torch._dynamo): 2.4 s on a laptop-class core, 8.5 s on the H200 host,
-# longer than streaming an 8B model. Nothing in the plan needs it: which tensors form a
-# quantized linear, and its strategy, follow from the safetensors headers (an F8_E4M3 weight
-# with a weight_scale of one value or N values). The config is the cross-check. So `mpack
-# convert` plans from the headers (``open_checkpoint(scheme=False)``) and runs the full check
-# (``open_checkpoint`` + ``find_layers``, with compressed-tensors' own models) in a forked child
-# that imports it on another core while the parent streams. The parent waits for the child's
-# verdict before anything becomes visible: a failed check removes the work directory, and its
-# error is the same, word for word, as the inline check's. Where compressed-tensors is already
-# imported (a library caller, the tests) or fork is unavailable, the check runs inline. The CLI
-# starts the child for a local source first thing, before it imports torch (see mpack.cli).
-# Even in a child, the full import (torch, then 8.3 s of compressed-tensors on the H200 host) was
-# longer than the whole stream, so the warm CLI waited for it: the child imports only the config
-# models it needs (Note [lean import] in mpack/convert/ctlean.py).
+# torch.distributed, sympy, torch._dynamo), which takes longer than streaming an 8B model (figures:
+# docs/BENCHMARKS.md, sections 2 and 9). Nothing in the plan needs it: which tensors form a
+# quantized linear, and its strategy, follow from the safetensors headers (an F8_E4M3 weight with a
+# weight_scale of one value or N values). The config is the cross-check. So `mpack convert` plans
+# from the headers (``open_checkpoint(scheme=False)``) and runs the full check (``open_checkpoint``
+# + ``find_layers``, with compressed-tensors' own models) in a forked child that imports it on
+# another core while the parent streams. The parent waits for the child's verdict before anything
+# becomes visible: a failed check removes the work directory, and its error is the same, word for
+# word, as the inline check's. Where compressed-tensors is already imported (a library caller, the
+# tests) or fork is unavailable, the check runs inline. The CLI starts the child for a local source
+# first thing, before it imports torch (see mpack.cli). Even in a child, the full import (torch,
+# then compressed-tensors) was longer than the whole stream, so the warm CLI waited for it: the
+# child imports only the config models it needs (Note [lean import] in mpack/convert/ctlean.py).
 
 # Note [verdict cache]: even lean, the child imports torch (compressed-tensors' models use it at
-# class definition): 4-5 CPU-seconds, and from a cold disk 4 s of reads that the conversion's own
-# reads wait behind. Its verdict is a function of bytes the parent can read in milliseconds: the
-# config, the index and every shard's header (the check reads no tensor data), and of the code
-# that judges them (compressed-tensors, pydantic and transformers by version, mpack's checking
-# modules by content, the interpreter). So a good verdict is kept in mpack's cache
-# (``verdicts``, :mod:`mpack.cache`) under the sha256 of all of that (:func:`verdict_key`), and a
-# later check of the same bytes by the same code takes it from there instead of forking the
-# child: compressed-tensors still parsed this config, once. Only good verdicts are kept (an
-# error names paths and is cheap to reach again), and only when the key the child computes after
-# its check equals the one the parent computed before it (a source edited meanwhile leaves
-# nothing). An entry that does not read back as one is ignored, and one whose layers disagree
-# with the headers is checked again (:meth:`SchemeCheck.agree`). ``MPACK_NO_VERDICT_CACHE=1``
-# turns the cache off.
+# class definition): seconds of CPU, and from a cold disk seconds of reads that the conversion's own
+# reads wait behind (figures: docs/BENCHMARKS.md, sections 6.2 and 6.3). Its verdict is a function
+# of bytes the parent can read in milliseconds: the config, the index and every shard's header (the
+# check reads no tensor data), and of the code that judges them (compressed-tensors, pydantic and
+# transformers by version, mpack's checking modules by content, the interpreter). So a good verdict
+# is kept in mpack's cache (``verdicts``, :mod:`mpack.cache`) under the sha256 of all of that
+# (:func:`verdict_key`), and a later check of the same bytes by the same code takes it from there
+# instead of forking the child: compressed-tensors still parsed this config, once. Only good
+# verdicts are kept (an error names paths and is cheap to reach again), and only when the key the
+# child computes after its check equals the one the parent computed before it (a source edited
+# meanwhile leaves nothing). An entry that does not read back as one is ignored, and one whose
+# layers disagree with the headers is checked again (:meth:`SchemeCheck.agree`).
+# ``MPACK_NO_VERDICT_CACHE=1`` turns the cache off.
 # The key is no secret (anyone who can read the source can compute it), and a kept "ok" lets a
 # checkpoint through that the check would refuse (and `verify --source` with it). So an entry
 # counts only if nobody but us could have written it: Note [cache trust] in mpack/cache.py (the
@@ -126,8 +125,12 @@ def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
             return None
         layers = {}
         for module, (strategy, n, k, bias) in entry["layers"].items():
-            if not (isinstance(strategy, str) and type(n) is int and type(k) is int
-                    and isinstance(bias, bool)):  # fmt: skip
+            if not (
+                isinstance(strategy, str)
+                and type(n) is int
+                and type(k) is int
+                and isinstance(bias, bool)
+            ):
                 return None
             layers[module] = (strategy, n, k, bias)
     except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
@@ -183,9 +186,11 @@ class SchemeCheck:
             ctx = multiprocessing.get_context("fork")
             recv, send = ctx.Pipe(duplex=False)
             self._proc = ctx.Process(
-                target=_scheme_child, args=(str(self.root), send), name="mpack-scheme-check",
+                target=_scheme_child,
+                args=(str(self.root), send),
+                name="mpack-scheme-check",
                 daemon=True,
-            )  # fmt: skip
+            )
             self._proc.start()
             send.close()
             self._conn = recv

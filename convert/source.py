@@ -185,14 +185,19 @@ def _snapshot(
         with hub_progress(show_progress):
             path = Path(
                 snapshot_download(
-                    repo_id=repo, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                    repo_id=repo,
+                    revision=revision,
+                    allow_patterns=ALLOW_PATTERNS,
                     local_files_only=local_only,
                 )
-            )  # fmt: skip
+            )
     except IncompleteSnapshotError as e:
         raise SourceNotFoundError(
             f"{repo}{rev}: the cached snapshot is incomplete ({e})",
-            hint="download it again with network access (unset HF_HUB_OFFLINE), or pass a local directory",
+            hint=(
+                "download it again with network access (unset HF_HUB_OFFLINE), "
+                "or pass a local directory"
+            ),
         ) from None
     except GatedRepoError:
         raise SourceNotFoundError(
@@ -217,7 +222,10 @@ def _snapshot(
             ) from None
         raise SourceNotFoundError(
             f"{repo}{rev}: not in the local Hugging Face cache and the Hub cannot be reached",
-            hint="download it once with network access (unset HF_HUB_OFFLINE), or pass a local directory",
+            hint=(
+                "download it once with network access (unset HF_HUB_OFFLINE), "
+                "or pass a local directory"
+            ),
         ) from None
     except OSError as e:  # network errors surface as requests/httpx OSErrors
         raise SourceNotFoundError(f"{repo}{rev}: cannot download ({e})") from None
@@ -240,6 +248,11 @@ def hash_workers() -> int:
     return max(2, min(8, usable_cores() // 2))
 
 
+# Note [source digests]: a record is ``{name, size, sha256}`` for an LFS blob of the HF cache
+# (named by its sha256: nothing is read) and for a file of at most one chunk, else
+# ``{name, size, chunks}`` with the digest of every ``CHUNK_BYTES`` piece. One sha256 stream over
+# a shard of several GB would outlast the conversion it describes (figures: docs/BENCHMARKS.md,
+# sections 2 and 9); the chunks of all files are hashed on ``workers`` threads at once.
 def hash_sources(
     src: ResolvedSource,
     names: list[str],
@@ -249,14 +262,10 @@ def hash_sources(
     forms: dict[str, str] | None = None,
     workers: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The manifest record of every source file, in name order (``stop`` aborts it).
-
-    Note [source digests]: a record is ``{name, size, sha256}`` for an LFS blob of the HF cache
-    (named by its sha256: nothing is read) and for a file of at most one chunk, else
-    ``{name, size, chunks}`` with the digest of every ``CHUNK_BYTES`` piece. One sha256 stream
-    (~1.3 GB/s) over a 5 GB shard would outlast the conversion it describes; the chunks of all
-    files are hashed on ``workers`` threads at once. ``forms`` (name -> ``"sha256"`` or
-    ``"chunks"``) asks for a recorded form instead, to compare with a manifest written otherwise.
+    """The manifest record of every source file, in name order (``stop`` aborts it):
+    ``{name, size, sha256}`` or ``{name, size, chunks}`` (Note [source digests]), the chunks
+    hashed on ``workers`` threads. ``forms`` (name -> ``"sha256"`` or ``"chunks"``) asks for a
+    recorded form instead, to compare with a manifest written otherwise.
     """
     forms = forms or {}
     records: dict[str, dict[str, Any]] = {}
@@ -313,7 +322,8 @@ def hashing(
 
 
 def record_forms(records: list[dict[str, Any]]) -> dict[str, str]:
-    """name -> ``"sha256"`` or ``"chunks"``: how each file is recorded (for :func:`hash_sources`)."""
+    """name -> ``"sha256"`` or ``"chunks"``: how each file is recorded (for
+    :func:`hash_sources`)."""
     return {
         r.get("name"): "chunks" if "chunks" in r else "sha256"
         for r in records
@@ -357,20 +367,20 @@ class SourceChangedError(InputError):
     """A source file was replaced, modified, removed or added while a conversion read it."""
 
 
+# Note [stable source]: a conversion reads a shard several times (headers, scales, tensor
+# data, the digests of the manifest), by name. If the file behind a name changes in between
+# (``mv new.safetensors SRC/model-00003-of-00004.safetensors``, a download still running, an
+# edit in place), the manifest would record digests of bytes that were not converted. So
+# every file the run may read (the top-level files of ``ALLOW_PATTERNS``; symlinks followed,
+# as the HF cache links into ``blobs/``) is stamped before anything is read, and stamped
+# again at the end, before the manifest is written: any difference fails the run
+# (:func:`check_sources_unchanged`). A replaced file has another inode, a file written in
+# place another size, mtime or ctime (a rename changes the ctime too, so even a file swapped
+# away and back is seen); a file removed or added changes the set of names.
 def stamp_sources(src: ResolvedSource) -> dict[str, Stamp]:
-    """The identity, size and times of every file a conversion may read from ``src``.
-
-    Note [stable source]: a conversion reads a shard several times (headers, scales, tensor
-    data, the digests of the manifest), by name. If the file behind a name changes in between
-    (``mv new.safetensors SRC/model-00003-of-00004.safetensors``, a download still running, an
-    edit in place), the manifest would record digests of bytes that were not converted. So
-    every file the run may read (the top-level files of ``ALLOW_PATTERNS``; symlinks followed,
-    as the HF cache links into ``blobs/``) is stamped before anything is read, and stamped
-    again at the end, before the manifest is written: any difference fails the run
-    (:func:`check_sources_unchanged`). A replaced file has another inode, a file written in
-    place another size, mtime or ctime (a rename changes the ctime too, so even a file swapped
-    away and back is seen); a file removed or added changes the set of names.
-    """
+    """The identity, size and times of every file a conversion may read from ``src`` (the
+    top-level files of ``ALLOW_PATTERNS``, symlinks followed), to compare at the end of the run
+    with :func:`check_sources_unchanged` (Note [stable source])."""
     stamps: dict[str, Stamp] = {}
     try:
         entries = sorted(os.listdir(src.path))

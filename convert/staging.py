@@ -111,13 +111,13 @@ SourceRecords = Callable[..., list[dict[str, Any]]]
 # --- where OUT is -----------------------------------------------------------------------------
 
 
+# Note [output path]: ``out`` is resolved through symbolic links (``os.path.realpath``) and
+# the sidecar is written at the target: ``-o link`` where ``link -> some/dir`` fills
+# ``some/dir`` and keeps the link, so the link never turns into a directory and two runs
+# through different links to one directory share one lock.
 def output_path(out: str | os.PathLike) -> Path:
-    """The directory ``-o out`` names, made absolute and checked before any work.
-
-    Note [output path]: ``out`` is resolved through symbolic links (``os.path.realpath``) and
-    the sidecar is written at the target: ``-o link`` where ``link -> some/dir`` fills
-    ``some/dir`` and keeps the link, so the link never turns into a directory and two runs
-    through different links to one directory share one lock.
+    """The directory ``-o out`` names, made absolute (symbolic links resolved: Note [output
+    path]) and checked before any work.
 
     Raises:
         UsageError: ``out`` is empty, names the home directory of a user who does not exist
@@ -188,9 +188,12 @@ def _check_lengths(raw: str, p: Path) -> None:
             )
     path_max = _pathconf(base, "PC_PATH_MAX", 4096)
     longest = (
-        len(os.fsencode(p.parent)) + 1 + max(len(os.fsencode(p.name)), _WORK_NAME)
-        + 1 + _LONGEST_FILE
-    )  # fmt: skip
+        len(os.fsencode(p.parent))
+        + 1
+        + max(len(os.fsencode(p.name)), _WORK_NAME)
+        + 1
+        + _LONGEST_FILE
+    )
     if longest >= path_max:
         raise UsageError(
             f"-o {shown(raw, 60)}: a path of {len(os.fsencode(p))} bytes, too long for the "

@@ -5,12 +5,10 @@
 // convert/cuda_repack.py, which passes the same architecture and -std=c++17):
 //   nvcc -arch=sm_90 -std=c++17 -O3 -Xptxas -v -c cuda/marlin_repack.cu -o /tmp/marlin_repack.o
 //
-// The layout (SPEC §5). The padded bytes W[n][k] (n < Np, k < Kp; zero where n >= N or k >= K)
-// are cut into tiles of 64 n x 16 k; tile (kt, nt) is the 1024 contiguous bytes at
-// out + kt*16*Np + nt*1024. Split a tile into 64 chunks of 16 bytes (4 words). Chunk q, word j
-// (j = 2*wlo + h) holds column n = 64nt + 32whi + 16wlo + 8h + t8, with t8 = q>>3,
-// kmid = (q>>1)&3, whi = q&1, and its bytes (LSB first) are the k values
-// 16kt + 2kmid + {0, 8, 1, 9}. So one output chunk gathers 4 bytes from each of 4 input rows.
+// The layout (SPEC §5): docs/LAYOUT.md, "The tile formula", read "by 16-byte chunk"; the names
+// below (kt, nt, chunk q, word j, t8, kmid, whi, wlo, h) are that section's. Tile (kt, nt) is
+// the 1024 contiguous bytes at out + kt*16*Np + nt*1024, cut into 64 chunks of 16 bytes, and
+// one output chunk gathers 4 bytes from each of 4 input rows.
 //
 // Thread/tile mapping. One block of 256 threads owns a strip of 128 input rows (2 n-tiles) by
 // 128 input bytes (8 k-tiles) = 16 output tiles = 16 KiB in, 16 KiB out:

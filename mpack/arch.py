@@ -141,9 +141,12 @@ def expected_rows(dims: Dims) -> dict[str, int]:
     """Output channels (N) of each shard of the whole (TP 1) model."""
     d = dims.head_dim
     return {
-        "q_proj": dims.heads * d, "k_proj": dims.kv_heads * d, "v_proj": dims.kv_heads * d,
-        "gate_proj": dims.intermediate, "up_proj": dims.intermediate,
-    }  # fmt: skip
+        "q_proj": dims.heads * d,
+        "k_proj": dims.kv_heads * d,
+        "v_proj": dims.kv_heads * d,
+        "gate_proj": dims.intermediate,
+        "up_proj": dims.intermediate,
+    }
 
 
 def expected_cols(dims: Dims) -> dict[str, int]:

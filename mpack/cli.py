@@ -347,6 +347,17 @@ def _tp_value(v: str) -> int:
         raise UsageError(f"--tp takes whole numbers, got {v!r}", hint="e.g. --tp 1,2,4,8") from None
 
 
+def _names_cuda(device: str) -> bool:
+    """Whether convert's ``device`` names a CUDA device; False for a bad name (refused later, in
+    the conversion's own words)."""
+    from mpack.device import CONVERT, DeviceSpec
+
+    try:
+        return DeviceSpec.parse(device, CONVERT).kind == "cuda"
+    except UsageError:
+        return False
+
+
 def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) -> Any:
     """:func:`mpack.convert.pipeline.run_convert` (with ``specs``, several targets:
     :func:`mpack.convert.multi.run_convert_many`) with progress lines. For a local source, two
@@ -361,7 +372,7 @@ def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) 
     if (Path(source) / CONFIG_NAME).is_file():
         early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
         libs = []
-        if str(options.get("device", "")).startswith("cuda"):
+        if _names_cuda(options.get("device", "")):
             from mpack import cudadrv
 
             libs = cudadrv.library_files()  # before the shards: Note [prefetch]
@@ -417,8 +428,8 @@ def verify(
         bool,
         typer.Option(
             "--forward",
-            help="Also run token ids through the model from the sidecar and from the source (transformers) "
-            "and compare greedy tokens and logits.",
+            help="Also run token ids through the model from the sidecar and from the source "
+            "(transformers) and compare greedy tokens and logits.",
         ),
     ] = False,
     device: Annotated[
@@ -461,9 +472,13 @@ def verify(
     if forward:
         ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
     result = verify_sidecar(
-        sidecar, source=source, forward=forward, device=device, rederive_device=rederive_device,
+        sidecar,
+        source=source,
+        forward=forward,
+        device=device,
+        rederive_device=rederive_device,
         require_source=require_source,
-    )  # fmt: skip
+    )
     if not result.problems:  # what matched; also shown when the model outputs differ
         report = result.report() | ({"seconds": result.seconds} if json_out else {})
         ui.emit_verify(report, as_json=json_out)
@@ -550,8 +565,10 @@ def _emit_push(report: dict[str, Any], *, dry_run: bool, as_json: bool) -> None:
     files = report["files"]
     where = report["repo_id"] + (f" (branch {report['revision']})" if report["revision"] else "")
     n = len(report["targets"])
-    lines = [f"{where}: {n} target{'s' if n > 1 else ''}, {len(files)} files, "
-             f"{ui.human_bytes(report['bytes'])}"]  # fmt: skip
+    lines = [
+        f"{where}: {n} target{'s' if n > 1 else ''}, {len(files)} files, "
+        f"{ui.human_bytes(report['bytes'])}"
+    ]
     width = max(len(f["path"]) for f in files)
     lines += [
         f"  {f['path']:<{width}}  {ui.human_bytes(f['size']):>11}  {f['local'] or '(model card)'}"
@@ -609,9 +626,13 @@ def serve(
 
     sidecar = resolve_sidecar(sidecar, rank=rank)  # a repo id: this rank's files only
     run_daemon(
-        sidecar, rank=rank, device=device, socket_path=socket, on_ready=ui.emit_ready,
+        sidecar,
+        rank=rank,
+        device=device,
+        socket_path=socket,
+        on_ready=ui.emit_ready,
         on_event=ui.emit_event,
-    )  # fmt: skip
+    )
 
 
 @command
@@ -677,9 +698,14 @@ def error_document(exc: BaseException, code: int) -> dict[str, object]:
     )
     return {
         "ok": False,
-        "error": {"code": kind, "exit_code": code, "message": message, "file": _file_of(exc),
-                  "hint": hint},
-    }  # fmt: skip
+        "error": {
+            "code": kind,
+            "exit_code": code,
+            "message": message,
+            "file": _file_of(exc),
+            "hint": hint,
+        },
+    }
 
 
 def _say(stream: Any, text: str) -> None:

@@ -29,8 +29,18 @@ from typing import Any
 
 from mpack.errors import CudaError, UsageError
 
-__all__ = ["CudaError", "check", "check_nvrtc", "device", "device_count", "driver", "init",
-           "library_files", "nvrtc", "on_device"]  # fmt: skip
+__all__ = [
+    "CudaError",
+    "check",
+    "check_nvrtc",
+    "device",
+    "device_count",
+    "driver",
+    "init",
+    "library_files",
+    "nvrtc",
+    "on_device",
+]
 
 #: How to get cuda-bindings (the ``cuda`` extra).
 INSTALL_HINT = "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e '.[cuda]')"
@@ -65,14 +75,34 @@ def _missing(needed_by: str) -> UsageError:
 
 #: Where the dynamic loader finds the driver and NVRTC on the usual Linux installs (after
 #: LD_LIBRARY_PATH's folders).
-_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
-             "/usr/local/nvidia/lib64", "/usr/local/cuda/lib64", "/usr/lib/wsl/lib")  # fmt: skip
+_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/local/nvidia/lib64",
+    "/usr/local/cuda/lib64",
+    "/usr/lib/wsl/lib",
+)
 
 
 #: cuda-bindings modules the driver path never imports (the runtime, NVML, cuFile ...): not read.
-_UNUSED_BINDINGS = ("runtime", "cyruntime", "cyruntime_ptds", "nvml", "cynvml", "cufile",
-                    "cycufile", "cudla", "cycudla", "nvjitlink", "cynvjitlink", "nvvm", "cynvvm",
-                    "nvfatbin", "cynvfatbin")  # fmt: skip
+_UNUSED_BINDINGS = (
+    "runtime",
+    "cyruntime",
+    "cyruntime_ptds",
+    "nvml",
+    "cynvml",
+    "cufile",
+    "cycufile",
+    "cudla",
+    "cycudla",
+    "nvjitlink",
+    "cynvjitlink",
+    "nvvm",
+    "cynvvm",
+    "nvfatbin",
+    "cynvfatbin",
+)
 
 
 def _package_dirs(name: str) -> list[str]:
@@ -90,12 +120,18 @@ def library_files() -> list[Path]:
     looks (its wheel, then LD_LIBRARY_PATH, then the system folders). Note [prefetch] in
     mpack/iokit.py: read ahead of the source, their page faults do not wait behind it on a cold
     disk. Best effort: what is not found is left out."""
-    found = [p for d in _package_dirs("cuda.bindings") for p in sorted(Path(d).rglob("*.so"))
-             if p.name.split(".")[0] not in _UNUSED_BINDINGS]  # fmt: skip
+    found = [
+        p
+        for d in _package_dirs("cuda.bindings")
+        for p in sorted(Path(d).rglob("*.so"))
+        if p.name.split(".")[0] not in _UNUSED_BINDINGS
+    ]
     wheel_nvrtc = [os.path.join(glob.escape(d), "*", "lib") for d in _package_dirs("nvidia")]
     dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(_LIB_DIRS)
-    for name, where in (("libnvrtc.so.*[0-9]", wheel_nvrtc + [glob.escape(d) for d in dirs]),
-                        ("libcuda.so.1", [glob.escape(d) for d in dirs])):  # fmt: skip
+    for name, where in (
+        ("libnvrtc.so.*[0-9]", wheel_nvrtc + [glob.escape(d) for d in dirs]),
+        ("libcuda.so.1", [glob.escape(d) for d in dirs]),
+    ):
         for pattern in where:
             hits = sorted(glob.glob(os.path.join(pattern, name)))
             if hits:

@@ -123,18 +123,19 @@ ENVIRONMENT_ERRNOS = frozenset(
 QUOTE_LIMIT = 200
 
 
+# Note [quoting untrusted text]: layer names, keys and file names come from files anyone can
+# write. Printed raw, an escape sequence in a layer name (ESC ``[2J``) clears the user's
+# terminal, a bidi override makes a message read backwards, and a 10 MB name puts 10 MB in
+# every message that quotes it. So a message quotes such a value through :func:`quote`.
+# ``--json`` output does not go through it: JSON escapes control characters itself, and the
+# document stays faithful to the file.
 def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
-    """``value`` as a message may quote it: escaped and capped.
+    """``value`` as a message may quote it: escaped and capped (Note [quoting untrusted text]).
 
-    Note [quoting untrusted text]: layer names, keys and file names come from files anyone can
-    write. Printed raw, an escape sequence in a layer name (ESC ``[2J``) clears the user's
-    terminal, a bidi override makes a message read backwards, and a 10 MB name puts 10 MB in
-    every message that quotes it. So a message quotes such a value through here: a string as
-    ``repr`` writes it (C0 and C1 control characters, DEL, bidi overrides and the other invisible
-    format characters, line separators and lone surrogates all escaped: ``'\\x1b[2J'``), at most
-    ``limit`` of its characters, then ``...`` and its full length when it is longer. Anything else
-    by its ``repr``, escaped and capped the same way. ``--json`` output does not go through here:
-    JSON escapes control characters itself, and the document stays faithful to the file.
+    A string as ``repr`` writes it (C0 and C1 control characters, DEL, bidi overrides and the
+    other invisible format characters, line separators and lone surrogates all escaped:
+    ``'\\x1b[2J'``), at most ``limit`` of its characters, then ``...`` and its full length when it
+    is longer. Anything else by its ``repr``, escaped and capped the same way.
     """
     if isinstance(value, str):
         text, out = value, repr(value[:limit])  # repr escapes every non-printable character

@@ -105,16 +105,18 @@ def make_checkpoint(
     Same arguments give byte-identical safetensors files.
     """
     arch, scheme = arch.lower(), scheme.upper()
-    _check_args(arch, scheme, _presets, dtype, hidden, heads, kv_heads, head_dim,
-                scale_in_other_shard, max_shard_size)  # fmt: skip
-
-    import torch
-    from compressed_tensors.compressors import ModelCompressor
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch_dtype = getattr(torch, dtype)
-
+    _check_args(
+        arch,
+        scheme,
+        _presets,
+        dtype,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        scale_in_other_shard,
+        max_shard_size,
+    )
     config = _build_config(
         arch,
         hidden=hidden,
@@ -122,37 +124,31 @@ def make_checkpoint(
         layers=layers,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=head_dim if head_dim is not None else hidden // heads,
+        head_dim=head_dim,
         vocab=vocab,
         tie_embeddings=tie_embeddings,
     )
-    threads = torch.get_num_threads()
-    # One thread: the calibration matmuls then reduce in the same order on every machine.
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            model = _build_model(arch, config, torch_dtype, seed)
-            _quantize(model, scheme, vocab, seed)
-            compressor = ModelCompressor.from_pretrained_model(model)
-            compressor.compress_model(model)
-    finally:
-        torch.set_num_threads(threads)
-
-    save_kwargs: dict[str, Any] = {}
-    if max_shard_size is not None:
-        save_kwargs["max_shard_size"] = max_shard_size
-    model.save_pretrained(out, **save_kwargs)
-    compressor.update_config(str(out))
-
+    model, compressor = _compressed_model(arch, config, dtype, scheme, vocab, seed)
+    out = Path(out_dir)  # created once there is something to write
+    out.mkdir(parents=True, exist_ok=True)
+    _save(model, compressor, out, max_shard_size)
     if scale_in_other_shard:
         _move_to_other_shard(out, "model.layers.0.self_attn.q_proj.weight_scale")
     return out
 
 
 def _check_args(
-    arch: str, scheme: str, _presets: tuple[str, ...], dtype: str, hidden: int, heads: int,
-    kv_heads: int, head_dim: int | None, scale_in_other_shard: bool, max_shard_size: Any,
-) -> None:  # fmt: skip
+    arch: str,
+    scheme: str,
+    _presets: tuple[str, ...],
+    dtype: str,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int | None,
+    scale_in_other_shard: bool,
+    max_shard_size: Any,
+) -> None:
     """``ValueError`` for arguments of :func:`make_checkpoint` that cannot make a checkpoint."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
@@ -183,12 +179,16 @@ def _build_config(
     layers: int,
     heads: int,
     kv_heads: int,
-    head_dim: int,
+    head_dim: int | None,
     vocab: int,
     tie_embeddings: bool,
 ) -> Any:
-    """The transformers config of ``arch`` with these dimensions (bos 1, eos 2, 512 positions)."""
+    """The transformers config of ``arch`` with these dimensions (bos 1, eos 2, 512 positions);
+    ``head_dim`` ``None`` is ``hidden // heads``."""
     import transformers
+
+    if head_dim is None:
+        head_dim = hidden // heads
 
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -208,6 +208,38 @@ def _build_config(
     if arch == "mistral":
         kwargs["sliding_window"] = None
     return getattr(transformers, ARCHS[arch][0])(**kwargs)
+
+
+def _compressed_model(
+    arch: str, config: Any, dtype: str, scheme: str, vocab: int, seed: int
+) -> tuple[torch.nn.Module, Any]:
+    """The model of ``config`` in ``dtype``, quantized with ``scheme`` and compressed in place,
+    with the ``ModelCompressor`` that compressed it (its ``update_config`` comes after saving)."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+
+    threads = torch.get_num_threads()
+    # One thread: the calibration matmuls then reduce in the same order on every machine.
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            model = _build_model(arch, config, getattr(torch, dtype), seed)
+            _quantize(model, scheme, vocab, seed)
+            compressor = ModelCompressor.from_pretrained_model(model)
+            compressor.compress_model(model)
+    finally:
+        torch.set_num_threads(threads)
+    return model, compressor
+
+
+def _save(model: Any, compressor: Any, out: Path, max_shard_size: str | int | None) -> None:
+    """``save_pretrained`` into ``out`` (in shards of ``max_shard_size`` when given), then the
+    compressor's ``quantization_config`` into its ``config.json``."""
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **save_kwargs)
+    compressor.update_config(str(out))
 
 
 def _build_model(arch: str, config: Any, torch_dtype: torch.dtype, seed: int) -> torch.nn.Module:

@@ -164,8 +164,11 @@ class PushResult:
     deleted: list[str] = field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
-        return self.plan.report() | {"commit": self.commit, "url": self.url,
-                                     "deleted": self.deleted}  # fmt: skip
+        return self.plan.report() | {
+            "commit": self.commit,
+            "url": self.url,
+            "deleted": self.deleted,
+        }
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -361,8 +364,10 @@ def model_card(repo_id: str, targets: list[Target], *, revision: str | None = No
     if str((first.get("model") or {}).get("architecture", "")).endswith("ForCausalLM"):
         front.append("pipeline_tag: text-generation")
     front.append(f"tags: [{', '.join(TAGS)}]")
-    engine = {f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}"
-              for t in targets}  # fmt: skip
+    engine = {
+        f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}"
+        for t in targets
+    }
     made_by = sorted({str(t.manifest.get("created_by", "mpack ?")) for t in targets})
     if base:
         origin = f"`{base}` (Hugging Face Hub)"
@@ -416,13 +421,24 @@ def model_card(repo_id: str, targets: list[Target], *, revision: str | None = No
     for t in targets:
         out += ["", f"### {t.name}", "", "```sh", *serve_commands(repo_id, t, revision), "```"]
         if t.manifest["target"].get("fusion", "vllm") != "vllm":
-            out += ["", "Checkpoint layer names (`--fuse none`): for `mpack.runtime`; vLLM's "
-                    "loader needs vLLM's fused names."]  # fmt: skip
+            out += [
+                "",
+                "Checkpoint layer names (`--fuse none`): for `mpack.runtime`; vLLM's "
+                "loader needs vLLM's fused names.",
+            ]
     if base:
         at = f"@{revision}" if revision and revision != "main" else ""
         refs = [(f"{repo_id}/{t.folder}" if t.folder else repo_id) + at for t in targets]
-        out += ["", "## Check", "", "Re-derive every byte from the source checkpoint:", "",
-                "```sh", *(f"mpack verify {r} --source {base}" for r in refs), "```"]  # fmt: skip
+        out += [
+            "",
+            "## Check",
+            "",
+            "Re-derive every byte from the source checkpoint:",
+            "",
+            "```sh",
+            *(f"mpack verify {r} --source {base}" for r in refs),
+            "```",
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -480,11 +496,14 @@ def push(plan: PushPlan, *, api: Any = None, show_progress: bool = False) -> Pus
         _check_unchanged(plan)  # ... so a file replaced since the checks is caught now
         ops += [CommitOperationDelete(path_in_repo=p) for p in deleted]
         info = api.create_commit(
-            rid, ops, commit_message=_commit_message(plan),
-            commit_description=_commit_description(plan), revision=branch, repo_type="model",
-        )  # fmt: skip
-    return PushResult(plan, getattr(info, "oid", None), getattr(info, "commit_url", None),
-                      deleted)  # fmt: skip
+            rid,
+            ops,
+            commit_message=_commit_message(plan),
+            commit_description=_commit_description(plan),
+            revision=branch,
+            repo_type="model",
+        )
+    return PushResult(plan, getattr(info, "oid", None), getattr(info, "commit_url", None), deleted)
 
 
 def push_sidecar(

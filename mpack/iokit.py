@@ -1,4 +1,5 @@
-"""The I/O engine under convert, the loader and the benchmarks: pools, reads, digests, writes, rings.
+"""The I/O engine under convert, the loader and the benchmarks: pools, reads, digests, writes,
+rings.
 
 Nothing here knows the sidecar format (:mod:`mpack.sidecar` does); this module knows how to move
 and hash bytes fast:
@@ -96,19 +97,18 @@ def shared_pool(name: str) -> ThreadPoolExecutor:
 # --- reads ---------------------------------------------------------------------------------
 
 
-# Note [prefetch]: a command's first seconds go to importing torch (3.4 s warm on the H200
-# host, several more with a cold page cache), before it reads a byte of its input. `mpack convert`
-# asks the kernel to start reading the source shards first thing (POSIX_FADV_WILLNEED): the disk
-# works through them while the interpreter imports, and the stream then finds them in the page
-# cache. The kernel only queues reads, so the request itself is cheap and a warm file costs
-# nothing; it runs on a daemon thread all the same. At most ``budget`` bytes are asked for (a
-# quarter of the memory available, by default): more would evict the first files before they are
-# read. The disk then works through the shards in order, so on a cold disk every page fault of a
-# library loaded meanwhile waits behind gigabytes of queued reads: `open_gpu` took 4.0-4.2 s cold
-# against 0.44 s warm on the H200 host. `convert --device cuda` therefore asks for the shared
-# objects the driver path maps first (``cudadrv.library_files``: cuda-bindings' driver and NVRTC
-# modules, libcuda, libnvrtc; about 220 MB on the H200 host, read whole and in order: a tenth of
-# a second of that disk).
+# Note [prefetch]: a command's first seconds go to importing torch (more of them with a cold page
+# cache), before it reads a byte of its input. `mpack convert` asks the kernel to start reading the
+# source shards first thing (POSIX_FADV_WILLNEED): the disk works through them while the interpreter
+# imports, and the stream then finds them in the page cache. The kernel only queues reads, so the
+# request itself is cheap and a warm file costs nothing; it runs on a daemon thread all the same. At
+# most ``budget`` bytes are asked for (a quarter of the memory available, by default): more would
+# evict the first files before they are read. The disk then works through the shards in order, so on
+# a cold disk every page fault of a library loaded meanwhile waits behind gigabytes of queued reads
+# (`open_gpu` takes several times longer cold than warm). `convert --device cuda` therefore asks for
+# the shared objects the driver path maps first (``cudadrv.library_files``: cuda-bindings' driver
+# and NVRTC modules, libcuda, libnvrtc): a few hundred MB read whole and in order, little next to
+# the shards. Figures: docs/BENCHMARKS.md, sections 2, 6.2 and 9.
 
 
 def _mem_available() -> int | None:
@@ -203,12 +203,12 @@ def pread_pieces(fd: int, pieces: list[tuple[memoryview, int]]) -> int | None:
 
 # --- chunk digests -------------------------------------------------------------------------
 #
-# Note [chunk digests]: one sha256 stream runs at ~1.2 GB/s on a server core, slower than an
-# NVMe disk, so a loader that checks only the whole-file sha256 is hash-bound, and so is a
-# writer that computes one. The manifest therefore lists the sha256 of every ``chunk``-byte
-# piece of a file (the last may be shorter; an empty file has one, of no bytes), which the
-# writer computes and a loader checks on many threads as the bytes stream. Since format version
-# 2 the safetensors files carry only these; the small copied files also keep a whole-file
+# Note [chunk digests]: one sha256 stream runs slower than an NVMe disk reads (figures:
+# docs/BENCHMARKS.md, sections 2, 3 and 9), so a loader that checks only the whole-file sha256 is
+# hash-bound, and so is a writer that computes one. The manifest therefore lists the sha256 of every
+# ``chunk``-byte piece of a file (the last may be shorter; an empty file has one, of no bytes),
+# which the writer computes and a loader checks on many threads as the bytes stream. Since format
+# version 2 the safetensors files carry only these; the small copied files also keep a whole-file
 # sha256 (docs/FORMAT.md).
 
 
@@ -527,8 +527,12 @@ def copy_file(a: Path, b: Path, chunk_bytes: int) -> dict[str, Any]:
         with naming(b):
             fb.flush()
             os.fsync(fb.fileno())
-    return {"name": b.name, "size": digester.pos, "sha256": whole.hexdigest(),
-            "chunks": {"bytes": chunk_bytes, "sha256": digester.digests()}}  # fmt: skip
+    return {
+        "name": b.name,
+        "size": digester.pos,
+        "sha256": whole.hexdigest(),
+        "chunks": {"bytes": chunk_bytes, "sha256": digester.digests()},
+    }
 
 
 def copy_tensors(

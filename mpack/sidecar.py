@@ -79,8 +79,14 @@ MAX_FILE_BYTES = 1 << 48
 MAX_DIM = 1 << 24
 #: The model dimensions a manifest's ``model.config`` records; a loader compares them with the
 #: model it loads into (runtime/vllm.py).
-MODEL_DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "vocab_size")  # fmt: skip
+MODEL_DIMS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
 #: Every key ``model.config`` takes from the checkpoint's (text) config, besides ``dtype``.
 MODEL_CONFIG_KEYS = ("model_type", *MODEL_DIMS, "head_dim", "tie_word_embeddings")
 #: Files also carry the sha256 of every CHUNK_BYTES piece (Note [chunk digests]).
@@ -88,11 +94,22 @@ CHUNK_BYTES = 64 * 1024 * 1024
 
 # safetensors dtype names <-> bytes per element
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def torch_dtype(name: str) -> Any:
@@ -105,12 +122,22 @@ def _torch_dtypes() -> dict[str, Any]:
     import torch
 
     return {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
-        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-        "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
-        "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
-        "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
-    }  # fmt: skip
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "I16": torch.int16,
+        "U16": torch.uint16,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I32": torch.int32,
+        "U32": torch.uint32,
+        "F32": torch.float32,
+        "I64": torch.int64,
+        "U64": torch.uint64,
+        "F64": torch.float64,
+    }
 
 
 def rank_file_name(rank: int, tp: int) -> str:
@@ -169,15 +196,14 @@ class TensorEntry:
     nbytes: int
 
 
+# Note [alignment]: the header is padded with spaces so the data section starts at a multiple
+# of ``ALIGN``; tensors whose size is a multiple of ``ALIGN`` are placed first (in the order
+# given), the rest after them (in the order given), so safetensors' no-gap rule holds and
+# every 64-multiple tensor starts 64-byte aligned.
 @dataclass
 class FileLayout:
-    """The complete byte layout of one safetensors file, known before any data is written.
-
-    Note [alignment]: the header is padded with spaces so the data section starts at a multiple
-    of ``ALIGN``; tensors whose size is a multiple of ``ALIGN`` are placed first (in the order
-    given), the rest after them (in the order given), so safetensors' no-gap rule holds and
-    every 64-multiple tensor starts 64-byte aligned.
-    """
+    """The complete byte layout of one safetensors file, known before any data is written
+    (Note [alignment])."""
 
     header: bytes  # the 8-byte length prefix + JSON header, padded
     entries: list[TensorEntry]  # in file order
@@ -358,20 +384,26 @@ def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
+# Note [manifest digest]: a sidecar's digest (which names a served sidecar) is the sha256 of
+# its ``mpack.json`` bytes as read (:func:`load_manifest`). mpack writes the canonical encoding
+# (:func:`manifest_bytes`), so for every sidecar it wrote this is also the sha256 of the
+# re-encoded manifest; reading it from the bytes spares every attaching process a re-encoding
+# with Python's slow indenting JSON encoder (the larger part of an attach's CPU time on the host
+# backend). A hand-edited, non-canonical ``mpack.json`` has the digest of its own bytes.
 def digest_of(manifest: Mapping[str, Any]) -> str:
-    """The digest of ``manifest`` once written: sha256 of its canonical encoding.
-
-    Note [manifest digest]: a sidecar's digest (which names a served sidecar) is the sha256 of
-    its ``mpack.json`` bytes as read (:func:`load_manifest`). mpack writes the canonical encoding
-    (:func:`manifest_bytes`), so for every sidecar it wrote this is also the sha256 of the
-    re-encoded manifest; reading it from the bytes spares every attaching process a re-encoding
-    with Python's slow indenting JSON encoder (the larger part of an attach's CPU time on the host
-    backend). A hand-edited, non-canonical ``mpack.json`` has the digest of its own bytes."""
+    """The digest of ``manifest`` once written: sha256 of its canonical encoding (for a sidecar
+    mpack wrote, the sha256 of its ``mpack.json`` bytes: Note [manifest digest])."""
     return hashlib.sha256(manifest_bytes(manifest)).hexdigest()
 
 
-def new_manifest(*, target: Mapping[str, Any], source: Mapping[str, Any], model: Mapping[str, Any],
-                 layers: Mapping[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def new_manifest(
+    *,
+    target: Mapping[str, Any],
+    source: Mapping[str, Any],
+    model: Mapping[str, Any],
+    layers: Mapping[str, Any],
+    files: list[dict[str, Any]],
+) -> dict[str, Any]:
     """Assemble a manifest (SPEC §9 required keys plus mpack's own)."""
     return {
         "format": FORMAT,
@@ -472,8 +504,12 @@ def _check_target(t: dict[str, Any], where: str | os.PathLike) -> None:
         raise CorruptFileError(
             f"{where}: target tp_size is {quote(tp, 40)}, not an integer in 1..{MAX_TP}"
         )
-    allowed = {"kernel": (target.KERNEL,), "profile": target.PROFILES,
-               "act_dtype": tuple(target.ACT_DTYPES), "fusion": target.FUSIONS}  # fmt: skip
+    allowed = {
+        "kernel": (target.KERNEL,),
+        "profile": target.PROFILES,
+        "act_dtype": tuple(target.ACT_DTYPES),
+        "fusion": target.FUSIONS,
+    }
     for key, values in allowed.items():
         if t[key] not in values:
             raise CorruptFileError(
@@ -522,10 +558,13 @@ def _chunks_ok(ch: Any, size: int) -> bool:
     """A ``chunks`` record of a file of ``size`` bytes: a chunk size in range and one digest
     per chunk."""
     return (
-        isinstance(ch, dict) and type(ch.get("bytes")) is int and 1 <= ch["bytes"] <= MAX_FILE_BYTES
-        and isinstance(ch.get("sha256"), list) and len(ch["sha256"]) == max(1, -(-size // ch["bytes"]))
+        isinstance(ch, dict)
+        and type(ch.get("bytes")) is int
+        and 1 <= ch["bytes"] <= MAX_FILE_BYTES
+        and isinstance(ch.get("sha256"), list)
+        and len(ch["sha256"]) == max(1, -(-size // ch["bytes"]))
         and all(_is_digest(d) for d in ch["sha256"])
-    )  # fmt: skip
+    )
 
 
 #: The most bytes a file name may have (NAME_MAX on Linux).
@@ -536,9 +575,11 @@ def _is_plain_name(name: str) -> bool:
     """A file name a sidecar may list: printable (no control or format characters, no lone
     surrogates), no ``/``, not ``.`` or ``..``, at most ``MAX_NAME_BYTES`` in UTF-8."""
     return (
-        name.isprintable() and "/" not in name and name not in ("", ".", "..")
+        name.isprintable()
+        and "/" not in name
+        and name not in ("", ".", "..")
         and len(name.encode()) <= MAX_NAME_BYTES
-    )  # fmt: skip
+    )
 
 
 def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
@@ -552,9 +593,10 @@ def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
                 hint=regenerate_hint_of({"source": {}}, Path(where).parent),
             )
     if src.get("kind") == "hub" and not (
-        isinstance(src.get("repo"), str) and _is_repo_id(src["repo"])
+        isinstance(src.get("repo"), str)
+        and _is_repo_id(src["repo"])
         and (src.get("revision") is None or _is_commit(src["revision"]))
-    ):  # fmt: skip
+    ):
         # verify looks a recorded Hub source up in the local cache by these two
         raise CorruptFileError(
             f"{where}: source repo {quote(src.get('repo'), 100)} at revision "
@@ -591,9 +633,12 @@ def _is_repo_id(repo: str) -> bool:
     """``name`` or ``org/name``, as the Hub accepts it (no ``--``, ``..`` or ``.git`` end)."""
     parts = repo.split("/")
     return (
-        len(parts) <= 2 and all(_REPO_PART.fullmatch(p) for p in parts)
-        and "--" not in repo and ".." not in repo and not repo.endswith(".git")
-    )  # fmt: skip
+        len(parts) <= 2
+        and all(_REPO_PART.fullmatch(p) for p in parts)
+        and "--" not in repo
+        and ".." not in repo
+        and not repo.endswith(".git")
+    )
 
 
 def _is_commit(rev: Any) -> bool:
@@ -654,9 +699,13 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
     return m, hashlib.sha256(raw).hexdigest()  # Note [manifest digest]
 
 
-_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
-         (codecs.BOM_UTF8, "UTF-8"), (codecs.BOM_UTF16_LE, "UTF-16"),
-         (codecs.BOM_UTF16_BE, "UTF-16"))  # fmt: skip
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF8, "UTF-8"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
 #: A JSON string escape of a UTF-16 surrogate; a lone one parses into a str no codec encodes.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 

@@ -4,8 +4,8 @@ This module is the one owner of every fact about the target that more than one p
 uses: the engine and kernel a sidecar is made for, the profiles and fusions, the activation
 dtypes (storage code, exponent fold, largest foldable scale), the padding rule
 the names, dtypes and shapes of the packed tensors of one layer, and the scales' 32-channel
-permutation (shared by the torch layout code and the torch-free host path). ``convert`` writes by them,
-``mpack.sidecar`` checks rank files against them, the runtime and the vLLM loader compare with
+permutation (shared by the torch layout code and the torch-free host path). ``convert`` writes by
+them, ``mpack.sidecar`` checks rank files against them, the runtime and the vLLM loader compare with
 them. How the bytes are arranged inside those tensors belongs to :mod:`mpack.convert.marlin`.
 
 It imports neither torch nor anything else of mpack, so every layer can use it.
@@ -45,11 +45,39 @@ class ActDtype:
 #: Position ``m`` of every 32-channel group of scales and bias takes channel ``SCALE_PERM[m]``
 #: (SPEC §7.4).
 SCALE_PERM: tuple[int, ...] = (
-    0, 1, 8, 9, 16, 17, 24, 25,
-    2, 3, 10, 11, 18, 19, 26, 27,
-    4, 5, 12, 13, 20, 21, 28, 29,
-    6, 7, 14, 15, 22, 23, 30, 31,
-)  # fmt: skip
+    0,
+    1,
+    8,
+    9,
+    16,
+    17,
+    24,
+    25,
+    2,
+    3,
+    10,
+    11,
+    18,
+    19,
+    26,
+    27,
+    4,
+    5,
+    12,
+    13,
+    20,
+    21,
+    28,
+    29,
+    6,
+    7,
+    14,
+    15,
+    22,
+    23,
+    30,
+    31,
+)
 
 
 ACT_DTYPES: dict[str, ActDtype] = {

@@ -30,17 +30,16 @@ PATH_LIMIT = 4096
 PIPE_WIDTH = 4096
 
 
+# Note [closed stdout]: ``mpack inspect SC | head -1`` closes the pipe while mpack still
+# writes. That is the reader's choice, not a failure of the command: the rest of the output is
+# dropped, the command finishes its work (a sidecar is never left half-written because of it)
+# and exits with the status it would have had anyway (0 when the work succeeded), so a CI job
+# under ``set -o pipefail`` does not fail on ``| head``. With the descriptor on /dev/null, the
+# later writes, and Python's flush of the stream at exit, succeed: no "Exception ignored"
+# message, no exit status 120.
 def silence(stream: Any) -> None:
-    """Point ``stream``'s descriptor at /dev/null: its reader went away (EPIPE) or it failed.
-
-    Note [closed stdout]: ``mpack inspect SC | head -1`` closes the pipe while mpack still
-    writes. That is the reader's choice, not a failure of the command: the rest of the output is
-    dropped, the command finishes its work (a sidecar is never left half-written because of it)
-    and exits with the status it would have had anyway (0 when the work succeeded), so a CI job
-    under ``set -o pipefail`` does not fail on ``| head``. With the descriptor on /dev/null, the
-    later writes, and Python's flush of the stream at exit, succeed: no "Exception ignored"
-    message, no exit status 120.
-    """
+    """Point ``stream``'s descriptor at /dev/null: its reader went away (EPIPE) or it failed
+    (Note [closed stdout])."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -195,10 +194,14 @@ class _Progress:
         )
 
         self.display = Progress(
-            SpinnerColumn(), TextColumn("{task.description:13}"), BarColumn(),
-            TextColumn("{task.fields[detail]:>22}"), TextColumn("{task.fields[rate]:>12}"),
-            TimeRemainingColumn(), console=err_console,
-        )  # fmt: skip
+            SpinnerColumn(),
+            TextColumn("{task.description:13}"),
+            BarColumn(),
+            TextColumn("{task.fields[detail]:>22}"),
+            TextColumn("{task.fields[rate]:>12}"),
+            TimeRemainingColumn(),
+            console=err_console,
+        )
         self._prep = self.display.add_task(
             "preparing", total=None, detail="headers, validation", rate=""
         )
@@ -446,10 +449,13 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
     for name, ly in sorted(m["layers"].items(), key=_layer_order):
         # check_manifest checks the dims and bias; the rest is shown as it is, escaped
         lt.add_row(
-            shown(name), f"{ly['n']} x {ly['k']}", f"{ly['np']} x {ly['kp']}",
+            shown(name),
+            f"{ly['n']} x {ly['k']}",
+            f"{ly['np']} x {ly['kp']}",
             shown(ly.get("strategy", "?")) + (" requant" if ly.get("requantized") else ""),
-            shown(ly.get("parallel", "?")), "yes" if ly["bias"] else "",
-        )  # fmt: skip
+            shown(ly.get("parallel", "?")),
+            "yes" if ly["bias"] else "",
+        )
     console.print(lt)
 
 
@@ -502,8 +508,13 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
             t.add_column(col)
         for r in fwd["runs"]:
             same = "identical" if r["tokens_identical"] else "differ"
-            t.add_row(r["dtype"], same, f"{r['max_logit_diff']:.3g}", f"{r['tolerance']:.3g}",
-                      f"{r['decisive_steps_agree']} ({r['decisive_steps']})")  # fmt: skip
+            t.add_row(
+                r["dtype"],
+                same,
+                f"{r['max_logit_diff']:.3g}",
+                f"{r['tolerance']:.3g}",
+                f"{r['decisive_steps_agree']} ({r['decisive_steps']})",
+            )
         console.print(t)
         first = fwd["runs"][0]
         console.print(f"greedy next tokens (reference): {[row[:8] for row in first['ref_tokens']]}")
@@ -589,24 +600,40 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
             t.add_column(col)
         for d in live:
             pids = ", ".join(str(c["pid"]) for c in d["clients"]) or "-"
-            dev = d["device_label"] + (
-                f" ({d['device'][5:]})" if d["device"].startswith("cuda:") else ""
-            )
+            uuid = _key_uuid(d["device"])
+            dev = d["device_label"] + (f" ({uuid})" if uuid else "")
             t.add_row(
-                shown(d["sidecar"], PATH_LIMIT), f"{d['rank']}/{d['tp_size']}", shown(dev),
+                shown(d["sidecar"], PATH_LIMIT),
+                f"{d['rank']}/{d['tp_size']}",
+                shown(dev),
                 human_bytes(d["bytes"]),
-                f"{len(d['clients'])}: {pids}", _uptime(d["uptime_s"]), str(d["pid"]),
-            )  # fmt: skip
+                f"{len(d['clients'])}: {pids}",
+                _uptime(d["uptime_s"]),
+                str(d["pid"]),
+            )
         console.print(t)
     for d in stale:
         if d.get("state") == "error":  # something answers there, not as a daemon should
             console.print(
                 f"no usable answer at {d['socket']}: {d.get('reason', '?')}",
-                markup=False, highlight=False,
-            )  # fmt: skip
+                markup=False,
+                highlight=False,
+            )
         elif d.get("pointer"):  # a daemon started with --socket left a pointer behind
             console.print(
                 f"stale pointer {d['pointer']} to {d['socket']}: {d.get('reason', 'no daemon')}"
             )
         else:
             console.print(f"stale socket (its daemon died): {d['socket']}")
+
+
+def _key_uuid(key: str) -> str | None:
+    """``GPU-<uuid>`` of a daemon's device key ``cuda:GPU-<uuid>`` (None for ``cpu`` or a key
+    that is not one: a status line is shown whatever a daemon reports)."""
+    from mpack.device import KEY, DeviceSpec
+    from mpack.errors import UsageError
+
+    try:
+        return DeviceSpec.parse(key, KEY).uuid
+    except UsageError:
+        return None

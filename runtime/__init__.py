@@ -2,17 +2,17 @@
 
     from mpack.runtime import attach, load
 
-    with attach("llama-marlin/", rank=0, device="cuda:0") as w:   # needs `mpack serve` running
-        w["model.layers.0.self_attn.qkv_proj.weight"]                # int32 [Kp/16, 4*Np], read-only
+    with attach("llama-marlin/", rank=0, device="cuda:0") as w:  # needs `mpack serve` running
+        w["model.layers.0.self_attn.qkv_proj.weight"]               # int32 [Kp/16, 4*Np], read-only
 
-    w = load("llama-marlin/", rank=0, device="cpu")                # a private copy, no daemon
+    w = load("llama-marlin/", rank=0, device="cpu")               # a private copy, no daemon
 
 Modules: protocol (wire format, socket naming), layout (where each byte goes), loader (verified
 pipelined fill, ``load``), host (memfd backend), cuda_vmm (CUDA VMM backend, cuda-bindings
-imported lazily), daemon (``serve``), client (``attach``, status), weights (``SharedWeights``), spawn (start
-and stop a daemon process from code: the READY fields, the logs), vllm (``--load-format mpack``).
-Importing this package imports neither torch nor cuda-bindings and never initialises CUDA.
-The protocol and the lifecycle guarantees are specified in docs/RUNTIME.md.
+imported lazily), daemon (``serve``), client (``attach``, status), weights (``SharedWeights``),
+spawn (start and stop a daemon process from code: the READY fields, the logs), vllm
+(``--load-format mpack``). Importing this package imports neither torch nor cuda-bindings and never
+initialises CUDA. The protocol and the lifecycle guarantees are specified in docs/RUNTIME.md.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def _chunks(entry: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Allocation:
     """Everything needed to fill and describe one rank's allocation, known before any data moves.
 
     ``tensors`` are ``TensorEntry`` s whose ``offset`` is relative to the allocation.
@@ -96,7 +96,7 @@ def check_entry(e: TensorEntry, size: int, where: str) -> None:
         )
 
 
-def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
+def plan_rank(sidecar: str | os.PathLike, rank: int) -> Allocation:
     """Validate the manifest and file headers of one rank and place its files.
 
     Every check ``mpack verify`` makes of the structure is made here too (a loader is no less
@@ -151,7 +151,7 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Plan:
         offset += layout.size
     for e in tensors:
         check_entry(e, offset, str(sidecar))
-    return Plan(sidecar, manifest, digest, rank, tp, regions, tensors, offset)
+    return Allocation(sidecar, manifest, digest, rank, tp, regions, tensors, offset)
 
 
 # --- on the wire -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from mpack import fsutil
 from mpack.errors import CudaError, DaemonError, ProtocolError, quote, shown
 from mpack.runtime import protocol as P
-from mpack.runtime.layout import check_rank, tensors_from_wire
+from mpack.runtime.allocation import check_rank, tensors_from_wire
 from mpack.sidecar import load_manifest
 
 if TYPE_CHECKING:
@@ -127,8 +127,13 @@ def attach(
     hint = f"start one: mpack serve {sidecar} --rank {rank} --device {dev.label}"
     sock = _connect(path, what, hint, timeout)
     try:
-        hello = {"type": P.ATTACH, "digest": digest, "rank": rank, "device": dev.key,
-                 "pid": os.getpid()}  # fmt: skip
+        hello = {
+            "type": P.ATTACH,
+            "digest": digest,
+            "rank": rank,
+            "device": dev.key,
+            "pid": os.getpid(),
+        }
         reply, fds = _request(sock, hello, path, timeout)
         try:
             size, tensors = _check_attached(reply, fds, path, (digest, rank, dev), what)
@@ -205,7 +210,7 @@ def _map(fd: int, size: int, dev: P.Device, path: Path) -> Any:
         raise ProtocolError(f"the daemon at {path} sent {problem}")
     try:
         if dev.kind == "cpu":
-            from mpack.runtime.host import map_readonly
+            from mpack.runtime.memfd import map_readonly
 
             return map_readonly(fd, size)
         from mpack.runtime.cuda_vmm import map_readonly as map_device
@@ -224,7 +229,7 @@ def _fd_problem(fd: int, size: int, dev: P.Device) -> str | None:
     it imports the handle, and a failure there is a ``DaemonError`` (``_map``).
     """
     if dev.kind == "cpu":
-        from mpack.runtime.host import memfd_problem
+        from mpack.runtime.memfd import memfd_problem
 
         return memfd_problem(fd, size)
     mode = os.fstat(fd).st_mode

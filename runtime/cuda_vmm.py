@@ -30,7 +30,7 @@ from mpack.runtime.loader import CudaDest, FillStats, fill
 if TYPE_CHECKING:
     import torch
 
-    from mpack.runtime.layout import Plan
+    from mpack.runtime.allocation import Allocation
 
 
 def device_uuid(ordinal: int) -> str:
@@ -68,8 +68,13 @@ class DeviceMapping:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         # readonly must be False: torch refuses True (Note [read-only CUDA mapping]).
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
-                "strides": None}  # fmt: skip
+        return {
+            "shape": (self.size,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
     def tensor(self) -> torch.Tensor:
         """uint8 [size] on ``cuda:<ordinal>``, a view of this mapping."""
@@ -119,7 +124,7 @@ class DeviceExport:
         self.ordinal, self.handle, self.fd, self.size, self.stats = ordinal, handle, fd, size, stats
 
     @classmethod
-    def create(cls, plan: Plan, ordinal: int) -> DeviceExport:
+    def create(cls, plan: Allocation, ordinal: int) -> DeviceExport:
         """Allocate (rounded up to the granularity), fill while verifying, export.
 
         Raises what ``loader.fill`` raises, or ``CudaError`` for a failed driver call.

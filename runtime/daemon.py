@@ -29,10 +29,11 @@ own calls the log callback. A reader that stops reading (``mpack serve S 2>&1 >/
 sleep 600``: once the 64 KiB pipe is full, ``write(2)`` blocks) then blocks only that thread;
 while the queue is full, events are dropped and counted, and the count is logged as a
 ``log-dropped`` event once there is room again (the total also in ``stopped``, as
-``log_dropped``). A callback that raises (its reader went away, a full disk) costs that line and the later ones.
-A stopping daemon waits at most ``LOG_DRAIN_S`` for its log. The callback ``mpack serve`` uses
-writes to the descriptor directly (``ui.emit_event``), not through ``sys.stderr``'s buffer,
-whose lock a thread blocked in ``write`` would hold through the interpreter's exit.
+``log_dropped``). A callback that raises (its reader went away, a full disk) costs that line and the
+later ones. A stopping daemon waits at most ``LOG_DRAIN_S`` for its log. The callback
+``mpack serve`` uses writes to the descriptor directly (``ui.emit_event``), not through
+``sys.stderr``'s buffer, whose lock a thread blocked in ``write`` would hold through the
+interpreter's exit.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import Any
 from mpack import __version__, fsutil
 from mpack.errors import DaemonError
 from mpack.runtime import protocol as P
-from mpack.runtime.layout import Plan, plan_rank, tensors_to_wire
+from mpack.runtime.allocation import Allocation, plan_rank, tensors_to_wire
 
 Callback = Callable[[dict[str, Any]], None]
 # Each stops the daemon cleanly (socket and lock removed, exit 0). SIGHUP too: a closed terminal
@@ -115,7 +116,7 @@ class EventLog:
 class Served:
     """What a daemon serves: one rank of one sidecar, in one exported allocation."""
 
-    plan: Plan
+    plan: Allocation
     device: P.Device
     export: Any  # host.HostExport | cuda_vmm.DeviceExport: .fd, .size, .backend, .stats, .close()
     started: float = field(default_factory=time.time)
@@ -240,8 +241,13 @@ class Daemon:
         if not self.advertise:
             return None
         plan, dev = self.served.plan, self.served.device
-        doc = {"socket": str(self.path), "pid": os.getpid(), "digest": plan.digest,
-               "rank": plan.rank, "device": dev.key}  # fmt: skip
+        doc = {
+            "socket": str(self.path),
+            "pid": os.getpid(),
+            "digest": plan.digest,
+            "rank": plan.rank,
+            "device": dev.key,
+        }
         try:
             pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path)
             return None if pointer is None else (pointer, P.write_pointer(pointer, doc))
@@ -348,16 +354,18 @@ class Daemon:
         """The ``attached`` frame: the same for every client, so encoded once."""
         if self._attached is None:
             s = self.served
-            self._attached = P.encode({
-                "type": P.ATTACHED,
-                "digest": s.plan.digest,
-                "rank": s.plan.rank,
-                "device": s.device.key,
-                "backend": s.export.backend,
-                "size": s.export.size,
-                "data_size": s.plan.size,
-                "tensors": tensors_to_wire(s.plan.tensors),
-            })  # fmt: skip
+            self._attached = P.encode(
+                {
+                    "type": P.ATTACHED,
+                    "digest": s.plan.digest,
+                    "rank": s.plan.rank,
+                    "device": s.device.key,
+                    "backend": s.export.backend,
+                    "size": s.export.size,
+                    "data_size": s.plan.size,
+                    "tensors": tensors_to_wire(s.plan.tensors),
+                }
+            )
         return self._attached
 
     def _reply_error(self, conn: _Conn, code: str, message: str) -> None:
@@ -568,7 +576,7 @@ def serve(
     what = f"{sidecar} rank {rank} on {dev.label} ({path})"
     with _locked(path, what):
         if dev.kind == "cpu":
-            from mpack.runtime.host import HostExport
+            from mpack.runtime.memfd import HostExport
 
             export: Any = HostExport.create(plan, f"{plan.digest[:16]}-r{rank}")
         else:
@@ -578,15 +586,17 @@ def serve(
             export = DeviceExport.create(plan, dev.ordinal)
         try:
             daemon = Daemon(
-                Served(plan, dev, export), path, on_event=on_event,
+                Served(plan, dev, export),
+                path,
+                on_event=on_event,
                 advertise=socket_path is not None,
-            )  # fmt: skip
+            )
             daemon.run(on_ready)
         finally:
             export.close()
 
 
-def _check_reply_fits(plan: Plan) -> None:
+def _check_reply_fits(plan: Allocation) -> None:
     """Refuse, before the fill, a rank whose ``attached`` reply no client would take
     (``MAX_TENSORS``, ``MAX_REPLY_BYTES``; the other fields add well under 1 KiB)."""
     n = len(plan.tensors)

@@ -28,8 +28,8 @@ from mpack import iokit
 from mpack.errors import CorruptFileError, VerificationError
 from mpack.fsutil import open_regular_file
 from mpack.iokit import ChunkDigester, PinnedRing, chunk_spans, pread_full, read_full
-from mpack.runtime.layout import Plan, Region, plan_rank
-from mpack.runtime.protocol import parse_device
+from mpack.runtime.allocation import Allocation, Region, plan_rank
+from mpack.runtime.protocol import checked_device
 from mpack.sidecar import CHUNK_BYTES, chunk_mismatch, regenerate_hint_of
 
 if TYPE_CHECKING:
@@ -103,7 +103,9 @@ class FillStats:
     seconds: float
 
 
-def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH) -> FillStats:
+def fill(
+    plan: Allocation, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH
+) -> FillStats:
     """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
 
     Every file is checked chunk by chunk against the manifest (``Region.chunk_sha256``; a
@@ -142,7 +144,7 @@ def fill(plan: Plan, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPT
     return FillStats(plan.size, time.perf_counter() - t0)
 
 
-def _verify(plan: Plan, r: Region, got: list[str]) -> None:
+def _verify(plan: Allocation, r: Region, got: list[str]) -> None:
     """Raise ``VerificationError`` unless the chunk digests ``got`` of ``r`` are the manifest's."""
     bad = chunk_mismatch(got, r.chunk_sha256, r.chunk_bytes, r.size)
     if bad:
@@ -162,9 +164,9 @@ def _check_head(r: Region, pos: int, view: memoryview) -> None:
 
 
 # Note [parallel fill]: one thread reading a file front to back copies page-cache pages into its
-# buffer at a few GB/s, and a sha256 stream is slower still: one reader was the warm load's limit
-# (2.38 s for the 8B rank on the H200 host, 1.09 x safetensors' load_file). When each chunk of a
-# file fits in one read (every file mpack writes: its chunks are the read size), the chunks are
+# buffer at a few GB/s, and a sha256 stream is slower still: one reader was the warm load's limit,
+# slower than safetensors' load_file (figures: docs/BENCHMARKS.md, section 9). When each chunk of
+# a file fits in one read (every file mpack writes: its chunks are the read size), the chunks are
 # independent jobs: a worker preads one into its ring slot, checks the header bytes, queues the
 # slot's copy to the GPU and hashes the slot, while the other workers do the same with the next
 # chunks. Cold, several reads in flight also keep the disk's queue deep. Slots are handed out in
@@ -241,14 +243,14 @@ def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> S
 
     from mpack.runtime.weights import SharedWeights
 
-    kind, ordinal = parse_device(device)
+    where = checked_device(device)
     plan = plan_rank(sidecar, rank)
-    if kind == "cpu":
+    if where.kind == "cpu":
         buf = torch.empty(plan.size, dtype=torch.uint8)
         fill(plan, HostDest(memoryview(buf.numpy())))
         label = "cpu"
     else:
-        label = f"cuda:{ordinal}"
+        label = f"cuda:{where.ordinal}"
         buf = torch.empty(plan.size, dtype=torch.uint8, device=label)
         fill(plan, CudaDest(buf))
     return SharedWeights(

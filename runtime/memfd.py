@@ -27,7 +27,7 @@ from mpack.runtime.loader import FillStats, HostDest, fill
 if TYPE_CHECKING:
     import torch
 
-    from mpack.runtime.layout import Plan
+    from mpack.runtime.allocation import Allocation
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MEMFD_PREFIX = "mpack:"  # shows in /proc/<pid>/maps as /memfd:mpack:... (deleted)
@@ -44,7 +44,7 @@ class HostExport:
         self.stats = stats
 
     @classmethod
-    def create(cls, plan: Plan, name: str) -> HostExport:
+    def create(cls, plan: Allocation, name: str) -> HostExport:
         """Allocate, fill (verifying checksums) and seal. Raises what ``loader.fill`` raises."""
         size = plan.size
         fd = os.memfd_create(MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

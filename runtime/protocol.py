@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mpack import fsutil
+from mpack.device import KEY, DeviceSpec
 from mpack.errors import DaemonError, MpackError, ProtocolError, UsageError
 
 PROTOCOL_VERSION = 1
@@ -159,10 +160,19 @@ def check_request(msg: dict[str, Any]) -> dict[str, Any]:
 
 #: The fields of a ``status`` reply that ``mpack status`` reads, and their types.
 STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "sidecar": str, "digest": str, "rank": int, "tp_size": int, "device": str,
-    "device_label": str, "backend": str, "bytes": int, "socket": str, "pid": int,
-    "uptime_s": (int, float), "clients": list,
-}  # fmt: skip
+    "sidecar": str,
+    "digest": str,
+    "rank": int,
+    "tp_size": int,
+    "device": str,
+    "device_label": str,
+    "backend": str,
+    "bytes": int,
+    "socket": str,
+    "pid": int,
+    "uptime_s": (int, float),
+    "clients": list,
+}
 
 
 def check_status(msg: dict[str, Any]) -> dict[str, Any]:
@@ -184,8 +194,14 @@ def check_status(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_kind(value: Any) -> str:
-    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-             list: "an array", dict: "an object"}  # fmt: skip
+    kinds = {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
     return kinds.get(type(value), "null")
 
 
@@ -259,32 +275,20 @@ class Device:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.ordinal}"
 
 
-def parse_device_spec(spec: str) -> tuple[str, int | None]:
-    """``"cpu"`` -> ("cpu", None); ``"cuda"`` / ``"cuda:N"`` -> ("cuda", N). The syntax only."""
-    s = str(spec).strip().lower()
-    if s == "cpu":
-        return "cpu", None
-    m = re.fullmatch(r"cuda(?::(\d+))?", s)
-    if not m:
-        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {spec!r}")
-    return "cuda", int(m.group(1) or 0)
-
-
-def parse_device(spec: str) -> tuple[str, int | None]:
-    """:func:`parse_device_spec`, and for CUDA a check that torch sees that device (asked through
-    NVML where torch can: no CUDA context is created).
+def checked_device(spec: str) -> DeviceSpec:
+    """``spec`` read as a ``--device`` value (:data:`mpack.device.SERVE`), and for CUDA a check
+    that torch sees that device (asked through NVML where torch can: no CUDA context is created).
 
     Raises:
         UsageError: a bad spec, or a CUDA device this machine does not have (no GPU, no driver,
             a CPU-only torch, or an index past the last device).
     """
-    kind, ordinal = parse_device_spec(spec)
-    if kind == "cuda":
+    d = DeviceSpec.parse(spec)
+    if d.kind == "cuda":
         import torch
 
-        assert ordinal is not None
         n = torch.cuda.device_count()  # 0 without a driver or a CUDA build; never raises
-        if ordinal >= n:
+        if d.ordinal >= n:
             label = str(spec).strip()
             if n == 0:
                 raise UsageError(
@@ -296,18 +300,32 @@ def parse_device(spec: str) -> tuple[str, int | None]:
                 f"cuda:0 to cuda:{n - 1})",
                 hint=f"use --device cuda:0 .. cuda:{n - 1}, or --device cpu",
             )
-    return kind, ordinal
+    return d
 
 
 def resolve_device(spec: str) -> Device:
-    """Parse ``spec`` and, for CUDA, ask the driver for the GPU's UUID (initialises the driver)."""
-    kind, ordinal = parse_device(spec)
-    if kind == "cpu":
+    """:func:`checked_device`, and for CUDA the GPU's UUID from the driver (initialises it)."""
+    d = checked_device(spec)
+    if d.kind == "cpu":
         return Device("cpu", None, "cpu")
     from mpack.runtime import cuda_vmm
 
-    assert ordinal is not None
-    return Device("cuda", ordinal, "cuda:" + cuda_vmm.device_uuid(ordinal))
+    key = DeviceSpec("cuda", uuid=cuda_vmm.device_uuid(d.ordinal))
+    return Device("cuda", d.ordinal, str(key))
+
+
+def parse_device_spec(spec: str) -> tuple[str, int | None]:
+    """Kept for tests/runtime/test_protocol.py: :meth:`DeviceSpec.parse` as a
+    ``(kind, ordinal)`` pair. Call that instead."""
+    d = DeviceSpec.parse(spec)
+    return d.kind, (None if d.kind == "cpu" else d.ordinal)
+
+
+def parse_device(spec: str) -> tuple[str, int | None]:
+    """Kept for tests/runtime/test_protocol.py: :func:`checked_device` as a
+    ``(kind, ordinal)`` pair. Call that instead."""
+    d = checked_device(spec)
+    return d.kind, (None if d.kind == "cpu" else d.ordinal)
 
 
 # --- rendezvous --------------------------------------------------------------------------------
@@ -346,10 +364,8 @@ def check_private_dir(d: Path) -> None:
 def socket_name(digest: str, rank: int, device_key: str) -> str:
     """``<digest[:16]>-r<rank>-<dev>.sock``; ``dev`` is ``cpu`` or ``gpu-`` + the GPU UUID's first
     12 hex digits (short enough that deep runtime directories stay under sun_path's 107 bytes)."""
-    if device_key.startswith("cuda:GPU-"):
-        dev = "gpu-" + device_key[len("cuda:GPU-") :].replace("-", "")[:12]
-    else:
-        dev = device_key.replace(":", "-")
+    d = DeviceSpec.parse(device_key, KEY, "device key")
+    dev = d.kind if d.uuid is None else "gpu-" + d.uuid[len("GPU-") :].replace("-", "")[:12]
     return f"{digest[:16]}-r{rank}-{dev}{SOCKET_SUFFIX}"
 
 

@@ -74,11 +74,16 @@ def parse_ready(line: str) -> Ready | None:
     fields = dict(kv.split("=", 1) for kv in rest.split() if "=" in kv)
     try:
         return Ready(
-            socket=Path(fields["socket"]), pid=int(fields["pid"]), device=fields["device"],
-            backend=fields["backend"], bytes=int(fields["bytes"]),
-            load_s=float(fields["load_s"]), rank=int(fields["rank"]), digest=fields["digest"],
+            socket=Path(fields["socket"]),
+            pid=int(fields["pid"]),
+            device=fields["device"],
+            backend=fields["backend"],
+            bytes=int(fields["bytes"]),
+            load_s=float(fields["load_s"]),
+            rank=int(fields["rank"]),
+            digest=fields["digest"],
             fields=fields,
-        )  # fmt: skip
+        )
     except (KeyError, ValueError) as e:
         raise DaemonError(
             f"malformed READY line from mpack serve ({e}): {line.strip()!r}"
@@ -130,9 +135,14 @@ class DaemonHandle:
         try:
             self.started = time.monotonic()
             self.proc = subprocess.Popen(
-                [*cmd, *args], stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
-                env=None if env is None else dict(env), cwd=cwd, start_new_session=new_session,
-            )  # fmt: skip
+                [*cmd, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=self._out,
+                stderr=self._err,
+                env=None if env is None else dict(env),
+                cwd=cwd,
+                start_new_session=new_session,
+            )
         except BaseException:
             self.close()
             raise

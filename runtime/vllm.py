@@ -141,8 +141,12 @@ def sidecar_dir(
 
 def engine_target(engine: dict[str, Any]) -> dict[str, Any]:
     """The target the engine runs (a manifest's ``target`` keys, for its folder name)."""
-    return {"tp_size": engine["tp_size"], "profile": engine["profile"],
-            "act_dtype": engine["dtype"], "fusion": "vllm"}  # fmt: skip
+    return {
+        "tp_size": engine["tp_size"],
+        "profile": engine["profile"],
+        "act_dtype": engine["dtype"],
+        "fusion": "vllm",
+    }
 
 
 # --- checks against the engine (before any model memory): runtime/vllm_checks.py ----------------
@@ -284,18 +288,29 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     from vllm.distributed import get_tensor_model_parallel_rank
 
     engine = _engine_facts(vllm_config, model_config)
-    sidecar = sidecar_dir(opts, model_config.model, model_config.revision,
-                          rank=get_tensor_model_parallel_rank(), target=engine_target(engine))  # fmt: skip
+    sidecar = sidecar_dir(
+        opts,
+        model_config.model,
+        model_config.revision,
+        rank=get_tensor_model_parallel_rank(),
+        target=engine_target(engine),
+    )
     manifest, _ = load_manifest(sidecar)
     check_target(manifest, engine, sidecar)
     dims = engine["model"]
-    check_layers(manifest, marlin_layer_names(vllm_config.quant_config, dims["num_hidden_layers"]),
-                 sidecar)  # fmt: skip
+    check_layers(
+        manifest, marlin_layer_names(vllm_config.quant_config, dims["num_hidden_layers"]), sidecar
+    )
     skip = None
     if COMMON_NAME in {f["name"] for f in manifest["files"]}:
         common = read_layout(sidecar / COMMON_NAME, follow=False)
-        check_common({e.name: e.shape for e in common.entries}, manifest["layers"], dims,
-                     engine["tied"], sidecar / COMMON_NAME)  # fmt: skip
+        check_common(
+            {e.name: e.shape for e in common.entries},
+            manifest["layers"],
+            dims,
+            engine["tied"],
+            sidecar / COMMON_NAME,
+        )
     elif not opts.sidecar:  # the model argument is the sidecar: there is no checkpoint
         raise InputError(
             f"{model_config.model}: the sidecar has no {COMMON_NAME} (written with "
@@ -363,8 +378,13 @@ def loader_class() -> type:
             weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
             try:
                 if checked.skip is None:  # the tensors loaded are those whose header was checked
-                    check_common(_common_shapes(weights), checked.manifest["layers"],
-                                 checked.dims, checked.tied, checked.sidecar / COMMON_NAME)  # fmt: skip
+                    check_common(
+                        _common_shapes(weights),
+                        checked.manifest["layers"],
+                        checked.dims,
+                        checked.tied,
+                        checked.sidecar / COMMON_NAME,
+                    )
                 with set_default_torch_dtype(model_config.dtype):
                     with target:
                         model = self.create_model(vllm_config, model_config, prefix)
@@ -446,8 +466,9 @@ def _check_all_loaded(
     done = set(loaded)
     held = set(layers.values())
     for name, module in model.named_modules():
-        exempt = module in held or isinstance(getattr(module, "quant_method", None),
-                                              BaseKVCacheMethod)  # fmt: skip
+        exempt = module in held or isinstance(
+            getattr(module, "quant_method", None), BaseKVCacheMethod
+        )
         for pname, p in module.named_parameters(recurse=False):
             if exempt or p.numel() == 0 or pname in _CONFIG_BUILT_PARAMS:
                 done.add(f"{name}.{pname}" if name else pname)
@@ -469,17 +490,16 @@ def _scheme_kernel(layer: nn.Module) -> tuple[Any, Any]:
     return scheme, kernel
 
 
+# Note [loading from a sidecar]: each parameter keeps its vLLM ``Parameter`` object (and with it
+# its weight loader), and its ``.data`` becomes the sidecar's tensor itself: with an attached
+# sidecar a view of the daemon's read-only mapping, never a copy. ``input_scale`` is removed and
+# ``processed_weight_dims`` set, as Marlin's own processing leaves them; for a per-tensor W8A16
+# layer the scheme's weight key becomes per-channel, as vLLM's does.
 def _swap_in(
     model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: Path
 ) -> dict[str, nn.Module]:
-    """Give every Marlin layer the sidecar's tensors; return the layers by name.
-
-    Note [loading from a sidecar]: each parameter keeps its vLLM ``Parameter`` object (and with
-    it its weight loader), and its ``.data`` becomes the sidecar's tensor itself: with an
-    attached sidecar a view of the daemon's read-only mapping, never a copy. ``input_scale`` is
-    removed and ``processed_weight_dims`` set, as Marlin's own processing leaves them; for a
-    per-tensor W8A16 layer the scheme's weight key becomes per-channel, as vLLM's does.
-    """
+    """Give every Marlin layer the sidecar's tensors; return the layers by name (Note [loading
+    from a sidecar])."""
     from vllm.model_executor.kernels.linear.scaled_mm.marlin import MarlinFP8ScaledMMLinearKernel
 
     modules = dict(model.named_modules())
@@ -494,9 +514,13 @@ def _swap_in(
     # Every layer vLLM built with a quantization scheme runs on Marlin (force_marlin) and must
     # get the sidecar's weights: vLLM would otherwise repack uninitialised memory.
     uncovered = sorted(
-        (n for n, m in modules.items() if _scheme_kernel(m)[0] is not None and n not in
-         manifest["layers"]), key=arch.natural_key,
-    )  # fmt: skip
+        (
+            n
+            for n, m in modules.items()
+            if _scheme_kernel(m)[0] is not None and n not in manifest["layers"]
+        ),
+        key=arch.natural_key,
+    )
     if uncovered:
         raise EngineMismatchError(
             f"{sidecar}: the sidecar has no weights for layer {first_and_more(uncovered)}, which "

@@ -146,18 +146,35 @@ def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) 
     naming both values for the first that differs (docs/VLLM.md, "What is refused")."""
     t = manifest["target"]
     checks = [
-        ("engine version", t["engine_version"], engine["version"],
-         f"convert it for this vLLM: mpack convert SOURCE -o {where} --force (mpack targets "
-         f"vLLM {shown(t['engine_version'])})"),
-        ("tensor-parallel size", t["tp_size"], engine["tp_size"],
-         f"run vLLM with --tensor-parallel-size {t['tp_size']}, or convert with "
-         f"--tp {engine['tp_size']}"),
-        ("activation dtype", t["act_dtype"], engine["dtype"],
-         f"run vLLM with --dtype {t['act_dtype']}, or convert with --act-dtype {engine['dtype']}"),
+        (
+            "engine version",
+            t["engine_version"],
+            engine["version"],
+            f"convert it for this vLLM: mpack convert SOURCE -o {where} --force (mpack targets "
+            f"vLLM {shown(t['engine_version'])})",
+        ),
+        (
+            "tensor-parallel size",
+            t["tp_size"],
+            engine["tp_size"],
+            f"run vLLM with --tensor-parallel-size {t['tp_size']}, or convert with "
+            f"--tp {engine['tp_size']}",
+        ),
+        (
+            "activation dtype",
+            t["act_dtype"],
+            engine["dtype"],
+            f"run vLLM with --dtype {t['act_dtype']}, "
+            f"or convert with --act-dtype {engine['dtype']}",
+        ),
         ("fusion", t["fusion"], "vllm", "convert with --fuse vllm (vLLM's fused layer names)"),
-        ("profile", t["profile"], engine["profile"],
-         f"convert with --profile {engine['profile']}: {engine['profile_why']}"),
-    ]  # fmt: skip
+        (
+            "profile",
+            t["profile"],
+            engine["profile"],
+            f"convert with --profile {engine['profile']}: {engine['profile_why']}",
+        ),
+    ]
     for what, have, want, hint in checks:
         if have != want:
             raise EngineMismatchError(
@@ -230,16 +247,16 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
     missing = sorted(expected - set(layers), key=arch.layer_order)
     if missing:
         raise EngineMismatchError(
-            f"{manifest_path}: the sidecar has no weights for layer {first_and_more(missing)}, which this "
-            f"model runs on FP8 Marlin: it covers {len(layers)} of the model's "
+            f"{manifest_path}: the sidecar has no weights for layer {first_and_more(missing)}, "
+            f"which this model runs on FP8 Marlin: it covers {len(layers)} of the model's "
             f"{len(expected)} FP8 linear layers",
             hint=OTHER_MODEL_HINT,
         )
     extra = sorted(set(layers) - expected, key=arch.natural_key)
     if extra:
         raise EngineMismatchError(
-            f"{manifest_path}: the model has no FP8 linear layer {first_and_more(extra)}: the sidecar "
-            "was made for another model",
+            f"{manifest_path}: the model has no FP8 linear layer {first_and_more(extra)}: "
+            "the sidecar was made for another model",
             hint=OTHER_MODEL_HINT,
         )
 
@@ -293,8 +310,11 @@ def check_common(
     after the whole model is built)."""
     owned = {m for layer in marlin for m in (layer, *arch.shard_modules(layer))}
     vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
-              "model.norm.weight": (hidden,)}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
     norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
     required = {"model.embed_tokens.weight", "model.norm.weight"}
     required |= {f"{DECODER_PREFIX}.{i}.{n}" for i in range(layers) for n in norms}
@@ -302,23 +322,23 @@ def check_common(
     missing = sorted(required - set(tensors), key=arch.natural_key)
     if missing:
         raise EngineMismatchError(
-            f"{path}: has no {first_and_more(missing)}, which this model needs: vLLM would run it from "
-            "uninitialised memory",
+            f"{path}: has no {first_and_more(missing)}, which this model needs: "
+            "vLLM would run it from uninitialised memory",
             hint=OTHER_MODEL_HINT,
         )
     for name in sorted(tensors, key=arch.natural_key):
         module = name.rpartition(".")[0]
         if module in owned:
             raise InputError(
-                f"{path}: tensor {first_and_more([name])} belongs to the Marlin layer the sidecar's rank "
-                "files hold: vLLM would write it over the sidecar's weights",
+                f"{path}: tensor {first_and_more([name])} belongs to the Marlin layer "
+                "the sidecar's rank files hold: vLLM would write it over the sidecar's weights",
                 hint="regenerate the sidecar with mpack convert",
             )
         m = _DECODER_INDEX.match(name)
         if m and int(m.group(1)) >= layers:
             raise EngineMismatchError(
-                f"{path}: tensor {first_and_more([name])} is for decoder layer {m.group(1)}, this model "
-                f"has {layers} decoder layers",
+                f"{path}: tensor {first_and_more([name])} is for decoder layer {m.group(1)}, "
+                f"this model has {layers} decoder layers",
                 hint=OTHER_MODEL_HINT,
             )
         want = shapes.get(name) or ((hidden,) if m and name.endswith(norms) else None)

@@ -2,7 +2,7 @@
 
 Note [lifetime of a mapping]: every tensor is a view of one uint8 base tensor that owns the
 mapping (a read-only ``mmap`` of the daemon's memfd, or a read-only CUDA VMM mapping of its
-exported allocation; see host.py and cuda_vmm.py). The mapping is released when the last view
+exported allocation; see memfd.py and cuda_vmm.py). The mapping is released when the last view
 of it is garbage-collected, never earlier, so a tensor the caller still holds can never point
 at unmapped memory. ``close()`` ends the lease with the daemon and drops every reference this
 object holds; once the caller drops its own views too, the mapping goes. A process that dies
@@ -25,15 +25,13 @@ if TYPE_CHECKING:
     from mpack.sidecar import TensorEntry
 
 
+# Note [unaligned tail tensors]: a torch view of another dtype must start at a multiple of its
+# element size. Every 64-multiple-sized tensor of a sidecar is 64-aligned (docs/FORMAT.md), but
+# the odd-sized tail of ``common.safetensors`` MAY start anywhere; such a tensor (a few bytes: a
+# norm, a scalar) becomes a private copy instead of a view.
 def view_of(base: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     """Tensor ``e`` as a view of ``base`` (uint8 [size], any device) by byte offset: no data
-    is copied, except for Note [unaligned tail tensors].
-
-    Note [unaligned tail tensors]: a torch view of another dtype must start at a multiple of
-    its element size. Every 64-multiple-sized tensor of a sidecar is 64-aligned (docs/FORMAT.md),
-    but the odd-sized tail of ``common.safetensors`` MAY start anywhere; such a tensor (a few
-    bytes: a norm, a scalar) becomes a private copy instead of a view.
-    """
+    is copied, except for Note [unaligned tail tensors]."""
     raw = base[e.offset : e.offset + e.nbytes]  # uint8 [nbytes]
     if e.offset % DTYPE_SIZES[e.dtype]:
         raw = raw.clone()  # Note [unaligned tail tensors]
@@ -45,6 +43,10 @@ def build_views(base: torch.Tensor, tensors: list[TensorEntry]) -> dict[str, tor
     return {e.name: view_of(base, e) for e in tensors}
 
 
+# Note [views on first use]: making a tensor view costs a few microseconds of Python and torch
+# per tensor; an engine may touch only some tensors, and attaching must not cost more with more
+# tensors. So the views are made when a tensor is first looked up, and kept: the second lookup
+# returns the same tensor object. Iterating and ``len`` make none.
 class SharedWeights(Mapping[str, "torch.Tensor"]):
     """Every tensor of one rank of a sidecar (the rank file's and the pass-through ones).
 
@@ -52,12 +54,8 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
     ``rank``, ``device`` (``cpu`` or ``cuda:N``), ``backend`` (``private`` for :func:`load`,
     ``host`` or ``cuda`` for :func:`attach`) and ``nbytes`` (bytes of the allocation).
     Attached tensors are read-only: a write fails in the writing process only. Use ``close()``
-    or a ``with`` block; see Note [lifetime of a mapping].
-
-    Note [views on first use]: making a tensor view costs a few microseconds of Python and torch
-    per tensor; an engine may touch only some tensors, and attaching must not cost more with more
-    tensors. So the views are made when a tensor is first looked up, and kept: the second lookup
-    returns the same tensor object. Iterating and ``len`` make none.
+    or a ``with`` block; see Note [lifetime of a mapping]. Views are made on first lookup (Note
+    [views on first use]).
     """
 
     def __init__(

@@ -54,8 +54,19 @@ def write_bytes(path: Path, nbytes: int, behind: bool = False) -> float:
 
 def peak_rss_run(src: Path, out: Path, device: str) -> tuple[dict, int]:
     """One `mpack convert` in a fresh process: its --json summary (+ wall) and peak RSS (bytes)."""
-    cmd = [sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out), "--device", device,
-           "--json", "--force"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpack.cli",
+        "convert",
+        str(src),
+        "-o",
+        str(out),
+        "--device",
+        device,
+        "--json",
+        "--force",
+    ]
     return _run(cmd)
 
 
@@ -85,9 +96,9 @@ LIBRARY_RUN = r"""
 import json, sys, time
 import torch, compressed_tensors  # a long-lived caller (a service, a notebook) has these loaded
 from mpack.convert import cuda_repack
-from mpack.convert.pipeline import resolve_device, run_convert
+from mpack.convert.pipeline import run_convert, torch_device
 src, out, device = sys.argv[1:4]
-dev = resolve_device(device)
+dev = torch_device(device)
 if dev.type == "cuda":  # CUDA context and the repack kernel ready, as in a warm service
     torch.empty(1, device=dev)
     cuda_repack.available(dev)
@@ -158,8 +169,12 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)  # a fresh output, as the floor's write
                 doc, rss = run(src, out, dev)
                 name = f"{dev}-{kind}-{temp}"
-                res["runs"][name] = {"wall": doc["wall"], "seconds": doc["seconds"], "peak_rss": rss,
-                                     "bytes": doc["bytes"]}  # fmt: skip
+                res["runs"][name] = {
+                    "wall": doc["wall"],
+                    "seconds": doc["seconds"],
+                    "peak_rss": rss,
+                    "bytes": doc["bytes"],
+                }
                 if "timeline" in doc:
                     res["runs"][name]["timeline"] = doc["timeline"]
                 print(f"{name}: {doc['wall']:.2f} s, peak RSS {rss / 2**30:.2f} GiB", flush=True)
@@ -181,8 +196,11 @@ def main() -> None:
         if not (small / "config.json").is_file():
             write_checkpoint(small, layers=a.small_layers)
         _, rss_small = peak_rss_run(small, work / "out-small", devices[0])
-        res["rss_small_model"] = {"layers": a.small_layers, "peak_rss": rss_small,
-                                  "device": devices[0]}  # fmt: skip
+        res["rss_small_model"] = {
+            "layers": a.small_layers,
+            "peak_rss": rss_small,
+            "device": devices[0],
+        }
 
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(res, indent=2))
@@ -193,8 +211,10 @@ def main() -> None:
 
 def import_times() -> dict[str, float]:
     """Seconds a fresh interpreter takes to import torch, then compressed-tensors (warm files)."""
-    code = ("import time; t = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-            "import compressed_tensors; t2 = time.perf_counter(); print(t1 - t, t2 - t1)")  # fmt: skip
+    code = (
+        "import time; t = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+        "import compressed_tensors; t2 = time.perf_counter(); print(t1 - t, t2 - t1)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)  # warm the files
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     torch_s, ct_s = (float(x) for x in out.stdout.split())
@@ -216,33 +236,52 @@ def print_table(res: dict) -> None:
     print(
         f"\nsource {gb:.2f} GB, sidecar {res['sidecar_bytes'] / 1e9:.2f} GB, {res['layers']} layers"
     )
-    print(f"floor: read cold {f.get('read_cold') or float('nan'):.2f} s, read warm {f['read_warm']:.2f} s, "
-          f"write {f['write']:.2f} s, write with write-behind {f.get('write_behind', float('nan')):.2f} s")  # fmt: skip
+    print(
+        f"floor: read cold {f.get('read_cold') or float('nan'):.2f} s, "
+        f"read warm {f['read_warm']:.2f} s, write {f['write']:.2f} s, "
+        f"write with write-behind {f.get('write_behind', float('nan')):.2f} s"
+    )
     imp = res["imports"]
-    print(f"imports in a fresh interpreter: torch {imp['torch']:.2f} s, "
-          f"compressed-tensors {imp['compressed_tensors']:.2f} s")  # fmt: skip
+    print(
+        f"imports in a fresh interpreter: torch {imp['torch']:.2f} s, "
+        f"compressed-tensors {imp['compressed_tensors']:.2f} s"
+    )
     print(
         "wall: the whole process (cli) or the run_convert call (library); total: run_convert's own"
     )
     print("x floor: against max(read, plain write); x tight: against max(read, write-behind write)")
-    print(f"{'run':<18}{'wall s':>8}{'x floor':>8}{'x tight':>8}{'total':>7}{'valid.':>7}{'read':>6}"
-          f"{'xform':>6}{'write':>6}{'finish':>7}{'ct wait':>8}{'RSS GiB':>8}")  # fmt: skip
+    print(
+        f"{'run':<18}{'wall s':>8}{'x floor':>8}{'x tight':>8}{'total':>7}{'valid.':>7}{'read':>6}"
+        f"{'xform':>6}{'write':>6}{'finish':>7}{'ct wait':>8}{'RSS GiB':>8}"
+    )
     for name, r in res["runs"].items():
         floor, tight = run_floors(res, name)
         s = r["seconds"]
         print(
-            f"{name:<18}{r['wall']:>8.2f}{r['wall'] / floor:>8.2f}{r['wall'] / tight:>8.2f}{s['total']:>7.2f}"
-            f"{s.get('validate', 0):>7.2f}{s.get('read_busy', 0):>6.2f}{s.get('transform_busy', 0):>6.2f}"
-            f"{s.get('write_busy', 0):>6.2f}{s.get('finish', 0):>7.2f}{s.get('wait_scheme_check', 0):>8.2f}"
+            f"{name:<18}{r['wall']:>8.2f}{r['wall'] / floor:>8.2f}"
+            f"{r['wall'] / tight:>8.2f}{s['total']:>7.2f}"
+            f"{s.get('validate', 0):>7.2f}{s.get('read_busy', 0):>6.2f}"
+            f"{s.get('transform_busy', 0):>6.2f}"
+            f"{s.get('write_busy', 0):>6.2f}{s.get('finish', 0):>7.2f}"
+            f"{s.get('wait_scheme_check', 0):>8.2f}"
             f"{r['peak_rss'] / 2**30:>8.2f}"
         )
     small = res.get("rss_small_model") or {}
     dev = small.get("device", "")  # the same device's CLI runs, the small model's peer
-    big = max((r["peak_rss"] for n, r in res["runs"].items() if n.startswith(f"{dev}-cli-") or
-               (not dev and "-cli-" in n)), default=0)  # fmt: skip
+    big = max(
+        (
+            r["peak_rss"]
+            for n, r in res["runs"].items()
+            if n.startswith(f"{dev}-cli-") or (not dev and "-cli-" in n)
+        ),
+        default=0,
+    )
     if big and small:
-        print(f"peak RSS ({dev or 'cli'} cli): {res['layers']} layers {big / 2**30:.2f} GiB vs {small['layers']} layers "
-              f"{small['peak_rss'] / 2**30:.2f} GiB (ratio {big / small['peak_rss']:.2f})")  # fmt: skip
+        print(
+            f"peak RSS ({dev or 'cli'} cli): {res['layers']} layers {big / 2**30:.2f} GiB "
+            f"vs {small['layers']} layers {small['peak_rss'] / 2**30:.2f} GiB "
+            f"(ratio {big / small['peak_rss']:.2f})"
+        )
     print("targets: convert <= 1.2 x floor on GPU, <= 1.5 x on CPU; RSS independent of model size")
 
 
@@ -257,12 +296,20 @@ def plot(res: dict, path: str) -> None:
     names = list(res["runs"])
     traced = [n for n in names if res["runs"][n].get("timeline")]
     rows = 2 if traced else 1
-    fig, axes = plt.subplots(rows, 1, figsize=(9, 0.5 * len(names) + 2 + 3.2 * (rows - 1)),
-                             gridspec_kw={"height_ratios": [len(names) + 2, 6][:rows]})  # fmt: skip
+    fig, axes = plt.subplots(
+        rows,
+        1,
+        figsize=(9, 0.5 * len(names) + 2 + 3.2 * (rows - 1)),
+        gridspec_kw={"height_ratios": [len(names) + 2, 6][:rows]},
+    )
     ax = axes[0] if rows > 1 else axes
-    colors = {"start-up (imports, CUDA)": "tab:gray", "validate + plan": "tab:purple",
-              "stream (read/transform/write)": "tab:blue", "finish (fsync tail)": "tab:green",
-              "wait for the scheme check": "tab:red"}  # fmt: skip
+    colors = {
+        "start-up (imports, CUDA)": "tab:gray",
+        "validate + plan": "tab:purple",
+        "stream (read/transform/write)": "tab:blue",
+        "finish (fsync tail)": "tab:green",
+        "wait for the scheme check": "tab:red",
+    }
     for i, n in enumerate(names):
         r = res["runs"][n]
         s = r["seconds"]
@@ -283,10 +330,20 @@ def plot(res: dict, path: str) -> None:
             left += parts[label]
     for i, n in enumerate(names):  # each run against the floors of its own page-cache state
         floor, tight = run_floors(res, n)
-        ax.plot([floor] * 2, [i - 0.45, i + 0.45], color="red", lw=2,
-                label="I/O floor: max(read, plain write)" if i == 0 else None)  # fmt: skip
-        ax.plot([tight] * 2, [i - 0.45, i + 0.45], color="black", lw=2,
-                label="tight floor: max(read, write-behind write)" if i == 0 else None)  # fmt: skip
+        ax.plot(
+            [floor] * 2,
+            [i - 0.45, i + 0.45],
+            color="red",
+            lw=2,
+            label="I/O floor: max(read, plain write)" if i == 0 else None,
+        )
+        ax.plot(
+            [tight] * 2,
+            [i - 0.45, i + 0.45],
+            color="black",
+            lw=2,
+            label="tight floor: max(read, write-behind write)" if i == 0 else None,
+        )
     gb = res["source_bytes"] / 1e9
     finish_axes(ax, names, "seconds", f"mpack convert, Llama-3.1-8B-shaped FP8 ({gb:.1f} GB)")
     if traced:
@@ -296,8 +353,14 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-LANES = {"main": "tab:purple", "read": "tab:olive", "transform": "tab:blue", "write": "tab:green",
-         "copy": "tab:cyan", "hash-src": "tab:orange"}  # fmt: skip
+LANES = {
+    "main": "tab:purple",
+    "read": "tab:olive",
+    "transform": "tab:blue",
+    "write": "tab:green",
+    "copy": "tab:cyan",
+    "hash-src": "tab:orange",
+}
 
 
 def plot_timeline(ax, spans: list, floors: tuple[float, float], name: str) -> None:
@@ -306,14 +369,20 @@ def plot_timeline(ax, spans: list, floors: tuple[float, float], name: str) -> No
     for row, lane in enumerate(lanes):
         for _, what, a, b in (s for s in spans if s[0] == lane):
             waiting = what.startswith("wait")
-            ax.broken_barh([(a, max(b - a, 1e-3))], (row - 0.35, 0.7), color=LANES[lane],
-                           alpha=0.25 if waiting else 0.9, linewidth=0)  # fmt: skip
+            ax.broken_barh(
+                [(a, max(b - a, 1e-3))],
+                (row - 0.35, 0.7),
+                color=LANES[lane],
+                alpha=0.25 if waiting else 0.9,
+                linewidth=0,
+            )
             if lane == "main" and b - a > 0.25:
                 ax.text((a + b) / 2, row, what, ha="center", va="center", fontsize=6)
     ax.axvline(floors[0], color="red", ls=":", label="I/O floor")
     ax.axvline(floors[1], color="black", ls=":", label="tight floor")
-    finish_axes(ax, lanes, "seconds from the start of run_convert",
-                f"timeline of {name} (pale: waiting)")  # fmt: skip
+    finish_axes(
+        ax, lanes, "seconds from the start of run_convert", f"timeline of {name} (pale: waiting)"
+    )
 
 
 def finish_axes(ax, rows: list[str], xlabel: str, title: str) -> None:

@@ -74,15 +74,30 @@ def time_row(name: str, src: Path, out: Path, device: str, env: dict[str, str], 
         subprocess.run(["cp", "-r", str(src), str(out)], check=True)
         subprocess.run(["sync"], check=True)
         return {"wall": time.perf_counter() - t, "peak_rss": None}
-    cmd = [sys.executable, "-m", "mpack", "convert", str(src), "-o", str(out), "--device", device,
-           "--json", *ROWS[name]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpack",
+        "convert",
+        str(src),
+        "-o",
+        str(out),
+        "--device",
+        device,
+        "--json",
+        *ROWS[name],
+    ]
     r = run_timed(cmd, env=env, cwd=cwd, keep_stdout=True)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}: exit {r.returncode}\n{r.stderr}")
     doc = json.loads(r.stdout)
     targets = doc.get("targets", [doc])
-    return {"wall": r.wall, "peak_rss": r.peak_rss, "targets": len(targets),
-            "bytes": sum(t["bytes"] for t in targets)}  # fmt: skip
+    return {
+        "wall": r.wall,
+        "peak_rss": r.peak_rss,
+        "targets": len(targets),
+        "bytes": sum(t["bytes"] for t in targets),
+    }
 
 
 def main() -> int:
@@ -98,8 +113,11 @@ def main() -> int:
                 synth(src, args.layers, args.vocab, env, tmp, quiet=True)
         src = src.resolve()
         src_bytes = sum(p.stat().st_size for p in source_files(src))
-        print(f"source {src}: {src_bytes / 2**30:.2f} GiB; warming: "
-              f"{read_files(source_files(src)):.1f} s", flush=True)  # fmt: skip
+        print(
+            f"source {src}: {src_bytes / 2**30:.2f} GiB; warming: "
+            f"{read_files(source_files(src)):.1f} s",
+            flush=True,
+        )
         outs = src.parent / f".bench-multi-out-{os.getpid()}"
         results: dict[str, list[dict]] = {}
         try:
@@ -120,14 +138,20 @@ def main() -> int:
         rss_s = f"{rss / 2**30:.2f} GiB" if rss else "-"
         print(f"| {k} | {med[k]:.2f} | {med[k] / one:.2f} | {med[k] / cp:.2f} | {rss_s} |")
     doc = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "source": {"path": str(src), "bytes": src_bytes, "layers": args.layers},
-        "device": args.device, "repeat": args.repeat, "rows": results, "median_s": med,
+        "device": args.device,
+        "repeat": args.repeat,
+        "rows": results,
+        "median_s": med,
         "ratio_to_one_target": {k: v / one for k, v in med.items()},
         "ratio_to_copy": {k: v / cp for k, v in med.items()},
-    }  # fmt: skip
+    }
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -247,14 +247,24 @@ def sweep_cpu(reps: int, loads: tuple[int, ...] = (0, 8)) -> list[dict[str, Any]
                     else contextlib.nullcontext() as pool
                 ):
                     torch.set_num_threads(threads if mode == "omp" else saved[0])
-                    ms = sum(cpu_time_ms(lambda w=w: marlin.repack(w, pool), reps, 1)
-                             for w in layers)  # fmt: skip
-                row = {"load": load, "mode": mode, "threads": threads, "block": block, "ms": ms,
-                       "gbps": nbytes / ms / 1e6}  # fmt: skip
+                    ms = sum(
+                        cpu_time_ms(lambda w=w: marlin.repack(w, pool), reps, 1) for w in layers
+                    )
+                row = {
+                    "load": load,
+                    "mode": mode,
+                    "threads": threads,
+                    "block": block,
+                    "ms": ms,
+                    "gbps": nbytes / ms / 1e6,
+                }
                 rows.append(row)
-                print(f"load {load:>2}  {mode:<4} threads {threads:>3}  block "
-                      f"{'whole' if block >= 1 << 40 else f'{block >> 10} KiB':>9}  "
-                      f"{ms:8.1f} ms  {row['gbps']:6.2f} GB/s", flush=True)  # fmt: skip
+                print(
+                    f"load {load:>2}  {mode:<4} threads {threads:>3}  block "
+                    f"{'whole' if block >= 1 << 40 else f'{block >> 10} KiB':>9}  "
+                    f"{ms:8.1f} ms  {row['gbps']:6.2f} GB/s",
+                    flush=True,
+                )
         finally:
             stop.set()
             for t in burners:
@@ -421,9 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"CPU: {cpu['cpu']}, {cpu['threads']} torch threads; median of {args.cpu_reps}",
         cpu,
-        [("torch", "torch_ms"), ("native", "native_ms"), ("native, used", "native_used_ms"),
-         ("clone", "copy_ms")],
-    )  # fmt: skip
+        [
+            ("torch", "torch_ms"),
+            ("native", "native_ms"),
+            ("native, used", "native_used_ms"),
+            ("clone", "copy_ms"),
+        ],
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -100,24 +100,48 @@ def prepare_sidecar(a: argparse.Namespace, env: dict[str, str], cwd: Path) -> Pa
     if not have_src:
         synth(src, a.layers, a.vocab, env, cwd)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "mpack.cli", "convert", str(src), "-o", str(out),
-                    "--device", a.device, "--quiet"], check=True, env=env, cwd=cwd)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mpack.cli",
+            "convert",
+            str(src),
+            "-o",
+            str(out),
+            "--device",
+            a.device,
+            "--quiet",
+        ],
+        check=True,
+        env=env,
+        cwd=cwd,
+    )
     print(f"converted to {out} in {time.perf_counter() - t:.1f} s", flush=True)
     return out
 
 
 def make_ctx(a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> Ctx:
-    """The run: the sidecar (made first with ``--workdir``), its rank's regions, the memory source."""
+    """The run: the sidecar (made first with ``--workdir``), its rank's regions, the memory
+    source."""
     sidecar = prepare_sidecar(a, env, tmp)
     from mpack.errors import MpackError
-    from mpack.runtime.layout import plan_rank
+    from mpack.runtime.allocation import plan_rank
 
     try:
         plan = plan_rank(sidecar, a.rank)
     except MpackError as e:
         raise SystemExit(f"bench_runtime: {e}") from None
-    c = Ctx(a, sidecar, tmp, env, [(r.path, r.offset, r.size) for r in plan.regions],
-            plan.size, len(plan.tensors), plan.tensors[0].name)  # fmt: skip
+    c = Ctx(
+        a,
+        sidecar,
+        tmp,
+        env,
+        [(r.path, r.offset, r.size) for r in plan.regions],
+        plan.size,
+        len(plan.tensors),
+        plan.tensors[0].name,
+    )
     choose_memory_source(c)
     return c
 
@@ -126,8 +150,9 @@ def make_ctx(a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> Ctx:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument(
         "--sidecar", help="an existing sidecar (e.g. bench_convert's <workdir>/out-cuda)"
@@ -137,12 +162,20 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=LLAMA_8B_VOCAB, help="with --workdir")
     ap.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default cuda:0)")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--clients", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")],
-                    help="client counts (memory at the largest)")  # fmt: skip
+    ap.add_argument(
+        "--clients",
+        default="1,2,4,8",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="client counts (memory at the largest)",
+    )
     ap.add_argument("--warm-reps", type=int, default=2)
     ap.add_argument("--floor-chunks", default="16,64", help="MiB; the best warm one is used cold")
-    ap.add_argument("--cold", choices=["drop", "fadvise", "none"], default="drop",
-                    help="drop: drop_caches (root) + fadvise the files; fadvise: only the files")  # fmt: skip
+    ap.add_argument(
+        "--cold",
+        choices=["drop", "fadvise", "none"],
+        default="drop",
+        help="drop: drop_caches (root) + fadvise the files; fadvise: only the files",
+    )
     ap.add_argument(
         "--skip", default="", help="sections to skip: floor,serve,safetensors,attach,torch_mp"
     )
@@ -186,14 +219,19 @@ def run_sections(c: Ctx, m0: int) -> None:
 def bench(a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> None:
     t_start = time.perf_counter()
     c = make_ctx(a, tmp, env)
-    print(f"{c.sidecar}: {c.total / GB:.2f} GB in {len(c.regions)} files, {c.tensors} tensors; "
-          f"device {a.device}", flush=True)  # fmt: skip
+    print(
+        f"{c.sidecar}: {c.total / GB:.2f} GB in {len(c.regions)} files, {c.tensors} tensors; "
+        f"device {a.device}",
+        flush=True,
+    )
     m0 = c.res["memory_baseline"] = c.mem(0.0)
     run_sections(c, m0)
     c.res["memory_end"] = c.mem()
     c.res["total_s"] = time.perf_counter() - t_start
-    print(f"== memory at the end {gib(c.res['memory_end'] - m0)} above the start; total "
-          f"{c.res['total_s']:.0f} s")  # fmt: skip
+    print(
+        f"== memory at the end {gib(c.res['memory_end'] - m0)} above the start; total "
+        f"{c.res['total_s']:.0f} s"
+    )
     c.res["probes"] = probes(c)
     rows = c.res["summary"] = summarize(c)
     if a.json_out:

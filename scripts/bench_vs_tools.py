@@ -84,14 +84,24 @@ from benchutil import (  # noqa: E402
     synth_present,
 )
 
-GROUPS = ("convert", "convert-hub", "load", "attach", "convert-cold", "load-cold", "verify", "rss",
-          "imports")  # fmt: skip
+GROUPS = (
+    "convert",
+    "convert-hub",
+    "load",
+    "attach",
+    "convert-cold",
+    "load-cold",
+    "verify",
+    "rss",
+    "imports",
+)
 Step = tuple[str, str, Callable[[], "Row | list[Row]"]]
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workdir", default="/tmp/mpack-bench-vs")
     ap.add_argument("--src", help="an existing checkpoint instead of DIR/src (its layers, vocab)")
     ap.add_argument("--layers", type=int, default=LLAMA_8B_LAYERS)
@@ -165,14 +175,26 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
     out: list[Step] = []
     for dev in devices if "convert" in b.args.only else []:
         for n in [None] if dev == "cuda" else cpu_counts(b):
-            out.append(("convert", f"convert {dev} {n or ''}",
-                        partial(row_convert, b, dev, n, "warm")))  # fmt: skip
+            out.append(
+                ("convert", f"convert {dev} {n or ''}", partial(row_convert, b, dev, n, "warm"))
+            )
     if "cpu" in devices:  # the CI-runner case, converting these bytes for the first time
         n = min(cpu_counts(b))
-        out.append(("convert", f"convert cpu {n} no kept verdict",
-                    partial(row_convert, b, "cpu", n, "warm", False)))  # fmt: skip
-        out += [("convert-hub", f"convert cpu {n} from the HF cache" + (" no kept verdict" if not k else ""),
-                 partial(row_convert, b, "cpu", n, "warm", k, True)) for k in (True, False)]  # fmt: skip
+        out.append(
+            (
+                "convert",
+                f"convert cpu {n} no kept verdict",
+                partial(row_convert, b, "cpu", n, "warm", False),
+            )
+        )
+        out += [
+            (
+                "convert-hub",
+                f"convert cpu {n} from the HF cache" + (" no kept verdict" if not k else ""),
+                partial(row_convert, b, "cpu", n, "warm", k, True),
+            )
+            for k in (True, False)
+        ]
     out += [
         ("load", f"load {rt}", partial(row_load, b, rt, first, "warm")),
         ("attach", f"attach {rt}", partial(rows_attach, b, rt, first)),
@@ -207,8 +229,12 @@ def setup(b: Bench) -> list[Step]:
     unless --cold none)."""
     b.work.mkdir(parents=True, exist_ok=True)
     args = {**vars(b.args), "only": sorted(b.args.only)}
-    b.meta.update(command=shlex.join([Path(sys.executable).name, *sys.argv]), args=args,
-                  layers=b.args.layers, machine=machine(b.env, b.tmp))  # fmt: skip
+    b.meta.update(
+        command=shlex.join([Path(sys.executable).name, *sys.argv]),
+        args=args,
+        layers=b.args.layers,
+        machine=machine(b.env, b.tmp),
+    )
     if b.args.src:  # its own dimensions, for the rss row's smaller model
         cfg = b.src / "config.json"
         if not cfg.is_file():

@@ -68,9 +68,10 @@ def run_timed(
     cwd: Path | None = None,
     keep_stdout: bool = False,
 ) -> Timed:
-    """Run ``cmd`` to its end, stdout discarded unless ``keep_stdout``; its wall time from start to exit and its peak
-    RSS, ``VmHWM`` read from /proc every 20 ms by a thread while it runs (wait4's ``ru_maxrss``
-    would include the pages this parent had when it forked). Interrupted, the child is killed."""
+    """Run ``cmd`` to its end, stdout discarded unless ``keep_stdout``; its wall time from start
+    to exit and its peak RSS, ``VmHWM`` read from /proc every 20 ms by a thread while it runs
+    (wait4's ``ru_maxrss`` would include the pages this parent had when it forked). Interrupted,
+    the child is killed."""
     with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
         t = time.perf_counter()
         stdout = out if keep_stdout else subprocess.DEVNULL
@@ -129,9 +130,11 @@ def synth_present(path: Path, layers: int, vocab: int) -> bool:
         return False
     c = json.loads(cfg.read_text())
     if (c["num_hidden_layers"], c["vocab_size"]) != (layers, vocab):
-        raise SystemExit(f"{path} has {c['num_hidden_layers']} layers and vocab "
-                         f"{c['vocab_size']}, not {layers} and {vocab}: use another "
-                         "--workdir")  # fmt: skip
+        raise SystemExit(
+            f"{path} has {c['num_hidden_layers']} layers and vocab "
+            f"{c['vocab_size']}, not {layers} and {vocab}: use another "
+            "--workdir"
+        )
     return True
 
 
@@ -141,7 +144,19 @@ def synth(
     """``scripts/synth_checkpoint.py PATH --layers L --vocab V`` in a child process (``quiet``:
     its stdout discarded); says how long it took."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "synth_checkpoint.py"),
-                    str(path), "--layers", str(layers), "--vocab", str(vocab)], check=True,
-                   env=env, cwd=cwd, stdout=subprocess.DEVNULL if quiet else None)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parent / "synth_checkpoint.py"),
+            str(path),
+            "--layers",
+            str(layers),
+            "--vocab",
+            str(vocab),
+        ],
+        check=True,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL if quiet else None,
+    )
     print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)

@@ -14,14 +14,16 @@ def main() -> None:
     packed = marlin.pack_weight(wck)
     np_, kp = marlin.marlin_padded_nk(*wck.shape)
     print(
-        f"checkpoint weight {tuple(wck.shape)} fp8 -> padded ({np_}, {kp}) -> packed {tuple(packed.shape)} int32"
+        f"checkpoint weight {tuple(wck.shape)} fp8 -> padded ({np_}, {kp}) "
+        f"-> packed {tuple(packed.shape)} int32"
     )
     print("first words:", " ".join(f"0x{int(x) & 0xFFFFFFFF:08x}" for x in packed[0, :4]))
     scales = marlin.pack_scales(
         marlin.broadcast_scales(torch.tensor([0.0012345]), 96), torch.bfloat16, np_
     )
     print(
-        f"weight_scale {tuple(scales.shape)} bf16, folded bits 0x{int(scales.view(torch.int16)[0, 0]) & 0xFFFF:04x}"
+        f"weight_scale {tuple(scales.shape)} bf16, "
+        f"folded bits 0x{int(scales.view(torch.int16)[0, 0]) & 0xFFFF:04x}"
     )
     back = marlin.unpack_weight(packed, *wck.shape)
     assert torch.equal(back, wck.view(torch.uint8)), "unpack did not give the checkpoint bytes back"

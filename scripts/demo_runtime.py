@@ -37,8 +37,18 @@ def _client(sidecar: str, rank: int, write: bool) -> int:
             h.update(w[name].reshape(-1).view(torch.uint8).numpy())
         maps = Path("/proc/self/maps").read_text().splitlines()
         inode = next(int(line.split()[4]) for line in maps if "memfd:mpack:" in line)
-        print(json.dumps({"pid": os.getpid(), "tensors": len(w), "bytes": w.nbytes,
-                          "sha256": h.hexdigest(), "inode": inode}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "tensors": len(w),
+                    "bytes": w.nbytes,
+                    "sha256": h.hexdigest(),
+                    "inode": inode,
+                }
+            ),
+            flush=True,
+        )
         if write:
             name = sorted(k for k in w if k.endswith(".weight"))[0]
             w[name].view(-1)[0] += 1  # a store into a read-only page: SIGSEGV, this process only
@@ -51,16 +61,25 @@ def _client(sidecar: str, rank: int, write: bool) -> int:
 def _readers(py: str, me: str, a: argparse.Namespace, env: dict) -> list[subprocess.Popen]:
     """Two attached processes; what each sees is printed. They stay attached until released."""
     print("== two processes attach")
-    return [subprocess.Popen([py, me, a.sidecar, "--rank", str(a.rank), "--client", "read"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-            for _ in range(2)]  # fmt: skip
+    return [
+        subprocess.Popen(
+            [py, me, a.sidecar, "--rank", str(a.rank), "--client", "read"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
 
 
 def _same(readers: list[subprocess.Popen]) -> bool:
     seen = [json.loads(p.stdout.readline()) for p in readers]  # type: ignore[union-attr]
     for s in seen:
-        print(f"client {s['pid']}: {s['tensors']} tensors, {s['bytes']} bytes, sha256 of all tensor bytes "
-              f"{s['sha256'][:16]}..., memfd inode {s['inode']}")  # fmt: skip
+        print(
+            f"client {s['pid']}: {s['tensors']} tensors, {s['bytes']} bytes, "
+            f"sha256 of all tensor bytes {s['sha256'][:16]}..., memfd inode {s['inode']}"
+        )
     same = seen[0]["sha256"] == seen[1]["sha256"] and seen[0]["inode"] == seen[1]["inode"]
     print(f"both see identical bytes, from the same memory: {'yes' if same else 'NO'}")
     return same
@@ -68,8 +87,13 @@ def _same(readers: list[subprocess.Popen]) -> bool:
 
 def _write_refused(py: str, me: str, a: argparse.Namespace, env: dict) -> bool:
     print("== a third process writes into a shared tensor")
-    w = subprocess.run([py, me, a.sidecar, "--rank", str(a.rank), "--client", "write"],
-                       capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    w = subprocess.run(
+        [py, me, a.sidecar, "--rank", str(a.rank), "--client", "write"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     refused = w.returncode < 0 and '"wrote"' not in w.stdout
     how = (
         f"killed by {signal.Signals(-w.returncode).name}"

@@ -3,7 +3,7 @@
 # whole GPU suite, each under its own time limit (0 skips a step) so that what ran comes back
 # in $OUT. Exits with the first failing step's status.
 #   usage (device tool, carry .device): [QUICK_S=120] [BENCH_S=420] [SUITE_S=200] [DEVICES=cuda,cpu]
-#     [KINDS=cli,library] [LIBRARY_TEMPS=cold,warm] [SMALL_LAYERS=8] bash scripts/device_issue5.sh
+#     [KINDS=cli,library] [LIBRARY_TEMPS=cold,warm] [SMALL_LAYERS=8] bash scripts/device_bench_convert.sh
 source "$(dirname "$0")/device_env.sh"
 rc=0
 quick="tests/convert/test_stream.py tests/convert/test_convert.py"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Device calls for issue 15 ("Faster than a plain copy"), each step under its own time limit (0
-# skips it) so that what ran comes back in $OUT:
+# mpack against the plain tools on the device (scripts/bench_vs_tools.py, issue 15 "Faster than a
+# plain copy"), with the GPU tests, the repack kernels and the CPU profile around it. Each step
+# runs under its own time limit (0 skips it) so that what ran comes back in $OUT:
 #   - test-gpu: the whole GPU suite (make test-gpu), ~4 min on the H200;
 #   - host: the host path's CPU tests (tests/convert/test_host.py), on the extension built there;
 #   - driver: the driver path's tests and the kernel's (tests/convert/test_driver.py, test_cuda_repack.py);
 #   - kernels: the host repack's kernels, one thread each (scripts/bench_repack.py --kernels);
-#   - ab-threads (after the bench, on its checkpoint): scripts/ab_host_threads.py;
 #   - profile (after the bench, on its checkpoint): scripts/cpu_by_thread.py per PROFILE_CASES;
 #   - bench: scripts/bench_vs_tools.py on the 8B-shaped checkpoint, every row against its peer of
 #     the same run (vs_tools.json after every row; the log; vs_tools.md at the end). With REPS=1
@@ -14,8 +14,8 @@
 #     costs ~1.5 min: about 5.5 minutes.
 # BENCH_COMMIT names the tree in the record (give it literally: the copy's own .git there is not
 # this checkout's). Exits with the first failing step's status.
-#   usage (device tool, carry .device): [SUITE_S=0] [HOST_S=0] [DRIVER_S=0] [KERNELS_S=0] [BENCH_S=450] [PROFILE_S=0] [AB_S=0] [LAYERS=32] [REPS=1]
-#     [ONLY=convert,load,...] [BENCH_COMMIT=abc1234] bash scripts/device_issue15.sh
+#   usage (device tool, carry .device): [SUITE_S=0] [HOST_S=0] [DRIVER_S=0] [KERNELS_S=0] [BENCH_S=450] [PROFILE_S=0] [LAYERS=32] [REPS=1]
+#     [ONLY=convert,load,...] [BENCH_COMMIT=abc1234] bash scripts/device_bench_vs_tools.sh
 source "$(dirname "$0")/device_env.sh"
 export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
 only=()
@@ -31,12 +31,6 @@ step kernels "${KERNELS_S:-0}" python3 scripts/bench_repack.py --kernels tile,ro
 step vs_tools "${BENCH_S:-450}" python3 scripts/bench_vs_tools.py --workdir /tmp/mpack-bench-vs \
   --layers "${LAYERS:-32}" --devices cuda,cpu --cores 16,4 --cold drop --reps "${REPS:-1}" \
   "${only[@]}" --json "$OUT/vs_tools.json" --md "$OUT/vs_tools.md"
-# ab-threads: the host path's repack threads per CPU count, on the bench's checkpoint (warm; made
-# here when the bench did not run)
-if [ "${AB_S:-0}" -gt 0 ] && [ ! -f /tmp/mpack-bench-vs/src/config.json ]; then
-  python3 scripts/synth_checkpoint.py /tmp/mpack-bench-vs/src --layers "${LAYERS:-32}" >/dev/null
-  cat /tmp/mpack-bench-vs/src/*.safetensors >/dev/null
-fi
 # profile: CPU seconds per thread group of a warm conversion (scripts/cpu_by_thread.py), for each
 # CORES:DEVICE case of PROFILE_CASES, on the bench's checkpoint
 profile() {
@@ -55,6 +49,4 @@ fi
 export -f profile
 export OUT
 step profile "${PROFILE_S:-0}" bash -c profile
-step ab-threads "${AB_S:-0}" python3 scripts/ab_host_threads.py /tmp/mpack-bench-vs/src \
-  /tmp/mpack-bench-vs/ab-out --cases "${AB_CASES:-4:2,4:4,16:12,16:16}" --json "$OUT/ab-threads.json"
 exit "$rc"

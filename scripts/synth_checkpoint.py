@@ -26,11 +26,23 @@ QUANT_CONFIG = {
     "config_groups": {
         "group_0": {
             "format": "float-quantized",
-            "input_activations": {"dynamic": False, "num_bits": 8, "strategy": "tensor", "symmetric": True,
-                                  "type": "float", "observer": "static_minmax"},
+            "input_activations": {
+                "dynamic": False,
+                "num_bits": 8,
+                "strategy": "tensor",
+                "symmetric": True,
+                "type": "float",
+                "observer": "static_minmax",
+            },
             "output_activations": None,
             "targets": ["Linear"],
-            "weights": {"dynamic": False, "num_bits": 8, "strategy": "tensor", "symmetric": True, "type": "float"},
+            "weights": {
+                "dynamic": False,
+                "num_bits": 8,
+                "strategy": "tensor",
+                "symmetric": True,
+                "type": "float",
+            },
         }
     },
     "format": "float-quantized",
@@ -38,7 +50,7 @@ QUANT_CONFIG = {
     "quant_method": "compressed-tensors",
     "quantization_status": "compressed",
     "version": "0.20.1",
-}  # fmt: skip
+}
 
 
 def _specs(
@@ -47,11 +59,14 @@ def _specs(
     d = hidden // heads
     out = [TensorSpec("model.embed_tokens.weight", "BF16", (vocab, hidden))]
     lin = {
-        "self_attn.q_proj": (heads * d, hidden), "self_attn.k_proj": (kv_heads * d, hidden),
-        "self_attn.v_proj": (kv_heads * d, hidden), "self_attn.o_proj": (hidden, heads * d),
-        "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+        "self_attn.q_proj": (heads * d, hidden),
+        "self_attn.k_proj": (kv_heads * d, hidden),
+        "self_attn.v_proj": (kv_heads * d, hidden),
+        "self_attn.o_proj": (hidden, heads * d),
+        "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden),
         "mlp.down_proj": (hidden, intermediate),
-    }  # fmt: skip
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         for name, (n, k) in lin.items():
@@ -60,8 +75,10 @@ def _specs(
                 TensorSpec(p + name + ".weight_scale", "BF16", (1,)),
                 TensorSpec(p + name + ".input_scale", "BF16", (1,)),
             ]
-        out += [TensorSpec(p + "input_layernorm.weight", "BF16", (hidden,)),
-                TensorSpec(p + "post_attention_layernorm.weight", "BF16", (hidden,))]  # fmt: skip
+        out += [
+            TensorSpec(p + "input_layernorm.weight", "BF16", (hidden,)),
+            TensorSpec(p + "post_attention_layernorm.weight", "BF16", (hidden,)),
+        ]
     out += [
         TensorSpec("model.norm.weight", "BF16", (hidden,)),
         TensorSpec("lm_head.weight", "BF16", (vocab, hidden)),
@@ -112,13 +129,20 @@ def write_checkpoint(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "bfloat16",
-        "hidden_size": dims["hidden"], "intermediate_size": dims["intermediate"],
-        "num_hidden_layers": dims["layers"], "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"], "head_dim": dims["hidden"] // dims["heads"],
-        "vocab_size": dims["vocab"], "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "dtype": "bfloat16",
+        "hidden_size": dims["hidden"],
+        "intermediate_size": dims["intermediate"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "head_dim": dims["hidden"] // dims["heads"],
+        "vocab_size": dims["vocab"],
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
         "quantization_config": QUANT_CONFIG,
-    }  # fmt: skip
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

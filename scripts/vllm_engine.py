@@ -60,10 +60,19 @@ LOAD_LINE = re.compile(r"Model loading took ([0-9.]+) GiB memory and ([0-9.]+) s
 
 def cases() -> list[dict[str, Any]]:
     return [
-        {"arch": a, "scheme": s, "strategy": st, "dtype": d, "profile": p,
-         "name": f"{a}-{st}-{d}-{p}"}
-        for a in ARCHS for s, st in SCHEMES.items() for d in DTYPES for p in PROFILES
-    ]  # fmt: skip
+        {
+            "arch": a,
+            "scheme": s,
+            "strategy": st,
+            "dtype": d,
+            "profile": p,
+            "name": f"{a}-{st}-{d}-{p}",
+        }
+        for a in ARCHS
+        for s, st in SCHEMES.items()
+        for d in DTYPES
+        for p in PROFILES
+    ]
 
 
 def selected(only: str) -> list[dict[str, Any]]:
@@ -100,8 +109,11 @@ def weight_only(ck: Path) -> None:
         index.write_text(json.dumps(idx, indent=2))
     for f in sorted(ck.glob("*.safetensors")):
         tensors = load_file(f)
-        save_file({k: v for k, v in tensors.items() if not k.endswith(".input_scale")}, f,
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v for k, v in tensors.items() if not k.endswith(".input_scale")},
+            f,
+            metadata={"format": "pt"},
+        )
 
 
 def checkpoint_dir(work: Path, case: dict[str, Any], seed: int = 0) -> Path:
@@ -122,8 +134,9 @@ def prepare_tiny(work: Path) -> None:
     for c, seed in tiny_jobs():
         ck = checkpoint_dir(work, c, seed)
         if not (ck / "config.json").is_file():
-            make_checkpoint(ck, arch=c["arch"], scheme=c["scheme"], dtype=c["dtype"],
-                            layers=2, seed=seed)  # fmt: skip
+            make_checkpoint(
+                ck, arch=c["arch"], scheme=c["scheme"], dtype=c["dtype"], layers=2, seed=seed
+            )
             if c["profile"] == "w8a16":
                 weight_only(ck)
         sc = work / f"sc-{c['name']}-s{seed}"
@@ -139,14 +152,23 @@ def engine_kwargs(run: dict[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` arguments of one run: eager mode, no tokenizer (prompts are token ids),
     Marlin for FP8 linears, a fixed KV cache so that memory figures compare across engines."""
     kw: dict[str, Any] = dict(
-        model=run["model"], dtype=run["dtype"], enforce_eager=True, skip_tokenizer_init=True,
-        max_model_len=run.get("max_model_len", 256), max_num_seqs=N_PROMPTS, seed=0,
-        linear_backend="marlin", kv_cache_memory_bytes=run.get("kv_bytes", 256 << 20),
-        enable_prefix_caching=False, gpu_memory_utilization=0.3,
-    )  # fmt: skip
+        model=run["model"],
+        dtype=run["dtype"],
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=run.get("max_model_len", 256),
+        max_num_seqs=N_PROMPTS,
+        seed=0,
+        linear_backend="marlin",
+        kv_cache_memory_bytes=run.get("kv_bytes", 256 << 20),
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.3,
+    )
     if run["mode"] != "ordinary":
-        extra = {"sidecar": run["sidecar"], "attach": "never" if run["mode"] == "private"
-                 else "require"}  # fmt: skip
+        extra = {
+            "sidecar": run["sidecar"],
+            "attach": "never" if run["mode"] == "private" else "require",
+        }
         kw.update(load_format="mpack", model_loader_extra_config=extra)
     if os.environ.get("MPACK_ENGINE_ATTN"):
         kw["attention_backend"] = os.environ["MPACK_ENGINE_ATTN"]
@@ -158,10 +180,16 @@ def generate(llm: Any, vocab: int) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS,
-                        detokenize=False, ignore_eos=True)  # fmt: skip
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(vocab)], sp,
-                        use_tqdm=False)  # fmt: skip
+    sp = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logprobs=TOP_LOGPROBS,
+        detokenize=False,
+        ignore_eos=True,
+    )
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts(vocab)], sp, use_tqdm=False
+    )
     tokens, logprobs = [], []
     for o in outs:
         c = o.outputs[0]
@@ -178,11 +206,15 @@ def _model_facts(model: Any) -> dict[str, Any]:
         scheme = getattr(mod, "scheme", None)
         if scheme is not None and hasattr(mod, "weight"):
             kernel = getattr(scheme, "kernel", None) or getattr(scheme, "fp8_linear", None)
-            facts.update(layer=name, scheme=type(scheme).__name__,
-                         kernel=type(kernel).__name__ if kernel is not None else None)  # fmt: skip
+            facts.update(
+                layer=name,
+                scheme=type(scheme).__name__,
+                kernel=type(kernel).__name__ if kernel is not None else None,
+            )
             break
-    facts["attention"] = sorted({type(m.impl).__name__ for m in model.modules()
-                                 if hasattr(m, "impl")})  # fmt: skip
+    facts["attention"] = sorted(
+        {type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")}
+    )
     w = getattr(model, "_mpack_weights", None)
     facts["mpack_backend"] = getattr(w, "backend", None) if w is not None else None
     return facts
@@ -193,8 +225,10 @@ def engine_facts(llm: Any) -> dict[str, Any]:
     import torch
     from vllm.platforms import current_platform
 
-    facts: dict[str, Any] = {"platform": type(current_platform).__name__,
-                             "torch_allocated_mib": torch.cuda.memory_allocated() >> 20}  # fmt: skip
+    facts: dict[str, Any] = {
+        "platform": type(current_platform).__name__,
+        "torch_allocated_mib": torch.cuda.memory_allocated() >> 20,
+    }
     free, total = torch.cuda.mem_get_info()
     facts["device_used_mib"] = (total - free) >> 20  # every process on the GPU
     try:
@@ -248,8 +282,11 @@ def engine_many(plan: Path, out: Path) -> None:
                 "where": traceback.format_exc()[-3000:],
             }
         results[run["key"]] = r
-        print(f"{run['key']}: {time.perf_counter() - t:.1f} s"
-              f"{' ERROR ' + r['error'][:300] if 'error' in r else ''}", flush=True)  # fmt: skip
+        print(
+            f"{run['key']}: {time.perf_counter() - t:.1f} s"
+            f"{' ERROR ' + r['error'][:300] if 'error' in r else ''}",
+            flush=True,
+        )
         out.write_text(json.dumps(results))
 
 
@@ -263,8 +300,11 @@ def engine_one(spec: Path, out: Path, ctl: Path) -> None:
     t_import = time.time()
     run = json.loads(spec.read_text())
     llm, r = build_and_generate(run)
-    r.update(import_s=round(t_import - t_start, 3), ready_s=round(time.time() - t_start, 3),
-             pid=os.getpid())  # fmt: skip
+    r.update(
+        import_s=round(t_import - t_start, 3),
+        ready_s=round(time.time() - t_start, 3),
+        pid=os.getpid(),
+    )
     out.write_text(json.dumps(r))
     print("READY", flush=True)
     done: set[str] = set()
@@ -303,8 +343,9 @@ def summarize_tokens(results: dict[str, Any], only: str = "") -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for c in selected(only):
         base = results.get(f"{c['name']}/ordinary", {"error": "missing"})
-        row: dict[str, Any] = {"facts": {m: results.get(f"{c['name']}/{m}", {}).get("facts")
-                                         for m in MODES}}  # fmt: skip
+        row: dict[str, Any] = {
+            "facts": {m: results.get(f"{c['name']}/{m}", {}).get("facts") for m in MODES}
+        }
         for m in MODES[1:]:
             row[m] = compare(base, results.get(f"{c['name']}/{m}", {"error": "missing"}))
         got = {m: results.get(f"{c['name']}/{m}", {"error": "missing"}) for m in MODES}
@@ -313,12 +354,15 @@ def summarize_tokens(results: dict[str, Any], only: str = "") -> dict[str, Any]:
             row["errors"] = errors
         rows[c["name"]] = row
     has_control = cases()[0] in selected(only)
-    ctl = compare(results.get(f"{cases()[0]['name']}/ordinary", {"error": "missing"}),
-                  results.get("control", {"error": "missing"}))  # fmt: skip
+    ctl = compare(
+        results.get(f"{cases()[0]['name']}/ordinary", {"error": "missing"}),
+        results.get("control", {"error": "missing"}),
+    )
     ok = all(
-        r[m]["tokens_equal"] and r[m]["max_logprob_diff"] == 0.0 for r in rows.values()
+        r[m]["tokens_equal"] and r[m]["max_logprob_diff"] == 0.0
+        for r in rows.values()
         for m in MODES[1:]
-    )  # fmt: skip
+    )
     return {
         "all_equal": ok,
         "control_differs": ctl["max_logprob_diff"] not in (None, 0.0) if has_control else None,
@@ -331,9 +375,15 @@ def summarize_tokens(results: dict[str, Any], only: str = "") -> dict[str, Any]:
 
 
 def _env(base: str, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": base,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     env.update(extra)
     return env
 
@@ -351,8 +401,9 @@ def gpu_memory() -> dict[str, Any]:
     """nvidia-smi's view: MiB used on the GPU, and by each process."""
     q = ["nvidia-smi", "--format=csv,noheader,nounits"]
     total = subprocess.run([*q, "--query-gpu=memory.used"], capture_output=True, text=True)
-    apps = subprocess.run([*q, "--query-compute-apps=pid,used_memory"], capture_output=True,
-                          text=True)  # fmt: skip
+    apps = subprocess.run(
+        [*q, "--query-compute-apps=pid,used_memory"], capture_output=True, text=True
+    )
     per = {}
     for line in apps.stdout.splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -372,32 +423,64 @@ def tokens(a: argparse.Namespace) -> int:
     runs = []
     for c in selected(a.only):
         for m in MODES:
-            runs.append({"key": f"{c['name']}/{m}", "mode": m, "dtype": c["dtype"], "vocab": 1000,
-                         "model": str(checkpoint_dir(work, c)),
-                         "sidecar": str(work / f"sc-{c['name']}-s0")})  # fmt: skip
+            runs.append(
+                {
+                    "key": f"{c['name']}/{m}",
+                    "mode": m,
+                    "dtype": c["dtype"],
+                    "vocab": 1000,
+                    "model": str(checkpoint_dir(work, c)),
+                    "sidecar": str(work / f"sc-{c['name']}-s0"),
+                }
+            )
     c0 = cases()[0]
     if c0 in selected(a.only):
-        runs.append({"key": "control", "mode": "private", "dtype": c0["dtype"], "vocab": 1000,
-                     "model": str(checkpoint_dir(work, c0)),
-                     "sidecar": str(work / f"sc-{c0['name']}-s1")})  # fmt: skip
+        runs.append(
+            {
+                "key": "control",
+                "mode": "private",
+                "dtype": c0["dtype"],
+                "vocab": 1000,
+                "model": str(checkpoint_dir(work, c0)),
+                "sidecar": str(work / f"sc-{c0['name']}-s1"),
+            }
+        )
     plan = work / "plan.json"
     plan.write_text(json.dumps(runs))
     sp = _spawn_module(a.mpack_env)
     with contextlib.ExitStack() as stack:
-        daemons = [stack.enter_context(sp.DaemonHandle(
-            work / f"sc-{c['name']}-s0", device="cuda:0", env=menv, cwd=work, log_dir=work,
-            timeout=READY_TIMEOUT_S)) for c in selected(a.only)]  # fmt: skip
+        daemons = [
+            stack.enter_context(
+                sp.DaemonHandle(
+                    work / f"sc-{c['name']}-s0",
+                    device="cuda:0",
+                    env=menv,
+                    cwd=work,
+                    log_dir=work,
+                    timeout=READY_TIMEOUT_S,
+                )
+            )
+            for c in selected(a.only)
+        ]
         for d in daemons:
             d.wait_ready()
         print(f"{len(daemons)} daemons ready: {time.time() - t:.0f} s", flush=True)
         res = a.out / "engine-tokens-raw.json"
         with open(a.out / "engine-tokens.log", "w") as log:
-            rc = subprocess.run([*me, "engine-many", "--plan", str(plan), "--res", str(res)],
-                                env=venv, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=a.timeout).returncode  # fmt: skip
+            rc = subprocess.run(
+                [*me, "engine-many", "--plan", str(plan), "--res", str(res)],
+                env=venv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=a.timeout,
+            ).returncode
     results = json.loads(res.read_text()) if res.exists() else {}
-    summary = {"engine_rc": rc, "runs": len(results), "only": a.only,
-               **summarize_tokens(results, a.only)}  # fmt: skip
+    summary = {
+        "engine_rc": rc,
+        "runs": len(results),
+        "only": a.only,
+        **summarize_tokens(results, a.only),
+    }
     (a.out / "engine-tokens.json").write_text(json.dumps(summary, indent=1))
     brief = {k: v for k, v in summary.items() if k != "cases"}
     brief["failed_cases"] = [
@@ -412,8 +495,9 @@ def tokens(a: argparse.Namespace) -> int:
 class Engine:
     """One engine process of ``restart`` (``engine-one``), with its control file."""
 
-    def __init__(self, me: list[str], env: dict, work: Path, out: Path, role: str,
-                 run: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self, me: list[str], env: dict, work: Path, out: Path, role: str, run: dict[str, Any]
+    ) -> None:
         self.role, self.res = role, out / f"engine-{role}.json"
         spec = work / f"spec-{role}.json"
         spec.write_text(json.dumps(run))
@@ -422,9 +506,20 @@ class Engine:
         self.log = out / f"engine-{role}.log"
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(
-                [*me, "engine-one", "--spec", str(spec), "--res", str(self.res), "--ctl",
-                 str(self.ctl)], env={**env, "MPACK_T0": repr(time.time())},
-                stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+                [
+                    *me,
+                    "engine-one",
+                    "--spec",
+                    str(spec),
+                    "--res",
+                    str(self.res),
+                    "--ctl",
+                    str(self.ctl),
+                ],
+                env={**env, "MPACK_T0": repr(time.time())},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
 
     def wait_ready(self) -> dict[str, Any]:
         deadline = time.time() + READY_TIMEOUT_S
@@ -483,19 +578,50 @@ def restart(a: argparse.Namespace) -> int:
     ck, sc = work / "ck-8b", work / "sc-8b"
     t = time.time()
     if not (ck / "config.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "synth_checkpoint.py"), str(ck),
-                        "--layers", str(a.layers)], env=menv, check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "synth_checkpoint.py"),
+                str(ck),
+                "--layers",
+                str(a.layers),
+            ],
+            env=menv,
+            check=True,
+        )
     if not (sc / "mpack.json").is_file():
-        subprocess.run([sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q",
-                        "--profile", "w8a8-marlin", "--device", "cuda"], env=menv, check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mpack",
+                "convert",
+                str(ck),
+                "-o",
+                str(sc),
+                "-q",
+                "--profile",
+                "w8a8-marlin",
+                "--device",
+                "cuda",
+            ],
+            env=menv,
+            check=True,
+        )
     print(f"8B-shaped checkpoint and sidecar: {time.time() - t:.0f} s", flush=True)
     partial = out / "engine-restart-partial.json"
 
     def save() -> None:  # after each step: a run cut short still leaves its record
         partial.write_text(json.dumps(brief(res), indent=1))
 
-    base = {"model": str(ck), "dtype": "bfloat16", "vocab": 128256, "sidecar": str(sc),
-            "kv_bytes": 2 << 30, "max_model_len": 1024}  # fmt: skip
+    base = {
+        "model": str(ck),
+        "dtype": "bfloat16",
+        "vocab": 128256,
+        "sidecar": str(sc),
+        "kv_bytes": 2 << 30,
+        "max_model_len": 1024,
+    }
     res: dict[str, Any] = {"layers": a.layers, "memory": {}}
     mem = res["memory"]
     sp = _spawn_module(a.mpack_env)
@@ -516,11 +642,16 @@ def restart(a: argparse.Namespace) -> int:
     print("ordinary:", res["ordinary_cold"]["ready_s"], res["ordinary_warm"]["ready_s"], flush=True)
     engines: dict[str, Engine] = {}
     try:
-        with sp.DaemonHandle(sc, device="cuda:0", env=menv, cwd=work, log_dir=work,
-                             timeout=READY_TIMEOUT_S) as d:  # fmt: skip
+        with sp.DaemonHandle(
+            sc, device="cuda:0", env=menv, cwd=work, log_dir=work, timeout=READY_TIMEOUT_S
+        ) as d:
             ready = d.wait_ready()
-            res["serve"] = {"ready_s": round(d.ready_s, 3), "load_s": ready.load_s,
-                            "bytes": ready.bytes, "pid": ready.pid}  # fmt: skip
+            res["serve"] = {
+                "ready_s": round(d.ready_s, 3),
+                "load_s": ready.load_s,
+                "bytes": ready.bytes,
+                "pid": ready.pid,
+            }
             mem["daemon"] = gpu_memory()
             save()
             for role in ("a", "b"):
@@ -528,8 +659,12 @@ def restart(a: argparse.Namespace) -> int:
                 res[f"attached_{role}"] = engines[role].wait_ready()
                 mem[f"daemon+{role}"] = gpu_memory()
                 save()
-            st = subprocess.run([sys.executable, "-m", "mpack", "status", "--json"], env=menv,
-                                capture_output=True, text=True)  # fmt: skip
+            st = subprocess.run(
+                [sys.executable, "-m", "mpack", "status", "--json"],
+                env=menv,
+                capture_output=True,
+                text=True,
+            )
             res["status_two_engines"] = json.loads(st.stdout or "[]")
             engines["a"].kill()  # SIGKILL: no detach, no goodbye
             time.sleep(0.5)
@@ -547,16 +682,24 @@ def restart(a: argparse.Namespace) -> int:
         for e in engines.values():
             e.kill()
     ref = res["ordinary_warm"]
-    runs = ("ordinary_cold", "attached_a", "attached_b", "b_after_a_killed",
-            "attached_a_restarted", "private")  # fmt: skip
+    runs = (
+        "ordinary_cold",
+        "attached_a",
+        "attached_b",
+        "b_after_a_killed",
+        "attached_a_restarted",
+        "private",
+    )
     res["compare"] = {k: compare(ref, res[k]) for k in runs if k in res}
     res["all_equal"] = all(
         c["tokens_equal"] and c["max_logprob_diff"] == 0.0 for c in res["compare"].values()
     )
     record = brief(res)
     (out / "engine-restart.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: v for k, v in record.items() if k != "status_two_engines"}, indent=1),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps({k: v for k, v in record.items() if k != "status_two_engines"}, indent=1),
+        flush=True,
+    )
     return 0 if res["all_equal"] else 1
 
 
@@ -574,8 +717,9 @@ def brief(res: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["tokens", "restart", "prepare-tiny", "engine-many",
-                                     "engine-one"])  # fmt: skip
+    ap.add_argument(
+        "mode", choices=["tokens", "restart", "prepare-tiny", "engine-many", "engine-one"]
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/mpack-engine"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/mpack-out")))
     ap.add_argument("--mpack-env", default="", help="PYTHONPATH of mpack's environment")

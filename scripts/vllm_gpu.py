@@ -81,10 +81,20 @@ def _engine_args() -> dict[str, Any]:
 
 def cases() -> list[dict[str, Any]]:
     return [
-        {"arch": a, "bias": b, "scheme": s, "strategy": st, "dtype": d, "profile": p,
-         "name": f"{a}-{st}-{d}-{p}"}
-        for a, b in ARCHS.items() for s, st in SCHEMES.items() for d in DTYPES for p in PROFILES
-    ]  # fmt: skip
+        {
+            "arch": a,
+            "bias": b,
+            "scheme": s,
+            "strategy": st,
+            "dtype": d,
+            "profile": p,
+            "name": f"{a}-{st}-{d}-{p}",
+        }
+        for a, b in ARCHS.items()
+        for s, st in SCHEMES.items()
+        for d in DTYPES
+        for p in PROFILES
+    ]
 
 
 # --- prepare (mpack's environment) -----------------------------------------------------------
@@ -126,9 +136,13 @@ def _init_dist(config: Any, port: int, backend: str) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     backend=backend)  # fmt: skip
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend=backend,
+        )
         initialize_model_parallel(tensor_model_parallel_size=1)
 
 
@@ -137,8 +151,10 @@ def _load(case: dict[str, Any], work: Path, mpack: bool) -> dict[str, Any]:
     ck = work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}"
     load = {"model": str(ck), "profile": case["profile"], "dtype": case["dtype"]}
     if mpack:
-        load.update(load_format="mpack", extra={
-            "sidecar": str(work / f"sc-{case['name']}"), "attach": "require"})  # fmt: skip
+        load.update(
+            load_format="mpack",
+            extra={"sidecar": str(work / f"sc-{case['name']}"), "attach": "require"},
+        )
     return load
 
 
@@ -198,8 +214,13 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
             layer = mods[0][n]
             seed = int(hashlib.sha256(n.encode()).hexdigest()[:8], 16)  # the same in both workers
             g = torch.Generator(device=dev).manual_seed(seed)
-            x = torch.randn(16, layer.input_size_per_partition, generator=g, device=dev,
-                            dtype=getattr(torch, c["dtype"]))  # fmt: skip
+            x = torch.randn(
+                16,
+                layer.input_size_per_partition,
+                generator=g,
+                device=dev,
+                dtype=getattr(torch, c["dtype"]),
+            )
             y = mods[0][n](x)[0]
             outs[n] = vw.digest(y)
             if role == "a":  # mods = (mpack, default)
@@ -230,8 +251,10 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
     register()
     load = {"model": str(ck), "profile": "w8a8-marlin", "dtype": "auto"}
     if path != "default":
-        load.update(load_format="mpack", extra={
-            "sidecar": str(sc), "attach": "require" if path == "attached" else "never"})  # fmt: skip
+        load.update(
+            load_format="mpack",
+            extra={"sidecar": str(sc), "attach": "require" if path == "attached" else "never"},
+        )
     config = vw.engine_config(load, 1, max_model_len=1024, gpu_memory_utilization=0.5, **ATTENTION)
     _init_dist(config, 29650, "nccl")
     torch.cuda.set_device(0)
@@ -244,7 +267,7 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
     print(json.dumps({"path": path, "seconds": round(dt, 3), "param_bytes": n}), flush=True)
 
 
-# --- orchestration ----------------------------------------------------------------------------------
+# --- orchestration ------------------------------------------------------------------------------
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -315,9 +338,19 @@ def run(a: argparse.Namespace) -> int:
     sp = _spawn_module(a.mpack_env)
     # the daemons are stopped (and the workers killed) however the run ends
     with contextlib.ExitStack() as stack:
-        daemons = [stack.enter_context(sp.DaemonHandle(
-            a.work / f"sc-{c['name']}", device=dev, env=menv, cwd=a.work, log_dir=a.work,
-            timeout=READY_TIMEOUT_S)) for c in cases()]  # fmt: skip
+        daemons = [
+            stack.enter_context(
+                sp.DaemonHandle(
+                    a.work / f"sc-{c['name']}",
+                    device=dev,
+                    env=menv,
+                    cwd=a.work,
+                    log_dir=a.work,
+                    timeout=READY_TIMEOUT_S,
+                )
+            )
+            for c in cases()
+        ]
         for d in daemons:
             d.wait_ready()
         print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
@@ -333,8 +366,12 @@ def run(a: argparse.Namespace) -> int:
             if any(w.poll() not in (None, 0) for w in workers.values()):
                 break
             time.sleep(0.2)
-        status = subprocess.run([sys.executable, "-m", "mpack", "status", "--json"], env=menv,
-                                capture_output=True, text=True)  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "mpack", "status", "--json"],
+            env=menv,
+            capture_output=True,
+            text=True,
+        )
         clients = {
             d.get("sidecar"): len(d.get("clients", [])) for d in json.loads(status.stdout or "[]")
         }
@@ -348,13 +385,15 @@ def run(a: argparse.Namespace) -> int:
         for name, r in ra.items():
             rows[name] = {
                 "params_and_buffers_identical": r["same_names"] and not r["differ"],
-                "tensors": r["tensors"], "differ": r["differ"], "backend": r["backend"],
+                "tensors": r["tensors"],
+                "differ": r["differ"],
+                "backend": r["backend"],
                 "zero_copy": r["zero_copy"] and rb[name]["zero_copy"],
                 "forward_equal_default": r["forward_equal_default"],
                 "two_processes_same_outputs": r["outputs"] == rb[name]["outputs"],
                 "shared_unchanged_after_forwards": r["unchanged_after_forward"]
                 and rb[name]["unchanged_after_forward"],
-            }  # fmt: skip
+            }
         summary["cases"] = rows
         need = ["params_and_buffers_identical", "zero_copy", "shared_unchanged_after_forwards"]
         if dev != "cpu":  # forwards run only where marlin_gemm exists
@@ -373,17 +412,47 @@ def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[
     ck, sc = a.work / "ck-8b", a.work / "sc-8b"
     t = time.time()
     if not (ck / "config.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "synth_checkpoint.py"), str(ck),
-                        "--layers", str(a.bench_layers)], env=menv, check=True)  # fmt: skip
-    subprocess.run([sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q",
-                    "--profile", "w8a8-marlin", "--device", "cuda"], env=menv, check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "synth_checkpoint.py"),
+                str(ck),
+                "--layers",
+                str(a.bench_layers),
+            ],
+            env=menv,
+            check=True,
+        )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mpack",
+            "convert",
+            str(ck),
+            "-o",
+            str(sc),
+            "-q",
+            "--profile",
+            "w8a8-marlin",
+            "--device",
+            "cuda",
+        ],
+        env=menv,
+        check=True,
+    )
     print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
     res: dict[str, Any] = {"layers": a.bench_layers}
-    with _spawn_module(a.mpack_env).spawn(sc, device="cuda:0", env=menv, cwd=a.work,
-                                          log_dir=a.work, timeout=READY_TIMEOUT_S):  # fmt: skip
+    with _spawn_module(a.mpack_env).spawn(
+        sc, device="cuda:0", env=menv, cwd=a.work, log_dir=a.work, timeout=READY_TIMEOUT_S
+    ):
         for path in ("default", "attached", "private"):  # the page cache is warm: convert read it
-            r = subprocess.run([*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
-                               env=venv, capture_output=True, text=True)  # fmt: skip
+            r = subprocess.run(
+                [*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
+                env=venv,
+                capture_output=True,
+                text=True,
+            )
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not line:
                 res[path] = {"error": (r.stdout + r.stderr)[-1500:]}

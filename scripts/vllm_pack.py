@@ -72,15 +72,38 @@ MIB = 1 << 20
 # these. Also missing there, and left behind: blake3 (vLLM hashes multimodal inputs with it) and
 # jiter (openai's streamed chat parser); the worker imported neither on the CPU.
 DEVICE_LACKS = (
-    "annotated-types", "apache-tvm-ffi", "cachetools", "cbor2", "compressed-tensors", "fastapi",
-    "httpcore2", "httpx2", "llguidance", "loguru", "msgspec", "openai", "oss-harmony",
-    "partial-json-parser", "pybase64", "pydantic", "pydantic_core", "pyzmq", "sniffio",
-    "starlette", "truststore", "typing-inspection", "xgrammar",
-)  # fmt: skip
+    "annotated-types",
+    "apache-tvm-ffi",
+    "cachetools",
+    "cbor2",
+    "compressed-tensors",
+    "fastapi",
+    "httpcore2",
+    "httpx2",
+    "llguidance",
+    "loguru",
+    "msgspec",
+    "openai",
+    "oss-harmony",
+    "partial-json-parser",
+    "pybase64",
+    "pydantic",
+    "pydantic_core",
+    "pyzmq",
+    "sniffio",
+    "starlette",
+    "truststore",
+    "typing-inspection",
+    "xgrammar",
+)
 # llguidance 1.7.6 is built for manylinux_2_31 only. The device's glibc is not listed; its Python
 # 3.12.3 is Ubuntu 24.04's (glibc 2.39), and the earlier run loaded vLLM's manylinux_2_28 ops.
-PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_28_x86_64",
-             "manylinux_2_31_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64",
+)
 
 # Left out of vllm-py.tar.xz (see the docstring).
 SKIP_SUFFIXES = (".so", ".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp", ".c")
@@ -106,8 +129,18 @@ def get_wheel(wheel_dir: Path) -> Path:
     found = sorted(wheel_dir.glob(f"vllm-{VERSION}-*.whl"))
     if not found:
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "-q", f"vllm=={VERSION}", "--no-deps",
-               "--only-binary=:all:", "-d", str(wheel_dir)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            f"vllm=={VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(wheel_dir),
+        ]
         print("+", " ".join(cmd))
         subprocess.run(cmd, check=True)
         found = sorted(wheel_dir.glob(f"vllm-{VERSION}-*.whl"))
@@ -205,9 +238,23 @@ def get_wheels(dest: Path) -> None:
     reqs = [f"{n}=={pinned[norm(n)]}" for n in DEVICE_LACKS]
     raw = dest.parent / "w-download"
     shutil.rmtree(raw, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp",
-           *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(raw), *reqs]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *[a for p in PLATFORMS for a in ("--platform", p)],
+        "-d",
+        str(raw),
+        *reqs,
+    ]
     print("+", " ".join(cmd[:6]), "...", len(reqs), "wheels")
     subprocess.run(cmd, check=True)
     got = sorted(raw.glob("*.whl"))
@@ -244,8 +291,12 @@ def split_msite(device_wheels: Path) -> None:
 def tree_bytes() -> int:
     """What every call carries besides its pieces: the tracked files and the untracked ones git
     does not ignore (as the device tool counts the working tree)."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         cwd=REPO, check=True, capture_output=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout
     total = 0
     for name in set(out.split(b"\0")) - {b""}:
         p = REPO / os.fsdecode(name)
@@ -320,9 +371,12 @@ def main() -> int:
             print(f"    {mib(size_of(p))}  {p.relative_to(REPO)}")
     print(f"{SO_XZ}: {mib(len(so_xz))}, sha256 {digest}")
     if worst > limit:
-        fail(f"a call would carry {mib(worst).strip()}, over the {args.limit_mib:g} MiB this "
-             "script allows (the device tool's limit is 64 MiB, tree included): shrink the tree "
-             "or the pieces", 3)  # fmt: skip
+        fail(
+            f"a call would carry {mib(worst).strip()}, over the {args.limit_mib:g} MiB this "
+            "script allows (the device tool's limit is 64 MiB, tree included): shrink the tree "
+            "or the pieces",
+            3,
+        )
     print(f"both calls under {args.limit_mib:g} MiB")
     return 0
 

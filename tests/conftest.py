@@ -27,7 +27,7 @@ os.environ["MPACK_NO_VERDICT_CACHE"] = "1"
 
 
 def _has_vllm() -> bool:
-    # On pytest's sys.path, tests/vllm itself is a namespace package `vllm` (origin None).
+    # Only a real vLLM counts, not a folder named vllm found on sys.path (a namespace package).
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin not in (None, "namespace")
 

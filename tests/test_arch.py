@@ -84,7 +84,7 @@ def test_row_parallel_linears_have_no_row_slices() -> None:
         (Dims(9, 3, 64, 1536), 3, None),  # SmolLM2-135M
         (Dims(9, 3, 64, 1536), 9, "--tp 9 does not divide intermediate_size=1536"),
     ],
-)  # fmt: skip
+)
 def test_tp_problem_follows_spec_1(dims: Dims, tp: int, problem: str | None) -> None:
     """SPEC §1: H % T == 0, I % T == 0, and Hkv % T == 0 when T <= Hkv, else T % Hkv == 0."""
     got = arch.tp_problem(dims, tp)
@@ -117,8 +117,11 @@ def _rows(dims: Dims, name: str, tp: int) -> list[list[tuple[int, int]]]:
 @pytest.mark.parametrize("dims, tp", FITTING, ids=lambda v: str(v))
 def test_ranks_cover_q_gate_and_up_rows_once(dims: Dims, tp: int) -> None:
     d = dims.head_dim
-    for name, shard, total in ((QKV, 0, dims.heads * d), (GATE_UP, 0, dims.intermediate),
-                               (GATE_UP, 1, dims.intermediate)):  # fmt: skip
+    for name, shard, total in (
+        (QKV, 0, dims.heads * d),
+        (GATE_UP, 0, dims.intermediate),
+        (GATE_UP, 1, dims.intermediate),
+    ):
         rows = [r[shard] for r in _rows(dims, name, tp)]
         assert rows[0][0] == 0 and rows[-1][1] == total
         assert all(a[1] == b[0] for a, b in itertools.pairwise(rows)), rows
@@ -173,8 +176,12 @@ def test_layer_order_is_by_layer_then_forward_pass() -> None:
 
 
 def test_natural_key_orders_numbers_by_value() -> None:
-    names = ["model.layers.10.mlp.up_proj", "model.layers.9.mlp.up_proj",
-             "model.layers.1.mlp.up_proj", "lm_head"]  # fmt: skip
+    names = [
+        "model.layers.10.mlp.up_proj",
+        "model.layers.9.mlp.up_proj",
+        "model.layers.1.mlp.up_proj",
+        "lm_head",
+    ]
     assert sorted(names, key=arch.natural_key) == [names[3], names[2], names[1], names[0]]
 
 
@@ -202,8 +209,13 @@ def test_dims_of_the_golden_config_and_its_weight_shapes(golden: Path) -> None:
 
 
 def test_dims_of_head_dim_rules() -> None:
-    cfg = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 512, "head_dim": 32}  # fmt: skip
+    cfg = {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "head_dim": 32,
+    }
     assert arch.dims_of("Qwen3ForCausalLM", cfg).head_dim == 32
     assert arch.dims_of("LlamaForCausalLM", cfg).head_dim == 32
     assert arch.dims_of("Qwen2ForCausalLM", cfg).head_dim == 64  # vLLM's Qwen2 ignores head_dim
@@ -215,9 +227,12 @@ def test_dims_of_head_dim_rules() -> None:
 
 @pytest.mark.parametrize(
     "edit, error",
-    [({"intermediate_size": None}, TypeError), ({"hidden_size": "wide"}, ValueError),
-     ({"num_attention_heads": [4]}, TypeError)],
-)  # fmt: skip
+    [
+        ({"intermediate_size": None}, TypeError),
+        ({"hidden_size": "wide"}, ValueError),
+        ({"num_attention_heads": [4]}, TypeError),
+    ],
+)
 def test_dims_of_refuses_missing_and_non_numeric_dims(edit: dict, error: type) -> None:
     cfg = {"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512, **edit}
     with pytest.raises(error):

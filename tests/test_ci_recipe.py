@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
+
+from tests.conftest import REPO
 
 yaml = pytest.importorskip("yaml")
 
@@ -114,8 +115,10 @@ def test_the_step_env_is_filled_from_the_matrix() -> None:
     entry = matrix()[0]
     env = step_env(build, entry, {"dry_run": "true"})
     assert (env["MODEL"], env["TP"], env["PROFILE"]) == (
-        entry["model"], entry["tp"], entry["profile"],
-    )  # fmt: skip
+        entry["model"],
+        entry["tp"],
+        entry["profile"],
+    )
     assert step_env(push, entry, {"dry_run": "true"})["PUSH_DRY_RUN"] == "true"
     with pytest.raises(AssertionError, match="cannot fill: github.token"):
         step_env({"name": "x", "env": {"T": "${{ github.token }}"}}, entry, {})
@@ -145,16 +148,20 @@ def workspace(root: Path) -> tuple[Path, dict[str, str]]:
     return ws, env
 
 
-def run_step(ws: Path, env: dict[str, str], step: dict[str, Any], extra: dict[str, str]) -> (
-    subprocess.CompletedProcess[str]
-):  # fmt: skip
+def run_step(
+    ws: Path, env: dict[str, str], step: dict[str, Any], extra: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
     """``run:`` as the runner runs it: a script file through bash -e, in the workspace."""
     script = ws.parent / "step.sh"
     script.write_text(step["run"])
     return subprocess.run(
-        ["bash", "--noprofile", "--norc", "-e", str(script)], cwd=ws, env={**env, **extra},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        ["bash", "--noprofile", "--norc", "-e", str(script)],
+        cwd=ws,
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +186,7 @@ def checkpoint_files(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
 
 def serve_offline(home: Path, entry: dict[str, Any], files: dict[str, bytes]) -> str:
     """The matrix entry's model in the HF cache the workflow restores; returns its commit."""
-    sys.path.insert(0, str(REPO / "tests" / "convert"))
-    from hf_cache import add_repo
+    from tests.convert.hf_cache import add_repo
 
     rev = str(entry.get("revision") or "main")
     commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else COMMIT
@@ -191,8 +197,11 @@ def serve_offline(home: Path, entry: dict[str, Any], files: dict[str, bytes]) ->
 
 def targets_of(entry: dict[str, Any]) -> set[str]:
     """The folders the matrix entry's --tp and --profile make (the fixture is bfloat16)."""
-    return {f"tp{tp}-{profile}-bfloat16" for tp in str(entry["tp"]).split(",")
-            for profile in str(entry["profile"]).split(",")}  # fmt: skip
+    return {
+        f"tp{tp}-{profile}-bfloat16"
+        for tp in str(entry["tp"]).split(",")
+        for profile in str(entry["profile"]).split(",")
+    }
 
 
 @pytest.mark.slow

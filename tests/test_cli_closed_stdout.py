@@ -17,9 +17,7 @@ import pytest
 
 import mpack.convert as mc
 from mpack.fixtures import make_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import cli, cli_env  # noqa: E402
+from tests.convert.helpers import cli, cli_env
 
 
 def _closed_pipe_run(*args: str | os.PathLike, stderr_too: bool = False) -> tuple[int, str]:
@@ -29,9 +27,13 @@ def _closed_pipe_run(*args: str | os.PathLike, stderr_too: bool = False) -> tupl
     os.close(r)
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "mpack", *map(str, args)], stdout=w,
-            stderr=w if stderr_too else subprocess.PIPE, text=True, env=cli_env(), timeout=300,
-        )  # fmt: skip
+            [sys.executable, "-m", "mpack", *map(str, args)],
+            stdout=w,
+            stderr=w if stderr_too else subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+            timeout=300,
+        )
     finally:
         os.close(w)
     return p.returncode, p.stderr or ""

@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 
 from mpack import cli
+from mpack.convert.staging import work_dirs
 from mpack.fixtures import make_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import cli_env, cli_popen, default_signals  # noqa: E402
-
-from mpack.convert.staging import work_dirs  # noqa: E402
+from tests.convert.helpers import cli_env, cli_popen, default_signals
 
 #: ``mpack layout``, with the one call it makes replaced by one that sends this process
 #: ``sys.argv[1]`` and then waits for it to act (``sys.argv[2:]``: more arguments)
@@ -41,9 +38,14 @@ sys.exit(cli.main(["layout", "64", "128", *[a for a in sys.argv[2:] if a != "--i
 
 
 def _self_signal(name: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SELF_SIGNAL, name, *extra], capture_output=True,
-                          text=True, env=cli_env(), timeout=120,
-                          preexec_fn=default_signals)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", SELF_SIGNAL, name, *extra],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+        preexec_fn=default_signals,
+    )
 
 
 @pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
@@ -58,9 +60,14 @@ def test_an_interrupt_under_json_is_one_error_document(name: str, code: int) -> 
     assert r.returncode == code, r.stderr
     assert json.loads(r.stdout) == {
         "ok": False,
-        "error": {"code": "Interrupted", "exit_code": code, "file": None, "hint": None,
-                  "message": f"interrupted ({name})"},
-    }  # fmt: skip
+        "error": {
+            "code": "Interrupted",
+            "exit_code": code,
+            "file": None,
+            "hint": None,
+            "message": f"interrupted ({name})",
+        },
+    }
     assert r.stderr == f"mpack: interrupted ({name})\n"
 
 
@@ -115,8 +122,10 @@ def test_a_convert_stopped_mid_write_leaves_nothing(big, tmp_path, sig, extra) -
     if extra:
         err = json.loads(stdout)["error"]
         assert (err["code"], err["exit_code"], err["message"]) == (
-            "Interrupted", code, line.removeprefix("mpack: "),
-        )  # fmt: skip
+            "Interrupted",
+            code,
+            line.removeprefix("mpack: "),
+        )
     else:
         assert stdout == ""
     assert os.listdir(tmp_path) == []  # no OUT, no work directory, no lock

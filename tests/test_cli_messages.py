@@ -17,9 +17,7 @@ from mpack.convert.pipeline import no_cuda_here
 from mpack.errors import SourceNotFoundError, UnsupportedSchemeError
 from mpack.fixtures import make_checkpoint
 from mpack.verify import verify
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import cli, explain  # noqa: E402
+from tests.convert.helpers import cli, explain
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +59,10 @@ def test_require_source_fails_without_one(moved) -> None:
     assert hint.startswith("  hint: pass --source DIR") and "--require-source" in hint
     doc = json.loads(cli("verify", sc, "--require-source", "--json").stdout)
     assert (doc["ok"], doc["error"]["code"], doc["error"]["exit_code"]) == (
-        False, "SourceNotFoundError", 2,
-    )  # fmt: skip
+        False,
+        "SourceNotFoundError",
+        2,
+    )
 
 
 def test_require_source_passes_with_one(moved) -> None:
@@ -125,8 +125,12 @@ def test_a_gpu_asked_for_where_there_is_none_fails_up_front(tmp_path, device) ->
         "  hint: use --device cpu (identical bytes)\n"
     )
     assert os.listdir(tmp_path) == ["ck"]  # no output, no lock, no work directory
-    said = subprocess.run([sys.executable, "-c", CONVERT_ON, str(ck), str(out), device],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    said = subprocess.run(
+        [sys.executable, "-c", CONVERT_ON, str(ck), str(out), device],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert said.stdout.strip() == (
         f"--device {device}: no CUDA device here | use --device cpu (identical bytes) | False"
     ), said.stderr  # refused before torch was imported

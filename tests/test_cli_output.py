@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from mpack.fixtures import make_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import cli, cli_env, messages  # noqa: E402
+from tests.convert.helpers import cli, cli_env, messages
 
 run = functools.partial(cli, timeout=300)
 
@@ -48,8 +46,12 @@ def test_convert_help_tells_the_truth():
     assert "<bool>" not in h  # flags take no value
     for flag in ("--force", "--no-passthrough", "--json", "--quiet"):
         assert re.search(rf"^\s+(-\w, )?{flag}\s{{2,}}\S", h, re.M), flag  # "--force   Redo ..."
-    for choices in ("[w8a16|w8a8-marlin]", "[bfloat16|float16]", "[vllm|none]",
-                    "[auto|cpu|cuda|cuda:N]"):  # fmt: skip
+    for choices in (
+        "[w8a16|w8a8-marlin]",
+        "[bfloat16|float16]",
+        "[vllm|none]",
+        "[auto|cpu|cuda|cuda:N]",
+    ):
         assert choices in h, choices
     flat = " ".join(h.split())
     assert "[default: the checkpoint's dtype]" in flat
@@ -73,8 +75,13 @@ def test_verify_and_status_help():
 
 
 def test_python_dash_m_mpack_runs_the_cli():
-    r = subprocess.run([sys.executable, "-m", "mpack", "--version"], capture_output=True,
-                       text=True, timeout=60, env=cli_env())  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
     assert r.returncode == 0 and r.stdout.startswith("mpack ")
 
 

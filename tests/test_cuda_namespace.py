@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from tests.conftest import REPO
 
 FIND = """
 import json, sys
@@ -33,8 +33,11 @@ def test_cuda_bindings_is_found_with_the_repo_root_first_on_sys_path(tmp_path: P
     r = subprocess.run(
         # -S: this interpreter's own site-packages (a real cuda-bindings, if any) stays out
         [sys.executable, "-S", "-c", FIND, str(REPO), str(site)],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     found = json.loads(r.stdout)
     assert found["where"] == "installed", found

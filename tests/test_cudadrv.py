@@ -88,6 +88,9 @@ def test_library_files_takes_the_bindings_the_driver_path_imports(tmp_path, monk
         cudadrv, "_package_dirs", lambda n: [str(pkg)] if n == "cuda.bindings" else []
     )
     monkeypatch.setenv("LD_LIBRARY_PATH", "")
-    got = [p.relative_to(pkg).as_posix().split(".")[0] for p in cudadrv.library_files()
-           if pkg in p.parents]  # fmt: skip
+    got = [
+        p.relative_to(pkg).as_posix().split(".")[0]
+        for p in cudadrv.library_files()
+        if pkg in p.parents
+    ]
     assert got == ["_bindings/cydriver", "driver", "nvrtc"]

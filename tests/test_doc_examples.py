@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
+
+from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -151,21 +152,50 @@ def test_every_block_is_classified() -> None:
 
 def test_unclassified_and_bad_markers_are_reported() -> None:
     doc = REPO / "README.md"
-    text = "\n".join([
-        "```zsh", "mpack --help", "```",                                    # unknown language
-        "<!-- not run: needs a GPU -->", "```json", "{}", "```",            # marker on data
-        "<!-- not run: too slow -->", "```", "mpack --help", "```",         # unknown reason
-        "<!-- not run: needs a GPU -->", "```", "mpack inspect x", "```",   # no GPU in it
-        "<!-- not run: runs make -->", "", "```", "make test", "```",       # marker not on a fence
-        "<!-- not-run: needs a GPU -->", "```", "mpack --help", "```",      # misspelt marker
-        "```", "mpack serve sc --device cpu &  # a daemon", "mpack status", "```",  # background
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "```zsh",
+            "mpack --help",
+            "```",  # unknown language
+            "<!-- not run: needs a GPU -->",
+            "```json",
+            "{}",
+            "```",  # marker on data
+            "<!-- not run: too slow -->",
+            "```",
+            "mpack --help",
+            "```",  # unknown reason
+            "<!-- not run: needs a GPU -->",
+            "```",
+            "mpack inspect x",
+            "```",  # no GPU in it
+            "<!-- not run: runs make -->",
+            "",
+            "```",
+            "make test",
+            "```",  # marker not on a fence
+            "<!-- not-run: needs a GPU -->",
+            "```",
+            "mpack --help",
+            "```",  # misspelt marker
+            "```",
+            "mpack serve sc --device cpu &  # a daemon",
+            "mpack status",
+            "```",  # background
+        ]
+    )
     blocks, problems = parse(doc, text)
     assert [b.line for b in blocks] == [1, 5, 9, 13, 18, 22, 25]
     assert len(problems) == 7, problems
-    for line, words in [(1, "unclassified"), (5, "never runs"), (9, "unknown reason"),
-                        (13, "nothing in the block"), (16, "not right before"),
-                        (21, "write it"), (25, "background job")]:  # fmt: skip
+    for line, words in [
+        (1, "unclassified"),
+        (5, "never runs"),
+        (9, "unknown reason"),
+        (13, "nothing in the block"),
+        (16, "not right before"),
+        (21, "write it"),
+        (25, "background job"),
+    ]:
         assert any(p.startswith(f"README.md:{line}: ") and words in p for p in problems), (
             line,
             problems,
@@ -413,18 +443,23 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("torch")
     pytest.importorskip("compressed_tensors")
     pytest.importorskip("huggingface_hub")
-    sys.path.insert(0, str(REPO / "tests" / "convert"))
-    from hf_cache import add_repo
-
     import mpack.convert as mc
     from mpack.fixtures import make_checkpoint
+    from tests.convert.hf_cache import add_repo
 
     root = tmp_path_factory.mktemp("doc-examples").resolve()
     ck = make_checkpoint(root / "ckpt")
     files = {p.name: p.read_bytes() for p in sorted(ck.iterdir())}
-    repos = sorted({tok for b in RUNNABLE if RUNS[b.lang] == "sh"
-                    for args in mpack_commands(b.text) for tok in args
-                    if HUB_ID.fullmatch(tok) and not tok.startswith(".")})  # fmt: skip
+    repos = sorted(
+        {
+            tok
+            for b in RUNNABLE
+            if RUNS[b.lang] == "sh"
+            for args in mpack_commands(b.text)
+            for tok in args
+            if HUB_ID.fullmatch(tok) and not tok.startswith(".")
+        }
+    )
     assert "RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8" in repos, repos
     for repo in repos:
         add_repo(root / "hf" / "hub", repo, files, COMMIT, ["main"])
@@ -466,8 +501,15 @@ def run_block(world: dict[str, Any], lang: str, text: str) -> subprocess.Complet
     script = ws / ("example.sh" if RUNS[lang] == "sh" else "example.py")
     script.write_text(text)
     cmd = ["bash", "-e", script.name] if RUNS[lang] == "sh" else [sys.executable, script.name]
-    proc = subprocess.Popen(cmd, cwd=ws, env=world["env"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ws,
+        env=world["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=180)
     finally:

@@ -28,19 +28,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("huggingface_hub")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "convert"), str(HERE / "runtime")]
-
-from helpers import CliPool, assert_refused, cli, explain, manifest, sha256, snapshot  # noqa: E402
-from hf_cache import add_repo  # noqa: E402
-from rt_helpers import DaemonProc, child_env  # noqa: E402
-from sidecar_factory import make_sidecar  # noqa: E402
-from test_hub_source import COMMIT  # noqa: E402
-
-from mpack.errors import UnsupportedSchemeError  # noqa: E402
-from mpack.fixtures import make_checkpoint, make_int_checkpoint  # noqa: E402
-from mpack.runtime import protocol as P  # noqa: E402
-from mpack.runtime.client import query_status  # noqa: E402
+from mpack.errors import UnsupportedSchemeError
+from mpack.fixtures import make_checkpoint, make_int_checkpoint
+from mpack.runtime import protocol as P
+from mpack.runtime.client import query_status
+from tests.convert.helpers import CliPool, assert_refused, cli, explain, manifest, sha256, snapshot
+from tests.convert.hf_cache import add_repo
+from tests.convert.test_hub_source import COMMIT
+from tests.runtime.rt_helpers import DaemonProc, child_env
+from tests.runtime.sidecar_factory import make_sidecar
 
 REPO = "org/tiny"
 CPU = ("--device", "cpu")
@@ -113,9 +109,16 @@ def world(tmp_path_factory: pytest.TempPathFactory, hub_endpoint: str) -> Iterat
             return pool.then(run)
 
         runs["other-target"] = after(
-            "tp2", "convert", ck, "-o", out["tp2"], *CPU, "--profile", "w8a8-marlin",
+            "tp2",
+            "convert",
+            ck,
+            "-o",
+            out["tp2"],
+            *CPU,
+            "--profile",
+            "w8a8-marlin",
             "--no-passthrough",
-        )  # fmt: skip
+        )
         runs["other-source"] = after(  # the same -o: after the other run, never beside it
             "other-target", "convert", ck2, "-o", out["tp2"], "--tp", "2", *CPU, rc=2
         )
@@ -125,9 +128,12 @@ def world(tmp_path_factory: pytest.TempPathFactory, hub_endpoint: str) -> Iterat
         )
         runs["verify-cached"] = after("hub", "verify", out["hub"], "--json", env={**hf, **online})
         runs["verify-not-cached"] = after(
-            "hub", "verify", out["hub"], "--json",
+            "hub",
+            "verify",
+            out["hub"],
+            "--json",
             env={**hf, **online, "HF_HUB_CACHE": str(root / "empty-cache")},
-        )  # fmt: skip
+        )
         yield {"root": root, "ck": ck, "ck2": ck2, "w4": w4, "out": out, "runs": runs}
     finally:
         pool.close()
@@ -170,21 +176,23 @@ def test_a_sidecar_as_the_source_is_refused_naming_its_source(world) -> None:
     sc, ck = world["out"]["tp2"], world["ck"]
     r = _result(world, "sidecar-as-source")
     assert_refused(
-        r, world["out"]["refused"],
+        r,
+        world["out"]["refused"],
         f"error: {sc} is already an mpack sidecar (made from {ck})",
         f"hint: convert the original checkpoint (mpack convert {ck} -o OUT)",
         f"mpack serve {sc}",
-    )  # fmt: skip
+    )
     assert "also appears" not in r.stderr
 
 
 def test_a_hub_made_sidecar_as_the_source_names_repo_and_commit(world) -> None:
     r = _result(world, "hub-sidecar-as-source")
     assert_refused(
-        r, world["out"]["again"],
+        r,
+        world["out"]["again"],
         f"is already an mpack sidecar (made from {REPO}@{COMMIT[:12]})",
         f"mpack convert {REPO} --revision {COMMIT} -o OUT",
-    )  # fmt: skip
+    )
 
 
 # --- 3. an int4 weight-only checkpoint -----------------------------------------------------------
@@ -193,19 +201,22 @@ def test_a_hub_made_sidecar_as_the_source_names_repo_and_commit(world) -> None:
 def test_a_w4a16_checkpoint_is_refused_naming_its_scheme(world) -> None:
     r = _result(world, "w4a16")
     assert_refused(
-        r, world["out"]["w4-out"],
+        r,
+        world["out"]["w4-out"],
         f"error: {world['w4']}/config.json: quantization scheme W4A16 (int4 weights, group size "
         "128) is not FP8; mpack converts compressed-tensors FP8 (float8_e4m3fn) checkpoints",
         "hint: use the model's FP8 checkpoint (llm-compressor preset FP8 or FP8_DYNAMIC",
-    )  # fmt: skip
+    )
     assert "weight_packed" not in r.stderr and "weight_scale" not in r.stderr
 
 
 @pytest.mark.parametrize(
     "scheme, label",
-    [("W8A16", "W8A16 (int8 weights, group size 128)"),
-     ("W4A16_ASYM", "W4A16 (int4 weights, group size 128, asymmetric)")],
-)  # fmt: skip
+    [
+        ("W8A16", "W8A16 (int8 weights, group size 128)"),
+        ("W4A16_ASYM", "W4A16 (int4 weights, group size 128, asymmetric)"),
+    ],
+)
 def test_the_library_names_integer_schemes_too(tmp_path, scheme: str, label: str) -> None:
     from mpack.convert import convert
 
@@ -216,32 +227,35 @@ def test_the_library_names_integer_schemes_too(tmp_path, scheme: str, label: str
     assert not (tmp_path / "out").exists()
 
 
-# --- 4. another sidecar at -o: what differs --------------------------------------------------------
+# --- 4. another sidecar at -o: what differs ------------------------------------------------------
 
 
 def test_another_sidecar_at_out_lists_the_target_differences(world) -> None:
     out = world["out"]["tp2"]
     before = snapshot(out)
     assert_refused(
-        _result(world, "other-target"), out,
+        _result(world, "other-target"),
+        out,
         f"error: {out} already holds a different sidecar (tp_size 2 -> 1, profile w8a16 -> "
         "w8a8-marlin, pass-through with common.safetensors -> without common.safetensors)\n",
-        "--force", exists=True,
-    )  # fmt: skip
+        "--force",
+        exists=True,
+    )
     assert snapshot(out) == before
 
 
 def test_another_sidecar_at_out_lists_the_source_differences(world) -> None:
     out, ck, ck2 = world["out"]["tp2"], world["ck"], world["ck2"]
     assert_refused(
-        _result(world, "other-source"), out,
+        _result(world, "other-source"),
+        out,
         f"error: {out} already holds a different sidecar (source path {ck} -> {ck2}, source "
         "file generation_config.json changed)\n",
         exists=True,
-    )  # fmt: skip
+    )
 
 
-# --- 5. verify of a Hub-sourced sidecar: from the local cache, never the network -------------------
+# --- 5. verify of a Hub-sourced sidecar: from the local cache, never the network -----------------
 
 
 def test_verify_rederives_a_hub_sidecar_from_the_cache_offline(world) -> None:
@@ -266,7 +280,7 @@ def test_verify_says_plainly_when_the_hub_source_is_not_cached(world) -> None:
     assert Recorder.seen == []
 
 
-# --- 6. status finds daemons started with --socket ---------------------------------------------------
+# --- 6. status finds daemons started with --socket -----------------------------------------------
 
 
 @pytest.fixture
@@ -287,9 +301,13 @@ def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def _status_cli(rt: dict[str, Any], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mpack.cli", "status", *args], capture_output=True, text=True,
-        env={**rt["env"], "COLUMNS": "250"}, cwd=rt["tmp"], timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "mpack.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        env={**rt["env"], "COLUMNS": "250"},
+        cwd=rt["tmp"],
+        timeout=120,
+    )
 
 
 def _serve(rt: dict[str, Any], *extra: str) -> DaemonProc:

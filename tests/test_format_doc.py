@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
 
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import ResolvedSource, provenance
@@ -34,6 +33,7 @@ from mpack.sidecar import (
     rank_file_name,
     read_layout,
 )
+from tests.conftest import REPO
 
 jsonschema = pytest.importorskip("jsonschema")  # a dev dependency; the GPU machine lacks it
 
@@ -80,19 +80,48 @@ def sidecars(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         opts = json.loads((case / "case.json").read_text())
         if opts.get("expect", "convert") != "convert":
             continue
-        run_convert(case / opts.get("input", "input"), root / case.name, profile=opts["profile"],
-                    act_dtype=opts["act_dtype"], tp=opts["tp"], fuse=opts.get("fusion", "vllm"),
-                    device="cpu")  # fmt: skip
+        run_convert(
+            case / opts.get("input", "input"),
+            root / case.name,
+            profile=opts["profile"],
+            act_dtype=opts["act_dtype"],
+            tp=opts["tp"],
+            fuse=opts.get("fusion", "vllm"),
+            device="cpu",
+        )
         out[case.name] = root / case.name
     first = cases[0] / "input"
-    run_convert(first, root / "fuse-none", profile="w8a16", act_dtype="bfloat16", tp=1,
-                fuse="none", device="cpu", passthrough=False)  # fmt: skip
+    run_convert(
+        first,
+        root / "fuse-none",
+        profile="w8a16",
+        act_dtype="bfloat16",
+        tp=1,
+        fuse="none",
+        device="cpu",
+        passthrough=False,
+    )
     out["fuse-none"] = root / "fuse-none"
-    eleven = make_checkpoint(root / "eleven-ckpt", layers=11, hidden=64, intermediate=128,
-                             heads=2, kv_heads=1, vocab=128, scheme="FP8_DYNAMIC")  # fmt: skip
+    eleven = make_checkpoint(
+        root / "eleven-ckpt",
+        layers=11,
+        hidden=64,
+        intermediate=128,
+        heads=2,
+        kv_heads=1,
+        vocab=128,
+        scheme="FP8_DYNAMIC",
+    )
     for fuse in ("vllm", "none"):
-        run_convert(eleven, root / f"eleven-{fuse}", profile="w8a16", act_dtype="bfloat16", tp=1,
-                    fuse=fuse, device="cpu")  # fmt: skip
+        run_convert(
+            eleven,
+            root / f"eleven-{fuse}",
+            profile="w8a16",
+            act_dtype="bfloat16",
+            tp=1,
+            fuse=fuse,
+            device="cpu",
+        )
         out[f"eleven-{fuse}"] = root / f"eleven-{fuse}"
     return out
 
@@ -116,8 +145,13 @@ def test_real_manifests_match_the_schema(sidecars: dict[str, Path], validator) -
 def test_hub_source_matches_the_schema(sidecars: dict[str, Path], validator) -> None:
     m = _manifest(next(iter(sidecars.values())))
     for revision, requested in (("0123456789abcdef" * 2 + "01234567", "main"), (None, None)):
-        src = ResolvedSource(path=Path("/cache/snap"), kind="hub", repo="org/name",
-                             revision=revision, requested=requested)  # fmt: skip
+        src = ResolvedSource(
+            path=Path("/cache/snap"),
+            kind="hub",
+            repo="org/name",
+            revision=revision,
+            requested=requested,
+        )
         hub = {**m, "source": provenance(src, m["source"]["files"])}
         assert not list(validator.iter_errors(hub))
 
@@ -127,8 +161,11 @@ def test_source_files_by_chunks_match_the_schema(sidecars: dict[str, Path], vali
     neither."""
     m = _manifest(next(iter(sidecars.values())))
     rec = m["source"]["files"][0]
-    chunked = {"name": rec["name"], "size": 3 * 2**26 + 5,
-               "chunks": {"bytes": 2**26, "sha256": [rec["sha256"]] * 4}}  # fmt: skip
+    chunked = {
+        "name": rec["name"],
+        "size": 3 * 2**26 + 5,
+        "chunks": {"bytes": 2**26, "sha256": [rec["sha256"]] * 4},
+    }
     ok = copy.deepcopy(m)
     ok["source"]["files"][0] = chunked
     assert not list(validator.iter_errors(ok))
@@ -175,8 +212,13 @@ def test_digest_is_sha256_of_the_manifest_bytes(sidecars: dict[str, Path]) -> No
 def test_header_metadata_is_as_documented(sidecars: dict[str, Path]) -> None:
     for sidecar in sidecars.values():
         t = _manifest(sidecar)["target"]
-        base = {"format": "mpack-sidecar", "format_version": "2", "tp_size": str(t["tp_size"]),
-                "profile": t["profile"], "act_dtype": t["act_dtype"]}  # fmt: skip
+        base = {
+            "format": "mpack-sidecar",
+            "format_version": "2",
+            "tp_size": str(t["tp_size"]),
+            "profile": t["profile"],
+            "act_dtype": t["act_dtype"],
+        }
         for r in range(t["tp_size"]):
             meta = read_layout(sidecar / rank_file_name(r, t["tp_size"])).metadata
             assert meta == {**base, "rank": str(r)}
@@ -195,8 +237,10 @@ def test_reader_matches_read_layout(sidecars: dict[str, Path], read_sidecar) -> 
         for r in range(tp):
             fname = rank_file_name(r, tp)
             got = read_sidecar(sidecar, rank=r)
-            want = {e.name: (e.dtype, tuple(e.shape), fname, e.offset, e.nbytes)
-                    for e in read_layout(sidecar / fname).entries}  # fmt: skip
+            want = {
+                e.name: (e.dtype, tuple(e.shape), fname, e.offset, e.nbytes)
+                for e in read_layout(sidecar / fname).entries
+            }
             assert got == want
             for dtype, shape, _, offset, nbytes in got.values():
                 assert dtype in ("I32", "F16", "BF16") and len(shape) in (1, 2)
@@ -362,8 +406,11 @@ def test_byte_example_is_the_start_of_a_real_rank_file(sidecars: dict[str, Path]
 def test_layer_index_order_is_as_documented(sidecars: dict[str, Path]) -> None:
     """The `index` row: fused layers in natural decoder-layer order, then forward-pass order
     within one; checkpoint names in natural order with --fuse none."""
-    row = " ".join(_table_after("Each `layers` entry describes rank 0; every rank has the same "
-                                "dimensions:")["index"].split())  # fmt: skip
+    row = " ".join(
+        _table_after("Each `layers` entry describes rank 0; every rank has the same dimensions:")[
+            "index"
+        ].split()
+    )
     fused, unfused = row.split("Fusion `vllm`:", 1)[1].split("Fusion `none`:", 1)
     leaves = re.findall(r"`(\w+_proj)`", fused)
     assert leaves == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], leaves
@@ -396,8 +443,12 @@ def test_files_hold_tensors_in_the_documented_order(sidecars: dict[str, Path]) -
         names = [f["name"] for f in m["files"]]
         assert names == sorted(names), case
         tp = m["target"]["tp_size"]
-        writer = [f"{layer}.{t}" for layer in _by_index(m) for t in LAYER_TENSORS
-                  if t != "bias" or m["layers"][layer]["bias"]]  # fmt: skip
+        writer = [
+            f"{layer}.{t}"
+            for layer in _by_index(m)
+            for t in LAYER_TENSORS
+            if t != "bias" or m["layers"][layer]["bias"]
+        ]
         files = {rank_file_name(r, tp): writer for r in range(tp)}
         if COMMON_NAME in names:
             files[COMMON_NAME] = sorted(e.name for e in read_layout(sidecar / COMMON_NAME).entries)
@@ -425,6 +476,14 @@ def test_key_tables_list_the_real_keys(sidecars: dict[str, Path]) -> None:
             assert set(layer) == set(entry), (case, name)
         assert set(m["model"]) <= set(re.findall(r"`(\w+)`", top["model"])), case
         assert set(m["model"]["config"]) <= set(re.findall(r"`(\w+)`", top["model"])), case
-        hub = provenance(ResolvedSource(path=Path("/cache/snap"), kind="hub", repo="org/name",
-                                        revision="0" * 40, requested="main"), [])  # fmt: skip
+        hub = provenance(
+            ResolvedSource(
+                path=Path("/cache/snap"),
+                kind="hub",
+                repo="org/name",
+                revision="0" * 40,
+                requested="main",
+            ),
+            [],
+        )
         assert set(source) == set(m["source"]) | set(hub), case

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SHARED, VENDORED_GOLDEN, _golden_dir
+
+from tests.conftest import REPO, SHARED, VENDORED_GOLDEN, _golden_dir
 
 NOTE = "PROVENANCE.md"
 
@@ -68,13 +69,20 @@ def _pytest(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProce
     base = {k: v for k, v in os.environ.items() if k != "MPACK_GOLDEN"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=cwd,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_bad_mpack_golden_stops_the_session_with_one_message(tmp_path: Path) -> None:
-    r = _pytest(["--collect-only", "-q", "tests/test_golden_vendored.py"], REPO,
-                MPACK_GOLDEN=str(tmp_path / "nowhere"))  # fmt: skip
+    r = _pytest(
+        ["--collect-only", "-q", "tests/test_golden_vendored.py"],
+        REPO,
+        MPACK_GOLDEN=str(tmp_path / "nowhere"),
+    )
     out = r.stdout + r.stderr
     assert r.returncode == pytest.ExitCode.USAGE_ERROR, out
     assert f"golden data not found in {tmp_path / 'nowhere'}" in out, out
@@ -83,8 +91,18 @@ def test_a_bad_mpack_golden_stops_the_session_with_one_message(tmp_path: Path) -
 
 #: Not copied into the plain clone: venvs, build outputs, caches and the device carry (all
 #: git-ignored), and .git (a clone has its own).
-_NOT_IN_A_CLONE = {".git", ".vllmdev", ".device", ".whl", ".golden", "build", "dist", "out",
-                   "demo-out", "bench-out"}  # fmt: skip
+_NOT_IN_A_CLONE = {
+    ".git",
+    ".vllmdev",
+    ".device",
+    ".whl",
+    ".golden",
+    "build",
+    "dist",
+    "out",
+    "demo-out",
+    "bench-out",
+}
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:

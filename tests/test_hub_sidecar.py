@@ -24,14 +24,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("huggingface_hub")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
 
-from hf_cache import add_repo  # noqa: E402
-
-from mpack.errors import InputError, SourceNotFoundError, UsageError, exit_code_for  # noqa: E402
-from mpack.hub_sidecar import parse_ref, resolve_sidecar  # noqa: E402
-from mpack.sidecar import load_manifest  # noqa: E402
-from mpack.target import dir_name  # noqa: E402
+from mpack.errors import InputError, SourceNotFoundError, UsageError, exit_code_for
+from mpack.hub_sidecar import parse_ref, resolve_sidecar
+from mpack.sidecar import load_manifest
+from mpack.target import dir_name
+from tests.convert.hf_cache import add_repo
 
 REPO, PARTIAL, MULTI, CKPT = (
     "org/tiny-marlin",
@@ -67,8 +65,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         multi |= _files(d, f"{name}/")
     add_repo(cache, MULTI, multi, MULTI_COMMIT, ["main"])
     add_repo(cache, CKPT, _files(ck), COMMIT, ["main"])
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(root / "hf-home"), "XDG_RUNTIME_DIR": str(root / "xdg")}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(root / "hf-home"),
+        "XDG_RUNTIME_DIR": str(root / "xdg"),
+    }
     (root / "xdg").mkdir(mode=0o700)
     return {"root": root, "cache": cache, "sc": sc, "sc1": sc1, "folders": folders, "env": env}
 
@@ -84,8 +87,14 @@ def offline(hub: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, A
 
 
 def cli(hub: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpack.cli", *args], capture_output=True,
-                          text=True, env=hub["env"], cwd=hub["root"], timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mpack.cli", *args],
+        capture_output=True,
+        text=True,
+        env=hub["env"],
+        cwd=hub["root"],
+        timeout=300,
+    )
 
 
 def same_bytes(view: Path, sidecar: Path, names: list[str]) -> None:
@@ -116,8 +125,13 @@ def test_rank_resolve_fetches_only_that_ranks_files(offline: dict[str, Any]) -> 
     view = resolve_sidecar(PARTIAL, rank=0)
     got = sorted(os.listdir(view))
     assert "rank-01-of-02.safetensors" not in got
-    want = ["common.safetensors", "config.json", "generation_config.json", "mpack.json",
-            "rank-00-of-02.safetensors"]  # fmt: skip
+    want = [
+        "common.safetensors",
+        "config.json",
+        "generation_config.json",
+        "mpack.json",
+        "rank-00-of-02.safetensors",
+    ]
     assert got == want
     same_bytes(view, offline["sc"], want)
     for kw in ({"rank": 1}, {"fetch": "all"}):

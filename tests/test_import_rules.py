@@ -20,8 +20,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: package -> the folder it lives in (pyproject.toml's package-dir)
-FOLDERS = {"mpack": "mpack", "mpack.convert": "convert", "mpack.runtime": "runtime",
-           "mpack.verify": "verify"}  # fmt: skip
+FOLDERS = {
+    "mpack": "mpack",
+    "mpack.convert": "convert",
+    "mpack.runtime": "runtime",
+    "mpack.verify": "verify",
+}
 CLI = {"mpack.cli", "mpack.ui", "mpack.__main__"}
 ALLOWED = {
     "core": {"core"},
@@ -38,8 +42,11 @@ def layer_of(module: str) -> str | None:
     """The layer of an mpack module name; None for anything outside mpack."""
     if module in CLI:
         return "cli"
-    for pkg, layer in (("mpack.convert", "convert"), ("mpack.runtime", "runtime"),
-                       ("mpack.verify", "verify")):  # fmt: skip
+    for pkg, layer in (
+        ("mpack.convert", "convert"),
+        ("mpack.runtime", "runtime"),
+        ("mpack.verify", "verify"),
+    ):
         if module == pkg or module.startswith(pkg + "."):
             return layer
     if module == "mpack" or module.startswith("mpack."):

@@ -1,7 +1,7 @@
 """mpack/iokit.py: the chunk digester, parallel preads, the staging ring's hand-outs, pools.
 
 Everything here runs on the CPU; the ring's CUDA copies are exercised by the GPU tests of
-convert (test_stream.py) and the loader (test_runtime_loader.py).
+convert (test_stream.py) and the loader (test_loader.py).
 """
 
 from __future__ import annotations
@@ -107,7 +107,10 @@ def test_usable_cores_follows_the_affinity() -> None:
     import subprocess
     import sys
 
-    code = "import os; os.sched_setaffinity(0, {0}); from mpack import iokit; print(iokit.usable_cores(), iokit.DIGEST_WORKERS)"
+    code = (
+        "import os; os.sched_setaffinity(0, {0}); from mpack import iokit; "
+        "print(iokit.usable_cores(), iokit.DIGEST_WORKERS)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "1"]

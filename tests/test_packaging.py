@@ -19,12 +19,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import NO_GPU_MESSAGE, REPO
+
+from tests.conftest import NO_GPU_MESSAGE, REPO
 
 DIST_NAME = "mpack-marlin"
 # A CPU-only view of the machine, GPU box included: torch.cuda.is_available() is False under it.
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
-GPU_MODULE = "tests/runtime/test_runtime_cuda.py"  # every test in it is marked gpu
+GPU_MODULE = "tests/runtime/test_cuda_vmm.py"  # every test in it is marked gpu
 # Where convert/cuda_repack.py's kernel_source_path() looks in an installed wheel.
 KERNEL_SOURCE = "mpack/cuda/marlin_repack.cu"
 
@@ -42,10 +43,23 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     tree = tmp_path_factory.mktemp("tree") / "src"
     shutil.copytree(REPO, tree, ignore=NOT_SOURCE)
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-         "-w", str(dist), str(tree)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-v",
+            "-w",
+            str(dist),
+            str(tree),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-4000:]
     (wheel,) = dist.glob("*.whl")
     return wheel, r.stdout
@@ -97,10 +111,21 @@ def test_wheel_in_fresh_venv(built: tuple[Path, str], tmp_path: Path) -> None:
     # The dependencies (torch & co.) come from this interpreter's site-packages, appended after the
     # fresh venv's own; mpack itself only from the wheel, unpacked with this pip into the venv.
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-         "--target", str(fresh_site), str(wheel)],
-        check=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(fresh_site),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
     (fresh_site / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     where = subprocess.check_output(
         [str(py), "-c", "import mpack, mpack.convert.marlin, mpack.runtime; print(mpack.__file__)"],
@@ -119,10 +144,16 @@ def test_wheel_in_fresh_venv(built: tuple[Path, str], tmp_path: Path) -> None:
     )
     assert r.returncode == 0 and "layout" in r.stdout, r.stderr
     src = subprocess.check_output(
-        [str(py), "-c", "from mpack.convert.cuda_repack import kernel_source_path as k; "
-         "p = k(); print(p if p.is_file() else 'missing: ' + str(p))"],
-        text=True, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "MPACK_REPACK_SOURCE"},
-    )  # fmt: skip
+        [
+            str(py),
+            "-c",
+            "from mpack.convert.cuda_repack import kernel_source_path as k; "
+            "p = k(); print(p if p.is_file() else 'missing: ' + str(p))",
+        ],
+        text=True,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "MPACK_REPACK_SOURCE"},
+    )
     assert src.strip() == str(fresh_site / KERNEL_SOURCE), src
     script = fresh_site / "bin" / "mpack"
     assert script.exists(), "the wheel must declare the `mpack` console script"
@@ -146,10 +177,19 @@ def _env() -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_test_gpu_fails_without_a_gpu() -> None:
     r = subprocess.run(
-        ["make", "-s", "test-gpu", f"SYSTEM_PYTHON={' '.join(_python())}",
-         f"PYTEST_ARGS=-p no:cacheprovider {GPU_MODULE}"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "make",
+            "-s",
+            "test-gpu",
+            f"SYSTEM_PYTHON={' '.join(_python())}",
+            f"PYTEST_ARGS=-p no:cacheprovider {GPU_MODULE}",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     assert NO_GPU_MESSAGE in out, out
@@ -159,10 +199,24 @@ def test_make_test_gpu_fails_without_a_gpu() -> None:
 @pytest.mark.slow
 def test_without_the_option_gpu_tests_skip_with_a_reason() -> None:
     r = subprocess.run(
-        [*_python(), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
-         GPU_MODULE],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            *_python(),
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            GPU_MODULE,
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert re.search(r"^\d+ skipped in ", out, re.M), out

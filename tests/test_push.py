@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import flip_byte
 
 from mpack import __version__, cli
 from mpack.convert import convert
@@ -36,6 +35,7 @@ from mpack.hub import (
     target_dir_name,
 )
 from mpack.sidecar import MANIFEST_NAME, load_manifest, read_layout
+from tests.conftest import flip_byte
 
 REPO = "my-org/tiny-marlin"
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -79,8 +79,9 @@ def converted(tmp_path_factory) -> SimpleNamespace:
     """One source, two targets converted into ``multi/<target>/`` as the multi-target convert
     lays them out (its lock files, hidden, beside them); ``single`` is the tp2 one."""
     root = tmp_path_factory.mktemp("push")
-    src = make_checkpoint(root / "src", hidden=64, intermediate=128, layers=1, heads=2,
-                          kv_heads=1, vocab=128)  # fmt: skip
+    src = make_checkpoint(
+        root / "src", hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, vocab=128
+    )
     multi = root / "multi"
     for tp in (1, 2):
         convert(src, multi / f"tp{tp}-w8a16-bfloat16", tp=tp, device="cpu")
@@ -95,8 +96,13 @@ def _copy(d: Path, dest: Path) -> Path:
 def _hub_sourced(sidecar: Path) -> dict[str, Any]:
     """The sidecar's manifest as if its source had been the Hub repo org/src at HUB_COMMIT."""
     m, _ = load_manifest(sidecar)
-    m["source"] = {"kind": "hub", "repo": "org/src-FP8", "revision": HUB_COMMIT,
-                   "requested_revision": "main", "files": m["source"]["files"]}  # fmt: skip
+    m["source"] = {
+        "kind": "hub",
+        "repo": "org/src-FP8",
+        "revision": HUB_COMMIT,
+        "requested_revision": "main",
+        "files": m["source"]["files"],
+    }
     return m
 
 
@@ -161,10 +167,15 @@ def test_several_targets_go_to_one_folder_each(converted) -> None:
     assert paths["config.json"].local.read_bytes() == (converted.src / "config.json").read_bytes()
     # one card, every target, the planned syntax for a sidecar in a folder
     card = plan.card
-    assert "vllm serve my-org/tiny-marlin --load-format mpack --model-loader-extra-config " \
-        """'{"sidecar": "my-org/tiny-marlin/tp1-w8a16-bfloat16"}'""" in card  # fmt: skip
-    assert "vllm serve my-org/tiny-marlin --load-format mpack --tensor-parallel-size 2 " \
-        """--model-loader-extra-config '{"sidecar": "my-org/tiny-marlin/tp2-w8a16-bfloat16"}'""" in card  # fmt: skip
+    assert (
+        "vllm serve my-org/tiny-marlin --load-format mpack --model-loader-extra-config "
+        """'{"sidecar": "my-org/tiny-marlin/tp1-w8a16-bfloat16"}'""" in card
+    )
+    assert (
+        "vllm serve my-org/tiny-marlin --load-format mpack --tensor-parallel-size 2 "
+        """--model-loader-extra-config '{"sidecar": "my-org/tiny-marlin/tp2-w8a16-bfloat16"}'"""
+        in card
+    )
     assert "mpack serve my-org/tiny-marlin/tp2-w8a16-bfloat16 --rank 1 --device cuda:1 &" in card
     for t in plan.targets:
         assert f"### {t.folder}" in card and t.digest in card
@@ -195,8 +206,12 @@ def test_card_of_a_hub_sourced_sidecar(converted) -> None:
     assert front["tags"] == "[mpack, marlin, fp8, compressed-tensors, vllm]"
     yaml = pytest.importorskip("yaml")  # the same, as the Hub's YAML parser reads it
     assert yaml.safe_load(card.split("---\n")[1])["tags"] == [
-        "mpack", "marlin", "fp8", "compressed-tensors", "vllm"
-    ]  # fmt: skip
+        "mpack",
+        "marlin",
+        "fp8",
+        "compressed-tensors",
+        "vllm",
+    ]
     assert "`org/src-FP8` (Hugging Face Hub)" in card
     assert f"| source commit | `{HUB_COMMIT}` (asked for: `main`) |" in card
     assert f"| converted with | mpack {__version__} |" in card
@@ -309,9 +324,9 @@ def test_the_push_is_one_commit_of_the_planned_files(converted) -> None:
     api = RecordingApi(present=[".gitattributes", CARD_NAME, *stale])
     result = push(plan, api=api)
     assert [n for n, _, _ in api.calls] == ["create_repo", "list_repo_files", "create_commit"]
-    (args, kwargs), = api.named("create_repo")  # fmt: skip
+    ((args, kwargs),) = api.named("create_repo")
     assert args == (REPO,) and kwargs["private"] is True and kwargs["exist_ok"] is True
-    (args, kwargs), = api.named("create_commit")  # fmt: skip
+    ((args, kwargs),) = api.named("create_commit")
     assert args[0] == REPO and kwargs["revision"] is None
     ops = list(args[1])
     adds = [o for o in ops if isinstance(o, CommitOperationAdd)]
@@ -330,8 +345,11 @@ def test_a_branch_is_created_and_committed_to(converted) -> None:
     api = RecordingApi()
     push(plan, api=api)
     assert [n for n, _, _ in api.calls] == [
-        "create_repo", "create_branch", "list_repo_files", "create_commit"
-    ]  # fmt: skip
+        "create_repo",
+        "create_branch",
+        "list_repo_files",
+        "create_commit",
+    ]
     assert api.named("create_branch")[0][1]["branch"] == "tp-sweep"
     assert api.named("create_branch")[0][1]["exist_ok"] is True
     assert api.named("list_repo_files")[0][1]["revision"] == "tp-sweep"
@@ -392,8 +410,11 @@ def test_the_real_hfapi_to_a_closed_port_is_an_environment_error(converted) -> N
 
 def _env_without_hub() -> dict[str, str]:
     """A child's environment where any Hub call would fail at once and locally."""
-    return os.environ | {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
-                         "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_not_a_token"}  # fmt: skip
+    return os.environ | {
+        "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+        "HF_HUB_OFFLINE": "1",
+        "HF_TOKEN": "hf_not_a_token",
+    }
 
 
 def test_dry_run_json_imports_nothing_that_talks_to_the_hub(converted) -> None:
@@ -403,8 +424,13 @@ def test_dry_run_json_imports_nothing_that_talks_to_the_hub(converted) -> None:
         "assert 'huggingface_hub' not in sys.modules, 'huggingface_hub was imported'\n"
         "sys.exit(code)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=_env_without_hub(), timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env_without_hub(),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     plan = plan_push(converted.multi, REPO)
@@ -430,8 +456,13 @@ def test_cli_exit_codes(converted, tmp_path, what, code, said) -> None:
     sc = _copy(converted.single, tmp_path / "sc")
     if what == "corrupt":
         flip_byte(sc / "rank-00-of-02.safetensors", 100)
-    r = subprocess.run([sys.executable, "-m", "mpack", "push", str(sc), REPO, "--json"],
-                       capture_output=True, text=True, env=_env_without_hub(), timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack", "push", str(sc), REPO, "--json"],
+        capture_output=True,
+        text=True,
+        env=_env_without_hub(),
+        timeout=120,
+    )
     assert r.returncode == code, r.stderr
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and said in doc["error"]["message"]

@@ -20,12 +20,10 @@ import venv
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 from mpack.fixtures import make_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "convert"))
-from helpers import cli_env  # noqa: E402
+from tests.conftest import REPO
+from tests.convert.helpers import cli_env
 
 #: Not copied: hidden folders (.git, venvs), build outputs, the native build of the checkout
 #: (each install builds its own), and the tests (16 MB of golden data).
@@ -45,10 +43,23 @@ def _venv(where: Path, clone: Path, install: list[str] | None) -> Path:
     (Path(purelib) / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     if install is not None:
         r = subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-             "--no-build-isolation", *install, str(clone)],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(py),
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                *install,
+                str(clone),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return py
 
@@ -76,8 +87,14 @@ def _where(world: dict[str, Path], name: str) -> Path:
 def _run(world: dict[str, Path], install: str, cwd: str, *args: str) -> subprocess.CompletedProcess:
     where = _where(world, cwd)
     where.mkdir(exist_ok=True)
-    return subprocess.run([str(world[install]), *args], capture_output=True, text=True,
-                          cwd=where, env=cli_env(), timeout=300)  # fmt: skip
+    return subprocess.run(
+        [str(world[install]), *args],
+        capture_output=True,
+        text=True,
+        cwd=where,
+        env=cli_env(),
+        timeout=300,
+    )
 
 
 CASES = [(i, d) for i in ("regular", "editable") for d in ("root", "parent", "elsewhere")]
@@ -90,8 +107,20 @@ def test_python_m_mpack_runs_and_converts(world, install: str, cwd: str) -> None
     v = _run(world, install, cwd, "-m", "mpack", "--version")
     assert (v.returncode, v.stdout, v.stderr) == (0, "mpack 0.1.0\n", "")
     out = world["out"] / f"{install}-{cwd}"
-    r = _run(world, install, cwd, "-m", "mpack", "convert", str(world["ck"]), "-o", str(out),
-             "--device", "cpu", "--json")  # fmt: skip
+    r = _run(
+        world,
+        install,
+        cwd,
+        "-m",
+        "mpack",
+        "convert",
+        str(world["ck"]),
+        "-o",
+        str(out),
+        "--device",
+        "cpu",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["out"] == str(out)
 

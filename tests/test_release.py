@@ -26,7 +26,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+
+from tests.conftest import REPO
 
 NAME = "mpack_marlin-0.1.0"
 URL = "https://github.com/mpack-marlin/mpack"

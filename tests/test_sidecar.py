@@ -52,8 +52,16 @@ TP = 2
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real TP-2 float16 sidecar of a Qwen2 checkpoint (q/k/v carry a bias)."""
     root = tmp_path_factory.mktemp("sidecar")
-    ck = make_checkpoint(root / "ck", arch="qwen2", hidden=128, intermediate=256, heads=4,
-                         kv_heads=2, vocab=128, dtype="float16")  # fmt: skip
+    ck = make_checkpoint(
+        root / "ck",
+        arch="qwen2",
+        hidden=128,
+        intermediate=256,
+        heads=4,
+        kv_heads=2,
+        vocab=128,
+        dtype="float16",
+    )
     convert(ck, root / "sc", tp=TP, act_dtype="float16", device="cpu")
     return root / "sc"
 
@@ -124,10 +132,13 @@ def test_random_layouts_are_read_back_by_safetensors_and_read_layout(
     rng = random.Random(seed)
     dtypes = sorted(DTYPE_SIZES)
     specs = [
-        TensorSpec(f"t{i}.{rng.choice(['weight', 'bias'])}", rng.choice(dtypes),
-                   tuple(rng.randint(0, 40) for _ in range(rng.randint(0, 3))))
+        TensorSpec(
+            f"t{i}.{rng.choice(['weight', 'bias'])}",
+            rng.choice(dtypes),
+            tuple(rng.randint(0, 40) for _ in range(rng.randint(0, 3))),
+        )
         for i in range(rng.randint(0, 12))
-    ]  # fmt: skip
+    ]
     meta = {"seed": str(seed)} if seed % 2 else None
     layout = FileLayout.plan(specs, meta)
     path = tmp_path / "r.safetensors"
@@ -196,18 +207,25 @@ BAD_FILES = {
     "shorter-than-8-bytes": (b"\x01\x00\x00", "is too short for a safetensors file"),
     "header-is-a-list": (_raw([1, 2]), "header is not a JSON object"),
     "metadata-is-a-list": (_raw({"__metadata__": ["x"]}), "__metadata__ is not a JSON object"),
-    "unknown-dtype": (_raw({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 2]}}, b"xx"),
-                      "malformed header entry"),
+    "unknown-dtype": (
+        _raw({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 2]}}, b"xx"),
+        "malformed header entry",
+    ),
     "size-disagrees-with-shape": (_raw({"a": _u8(0, 2, n=3)}, b"xx"), "malformed header entry"),
-    "offsets-reversed": (_raw({"a": {"dtype": "U8", "shape": [0], "data_offsets": [2, 0]}}, b"xx"),
-                         "malformed header entry"),
-    "no-data-offsets": (_raw({"a": {"dtype": "U8", "shape": [2]}}, b"xx"), "malformed header entry"),
+    "offsets-reversed": (
+        _raw({"a": {"dtype": "U8", "shape": [0], "data_offsets": [2, 0]}}, b"xx"),
+        "malformed header entry",
+    ),
+    "no-data-offsets": (
+        _raw({"a": {"dtype": "U8", "shape": [2]}}, b"xx"),
+        "malformed header entry",
+    ),
     "gap": (_raw({"a": _u8(0, 2), "b": _u8(3, 5)}, b"xxxxx"), "'b' starts at byte"),
     "overlap": (_raw({"a": _u8(0, 2), "b": _u8(1, 3)}, b"xxx"), "'b' starts at byte"),
     "not-from-zero": (_raw({"a": _u8(1, 3)}, b"xxx"), "'a' starts at byte"),
     "trailing-bytes": (_raw({"a": _u8(0, 2)}, b"xxx"), "has trailing bytes"),
     "data-past-the-end": (_raw({"a": _u8(0, 4)}, b"xx"), "truncated: tensors end at byte"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
@@ -290,8 +308,10 @@ REFUSED = {
     "kernel": (_set("target.kernel", "marlin-int4"), "target kernel is 'marlin-int4'"),
     "fusion": (_set("target.fusion", "both"), "target fusion is 'both', not one of vllm, none"),
     "engine-not-a-string": (_set("target.engine", 3), "target engine is not a string"),
-    "tp-larger-than-the-rank-files": (_set("target.tp_size", 3),
-                                      "do not list rank-00-of-03.safetensors, rank-01-of-03.s"),
+    "tp-larger-than-the-rank-files": (
+        _set("target.tp_size", 3),
+        "do not list rank-00-of-03.safetensors, rank-01-of-03.s",
+    ),
     "many-missing-rank-files": (_set("target.tp_size", 9), "rank-03-of-09.safetensors ..."),
     "path-in-a-file-name": (_file_named("../escape"), "is not a plain file name"),
     "dot-dot": (_file_named(".."), "is not a plain file name"),
@@ -301,14 +321,17 @@ REFUSED = {
     "name-not-a-string": (_file_named(7), "malformed files entry"),  # type: ignore[arg-type]
     "version-1-needs-sha256": (_chunks_only(1), "malformed files entry"),
     "chunk-count": (_set("files.0.chunks", {"bytes": 1, "sha256": ["a" * 64]}), "malformed chunks"),
-    "chunk-bytes-zero": (_set("files.0.chunks", {"bytes": 0, "sha256": ["a" * 64]}), "malformed chunks"),
+    "chunk-bytes-zero": (
+        _set("files.0.chunks", {"bytes": 0, "sha256": ["a" * 64]}),
+        "malformed chunks",
+    ),
     "layer-bias-not-bool": (_first_layer("bias", 1), "is malformed"),
     "layer-dim-zero": (_first_layer("n", 0), "is malformed"),
     "layer-dim-bool": (_first_layer("kp", True), "is malformed"),
     "layer-dim-float": (_first_layer("np", 64.0), "is malformed"),
     "layer-dim-above-max": (_first_layer("k", MAX_DIM + 1), "is malformed"),
     "layer-not-a-dict": (lambda m: m["layers"].__setitem__("x", [1]), "layer 'x' is malformed"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))

@@ -72,7 +72,7 @@ def test_act_dtype_refuses_other_names_with_the_choices(bad: object) -> None:
 
 
 def test_names_are_the_ones_spec_9_requires() -> None:
-    from conftest import SHARED
+    from tests.conftest import SHARED
 
     spec = SHARED / "SPEC-marlin-fp8.md"  # the contract itself is not vendored, only its data
     if not spec.is_file():
@@ -130,8 +130,10 @@ def _golden_case_layers(case: Path) -> dict[str, tuple[int, int]]:
         shape = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 - not a dict
     cfg = json.loads((case / opts["input"] / "config.json").read_text())
     assert tp <= cfg["num_key_value_heads"]
-    fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-             "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}  # fmt: skip
+    fused = {
+        "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+    }
     out = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"

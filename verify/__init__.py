@@ -1,4 +1,5 @@
-"""Verification: checksums, re-derivation from the source, and forward equivalence (docs/ARCHITECTURE.md).
+"""Verification: checksums, re-derivation from the source, and forward equivalence
+(docs/ARCHITECTURE.md).
 
 One entry point, :func:`verify`, returning a :class:`Verification` (what was checked, every
 problem found); ``mpack verify`` prints it. The layer may use the core, ``mpack.convert`` (to

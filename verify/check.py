@@ -82,8 +82,15 @@ class Verification:
         """The facts ``mpack verify --json`` prints (besides ``ok``): ``source``,
         ``source_path`` and ``rederive_device`` when the source was checked, ``forward`` when it
         ran."""
-        keys = ["sidecar", "digest", "files_checked", "source_checked", "layers_checked",
-                "tensors_compared", "source_note"]  # fmt: skip
+        keys = [
+            "sidecar",
+            "digest",
+            "files_checked",
+            "source_checked",
+            "layers_checked",
+            "tensors_compared",
+            "source_note",
+        ]
         if self.source_checked:
             keys += ["source", "source_path", "rederive_device"]
         if self.forward is not None:
@@ -156,9 +163,9 @@ def verify(
     if revision is not None and source is None:
         raise UsageError(f"revision {revision} applies to a given source; pass source too")
     if forward:
-        from mpack.runtime.protocol import parse_device
+        from mpack.runtime.protocol import checked_device
 
-        parse_device(device)  # a device that is not there fails now, not after the re-derivation
+        checked_device(device)  # a device that is not there fails now, not after the re-derivation
     from mpack.convert.pipeline import check_device_here
 
     # a typo, or a GPU where there is none, fails before any work
@@ -171,8 +178,16 @@ def verify(
         m, digest = load_manifest(path)
         problems, layouts = _check_files(path, m, streamed=True)
     result = Verification(str(path), digest, len(m["files"]), problems=problems)
-    _check_source(result, path, m, layouts, None if source is None else str(source), revision,
-                  rederive_device, tl)  # fmt: skip
+    _check_source(
+        result,
+        path,
+        m,
+        layouts,
+        None if source is None else str(source),
+        revision,
+        rederive_device,
+        tl,
+    )
     if result.problems:
         result.hint = regenerate_hint_of(m, path)
     elif require_source and not result.source_checked:
@@ -203,9 +218,16 @@ def _check_files(
     return sidecar_problems(sidecar, m, hashed_elsewhere=names)
 
 
-def _check_source(result: Verification, sidecar: Path, m: dict[str, Any],
-                  layouts: dict[str, FileLayout], source: str | None,
-                  revision: str | None, device: str, tl: Timeline) -> None:  # fmt: skip
+def _check_source(
+    result: Verification,
+    sidecar: Path,
+    m: dict[str, Any],
+    layouts: dict[str, FileLayout],
+    source: str | None,
+    revision: str | None,
+    device: str,
+    tl: Timeline,
+) -> None:
     """Checks 2 and 3, when the source is found and checks 1 found nothing; else checks 1 done
     whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
     from mpack.verify.rederive import find_source, rederive

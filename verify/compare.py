@@ -89,9 +89,16 @@ class SidecarComparer:
     names the tensors whose bytes differ, in the order found.
     """
 
-    def __init__(self, path: Path, planned: FileLayout, found: FileLayout,
-                 record: Mapping[str, Any], *, pool: Executor,
-                 ordered: Executor) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: Path,
+        planned: FileLayout,
+        found: FileLayout,
+        record: Mapping[str, Any],
+        *,
+        pool: Executor,
+        ordered: Executor,
+    ) -> None:
         self.path, self.layout, self.record = path, planned, record
         self.size = int(record["size"])
         ch = record.get("chunks")

@@ -13,8 +13,9 @@ linear layer computed by the reference Marlin FP8 linear from the packed bytes.
 
 Note [equivalence tolerance]: run in float32, both sides compute the same products of exactly
 dequantized weights (fp8 x scale is exact in fp32; both use the same act-dtype scales and bias)
-and differ only in summation order, so their logits agree to ~1e-6 and greedy decoding must give
-identical tokens; one act-dtype ulp on one layer's scales or bias exceeds the bound. Run in the
+and differ only in summation order, so their logits agree far inside the float32 bound (figures:
+docs/BENCHMARKS.md, section 9) and greedy decoding must give identical tokens; one act-dtype ulp
+on one layer's scales or bias exceeds the bound. Run in the
 activation dtype, every layer's activations are rounded to bf16/fp16 at different points on the
 two sides, so the logits may differ by a few of that dtype's roundings per layer relative to
 their size: we allow ``REL_TOL[dtype] * max|logit|`` (``2^-5`` bf16, ``2^-7`` fp16: 4 and 8 times
@@ -34,7 +35,7 @@ from mpack.sidecar import CONFIG_NAME, torch_dtype
 from mpack.target import act_dtype
 
 #: Allowed logit difference relative to max |logit|, by compute dtype (Note [equivalence
-#: tolerance]); in float32 the observed gap is ~1e-6.
+#: tolerance]); in float32 the observed gap is far smaller (docs/BENCHMARKS.md, section 9).
 REL_TOL = {"bfloat16": 2.0**-5, "float16": 2.0**-7, "float32": 1e-4}
 
 
@@ -86,17 +87,18 @@ def _set(module: Any, name: str, value: Any) -> None:
     update_offload_parameter(module, name, value)
 
 
+# Note [act-dtype scales and bias]: a sidecar stores every layer's per-channel scales and its
+# bias in the activation dtype (``pack_scales`` / ``pack_bias`` cast them, round to nearest
+# even), because vLLM's Marlin keeps them there. A checkpoint in another dtype (fp16 packed for
+# bf16, bf16 for fp16, fp32 for either) keeps finer values, which transformers uses as they are
+# in a float32 run: the two sides would then multiply by different scales (one bf16 ulp is 2^-8
+# relative, far above fp32 summation noise; issue 11). So the reference's scales and bias of
+# every packed layer take the value the sidecar holds: cast to the activation dtype, then back
+# to the model's dtype (exact). With the checkpoint in the activation dtype, or the model run in
+# it, this changes nothing.
 def _round_to_act_dtype(model: Any, manifest: dict[str, Any]) -> None:
-    """Note [act-dtype scales and bias]: a sidecar stores every layer's per-channel scales and
-    its bias in the activation dtype (``pack_scales`` / ``pack_bias`` cast them, round to nearest
-    even), because vLLM's Marlin keeps them there. A checkpoint in another dtype (fp16 packed for
-    bf16, bf16 for fp16, fp32 for either) keeps finer values, which transformers uses as they
-    are in a float32 run: the two sides would then multiply by different scales (one bf16 ulp is
-    2^-8 relative, far above fp32 summation noise; issue 11). So the reference's scales and bias
-    of every packed layer take the value the sidecar holds: cast to the activation dtype, then
-    back to the model's dtype (exact). With the checkpoint in the activation dtype, or the model
-    run in it, this changes nothing.
-    """
+    """Round every packed layer's scales and bias of the reference ``model`` to the sidecar's
+    activation dtype, and back (Note [act-dtype scales and bias])."""
     import torch
 
     act = torch_dtype(act_dtype(manifest["target"]["act_dtype"]).st)

@@ -48,8 +48,9 @@ Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]
 class FusedColumn(torch.nn.Module):
     """A column-parallel fused linear over all ranks; returns one full output per shard."""
 
-    def __init__(self, parts: list[Part], widths: list[int], keep: list[list[int]],
-                 dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self, parts: list[Part], widths: list[int], keep: list[list[int]], dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.parts, self.widths, self.keep, self.dtype = parts, widths, keep, dtype
         self._x: torch.Tensor | None = None
@@ -128,13 +129,15 @@ def _ranks(weights: SharedWeights | Sequence[SharedWeights]) -> list[SharedWeigh
     tp = ranks[0].manifest["target"]["tp_size"]
     if len(ranks) != tp or [w.rank for w in ranks] != list(range(tp)):
         raise UsageError(
-            f"build_model needs the SharedWeights of all {tp} ranks in order, got ranks {[w.rank for w in ranks]}"
+            f"build_model needs the SharedWeights of all {tp} ranks in order, "
+            f"got ranks {[w.rank for w in ranks]}"
         )
     return ranks
 
 
-def _replace_linears(model: Any, ranks: list[SharedWeights], dims: Dims, dt: torch.dtype,
-                     sidecar: Path) -> None:  # fmt: skip
+def _replace_linears(
+    model: Any, ranks: list[SharedWeights], dims: Dims, dt: torch.dtype, sidecar: Path
+) -> None:
     """Every packed layer in place of the model's linears (Note [combining TP ranks])."""
     tp = len(ranks)
     for name, ly in ranks[0].manifest["layers"].items():
@@ -161,8 +164,9 @@ def _set_param(model: Any, name: str, tensor: torch.Tensor) -> None:
     mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def _place_passthrough(model: Any, common: SharedWeights, cfg: Any, dt: torch.dtype,
-                       sidecar: Path) -> None:  # fmt: skip
+def _place_passthrough(
+    model: Any, common: SharedWeights, cfg: Any, dt: torch.dtype, sidecar: Path
+) -> None:
     """Embeddings, norms and ``lm_head``: the pass-through tensors (cast when ``dt`` differs)."""
     for pname, _ in list(model.named_parameters()):
         if pname in common:

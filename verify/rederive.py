@@ -18,15 +18,15 @@ Note [verify as a conversion]: re-deriving is a conversion whose writer compares
 writing, so it runs convert's own machinery (:class:`mpack.convert.stream.Streamer`: read,
 transform and write on their own threads; the host or driver path's numpy arrays, or torch's
 tensors and staging rings) with :class:`mpack.verify.compare.SidecarComparer` as the writer,
-and the pass-through tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a conversion, the
-source files are hashed on a thread from the start (which also warms the page cache for the
-reads), the plan comes from the shard headers, and compressed-tensors' parse of the config runs
-in a forked child whose verdict is awaited at the end (Note [scheme check in a child] in
-:mod:`mpack.convert.scheme_check`). The layout is read backwards on the re-derived tensors,
-where the transform left them (on the host path and the driver path in host memory, on the
-torch path on its device): the comparison proves them equal
-to the sidecar's, so this is the check of the sidecar's own bytes. A layer whose bytes differ
-is read back from the sidecar afterwards to say which of its tensors does not unpack.
+and the pass-through tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a
+conversion, the source files are hashed on a thread from the start (which also warms the page cache
+for the reads), the plan comes from the shard headers, and compressed-tensors' parse of the config
+runs in a forked child whose verdict is awaited at the end (Note [scheme check in a child] in
+:mod:`mpack.convert.scheme_check`). The layout is read backwards on the re-derived tensors, where
+the transform left them (on the host path and the driver path in host memory, on the torch path on
+its device): the comparison proves them equal to the sidecar's, so this is the check of the
+sidecar's own bytes. A layer whose bytes differ is read back from the sidecar afterwards to say
+which of its tensors does not unpack.
 """
 
 from __future__ import annotations
@@ -134,9 +134,14 @@ class Rederived:
     device: str = "cpu"
 
 
-def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
-             src: ResolvedSource, device: str = "auto",
-             tl: Timeline | None = None) -> Rederived:  # fmt: skip
+def rederive(
+    sidecar: Path,
+    m: dict[str, Any],
+    layouts: dict[str, FileLayout],
+    src: ResolvedSource,
+    device: str = "auto",
+    tl: Timeline | None = None,
+) -> Rederived:
     """Re-derive every tensor of ``sidecar`` from ``src`` on ``device`` and compare, checking the
     digests of the files read on the way (Note [verify as a conversion]).
 
@@ -183,23 +188,24 @@ def rederive(sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
     return Rederived([], problems, len(plan.units) * plan.tp, compared, where)
 
 
-def _where(device: str, plan: Plan, tl: Timeline,
-           on: contextlib.ExitStack) -> tuple[str, torch.device | None, GpuRepack | None]:  # fmt: skip
-    """Where the re-derivation runs: ``(name, torch device or None, GPU repack or None)``.
-
-    Note [verify without torch]: verify re-derives as a conversion converts, on the path the
-    conversion would take for this ``device`` (Note [auto device], [host path], [driver path]):
-    the host path (numpy, the native repack) or the driver path (the kernel through
-    cuda-bindings) where it takes the plan, and then torch is never imported for a good
-    sidecar (reading a differing layer back, a failure's diagnosis, still uses it). The layout
-    is read backwards by :func:`mpack.convert.host.backwards`: the native unpack of each weight
-    to the checkpoint rows, numpy for the scales and bias, the torch path's words. Elsewhere
-    (a requantizing plan, no native repack) the torch path runs as before.
-    """
+# Note [verify without torch]: verify re-derives as a conversion converts, on the path the
+# conversion would take for this ``device`` (Note [auto device], [host path], [driver path]): the
+# host path (numpy, the native repack) or the driver path (the kernel through cuda-bindings)
+# where it takes the plan, and then torch is never imported for a good sidecar (reading a
+# differing layer back, a failure's diagnosis, still uses it). The layout is read backwards by
+# :func:`mpack.convert.host.backwards`: the native unpack of each weight to the checkpoint rows,
+# numpy for the scales and bias, the torch path's words. Elsewhere (a requantizing plan, no
+# native repack) the torch path runs as before.
+def _where(
+    device: str, plan: Plan, tl: Timeline, on: contextlib.ExitStack
+) -> tuple[str, torch.device | None, GpuRepack | None]:
+    """Where the re-derivation runs: ``(name, torch device or None, GPU repack or None)``, the
+    path a conversion would take (Note [verify without torch])."""
     from mpack.convert import pipeline
 
-    dev, gpu = pipeline.open_device(device, plan, tl, on, "--rederive-device",
-                                    spans=("open-gpu", "import-torch"))  # fmt: skip
+    dev, gpu = pipeline.open_device(
+        device, plan, tl, on, "--rederive-device", spans=("open-gpu", "import-torch")
+    )
     if dev is None:
         return ("cpu" if gpu is None else f"cuda:{gpu.ordinal}"), None, gpu
     where = str(dev)
@@ -210,15 +216,22 @@ def _where(device: str, plan: Plan, tl: Timeline,
     return where, dev, None
 
 
-def _open_and_plan(src: ResolvedSource, check: SchemeCheck, t: dict[str, Any],
-                   passthrough: bool) -> tuple[Checkpoint, Plan]:  # fmt: skip
+def _open_and_plan(
+    src: ResolvedSource, check: SchemeCheck, t: dict[str, Any], passthrough: bool
+) -> tuple[Checkpoint, Plan]:
     """The plan from the shard headers, as a conversion with the sidecar's target makes it.
     With the scheme check in a child, its error comes first: the same order as inline."""
     with check.errors_first():
         ck = open_checkpoint(src.path, scheme=not check.deferred)
         find_layers(ck)
-        plan = make_plan(ck, profile=t["profile"], act_dtype=t["act_dtype"], tp=t["tp_size"],
-                         fusion=t["fusion"], passthrough=passthrough)  # fmt: skip
+        plan = make_plan(
+            ck,
+            profile=t["profile"],
+            act_dtype=t["act_dtype"],
+            tp=t["tp_size"],
+            fusion=t["fusion"],
+            passthrough=passthrough,
+        )
     return ck, plan
 
 
@@ -238,8 +251,9 @@ def _source_problems(m: dict[str, Any], records: list[dict[str, Any]]) -> list[s
 class _Comparers:
     """A :class:`SidecarComparer` for every planned file, on digest threads of their own."""
 
-    def __init__(self, sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout],
-                 plan: Plan) -> None:  # fmt: skip
+    def __init__(
+        self, sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout], plan: Plan
+    ) -> None:
         self.sidecar, self.m, self.layouts, self.plan = sidecar, m, layouts, plan
         self.files: dict[str, SidecarComparer] = {}
         self._stack = contextlib.ExitStack()
@@ -250,8 +264,14 @@ class _Comparers:
             pool = stack.enter_context(iokit.pool("verify-digest", iokit.DIGEST_WORKERS))
             ordered = stack.enter_context(iokit.pool("verify-digest-ordered", 1))
             for name, planned in self.plan.files.items():
-                c = SidecarComparer(self.sidecar / name, planned, self.layouts[name],
-                                    records[name], pool=pool, ordered=ordered)  # fmt: skip
+                c = SidecarComparer(
+                    self.sidecar / name,
+                    planned,
+                    self.layouts[name],
+                    records[name],
+                    pool=pool,
+                    ordered=ordered,
+                )
                 self.files[name] = c
                 stack.callback(c.close)
             self._stack = stack.pop_all()
@@ -266,8 +286,9 @@ class _Comparers:
         self._stack.close()
 
 
-def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None,
-         gpu: GpuRepack | None) -> _Checker | _HostChecker:  # fmt: skip
+def _run(
+    plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None, gpu: GpuRepack | None
+) -> _Checker | _HostChecker:
     """Stream every unit through the transform into ``files``, and the pass-through tensors into
     ``common.safetensors``'s comparer meanwhile; the checker holds the layout-backwards checks.
     ``dev`` None: the host path (numpy; the weights repacked on ``gpu`` when given, else by the
@@ -283,8 +304,17 @@ def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None
             pool = stack.enter_context(host_repack.block_pool())
             buffers, read = host_io(plan, gpu, stack)
             checker = _HostChecker(plan.act_dtype, pool, buffers, gpu)
-            streamer = Streamer(plan, files, None, checker, _ignore, None, tl, read,  # type: ignore[arg-type]
-                                buffers.give)  # fmt: skip
+            streamer = Streamer(
+                plan,
+                files,
+                None,
+                checker,
+                _ignore,
+                None,
+                tl,
+                read,  # type: ignore[arg-type]
+                buffers.give,
+            )
         else:
             from mpack.convert import host_repack
 
@@ -295,8 +325,9 @@ def _run(plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None
         with iokit.pool("copy", 1) as copier:
             copied = None
             if COMMON_NAME in files:
-                copied = copier.submit(copy_tensors, plan.ckpt.read_into, files[COMMON_NAME],
-                                       _ignore, tl)  # type: ignore[arg-type]  # fmt: skip
+                copied = copier.submit(
+                    copy_tensors, plan.ckpt.read_into, files[COMMON_NAME], _ignore, tl
+                )  # type: ignore[arg-type]
             try:
                 streamer.run()
             except BaseException:
@@ -366,8 +397,13 @@ class _Checker:
         self._flags = []
 
 
-def _backwards(layer: OutLayer, fused: Fused, packed: list[torch.Tensor], dt: torch.dtype,
-               pool: Executor | None) -> list[tuple[str, Any]]:  # fmt: skip
+def _backwards(
+    layer: OutLayer,
+    fused: Fused,
+    packed: list[torch.Tensor],
+    dt: torch.dtype,
+    pool: Executor | None,
+) -> list[tuple[str, Any]]:
     """The layout read backwards (check 3): ``(what, differs)`` for the weight, the scales and
     the bias of one rank's layer, ``packed`` as the sidecar stores them. ``differs`` is a bool,
     or on CUDA a bool tensor not read yet."""
@@ -375,16 +411,22 @@ def _backwards(layer: OutLayer, fused: Fused, packed: list[torch.Tensor], dt: to
 
     what = "requantized" if layer.requant else "checkpoint"
     out = [
-        (f"{layer.name}.weight does not unpack to the {what} bytes",
-         _weight_differs(packed[0], fused.weight, layer.n, layer.k, pool)),
-        (f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
-         _differs(marlin.unpack_scales(packed[1], layer.n), fused.scale.to(dt))),
-    ]  # fmt: skip
+        (
+            f"{layer.name}.weight does not unpack to the {what} bytes",
+            _weight_differs(packed[0], fused.weight, layer.n, layer.k, pool),
+        ),
+        (
+            f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
+            _differs(marlin.unpack_scales(packed[1], layer.n), fused.scale.to(dt)),
+        ),
+    ]
     if fused.bias is not None:
         out.append(
-            (f"{layer.name}.bias does not unpack to the checkpoint bias",
-             _differs(marlin.unpack_bias(packed[2], layer.n), fused.bias.to(dt)))
-        )  # fmt: skip
+            (
+                f"{layer.name}.bias does not unpack to the checkpoint bias",
+                _differs(marlin.unpack_bias(packed[2], layer.n), fused.bias.to(dt)),
+            )
+        )
     return out
 
 
@@ -400,8 +442,9 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> Any:
     return not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _weight_differs(packed: torch.Tensor, weight: torch.Tensor, n: int, k: int,
-                    pool: Executor | None) -> Any:  # fmt: skip
+def _weight_differs(
+    packed: torch.Tensor, weight: torch.Tensor, n: int, k: int, pool: Executor | None
+) -> Any:
     """Whether ``packed`` (int32 ``[Kp/16, 4*Np]``) unpacks to other bytes than ``weight``
     (uint8 ``[N, K]``).
 
@@ -437,17 +480,26 @@ def _weight_differs(packed: torch.Tensor, weight: torch.Tensor, n: int, k: int,
 # --- what differs, for people -----------------------------------------------------------------
 
 
-def _tensor_problems(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer],
-                     checker: _Checker, layouts: dict[str, FileLayout]) -> list[str]:  # fmt: skip
+def _tensor_problems(
+    sidecar: Path,
+    plan: Plan,
+    files: dict[str, SidecarComparer],
+    checker: _Checker,
+    layouts: dict[str, FileLayout],
+) -> list[str]:
     """Every tensor that differs, per unit and rank, then the pass-through tensors. A layer
     with a differing tensor is read back from the sidecar to say what does not unpack."""
     problems: list[str] = []
     for fname in (n for n in plan.files if n != COMMON_NAME):
         c = files[fname]
-        problems += [f"{fname}: tensor {t} is missing (the source derives it)"
-                     for t in c.unmatched if t not in {e.name for e in layouts[fname].entries}]  # fmt: skip
-        problems += [f"{fname}: unexpected tensor {t} (the source does not derive it)"
-                     for t in c.unplanned]  # fmt: skip
+        problems += [
+            f"{fname}: tensor {t} is missing (the source derives it)"
+            for t in c.unmatched
+            if t not in {e.name for e in layouts[fname].entries}
+        ]
+        problems += [
+            f"{fname}: unexpected tensor {t} (the source does not derive it)" for t in c.unplanned
+        ]
     back = _read_back(sidecar, plan, files, layouts)
     for unit in plan.units:
         for layer in unit:
@@ -473,8 +525,9 @@ def _tensor_problems(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer
     return problems
 
 
-def _read_back(sidecar: Path, plan: Plan, files: dict[str, SidecarComparer],
-               layouts: dict[str, FileLayout]) -> dict[tuple[int, str], list[str]]:  # fmt: skip
+def _read_back(
+    sidecar: Path, plan: Plan, files: dict[str, SidecarComparer], layouts: dict[str, FileLayout]
+) -> dict[tuple[int, str], list[str]]:
     """The layout read backwards on the sidecar's own bytes, for the layers whose bytes differ
     from the re-derived ones (on the CPU with torch: a failure's diagnosis, not the fast path)."""
     out: dict[tuple[int, str], list[str]] = {}

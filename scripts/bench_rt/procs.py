@@ -49,9 +49,16 @@ class Child:
         self.log = cwd / f"{Child._n:02d}-{name}.log"
         with open(self.log, "w") as err:
             self.t0 = time.perf_counter()
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True, env=env, cwd=cwd,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         Child.live.append(self)
         self._lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
         self._pumper = threading.Thread(target=self._pump, daemon=True)
@@ -177,8 +184,17 @@ def serve(
     """``mpack serve SIDECAR --device D --rank R --socket S`` in a fresh process, READY (its
     ``ready_s``: process start to READY); stopped with SIGTERM (then SIGKILL) when the block
     ends, unless already stopped. Its stdout and stderr stay in ``cwd``."""
-    d = spawn(sidecar, rank=rank, device=device, socket=socket, env=env, cwd=cwd, log_dir=cwd,
-              new_session=True, timeout=READY_TIMEOUT_S)  # fmt: skip
+    d = spawn(
+        sidecar,
+        rank=rank,
+        device=device,
+        socket=socket,
+        env=env,
+        cwd=cwd,
+        log_dir=cwd,
+        new_session=True,
+        timeout=READY_TIMEOUT_S,
+    )
     DAEMONS.append(d)
     try:
         yield d

@@ -26,15 +26,30 @@ def gbps(nbytes: int, s: float | None) -> str:
 
 def meta(c: Ctx) -> dict[str, Any]:
     m: dict[str, Any] = {
-        "sidecar": str(c.sidecar), "device": c.device, "rank": c.args.rank, "bytes": c.total,
-        "tensors": c.tensors, "files": {p.name: n for p, _, n in c.regions},
-        "python": sys.version.split()[0], "cpus": os.cpu_count(), "cold_method": c.args.cold,
-    }  # fmt: skip
+        "sidecar": str(c.sidecar),
+        "device": c.device,
+        "rank": c.args.rank,
+        "bytes": c.total,
+        "tensors": c.tensors,
+        "files": {p.name: n for p, _, n in c.regions},
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "cold_method": c.args.cold,
+    }
     if c.cuda and c.smi_id is not None:
         with contextlib.suppress(Exception):
-            m["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                                       "--format=csv,noheader", "-i", c.smi_id],
-                                      capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+            m["gpu"] = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version",
+                    "--format=csv,noheader",
+                    "-i",
+                    c.smi_id,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
     return m
 
 
@@ -75,19 +90,47 @@ def summarize(c: Ctx) -> list[dict[str, Any]]:
     where = "GPU" if c.cuda else "host"
     weights = mem.get("weights_with_clients")
     rows = [
-        {"name": f"{temp} load / floor", "value": ratio(serve, floor), "unit": "x", "op": "<=",
-         "target": 1.15, "from": f"load_s {sec(serve)} s / floor {sec(floor)} s"},
-        {"name": f"{temp} load / safetensors load_file", "value": ratio(serve, st), "unit": "x",
-         "op": "<", "target": 1.0, "from": f"{sec(serve)} s / {sec(st)} s"},
-        {"name": f"attach ms, max of {top} clients", "value": att, "unit": "ms", "op": "<=",
-         "target": 20.0, "from": f"{tensors[0] if tensors else '?'} tensors"},
-        {"name": f"attach / torch.mp, max of {top}", "value": ratio(att_total, tmp_total),
-         "unit": "x", "op": "<", "target": 1.0,
-         "from": f"{ms(att_total)} ms / {ms(tmp_total)} ms (+ data_ptr, sync)"},
-        {"name": f"{where} memory, {top} clients / one copy", "value": mem.get("ratio"),
-         "unit": "x", "op": "<=", "target": 1.05,
-         "from": "n/a" if weights is None else f"{gib(weights)} / {gib(c.total)}, contexts out"},
-    ]  # fmt: skip
+        {
+            "name": f"{temp} load / floor",
+            "value": ratio(serve, floor),
+            "unit": "x",
+            "op": "<=",
+            "target": 1.15,
+            "from": f"load_s {sec(serve)} s / floor {sec(floor)} s",
+        },
+        {
+            "name": f"{temp} load / safetensors load_file",
+            "value": ratio(serve, st),
+            "unit": "x",
+            "op": "<",
+            "target": 1.0,
+            "from": f"{sec(serve)} s / {sec(st)} s",
+        },
+        {
+            "name": f"attach ms, max of {top} clients",
+            "value": att,
+            "unit": "ms",
+            "op": "<=",
+            "target": 20.0,
+            "from": f"{tensors[0] if tensors else '?'} tensors",
+        },
+        {
+            "name": f"attach / torch.mp, max of {top}",
+            "value": ratio(att_total, tmp_total),
+            "unit": "x",
+            "op": "<",
+            "target": 1.0,
+            "from": f"{ms(att_total)} ms / {ms(tmp_total)} ms (+ data_ptr, sync)",
+        },
+        {
+            "name": f"{where} memory, {top} clients / one copy",
+            "value": mem.get("ratio"),
+            "unit": "x",
+            "op": "<=",
+            "target": 1.05,
+            "from": "n/a" if weights is None else f"{gib(weights)} / {gib(c.total)}, contexts out",
+        },
+    ]
     for row in rows:
         v, t = row["value"], row["target"]
         row["pass"] = None if v is None else bool(v <= t if row["op"] == "<=" else v < t)
@@ -108,14 +151,17 @@ def probes(c: Ctx) -> dict[str, list[int]]:
 
 def print_table(c: Ctx, rows: list[dict[str, Any]]) -> None:
     r = c.res
-    print(f"\n{c.sidecar}: rank {c.args.rank}, {c.total / GB:.2f} GB, {c.tensors} tensors, "
-          f"device {c.device}" + ("" if c.cuda else " (CPU analogues: the targets are for CUDA)"))  # fmt: skip
+    print(
+        f"\n{c.sidecar}: rank {c.args.rank}, {c.total / GB:.2f} GB, {c.tensors} tensors, "
+        f"device {c.device}" + ("" if c.cuda else " (CPU analogues: the targets are for CUDA)")
+    )
     cold = [_get(r, "floor", "copy_cold_state", "cold"), _get(r, "serve", "cold", "state", "cold")]
     if c.args.cold == "none":
         print("cold runs skipped (--cold none): the load ratios are warm")
     elif False in cold:
         print(
-            f"WARNING: a cold run was not cold (floor, serve: {cold}); run as root or --cold fadvise"
+            f"WARNING: a cold run was not cold (floor, serve: {cold}); "
+            "run as root or --cold fadvise"
         )
     seen = r.get("probes", {})
     if len({v for vs in seen.values() for v in vs}) > 1:
@@ -125,5 +171,7 @@ def print_table(c: Ctx, rows: list[dict[str, Any]]) -> None:
         v, ok = row["value"], row["pass"]
         val = "n/a" if v is None else (f"{v:.1f} ms" if row["unit"] == "ms" else f"{v:.3f}x")
         res = "n/a" if ok is None else "PASS" if ok else "MISS"
-        print(f"{row['name']:<40}{val:>10}{row['op'] + ' ' + format(row['target'], 'g'):>9}  "
-              f"{res:<7}{row['from']}")  # fmt: skip
+        print(
+            f"{row['name']:<40}{val:>10}{row['op'] + ' ' + format(row['target'], 'g'):>9}  "
+            f"{res:<7}{row['from']}"
+        )

@@ -71,7 +71,8 @@ class Ctx:
         return run_worker(SCRIPT, kind, args, key, timeout, self.env, self.tmp)
 
     def serve(self) -> contextlib.AbstractContextManager[DaemonHandle]:
-        """``mpack serve`` in a fresh process, READY, stopped when the block ends (``procs.serve``)."""
+        """``mpack serve`` in a fresh process, READY, stopped when the block ends
+        (``procs.serve``)."""
         return serve(self.sidecar, self.args.rank, self.device, self.socket, self.env, self.tmp)
 
     # --- memory ------------------------------------------------------------------------------
@@ -80,9 +81,19 @@ class Ctx:
         if not self.cuda:
             return host_memory(own_groups())
         if self.meminfo is None:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                  "-i", str(self.smi_id)], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout  # fmt: skip
+            out = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=memory.used",
+                    "--format=csv,noheader,nounits",
+                    "-i",
+                    str(self.smi_id),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
             return int(out.split()[0]) * MiB
         self.meminfo.send("q")
         return int(self.meminfo.read_json("used")["used"])
@@ -135,9 +146,20 @@ def choose_memory_source(c: Ctx) -> None:
 
 def section_floor(c: Ctx) -> dict[str, Any]:
     chunks = [int(x) for x in c.args.floor_chunks.split(",")]
-    f = c.run_worker("floor", {"device": c.device, "regions": [[str(p), o, n] for p, o, n in c.regions],
-                               "total": c.total, "depth": DEPTH, "chunks": chunks,
-                               "reps": c.args.warm_reps, "cold": c.args.cold}, "floor", 1800)  # fmt: skip
+    f = c.run_worker(
+        "floor",
+        {
+            "device": c.device,
+            "regions": [[str(p), o, n] for p, o, n in c.regions],
+            "total": c.total,
+            "depth": DEPTH,
+            "chunks": chunks,
+            "reps": c.args.warm_reps,
+            "cold": c.args.cold,
+        },
+        "floor",
+        1800,
+    )
     f["copy_warm_best"] = min(min(v) for v in f["copy_warm"].values())
     b = c.total
     copy = "file -> pinned -> device" if c.cuda else "file -> shared mapping"
@@ -145,14 +167,20 @@ def section_floor(c: Ctx) -> dict[str, Any]:
         st = f.get(k + "_state")
         if st and not st["cold"]:
             print(f"  WARNING: {k} was not cold: {st}")
-    print(f"  {copy} ({f['best_chunk_mib']} MiB x {DEPTH}): cold {f.get('copy_cold', 0):.2f} s "
-          f"({gbps(b, f.get('copy_cold'))}), warm {f['copy_warm_best']:.2f} s "
-          f"({gbps(b, f['copy_warm_best'])})")  # fmt: skip
-    print(f"  read only: cold {f.get('read_cold', 0):.2f} s ({gbps(b, f.get('read_cold'))}), warm "
-          f"{min(f['read_warm']):.2f} s ({gbps(b, min(f['read_warm']))}); per chunk (warm, s): "
-          + ", ".join(f"{k} MiB {min(v):.2f}" for k, v in f["copy_warm"].items()))  # fmt: skip
-    print(f"  sha256, one thread: {f['sha256_gbps']:.2f} GB/s ({b / GB / f['sha256_gbps']:.2f} s "
-          "for these bytes as one stream; serve hashes 64 MiB chunks on several threads)")  # fmt: skip
+    print(
+        f"  {copy} ({f['best_chunk_mib']} MiB x {DEPTH}): cold {f.get('copy_cold', 0):.2f} s "
+        f"({gbps(b, f.get('copy_cold'))}), warm {f['copy_warm_best']:.2f} s "
+        f"({gbps(b, f['copy_warm_best'])})"
+    )
+    print(
+        f"  read only: cold {f.get('read_cold', 0):.2f} s ({gbps(b, f.get('read_cold'))}), warm "
+        f"{min(f['read_warm']):.2f} s ({gbps(b, min(f['read_warm']))}); per chunk (warm, s): "
+        + ", ".join(f"{k} MiB {min(v):.2f}" for k, v in f["copy_warm"].items())
+    )
+    print(
+        f"  sha256, one thread: {f['sha256_gbps']:.2f} GB/s ({b / GB / f['sha256_gbps']:.2f} s "
+        "for these bytes as one stream; serve hashes 64 MiB chunks on several threads)"
+    )
     return f
 
 
@@ -180,10 +208,18 @@ def section_serve(c: Ctx) -> dict[str, Any]:
         with c.serve() as d:
             code = d.stop(signal.SIGTERM, 60)
         ready, wall = d.ready, d.ready_s
-        r = {"load_s": ready.load_s, "wall_s": wall, "bytes": ready.bytes,
-             "startup_s": wall - ready.load_s, "exit": code, "state": state}  # fmt: skip
-        print(f"  serve ({temp}): load_s {r['load_s']:.2f} s ({gbps(c.total, r['load_s'])}), "
-              f"Popen to READY {r['wall_s']:.2f} s, SIGTERM exit {code}")  # fmt: skip
+        r = {
+            "load_s": ready.load_s,
+            "wall_s": wall,
+            "bytes": ready.bytes,
+            "startup_s": wall - ready.load_s,
+            "exit": code,
+            "state": state,
+        }
+        print(
+            f"  serve ({temp}): load_s {r['load_s']:.2f} s ({gbps(c.total, r['load_s'])}), "
+            f"Popen to READY {r['wall_s']:.2f} s, SIGTERM exit {code}"
+        )
         return r
 
     return _cold_and_warm(c, one, "load_s")
@@ -193,19 +229,30 @@ def section_safetensors(c: Ctx) -> dict[str, Any]:
     def one(temp: str) -> dict[str, Any]:
         if temp == "warm":
             ensure_warm(c.files)
-        args = {"device": c.device, "files": [str(p) for p in c.files], "probe": c.probe,
-                "cold": c.args.cold if temp == "cold" else "none"}  # fmt: skip
+        args = {
+            "device": c.device,
+            "files": [str(p) for p in c.files],
+            "probe": c.probe,
+            "cold": c.args.cold if temp == "cold" else "none",
+        }
         r = c.run_worker("safetensors", args, "safetensors", 1800)
-        print(f"  load_file ({temp}): {r['seconds']:.2f} s ({gbps(r['bytes'], r['seconds'])}), "
-              f"{r['tensors']} tensors, safetensors {r['version']}")  # fmt: skip
+        print(
+            f"  load_file ({temp}): {r['seconds']:.2f} s ({gbps(r['bytes'], r['seconds'])}), "
+            f"{r['tensors']} tensors, safetensors {r['version']}"
+        )
         return r
 
     return _cold_and_warm(c, one, "seconds")
 
 
 def _clients(c: Ctx, n: int) -> list[Child]:
-    args = {"device": c.device, "sidecar": str(c.sidecar), "rank": c.args.rank,
-            "socket": str(c.socket), "probe": c.probe}  # fmt: skip
+    args = {
+        "device": c.device,
+        "sidecar": str(c.sidecar),
+        "rank": c.args.rank,
+        "socket": str(c.socket),
+        "probe": c.probe,
+    }
     kids = [c.worker("attach-client", args) for _ in range(n)]
     try:
         for k in kids:
@@ -230,10 +277,12 @@ def _attach_round(c: Ctx, n: int, mem: dict[str, Any]) -> dict[str, Any]:
         for k in kids:  # the barrier: every client is initialised and waits for this
             k.send("attach")
         docs = [k.read_json("attach_ms") for k in kids]
-        rnd = {"attach_ms": _stats([x["attach_ms"] for x in docs]),
-               "total_ms": _stats([x["total_ms"] for x in docs]),
-               "tensors": sorted({x["tensors"] for x in docs}),
-               "probes": sorted({x["probe"] for x in docs})}  # fmt: skip
+        rnd = {
+            "attach_ms": _stats([x["attach_ms"] for x in docs]),
+            "total_ms": _stats([x["total_ms"] for x in docs]),
+            "tensors": sorted({x["tensors"] for x in docs}),
+            "probes": sorted({x["probe"] for x in docs}),
+        }
         if m_idle is not None:
             from mpack.runtime.client import status_of
 
@@ -271,9 +320,11 @@ def section_attach(c: Ctx, m0: int) -> dict[str, Any]:
                     out["memory"] = mem["memory"]
                 out["rounds"][str(n)] = rnd
                 a = rnd["attach_ms"]
-                print(f"  {n} client(s): attach max {a['max']:.1f} ms, median {a['median']:.1f} ms "
-                      f"(with data_ptr + sync: max {rnd['total_ms']['max']:.1f} ms), "
-                      f"{rnd['tensors']} tensors")  # fmt: skip
+                print(
+                    f"  {n} client(s): attach max {a['max']:.1f} ms, median {a['median']:.1f} ms "
+                    f"(with data_ptr + sync: max {rnd['total_ms']['max']:.1f} ms), "
+                    f"{rnd['tensors']} tensors"
+                )
                 if len(rnd["probes"]) != 1:
                     print(f"  WARNING: clients saw different bytes: probes {rnd['probes']}")
             _print_attach_totals(out, m0, m_one, c.total)
@@ -287,10 +338,12 @@ def _print_attach_totals(out: dict[str, Any], m0: int, m_one: int, total: int) -
         print(f"  attach again in a warm process: median {out['reattach_ms']['median']:.2f} ms")
     if "memory" in out:
         m = out["memory"]
-        print(f"  memory: baseline {gib(m0)}, daemon alone +{gib(m_one - m0)}, context/client "
-              f"{gib(m['context_per_client'])}, {m['clients']} attached add "
-              f"{gib(m['attach_added'])}: weights {gib(m['weights_with_clients'])} = "
-              f"{m['ratio']:.3f} x one copy ({gib(total)}); raw {m['raw_ratio']:.3f} x")  # fmt: skip
+        print(
+            f"  memory: baseline {gib(m0)}, daemon alone +{gib(m_one - m0)}, context/client "
+            f"{gib(m['context_per_client'])}, {m['clients']} attached add "
+            f"{gib(m['attach_added'])}: weights {gib(m['weights_with_clients'])} = "
+            f"{m['ratio']:.3f} x one copy ({gib(total)}); raw {m['raw_ratio']:.3f} x"
+        )
 
 
 def section_torch_mp(c: Ctx, m0: int) -> dict[str, Any]:
@@ -315,19 +368,26 @@ def section_torch_mp(c: Ctx, m0: int) -> dict[str, Any]:
                 out["memory"] = mem_summary(m0, m_one, m_idle, m_att, n, out["bytes"], own)
             p.send("release")
             p.read_json("released")
-            rnd = {"get_ms": _stats([r["get_ms"] for r in res]),
-                   "total_ms": _stats([r["total_ms"] for r in res]),
-                   "probes": sorted({r["probe"] for r in res}),
-                   "producer_pickle_ms": doc["pickle_ms"], "pickle_bytes": doc["pickle_bytes"]}  # fmt: skip
+            rnd = {
+                "get_ms": _stats([r["get_ms"] for r in res]),
+                "total_ms": _stats([r["total_ms"] for r in res]),
+                "probes": sorted({r["probe"] for r in res}),
+                "producer_pickle_ms": doc["pickle_ms"],
+                "pickle_bytes": doc["pickle_bytes"],
+            }
             out["rounds"][str(n)] = rnd
-            print(f"  {n} consumer(s): get max {rnd['get_ms']['max']:.1f} ms, with data_ptr + sync "
-                  f"max {rnd['total_ms']['max']:.1f} ms, median {rnd['total_ms']['median']:.1f} ms "
-                  f"(producer: {doc['pickle_ms']:.1f} ms to pickle each, {doc['pickle_bytes']} B)")  # fmt: skip
+            print(
+                f"  {n} consumer(s): get max {rnd['get_ms']['max']:.1f} ms, with data_ptr + sync "
+                f"max {rnd['total_ms']['max']:.1f} ms, median {rnd['total_ms']['median']:.1f} ms "
+                f"(producer: {doc['pickle_ms']:.1f} ms to pickle each, {doc['pickle_bytes']} B)"
+            )
         if "memory" in out:
             m = out["memory"]
-            print(f"  memory: producer alone +{gib(m_one - m0)}, {m['clients']} consumers add "
-                  f"{gib(m['attach_added'])}: weights {gib(m['weights_with_clients'])} = "
-                  f"{m['ratio']:.3f} x one copy ({gib(out['bytes'])}); raw {m['raw_ratio']:.3f} x")  # fmt: skip
+            print(
+                f"  memory: producer alone +{gib(m_one - m0)}, {m['clients']} consumers add "
+                f"{gib(m['attach_added'])}: weights {gib(m['weights_with_clients'])} = "
+                f"{m['ratio']:.3f} x one copy ({gib(out['bytes'])}); raw {m['raw_ratio']:.3f} x"
+            )
         p.send("quit")
         out["exit"] = p.end(None, 60)
     finally:

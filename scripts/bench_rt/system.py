@@ -28,8 +28,14 @@ def resident_fraction(files: list[Path]) -> float | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     except (OSError, AttributeError):
@@ -114,7 +120,17 @@ def mem_summary(m0: int, one: int, idle: int, att: int, n: int, copy: int, own: 
     ctx = (idle - one) / n
     own_ctx = ctx if own is None else own
     weights = att - m0 - n * ctx - own_ctx
-    return {"baseline": m0, "one": one, "idle": idle, "attached": att, "clients": n,
-            "one_copy_bytes": copy, "context_per_client": ctx, "server_context": own_ctx,
-            "attach_added": att - idle, "weights_with_clients": weights,
-            "raw_ratio": (att - m0) / copy, "ratio": weights / copy}  # fmt: skip
+    return {
+        "baseline": m0,
+        "one": one,
+        "idle": idle,
+        "attached": att,
+        "clients": n,
+        "one_copy_bytes": copy,
+        "context_per_client": ctx,
+        "server_context": own_ctx,
+        "attach_added": att - idle,
+        "weights_with_clients": weights,
+        "raw_ratio": (att - m0) / copy,
+        "ratio": weights / copy,
+    }

@@ -189,9 +189,18 @@ def w_safetensors(a: dict[str, Any]) -> None:
     if cuda:
         torch.cuda.synchronize(dev)
     dt = time.perf_counter() - t0
-    emit({"safetensors": {"seconds": dt, "tensors": len(tensors), "version": safetensors.__version__,
-                          "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-                          "cold_state": state, "probe": _probe(torch, tensors[a["probe"]])}})  # fmt: skip
+    emit(
+        {
+            "safetensors": {
+                "seconds": dt,
+                "tensors": len(tensors),
+                "version": safetensors.__version__,
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "cold_state": state,
+                "probe": _probe(torch, tensors[a["probe"]]),
+            }
+        }
+    )
 
 
 def client_start(dev: str) -> tuple[Callable[..., Any], float, float]:
@@ -211,7 +220,7 @@ def client_start(dev: str) -> tuple[Callable[..., Any], float, float]:
         with contextlib.suppress(ImportError):
             from cuda.bindings import driver  # noqa: F401
     else:
-        import mpack.runtime.host  # noqa: F401
+        import mpack.runtime.memfd  # noqa: F401
     t1 = time.perf_counter()
     if dev != "cpu":
         _cuda_init(torch, dev)
@@ -242,8 +251,15 @@ def w_attach_client(a: dict[str, Any]) -> None:
         w = attach(a["sidecar"], rank=a["rank"], device=dev, socket=a["socket"])
         t1 = time.perf_counter()
         t2 = _every_pointer(torch, w, dev)
-        emit({"attach_ms": (t1 - t0) * 1e3, "total_ms": (t2 - t0) * 1e3, "tensors": len(w),
-              "nbytes": w.nbytes, "probe": _probe(torch, w[a["probe"]])})  # fmt: skip
+        emit(
+            {
+                "attach_ms": (t1 - t0) * 1e3,
+                "total_ms": (t2 - t0) * 1e3,
+                "tensors": len(w),
+                "nbytes": w.nbytes,
+                "probe": _probe(torch, w[a["probe"]]),
+            }
+        )
     if w is not None:
         w.close()
 
@@ -266,8 +282,15 @@ def _tmp_consumer(
     t1 = time.perf_counter()
     t2 = _every_pointer(torch, d, dev)
     seen = _probe(torch, d[probe])
-    res_q.put({"pid": os.getpid(), "get_ms": (t1 - t0) * 1e3, "total_ms": (t2 - t0) * 1e3,
-               "tensors": len(d), "probe": seen})  # fmt: skip
+    res_q.put(
+        {
+            "pid": os.getpid(),
+            "get_ms": (t1 - t0) * 1e3,
+            "total_ms": (t2 - t0) * 1e3,
+            "tensors": len(d),
+            "probe": seen,
+        }
+    )
     release.wait()
     del d
 
@@ -297,8 +320,9 @@ class _TmpRound:
         self.go, self.release = ctx.Event(), ctx.Event()
         self.pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         args = (self.rq, self.resq, self.go, self.release, dev, probe)
-        self.procs = [ctx.Process(target=_tmp_consumer, args=(r, *args), daemon=True)
-                      for r, _ in self.pipes]  # fmt: skip
+        self.procs = [
+            ctx.Process(target=_tmp_consumer, args=(r, *args), daemon=True) for r, _ in self.pipes
+        ]
         for p in self.procs:
             p.start()
 
@@ -315,8 +339,10 @@ class _TmpRound:
         t0 = time.perf_counter()
         blobs = [bytes(ForkingPickler.dumps(tensors)) for _ in self.pipes]  # one pickle each
         pickle_ms = (time.perf_counter() - t0) * 1e3 / max(1, self.n)
-        writers = [threading.Thread(target=w.send_bytes, args=(b,), daemon=True)
-                   for (_, w), b in zip(self.pipes, blobs, strict=True)]  # fmt: skip
+        writers = [
+            threading.Thread(target=w.send_bytes, args=(b,), daemon=True)
+            for (_, w), b in zip(self.pipes, blobs, strict=True)
+        ]
         for w in writers:
             w.start()
         self.go.set()
@@ -354,9 +380,15 @@ def w_tmp_producer(a: dict[str, Any]) -> None:
         _cuda_init(torch, dev)
     t0 = time.perf_counter()
     tensors = _tmp_load(torch, a["files"], dev)
-    emit({"loaded": True, "load_s": time.perf_counter() - t0, "tensors": len(tensors),
-          "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-          "probe": _probe(torch, tensors[a["probe"]])})  # fmt: skip
+    emit(
+        {
+            "loaded": True,
+            "load_s": time.perf_counter() - t0,
+            "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "probe": _probe(torch, tensors[a["probe"]]),
+        }
+    )
     ctx = tmp.get_context("spawn")
     rnd: _TmpRound | None = None
     while line := sys.stdin.readline():
@@ -387,6 +419,9 @@ def w_meminfo(a: dict[str, Any]) -> None:
 
 
 WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "floor": w_floor, "safetensors": w_safetensors, "attach-client": w_attach_client,
-    "tmp-producer": w_tmp_producer, "meminfo": w_meminfo,
-}  # fmt: skip
+    "floor": w_floor,
+    "safetensors": w_safetensors,
+    "attach-client": w_attach_client,
+    "tmp-producer": w_tmp_producer,
+    "meminfo": w_meminfo,
+}

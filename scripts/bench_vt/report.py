@@ -21,16 +21,23 @@ from typing import Any
 #: one without on its value (ms). Keys: see ``rows`` (``convert-cpu-16c``: 16 cores; ``-check``:
 #: no kept scheme verdict, the targets of the row without).
 TARGETS: dict[str, tuple[float, str]] = {
-    "convert-cuda": (1.1, "x cp -r"), "convert-cuda-cold": (1.3, "x cp -r cold"),
-    "convert-cpu-16c": (1.3, "x cp -r"), "convert-cpu-4c": (2.0, "x cp -r"),
-    "convert-cpu-4c-hub": (2.0, "x cp -r"), "convert-cpu-4c-hub-check": (2.0, "x cp -r"),
-    "convert-cpu-4c-check": (2.0, "x cp -r"), "convert-cuda-cold-check": (1.3, "x cp -r cold"),
+    "convert-cuda": (1.1, "x cp -r"),
+    "convert-cuda-cold": (1.3, "x cp -r cold"),
+    "convert-cpu-16c": (1.3, "x cp -r"),
+    "convert-cpu-4c": (2.0, "x cp -r"),
+    "convert-cpu-4c-hub": (2.0, "x cp -r"),
+    "convert-cpu-4c-hub-check": (2.0, "x cp -r"),
+    "convert-cpu-4c-check": (2.0, "x cp -r"),
+    "convert-cuda-cold-check": (1.3, "x cp -r cold"),
     "verify": (1.5, "x cp -r"),
-    "load-cuda": (0.9, "x load_file"), "load-cpu": (0.9, "x load_file"),
-    "load-cuda-cold": (1.1, "x disk read"), "load-cpu-cold": (1.1, "x disk read"),
-    "attach-1": (20.0, "ms"), "attach-8": (30.0, "ms each"),
+    "load-cuda": (0.9, "x load_file"),
+    "load-cpu": (0.9, "x load_file"),
+    "load-cuda-cold": (1.1, "x disk read"),
+    "load-cpu-cold": (1.1, "x disk read"),
+    "attach-1": (20.0, "ms"),
+    "attach-8": (30.0, "ms each"),
     "rss": (1.25, "x (size-independent)"),
-}  # fmt: skip
+}
 
 #: Issue 15's figures (the H200 machine, 8B-shaped checkpoint), per row key.
 BEFORE: dict[str, str] = {
@@ -107,7 +114,8 @@ def secs(x: float) -> str:
 
 
 def print_table(rows: list[Row], lines: list[str]) -> None:
-    """The table, columns padded; then each row's notes and the run's own lines (skips, warnings)."""
+    """The table, columns padded; then each row's notes and the run's own lines (skips,
+    warnings)."""
     cells = [list(COLUMNS), *(r.cells() for r in rows)]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     print()
@@ -135,8 +143,10 @@ def markdown(rows: list[Row], lines: list[str], meta: dict[str, Any]) -> str:
     head = [
         f"### {m['date']}, {m.get('gpu') or 'no GPU'}",
         "",
-        f"Machine: {gpu}, torch {m.get('torch')}, {m['cpus']} CPUs ({m.get('cpu_model') or '?'}), Python {m['python']}; "
-        f"git {m['commit']}. Checkpoint: {meta['layers']} layers, {meta['source_bytes'] / 1e9:.2f} GB"
+        f"Machine: {gpu}, torch {m.get('torch')}, {m['cpus']} CPUs "
+        f"({m.get('cpu_model') or '?'}), Python {m['python']}; "
+        f"git {m['commit']}. Checkpoint: {meta['layers']} layers, "
+        f"{meta['source_bytes'] / 1e9:.2f} GB"
         + (f"; sidecar {meta['sidecar_bytes'] / 1e9:.2f} GB" if meta.get("sidecar_bytes") else "")
         + ".",
         "",
@@ -154,7 +164,12 @@ def append_markdown(path: Path, text: str) -> None:
     """Append ``text`` to ``path`` under the section "bench_vs_tools runs" (made if missing)."""
     old = path.read_text() if path.exists() else ""
     section = "## bench_vs_tools runs"
-    lead = "" if section in old else f"{section}\n\n`python scripts/bench_vs_tools.py --md FILE` appends one subsection per run.\n\n"  # fmt: skip
+    lead = (
+        ""
+        if section in old
+        else f"{section}\n\n`python scripts/bench_vs_tools.py --md FILE` "
+        "appends one subsection per run.\n\n"
+    )
     sep = "" if not old or old.endswith("\n\n") else "\n" if old.endswith("\n") else "\n\n"
     with open(path, "a") as f:
         f.write(sep + lead + text)
@@ -174,17 +189,25 @@ def machine(env: dict[str, str], cwd: Path) -> dict[str, Any]:
     torch sees a GPU (asked in a fresh process: this one never imports torch)."""
     m: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpus": os.cpu_count(), "python": platform.python_version(), "commit": git_commit(),
-    }  # fmt: skip
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "commit": git_commit(),
+    }
     with contextlib.suppress(OSError):
-        models = [x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")]  # fmt: skip
+        models = [
+            x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name")
+        ]
         m["cpu_model"] = models[0].split(":", 1)[1].strip() if models else None
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=cwd)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=cwd
+    )
     m.update(json.loads(r.stdout) if r.returncode == 0 else {"cuda": False, "torch": None})
     if m["cuda"] and shutil.which("nvidia-smi"):
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             q = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"]
-            m["driver"] = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+            m["driver"] = subprocess.run(
+                q, capture_output=True, text=True, timeout=30
+            ).stdout.strip()
     return m
 
 
@@ -196,8 +219,12 @@ def git_commit() -> str:
         return os.environ["BENCH_COMMIT"]
     repo = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if head.returncode == 0:
             dirty = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", "HEAD"], timeout=60)
             return head.stdout.strip() + (" + changes" if dirty.returncode else "")

@@ -67,8 +67,12 @@ class Bench:
     def save(self) -> None:
         """Write --json (after every row: what ran survives an interrupted run)."""
         if self.args.json_out:
-            doc = {"meta": self.meta, "peers": self.peers, "lines": self.lines,
-                   "rows": [r.to_json() for r in self.rows]}  # fmt: skip
+            doc = {
+                "meta": self.meta,
+                "peers": self.peers,
+                "lines": self.lines,
+                "rows": [r.to_json() for r in self.rows],
+            }
             Path(self.args.json_out).write_text(json.dumps(doc, indent=2, default=str))
 
     def worker(self, script: Path, kind: str, args: dict[str, Any]) -> Child:
@@ -91,13 +95,17 @@ def cache_state(b: Bench, files: list[Path], temp: str) -> dict[str, Any]:
     if "drop_caches" not in b.meta:
         b.meta["drop_caches"] = state["drop_caches"]
         if not state["drop_caches"]:
-            b.say("--cold drop: drop_caches not allowed here (needs root and a writable /proc/sys): "
-                  "cold rows evict only their input files (POSIX_FADV_DONTNEED); libraries stay "
-                  "cached")  # fmt: skip
+            b.say(
+                "--cold drop: drop_caches not allowed here (needs root and a writable /proc/sys): "
+                "cold rows evict only their input files (POSIX_FADV_DONTNEED); libraries stay "
+                "cached"
+            )
     if not state["cold"]:
         frac = state["resident_after"]
-        b.say("WARNING: a cold row's input was not cold: "
-              + ("unknown" if frac is None else f"{frac:.0%} still cached"))  # fmt: skip
+        b.say(
+            "WARNING: a cold row's input was not cold: "
+            + ("unknown" if frac is None else f"{frac:.0%} still cached")
+        )
     return state
 
 
@@ -108,8 +116,14 @@ def fresh(path: Path) -> None:
     os.sync()
 
 
-def timed_cli(b: Bench, cmd: list[str], files: list[Path], temp: str, out: Path | None,
-              env: dict[str, str] | None = None) -> dict:  # fmt: skip
+def timed_cli(
+    b: Bench,
+    cmd: list[str],
+    files: list[Path],
+    temp: str,
+    out: Path | None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """``cmd`` in a fresh process after ``fresh(out)`` and ``cache_state``: wall, peak RSS, and
     for ``--json`` commands (convert) the ``seconds`` of its phases, as ``phases``. ``env``:
     variables set on top of the bench's."""
@@ -139,8 +153,11 @@ def peer_cp(b: Bench, temp: str) -> dict[str, Any]:
         r["sync"] = time.perf_counter() - t
         runs.append(r)
     fresh(dst)
-    p = b.peers[key] = {"cp": min(r["wall"] for r in runs),
-                        "cp_sync": min(r["wall"] + r["sync"] for r in runs), "runs": runs}  # fmt: skip
+    p = b.peers[key] = {
+        "cp": min(r["wall"] for r in runs),
+        "cp_sync": min(r["wall"] + r["sync"] for r in runs),
+        "runs": runs,
+    }
     print(f"  cp -r ({temp}): {secs(p['cp'])}, with sync {secs(p['cp_sync'])}", flush=True)
     return p
 
@@ -154,9 +171,17 @@ def cp_row(b: Bench, key: str, what: str, runs: list[dict], temp: str) -> Row:
     phases = min(runs, key=lambda r: r["wall"]).get("phases")
     if phases:  # the process's own account of the best run (ConvertResult.seconds)
         notes.append("phases, s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-    return Row(key, what, best, now=secs(best), peer=p["cp"], peer2=p["cp_sync"],
-               peer_text=f"cp -r {secs(p['cp'])} (+ sync {secs(p['cp_sync'])})", notes=notes,
-               runs={"runs": runs, "peak_rss": rss})  # fmt: skip
+    return Row(
+        key,
+        what,
+        best,
+        now=secs(best),
+        peer=p["cp"],
+        peer2=p["cp_sync"],
+        peer_text=f"cp -r {secs(p['cp'])} (+ sync {secs(p['cp_sync'])})",
+        notes=notes,
+        runs={"runs": runs, "peak_rss": rss},
+    )
 
 
 WARM_UP = r"""
@@ -185,14 +210,21 @@ def warm_up(b: Bench, cuda: bool) -> None:
     (its good verdict kept in mpack's cache, Note [verdict cache]) and, with ``cuda``, the fused
     repack kernel built into its cache: no warm row pays a first-run cost. The rows marked
     "no kept verdict" measure a conversion that finds none."""
-    r = subprocess.run([sys.executable, "-c", WARM_UP, "cuda" if cuda else "cpu", str(b.src)],
-                       env=b.env, cwd=b.tmp, capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", WARM_UP, "cuda" if cuda else "cpu", str(b.src)],
+        env=b.env,
+        cwd=b.tmp,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         raise BenchError(f"warm-up failed ({r.returncode}): {r.stderr[-2000:]}")
     w = b.meta["warm_up"] = json.loads(r.stdout)
-    print(f"warm-up: imports {w['import_s']:.2f} s, scheme check {w['check_s']:.2f} s"
-          + (f", repack kernel {w['kernel']} in "
-          f"{w['kernel_s']:.2f} s" if cuda else ""), flush=True)  # fmt: skip
+    print(
+        f"warm-up: imports {w['import_s']:.2f} s, scheme check {w['check_s']:.2f} s"
+        + (f", repack kernel {w['kernel']} in {w['kernel_s']:.2f} s" if cuda else ""),
+        flush=True,
+    )
     if cuda and not w["kernel"]:
         b.say(f"the fused repack kernel is not available ({w['reason']}): convert uses torch ops")
 
@@ -201,13 +233,25 @@ def warm_up(b: Bench, cuda: bool) -> None:
 
 
 def convert_cmd(src: Path, out: Path, dev: str, cores: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "mpack", "convert", str(src), "-o", str(out), "--device", dev,
-           "--json", "--force"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpack",
+        "convert",
+        str(src),
+        "-o",
+        str(out),
+        "--device",
+        dev,
+        "--json",
+        "--force",
+    ]
     return cmd if cores is None else ["taskset", "-c", f"0-{cores - 1}", *cmd]
 
 
-def row_convert(b: Bench, dev: str, cores: int | None, temp: str, kept: bool = True,
-                hub: bool = False) -> Row:  # fmt: skip
+def row_convert(
+    b: Bench, dev: str, cores: int | None, temp: str, kept: bool = True, hub: bool = False
+) -> Row:
     """The CLI convert, a fresh output each time, ``--reps`` times; against ``cp -r``. ``kept``
     False: with ``MPACK_NO_VERDICT_CACHE=1``, so the scheme check's child runs (a first
     conversion of these bytes on this machine; Note [verdict cache]). ``hub``: ``mpack convert
@@ -220,8 +264,13 @@ def row_convert(b: Bench, dev: str, cores: int | None, temp: str, kept: bool = T
         env["MPACK_NO_VERDICT_CACHE"] = "1"
     cmd = convert_cmd(Path(HUB_REPO) if hub else b.src, b.out, dev, cores)
     runs = [timed_cli(b, cmd, b.src_files(), temp, b.out, env) for _ in range(b.args.reps)]
-    key = (f"convert-{dev}" + (f"-{cores}c" if cores else "") + ("-cold" if temp == "cold" else "")
-           + ("-hub" if hub else "") + ("" if kept else "-check"))  # fmt: skip
+    key = (
+        f"convert-{dev}"
+        + (f"-{cores}c" if cores else "")
+        + ("-cold" if temp == "cold" else "")
+        + ("-hub" if hub else "")
+        + ("" if kept else "-check")
+    )
     how = f"`taskset -c 0-{cores - 1}` " if cores else ""
     what = (
         f"{how}`mpack convert {HUB_REPO + ' ' if hub else ''}--device {dev}`"
@@ -323,9 +372,16 @@ def row_rss(b: Bench, dev: str, small: Path) -> Row:
     r = timed_cli(b, convert_cmd(small, out, dev, None), files, "warm", out)
     fresh(out)
     layers = json.loads((small / "config.json").read_text())["num_hidden_layers"]
-    return Row("rss", f"peak RSS of `mpack convert --device {dev}`, {b.args.layers} vs {layers} layers",
-               big, unit="GiB", now=gib(big), peer=r["peak_rss"],
-               peer_text=f"{gib(r['peak_rss'])} at {layers} layer(s)", runs={"small": r, "big": big})  # fmt: skip
+    return Row(
+        "rss",
+        f"peak RSS of `mpack convert --device {dev}`, {b.args.layers} vs {layers} layers",
+        big,
+        unit="GiB",
+        now=gib(big),
+        peer=r["peak_rss"],
+        peer_text=f"{gib(r['peak_rss'])} at {layers} layer(s)",
+        runs={"small": r, "big": big},
+    )
 
 
 SCHEME_CHECK = (
@@ -353,7 +409,13 @@ def row_imports(b: Bench) -> Row:
     lean = best(check, b.env)
     full = best(check, {**b.env, "MPACK_CT_IMPORT": "full"})
     torch_s = best([sys.executable, "-c", "import torch"], b.env)
-    return Row("scheme-check", "compressed-tensors check of SRC, fresh process (convert's child)",
-               lean, now=f"{secs(lean)} (lean import)", peer=full,
-               peer_text=f"full import {secs(full)}", runs={"lean": lean, "full": full, "torch": torch_s},
-               notes=[f"`import torch` alone: {secs(torch_s)}"])  # fmt: skip
+    return Row(
+        "scheme-check",
+        "compressed-tensors check of SRC, fresh process (convert's child)",
+        lean,
+        now=f"{secs(lean)} (lean import)",
+        peer=full,
+        peer_text=f"full import {secs(full)}",
+        runs={"lean": lean, "full": full, "torch": torch_s},
+        notes=[f"`import torch` alone: {secs(torch_s)}"],
+    )

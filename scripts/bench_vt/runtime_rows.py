@@ -21,7 +21,7 @@ from .rows import RT_SCRIPT, SCRIPT, Bench, cache_state, ensure_sidecar
 
 def rank_files(b: Bench) -> tuple[list[Path], str]:
     """Rank 0's files, and the tensor the clients touch (the first packed weight: int32)."""
-    from mpack.runtime.layout import plan_rank
+    from mpack.runtime.allocation import plan_rank
 
     plan = plan_rank(b.out, 0)
     t = next((e for e in plan.tensors if e.dtype == "I32"), plan.tensors[0])
@@ -59,15 +59,24 @@ def row_load(b: Bench, dev: str, convert_dev: str, temp: str) -> Row:
     kind = dev.partition(":")[0]
     r0 = runs[0]
     cuda = f", CUDA init {r0['cuda_s']:.2f} s" if kind == "cuda" else ""
-    notes = [f"{r0['tensors']} tensors, {r0['bytes'] / 1e9:.2f} GB; before the timed part: "
-             f"imports {r0['import_s']:.2f} s{cuda}"]  # fmt: skip
+    notes = [
+        f"{r0['tensors']} tensors, {r0['bytes'] / 1e9:.2f} GB; before the timed part: "
+        f"imports {r0['import_s']:.2f} s{cuda}"
+    ]
     label = "`load_file`" if temp == "warm" else "disk read"
     what = f'`mpack.runtime.load(..., device="{dev}")`, ' + (
         "warm" if temp == "warm" else "page cache dropped"
     )
-    return Row(f"load-{kind}" + ("-cold" if temp == "cold" else ""), what, best, now=secs(best),
-               peer=peer, peer_text=f"{label} {secs(peer)}", notes=notes,
-               runs={"runs": runs, "peer_runs": peers})  # fmt: skip
+    return Row(
+        f"load-{kind}" + ("-cold" if temp == "cold" else ""),
+        what,
+        best,
+        now=secs(best),
+        peer=peer,
+        peer_text=f"{label} {secs(peer)}",
+        notes=notes,
+        runs={"runs": runs, "peer_runs": peers},
+    )
 
 
 def rows_attach(b: Bench, dev: str, convert_dev: str) -> list[Row]:
@@ -81,8 +90,13 @@ def rows_attach(b: Bench, dev: str, convert_dev: str) -> list[Row]:
         print(
             f"  mpack serve READY in {d.ready_s:.1f} s (load_s {d.ready.load_s:.2f} s)", flush=True
         )
-        args = {"sidecar": str(b.out), "rank": 0, "device": dev, "socket": str(d.socket),
-                "tensor": name}  # fmt: skip
+        args = {
+            "sidecar": str(b.out),
+            "rank": 0,
+            "device": dev,
+            "socket": str(d.socket),
+            "tensor": name,
+        }
         for n in b.args.clients:
             docs = [x for _ in range(b.args.reps) for x in attach_round(b, n, args)]
             rows.append(attach_row(n, docs, name, dev != "cpu"))
@@ -137,6 +151,12 @@ def attach_row(n: int, docs: list[dict[str, Any]], name: str, cuda: bool) -> Row
         notes.append(
             f"WARNING: the clients read different values: {sorted({d['seen'] for d in docs})}"
         )
-    return Row(f"attach-{n}", f"`attach` + first touch, fresh process, {at}", max(tot), unit="ms",
-               now=f"{max(tot):.1f} ms max, {statistics.median(tot):.1f} median", notes=notes,
-               runs={"clients": docs})  # fmt: skip
+    return Row(
+        f"attach-{n}",
+        f"`attach` + first touch, fresh process, {at}",
+        max(tot),
+        unit="ms",
+        now=f"{max(tot):.1f} ms max, {statistics.median(tot):.1f} median",
+        notes=notes,
+        runs={"clients": docs},
+    )

@@ -44,8 +44,17 @@ def w_load(a: dict[str, Any]) -> None:
     if dev != "cpu":
         torch.cuda.synchronize(dev)
     dt = time.perf_counter() - t2
-    emit({"load": {"seconds": dt, "tensors": len(w), "bytes": w.nbytes, "import_s": t1 - t0,
-                   "cuda_s": t2 - t1}})  # fmt: skip
+    emit(
+        {
+            "load": {
+                "seconds": dt,
+                "tensors": len(w),
+                "bytes": w.nbytes,
+                "import_s": t1 - t0,
+                "cuda_s": t2 - t1,
+            }
+        }
+    )
     w.close()
 
 
@@ -88,8 +97,16 @@ def w_attach(a: dict[str, Any]) -> None:
     t.data_ptr()
     seen = t.flatten()[0].item()  # a view, then a copy to the host that waits for the device
     t2 = time.perf_counter()
-    emit({"attach_ms": (t1 - t0) * 1e3, "touch_ms": (t2 - t1) * 1e3, "total_ms": (t2 - t0) * 1e3,
-          "tensors": len(w), "seen": float(seen), "phases_ms": phases})  # fmt: skip
+    emit(
+        {
+            "attach_ms": (t1 - t0) * 1e3,
+            "touch_ms": (t2 - t1) * 1e3,
+            "total_ms": (t2 - t0) * 1e3,
+            "tensors": len(w),
+            "seen": float(seen),
+            "phases_ms": phases,
+        }
+    )
     sys.stdin.read()  # hold the mapping until the round ends (stdin closed)
     w.close()
 

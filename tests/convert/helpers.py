@@ -55,8 +55,13 @@ def python_c(
 ) -> str:
     """Run ``python -c CODE ARGS`` in a fresh interpreter (``env``: default this one's); assert it
     succeeded and return its stdout."""
-    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
-                       text=True, env=env, timeout=timeout)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -187,9 +192,10 @@ HOST_MODELS: dict[str, dict[str, Any]] = {
     "tensor": dict(arch="llama", scheme="FP8", hidden=192, intermediate=320),
     "channel-f16": dict(arch="llama", scheme="FP8_DYNAMIC", dtype="float16"),
     "bias": dict(arch="qwen2", scheme="FP8", hidden=256, heads=4, kv_heads=2),
-    "bias-f32": dict(arch="qwen2", scheme="FP8_DYNAMIC", dtype="float32", hidden=256, heads=4,
-                     kv_heads=2),
-}  # fmt: skip
+    "bias-f32": dict(
+        arch="qwen2", scheme="FP8_DYNAMIC", dtype="float32", hidden=256, heads=4, kv_heads=2
+    ),
+}
 
 
 def plan_of(ck: Path, profile: str = "w8a16", tp: int = 1, act: str = "bfloat16") -> Any:

@@ -22,9 +22,14 @@ def git_blob_sha1(data: bytes) -> str:
 
 
 def add_repo(
-    cache: Path, repo: str, files: dict[str, bytes], commit: str, refs: list[str], *,
+    cache: Path,
+    repo: str,
+    files: dict[str, bytes],
+    commit: str,
+    refs: list[str],
+    *,
     missing: tuple[str, ...] = (),
-) -> Path:  # fmt: skip
+) -> Path:
     """Lay out ``repo`` at ``commit`` in an HF cache as a finished download would.
 
     ``blobs/<id>``: LFS files (``*.safetensors``) are named by their sha256, the others by their

@@ -21,8 +21,10 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from conftest import flip_byte  # noqa: E402
-from helpers import (  # noqa: E402
+from mpack.convert.staging import lock_path, work_dirs
+from mpack.fixtures import make_checkpoint
+from tests.conftest import flip_byte
+from tests.convert.helpers import (
     CliPool,
     assert_refused,
     cli,
@@ -34,9 +36,6 @@ from helpers import (  # noqa: E402
     snapshot,
     tensor_range,
 )
-
-from mpack.convert.staging import lock_path, work_dirs  # noqa: E402
-from mpack.fixtures import make_checkpoint  # noqa: E402
 
 TP = ("--tp", "2", "--device", "cpu")  # the options of the shared sidecar
 #: every file of the shared sidecar's manifest (checked below, so the parametrization is complete)

@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from helpers import (  # noqa: E402
+from mpack.fixtures import make_checkpoint  # noqa: E402
+from tests.convert.helpers import (  # noqa: E402
     INDEX,
     SINGLE,
     CliPool,
@@ -42,8 +43,6 @@ from helpers import (  # noqa: E402
     weight_args,
 )
 
-from mpack.fixtures import make_checkpoint  # noqa: E402
-
 #: base checkpoints, generated once per module
 BASES: dict[str, dict[str, Any]] = {
     "llama": {},  # FP8: per-tensor weight scales [1] in bf16, static input scales
@@ -54,8 +53,15 @@ BASES: dict[str, dict[str, Any]] = {
     "k258": {"hidden": 258, "heads": 1, "kv_heads": 1},  # K = 258, not a multiple of 4
 }
 L = "model.layers.1.mlp.up_proj"  # the layer most cases break
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 #: how a message names a quantized layer's weight when any layer may be the first one hit
 ANY_WEIGHT = "model.layers."
 
@@ -324,76 +330,178 @@ def expect_ranks(tp: int) -> Callable[[Path], None]:
 
 REFUSED = [
     # weight schemes vLLM's FP8 Marlin path does not take
-    Case("strategy-block", prepare=strategy("block", block_structure=[128, 128]),
-         expect=("{ck}/model.safetensors: " + ANY_WEIGHT, "weight strategy 'block'")),
-    Case("strategy-group", prepare=strategy("group", group_size=128),
-         expect=("{ck}/model.safetensors: " + ANY_WEIGHT, "weight strategy 'group'")),
-    Case("int8-weight", prepare=int8_weight,
-         expect=(f"{{ck}}/model.safetensors: {L}.weight", "weight dtype I8, expected F8_E4M3")),
-    Case("packed-int4-weight", prepare=packed_int4_weight,
-         expect=(f"{L}.weight_scale", f"no {L}.weight")),
-    Case("not-8-bit", prepare=weight_arg(num_bits=4),
-         expect=("{ck}/config.json: quantization scheme W4A8 (fp4 weights, per tensor; fp8 "
-                 "activations) is not FP8", "FP8_DYNAMIC")),
-    Case("int-weights", prepare=weight_arg(type="int"),
-         expect=("{ck}/config.json: quantization scheme W8A8 (int8 weights, per tensor; fp8 "
-                 "activations) is not FP8", "float8_e4m3fn")),
-    Case("scale-shape-vs-channel", prepare=strategy("channel"),
-         expect=(".weight_scale: scale shape [1]", "strategy 'channel'")),
+    Case(
+        "strategy-block",
+        prepare=strategy("block", block_structure=[128, 128]),
+        expect=("{ck}/model.safetensors: " + ANY_WEIGHT, "weight strategy 'block'"),
+    ),
+    Case(
+        "strategy-group",
+        prepare=strategy("group", group_size=128),
+        expect=("{ck}/model.safetensors: " + ANY_WEIGHT, "weight strategy 'group'"),
+    ),
+    Case(
+        "int8-weight",
+        prepare=int8_weight,
+        expect=(f"{{ck}}/model.safetensors: {L}.weight", "weight dtype I8, expected F8_E4M3"),
+    ),
+    Case(
+        "packed-int4-weight",
+        prepare=packed_int4_weight,
+        expect=(f"{L}.weight_scale", f"no {L}.weight"),
+    ),
+    Case(
+        "not-8-bit",
+        prepare=weight_arg(num_bits=4),
+        expect=(
+            "{ck}/config.json: quantization scheme W4A8 (fp4 weights, per tensor; fp8 "
+            "activations) is not FP8",
+            "FP8_DYNAMIC",
+        ),
+    ),
+    Case(
+        "int-weights",
+        prepare=weight_arg(type="int"),
+        expect=(
+            "{ck}/config.json: quantization scheme W8A8 (int8 weights, per tensor; fp8 "
+            "activations) is not FP8",
+            "float8_e4m3fn",
+        ),
+    ),
+    Case(
+        "scale-shape-vs-channel",
+        prepare=strategy("channel"),
+        expect=(".weight_scale: scale shape [1]", "strategy 'channel'"),
+    ),
     # scale values
-    Case("scale-nan", prepare=scale_value(float("nan")),
-         expect=(f"{{ck}}/model.safetensors: {L}.weight_scale", "scale[0] = nan")),
-    Case("scale-zero", prepare=scale_value(0.0),
-         expect=(f"{L}.weight_scale", "scale[0] = 0.0", "must be finite and > 0")),
-    Case("scale-negative", prepare=scale_value(-0.5),
-         expect=(f"{L}.weight_scale", "scale[0] = -0.5")),
-    Case("scale-inf", prepare=scale_value(float("inf")),
-         expect=(f"{L}.weight_scale", "scale[0] = inf")),
-    Case("scale-fold-overflow-bf16", prepare=scale_value(300.0), args=("--act-dtype", "bfloat16"),
-         expect=(f"{L}.weight_scale", "scale[0] = 300.0", "exceeds 255.0", "bfloat16")),
-    Case("scale-fold-overflow-bf16-default", prepare=scale_value(255.5, torch.float32),
-         expect=(f"{L}.weight_scale", "scale[0] = 255.5", "exceeds 255.0", "bfloat16")),
-    Case("scale-fold-overflow-fp16", prepare=scale_value(256.0), args=("--act-dtype", "float16"),
-         expect=(f"{L}.weight_scale", "scale[0] = 256.0", "exceeds 255.875", "float16")),
+    Case(
+        "scale-nan",
+        prepare=scale_value(float("nan")),
+        expect=(f"{{ck}}/model.safetensors: {L}.weight_scale", "scale[0] = nan"),
+    ),
+    Case(
+        "scale-zero",
+        prepare=scale_value(0.0),
+        expect=(f"{L}.weight_scale", "scale[0] = 0.0", "must be finite and > 0"),
+    ),
+    Case(
+        "scale-negative", prepare=scale_value(-0.5), expect=(f"{L}.weight_scale", "scale[0] = -0.5")
+    ),
+    Case(
+        "scale-inf",
+        prepare=scale_value(float("inf")),
+        expect=(f"{L}.weight_scale", "scale[0] = inf"),
+    ),
+    Case(
+        "scale-fold-overflow-bf16",
+        prepare=scale_value(300.0),
+        args=("--act-dtype", "bfloat16"),
+        expect=(f"{L}.weight_scale", "scale[0] = 300.0", "exceeds 255.0", "bfloat16"),
+    ),
+    Case(
+        "scale-fold-overflow-bf16-default",
+        prepare=scale_value(255.5, torch.float32),
+        expect=(f"{L}.weight_scale", "scale[0] = 255.5", "exceeds 255.0", "bfloat16"),
+    ),
+    Case(
+        "scale-fold-overflow-fp16",
+        prepare=scale_value(256.0),
+        args=("--act-dtype", "float16"),
+        expect=(f"{L}.weight_scale", "scale[0] = 256.0", "exceeds 255.875", "float16"),
+    ),
     # missing pieces
-    Case("missing-weight-scale", base="sharded", prepare=drop_scale,
-         expect=(f"{L}.weight", "FP8 weight without a weight_scale")),
-    Case("index-lists-missing-scale", base="sharded", prepare=drop_scale_keep_index,
-         expect=(f"{{ck}}/{INDEX}", f"maps '{L}.weight_scale' to {{shard}}", "no shard")),
+    Case(
+        "missing-weight-scale",
+        base="sharded",
+        prepare=drop_scale,
+        expect=(f"{L}.weight", "FP8 weight without a weight_scale"),
+    ),
+    Case(
+        "index-lists-missing-scale",
+        base="sharded",
+        prepare=drop_scale_keep_index,
+        expect=(f"{{ck}}/{INDEX}", f"maps '{L}.weight_scale' to {{shard}}", "no shard"),
+    ),
     # fusion / TP
-    Case("unknown-architecture", prepare=architecture("GPT2LMHeadModel"),
-         expect=("{ck}/config.json", "architecture 'GPT2LMHeadModel'", "--fuse none --tp 1")),
-    Case("quantized-lm-head", prepare=quantized_lm_head,
-         expect=("a quantized lm_head", "fused Llama-family")),
-    Case("tp-not-dividing-heads", args=("--tp", "3"),
-         expect=("{ck}/config.json", "--tp 3", "num_attention_heads=4")),
-    Case("tp-not-fitting-kv-heads", base="heads6", args=("--tp", "2"),
-         expect=("{ck}/config.json", "--tp 2", "num_key_value_heads=3")),
-    Case("fuse-none-tp2", args=("--fuse", "none", "--tp", "2"),
-         expect=("--fuse none", "--tp 1 (got --tp 2)")),
+    Case(
+        "unknown-architecture",
+        prepare=architecture("GPT2LMHeadModel"),
+        expect=("{ck}/config.json", "architecture 'GPT2LMHeadModel'", "--fuse none --tp 1"),
+    ),
+    Case(
+        "quantized-lm-head",
+        prepare=quantized_lm_head,
+        expect=("a quantized lm_head", "fused Llama-family"),
+    ),
+    Case(
+        "tp-not-dividing-heads",
+        args=("--tp", "3"),
+        expect=("{ck}/config.json", "--tp 3", "num_attention_heads=4"),
+    ),
+    Case(
+        "tp-not-fitting-kv-heads",
+        base="heads6",
+        args=("--tp", "2"),
+        expect=("{ck}/config.json", "--tp 2", "num_key_value_heads=3"),
+    ),
+    Case(
+        "fuse-none-tp2",
+        args=("--fuse", "none", "--tp", "2"),
+        expect=("--fuse none", "--tp 1 (got --tp 2)"),
+    ),
     Case("k-not-multiple-of-4", base="k258", expect=(ANY_WEIGHT, "K=258", "multiple of 4")),
     # damaged files
-    Case("truncated-safetensors", prepare=truncate(100),
-         expect=("{ck}/model.safetensors", "truncated", "file has {size} bytes")),
-    Case("header-length-garbage", prepare=overwrite(0, b"\xff" * 8),
-         expect=("{ck}/model.safetensors", "header length 18446744073709551615")),
-    Case("header-json-garbage", prepare=overwrite(8, b"#!garbage!#"),
-         expect=("{ck}/model.safetensors", "malformed safetensors header")),
-    Case("config-json-garbage", prepare=config_text('{"architectures": ['),
-         expect=("{ck}/config.json", "malformed JSON")),
-    Case("not-quantized", prepare=pop_config("quantization_config"),
-         expect=("{ck}/config.json", "no quantization_config")),
-    Case("other-quant-method", prepare=quant_config(quant_method="fp8"),
-         expect=("{ck}/config.json", "quant_method is 'fp8'")),
-    Case("no-model-dtype", prepare=pop_config("dtype"),
-         expect=("{ck}/config.json", "model dtype None", "--act-dtype")),
+    Case(
+        "truncated-safetensors",
+        prepare=truncate(100),
+        expect=("{ck}/model.safetensors", "truncated", "file has {size} bytes"),
+    ),
+    Case(
+        "header-length-garbage",
+        prepare=overwrite(0, b"\xff" * 8),
+        expect=("{ck}/model.safetensors", "header length 18446744073709551615"),
+    ),
+    Case(
+        "header-json-garbage",
+        prepare=overwrite(8, b"#!garbage!#"),
+        expect=("{ck}/model.safetensors", "malformed safetensors header"),
+    ),
+    Case(
+        "config-json-garbage",
+        prepare=config_text('{"architectures": ['),
+        expect=("{ck}/config.json", "malformed JSON"),
+    ),
+    Case(
+        "not-quantized",
+        prepare=pop_config("quantization_config"),
+        expect=("{ck}/config.json", "no quantization_config"),
+    ),
+    Case(
+        "other-quant-method",
+        prepare=quant_config(quant_method="fp8"),
+        expect=("{ck}/config.json", "quant_method is 'fp8'"),
+    ),
+    Case(
+        "no-model-dtype",
+        prepare=pop_config("dtype"),
+        expect=("{ck}/config.json", "model dtype None", "--act-dtype"),
+    ),
     # where the source is
-    Case("source-missing", prepare=other_source(lambda ck: ck.parent / "no-such-ckpt"),
-         expect=("{src}", "no such directory")),
-    Case("source-is-a-file", prepare=other_source(lambda ck: ck / "config.json"),
-         expect=("{src}", "is a file")),
-    Case("revision-on-local-dir", args=("--revision", "main"),
-         expect=("--revision main", "local directory")),
+    Case(
+        "source-missing",
+        prepare=other_source(lambda ck: ck.parent / "no-such-ckpt"),
+        expect=("{src}", "no such directory"),
+    ),
+    Case(
+        "source-is-a-file",
+        prepare=other_source(lambda ck: ck / "config.json"),
+        expect=("{src}", "is a file"),
+    ),
+    Case(
+        "revision-on-local-dir",
+        args=("--revision", "main"),
+        expect=("--revision main", "local directory"),
+    ),
     Case("out-inside-source", out_inside=True, expect=("lies inside the source checkpoint",)),
     # options
     Case("bad-profile", args=("--profile", "w4a16"), expect=("--profile", "'w4a16'")),
@@ -401,32 +509,65 @@ REFUSED = [
     Case("bad-device-name", args=("--device", "tpu"), expect=("--device", "'tpu'")),
     Case("bad-device-type", args=("--device", "meta"), expect=("--device", "'meta'")),
     Case("bad-tp", args=("--tp", "0"), expect=("--tp must be at least 1, got 0",)),
-]  # fmt: skip
+]
 
 ACCEPTED = [
-    Case("fuse-none-unknown-architecture", prepare=architecture("GPT2LMHeadModel"),
-         args=("--fuse", "none", "--tp", "1"), check=expect_checkpoint_names()),
-    Case("fuse-none-quantized-lm-head", prepare=quantized_lm_head, args=("--fuse", "none"),
-         check=expect_checkpoint_names("lm_head")),
+    Case(
+        "fuse-none-unknown-architecture",
+        prepare=architecture("GPT2LMHeadModel"),
+        args=("--fuse", "none", "--tp", "1"),
+        check=expect_checkpoint_names(),
+    ),
+    Case(
+        "fuse-none-quantized-lm-head",
+        prepare=quantized_lm_head,
+        args=("--fuse", "none"),
+        check=expect_checkpoint_names("lm_head"),
+    ),
     Case("tp8-over-4-kv-heads", base="heads8", args=("--tp", "8"), check=expect_ranks(8)),
-    Case("scale-255-bf16", prepare=scale_value(255.0),
-         check=expect_largest_scale("bfloat16", 255.0, 2.0**120)),
-    Case("scale-255.875-fp16", prepare=scale_value(255.875, torch.float32),
-         args=("--act-dtype", "float16"),
-         check=expect_largest_scale("float16", 255.875, 2.0**8)),
-    Case("qc-under-text-config", prepare=qc_under_text_config,
-         check=expect_target(act_dtype="bfloat16")),
-    Case("qc-under-compression-config-wrapped", prepare=qc_under_compression_config(True),
-         check=expect_target(act_dtype="bfloat16")),
-    Case("qc-under-compression-config-plain", prepare=qc_under_compression_config(False),
-         check=expect_target(act_dtype="bfloat16")),
-    Case("ct-0.19-serialisation", prepare=weight_arg(**V019_DEFAULTS),
-         check=expect_target(act_dtype="bfloat16")),
-    Case("ct-unknown-future-field", prepare=weight_arg(some_future_field=1),
-         check=expect_target(act_dtype="bfloat16")),
-    Case("torch-dtype-key", base="fp16", prepare=torch_dtype_key,
-         check=expect_target(act_dtype="float16")),
-]  # fmt: skip
+    Case(
+        "scale-255-bf16",
+        prepare=scale_value(255.0),
+        check=expect_largest_scale("bfloat16", 255.0, 2.0**120),
+    ),
+    Case(
+        "scale-255.875-fp16",
+        prepare=scale_value(255.875, torch.float32),
+        args=("--act-dtype", "float16"),
+        check=expect_largest_scale("float16", 255.875, 2.0**8),
+    ),
+    Case(
+        "qc-under-text-config",
+        prepare=qc_under_text_config,
+        check=expect_target(act_dtype="bfloat16"),
+    ),
+    Case(
+        "qc-under-compression-config-wrapped",
+        prepare=qc_under_compression_config(True),
+        check=expect_target(act_dtype="bfloat16"),
+    ),
+    Case(
+        "qc-under-compression-config-plain",
+        prepare=qc_under_compression_config(False),
+        check=expect_target(act_dtype="bfloat16"),
+    ),
+    Case(
+        "ct-0.19-serialisation",
+        prepare=weight_arg(**V019_DEFAULTS),
+        check=expect_target(act_dtype="bfloat16"),
+    ),
+    Case(
+        "ct-unknown-future-field",
+        prepare=weight_arg(some_future_field=1),
+        check=expect_target(act_dtype="bfloat16"),
+    ),
+    Case(
+        "torch-dtype-key",
+        base="fp16",
+        prepare=torch_dtype_key,
+        check=expect_target(act_dtype="float16"),
+    ),
+]
 
 FOREIGN = ["no-force", "force"]
 
@@ -500,7 +641,12 @@ def test_foreign_out_dir_is_refused_and_untouched(mode: str, runs) -> None:
     """A non-empty directory mpack did not write is never replaced, not even with --force."""
     run = runs[f"foreign-{mode}"]
     r = run.result()
-    assert_refused(r, run.out, f"{run.out} already holds files that are not an mpack sidecar",
-                   "choose another -o directory", exists=True)  # fmt: skip
+    assert_refused(
+        r,
+        run.out,
+        f"{run.out} already holds files that are not an mpack sidecar",
+        "choose another -o directory",
+        exists=True,
+    )
     assert snapshot(run.out) == run.extra["before"]
     assert sorted(p.name for p in run.out.parent.iterdir()) == ["ckpt", "out"]

@@ -39,8 +39,15 @@ CHECKPOINTS = {
     "qwen2": dict(arch="qwen2", scheme="FP8"),
     "tied": dict(arch="mistral", scheme="FP8_DYNAMIC", tie_embeddings=True),
 }
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 MOVED = "model.layers.0.self_attn.q_proj.weight_scale"  # what scale_in_other_shard moves
 
 
@@ -253,8 +260,11 @@ def test_real_scales_pass_and_read_as_float32(ckpts: dict[str, Path]) -> None:
 def test_passthrough_names_are_embeddings_norms_lm_head(ckpts: dict[str, Path], name: str) -> None:
     ck = open_checkpoint(ckpts[name])
     find_layers(ck)
-    norms = [f"model.layers.{i}.{n}.weight" for i in range(2)
-             for n in ("input_layernorm", "post_attention_layernorm")]  # fmt: skip
+    norms = [
+        f"model.layers.{i}.{n}.weight"
+        for i in range(2)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
     want = ["model.embed_tokens.weight", *norms, "model.norm.weight"]
     if name != "tied":
         want.append("lm_head.weight")

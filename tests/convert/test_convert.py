@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import expected_bias, expected_scale_row, independent_unpack
 from safetensors import safe_open
 
 from mpack.convert import marlin
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
 from mpack.sidecar import ALIGN, read_layout
+from tests.convert.reference import expected_bias, expected_scale_row, independent_unpack
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,9 +44,14 @@ def check_sidecar_rules(
     m = json.loads((out / "mpack.json").read_text())
     assert m["format"] == "mpack-sidecar" and m["format_version"] == 2
     assert m["target"] == {
-        "kernel": "marlin-fp8", "engine": "vllm", "engine_version": "0.33.0", "profile": profile,
-        "act_dtype": act_dtype, "tp_size": tp, "fusion": fusion,
-    }  # fmt: skip
+        "kernel": "marlin-fp8",
+        "engine": "vllm",
+        "engine_version": "0.33.0",
+        "profile": profile,
+        "act_dtype": act_dtype,
+        "tp_size": tp,
+        "fusion": fusion,
+    }
     assert m["source"]["files"] and all(len(f["sha256"]) == 64 for f in m["source"]["files"])
     listed = {f["name"] for f in m["files"]}
     on_disk = {p.name for p in out.iterdir()} - {"mpack.json"}
@@ -75,7 +80,7 @@ def _cases(golden_dir: Path) -> list[Path]:
 
 
 def _golden_dir() -> Path:
-    from conftest import _golden_dir as g
+    from tests.conftest import _golden_dir as g
 
     return g()
 
@@ -84,8 +89,20 @@ def _golden_dir() -> Path:
 def test_golden_case_cli(case_dir: Path, tmp_path: Path):
     case = json.loads((case_dir / "case.json").read_text())
     out = tmp_path / "out"
-    args = ["convert", str(case_dir / case["input"]), "-o", str(out), "--profile", case["profile"],
-            "--act-dtype", case["act_dtype"], "--tp", str(case["tp"]), "--device", "cpu"]  # fmt: skip
+    args = [
+        "convert",
+        str(case_dir / case["input"]),
+        "-o",
+        str(out),
+        "--profile",
+        case["profile"],
+        "--act-dtype",
+        case["act_dtype"],
+        "--tp",
+        str(case["tp"]),
+        "--device",
+        "cpu",
+    ]
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", *args], capture_output=True, text=True, timeout=300
     )
@@ -148,12 +165,18 @@ def _reference(ck: Path, *, profile: str, tp: int, rank: int) -> dict[str, dict]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         groups = {
-            p + "self_attn.qkv_proj": [(p + "self_attn.q_proj", q_rows, None), (p + "self_attn.k_proj", kv_rows, None),
-                                       (p + "self_attn.v_proj", kv_rows, None)],
+            p + "self_attn.qkv_proj": [
+                (p + "self_attn.q_proj", q_rows, None),
+                (p + "self_attn.k_proj", kv_rows, None),
+                (p + "self_attn.v_proj", kv_rows, None),
+            ],
             p + "self_attn.o_proj": [(p + "self_attn.o_proj", None, (rank, tp))],
-            p + "mlp.gate_up_proj": [(p + "mlp.gate_proj", gu_rows, None), (p + "mlp.up_proj", gu_rows, None)],
+            p + "mlp.gate_up_proj": [
+                (p + "mlp.gate_proj", gu_rows, None),
+                (p + "mlp.up_proj", gu_rows, None),
+            ],
             p + "mlp.down_proj": [(p + "mlp.down_proj", None, (rank, tp))],
-        }  # fmt: skip
+        }
         for name, pieces in groups.items():
             ws, scales, biases, shard_scale = [], [], [], []
             for mod, rows, cols in pieces:
@@ -253,7 +276,8 @@ def test_convert_matches_reference(models, tmp_path, model, profile, act_dtype, 
 
 
 def test_profiles_agree_on_channel_and_differ_on_tensor(models, tmp_path):
-    """SPEC §2: channel strategy gives identical bytes in both profiles; tensor strategy does not."""
+    """SPEC §2: channel strategy gives identical bytes in both profiles; tensor strategy does
+    not."""
     for model, same in (("llama-channel", True), ("llama-tensor", False)):
         a = run_convert(models[model], tmp_path / f"{model}-a", profile="w8a16", device="cpu")
         b = run_convert(models[model], tmp_path / f"{model}-b", profile="w8a8-marlin", device="cpu")
@@ -302,9 +326,23 @@ def test_cli_json_summary_and_inspect(models, tmp_path):
     out = tmp_path / "s"
     env = {**os.environ, "COLUMNS": "200"}
     r = subprocess.run(
-        [sys.executable, "-m", "mpack.cli", "convert", str(models["qwen2-bias"]), "-o", str(out), "--tp", "2", "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mpack.cli",
+            "convert",
+            str(models["qwen2-bias"]),
+            "-o",
+            str(out),
+            "--tp",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["up_to_date"] is False and doc["target"]["tp_size"] == 2
@@ -314,18 +352,31 @@ def test_cli_json_summary_and_inspect(models, tmp_path):
         "common.safetensors",
     }
     assert doc["manifest_digest"] and doc["bytes"] == sum(doc["files"].values())
-    r = subprocess.run([sys.executable, "-m", "mpack.cli", "inspect", str(out)], capture_output=True, text=True,
-                       env=env, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "inspect", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert (
         r.returncode == 0
         and "model.layers.0.self_attn.qkv_proj" in r.stdout
         and doc["manifest_digest"] in r.stdout
     )
-    r = subprocess.run([sys.executable, "-m", "mpack.cli", "inspect", str(out), "--json"], capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "inspect", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert json.loads(r.stdout)["target"]["tp_size"] == 2
-    r = subprocess.run([sys.executable, "-m", "mpack.cli", "verify", str(out), "--json"], capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "verify", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     rep = json.loads(r.stdout)
     assert (
         r.returncode == 0
@@ -343,8 +394,14 @@ def test_cli_json_summary_and_inspect(models, tmp_path):
 def test_gpu_golden_case(case_dir: Path, tmp_path: Path):
     case = json.loads((case_dir / "case.json").read_text())
     out = tmp_path / "out"
-    run_convert(case_dir / case["input"], out, profile=case["profile"], act_dtype=case["act_dtype"],
-                tp=case["tp"], device="cuda")  # fmt: skip
+    run_convert(
+        case_dir / case["input"],
+        out,
+        profile=case["profile"],
+        act_dtype=case["act_dtype"],
+        tp=case["tp"],
+        device="cuda",
+    )
     for name in case["expected_files"]:
         got, exp = tensors(out / name), tensors(case_dir / "expected" / name)
         assert got.keys() == exp.keys()

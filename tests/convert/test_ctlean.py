@@ -16,10 +16,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
-from helpers import edit_config, python_c, weight_args  # noqa: E402
-
-from mpack.convert import ctlean  # noqa: E402
-from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack.convert import ctlean
+from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import edit_config, python_c, weight_args
 
 # In a fresh interpreter: the verdict with the lean import, then with the full import, and
 # which heavy modules the lean import left out.

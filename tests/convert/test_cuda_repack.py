@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import python_c
-from reference import load_vectors, rand_bytes
 
 from mpack.convert import cuda_repack as cr
 from mpack.convert import marlin as m
+from tests.convert.helpers import python_c
+from tests.convert.reference import load_vectors, rand_bytes
 
 REPO_KERNEL = Path(__file__).resolve().parents[2] / "cuda" / "marlin_repack.cu"
 # An installed mpack (the GPU box installs the wheel) may not ship cuda/: read the checkout's.

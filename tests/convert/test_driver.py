@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
-from reference import load_vectors
 
 from mpack import target
 from mpack.convert import driver, host, host_repack
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
+from tests.convert.reference import load_vectors
 
 REPO_KERNEL = Path(__file__).resolve().parents[2] / "cuda" / "marlin_repack.cu"
 if REPO_KERNEL.is_file():  # an installed mpack may not ship cuda/: read the checkout's
@@ -147,8 +147,10 @@ def _native(pieces, k, np_, kp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n1, n2, k, c0", [(60, 40, 240, 20), (100, 0, 132, 0), (7, 250, 64, 3),
-                                           (640, 384, 512, 0), (1, 1, 4, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n1, n2, k, c0",
+    [(60, 40, 240, 20), (100, 0, 132, 0), (7, 250, 64, 3), (640, 384, 512, 0), (1, 1, 4, 1)],
+)
 def test_gpu_pieces_match_the_native_repack(gpu, n1, n2, k, c0):
     rng = np.random.default_rng(n1 * 7 + k)
     a = rng.integers(0, 256, (n1 + 3, k + c0 + 5), dtype=np.uint8)
@@ -182,10 +184,13 @@ def test_gpu_golden_layers(gpu, golden):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model, act, tp", [("tensor", "bfloat16", 2), ("channel-f16", "float16", 1),
-                                            ("bias", "bfloat16", 2)])  # fmt: skip
-def test_gpu_driver_path_writes_the_host_paths_sidecar(models, tmp_path, monkeypatch, model, act,
-                                                       tp):  # fmt: skip
+@pytest.mark.parametrize(
+    "model, act, tp",
+    [("tensor", "bfloat16", 2), ("channel-f16", "float16", 1), ("bias", "bfloat16", 2)],
+)
+def test_gpu_driver_path_writes_the_host_paths_sidecar(
+    models, tmp_path, monkeypatch, model, act, tp
+):
     ck = models[model]
     a = run_convert(ck, tmp_path / "driver", act_dtype=act, tp=tp, device="cuda")
     assert "open_gpu" in a.seconds and "import_torch" not in a.seconds
@@ -203,8 +208,9 @@ def test_gpu_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch
     freed at once): the sidecar is still the host path's."""
     monkeypatch.setattr(host.Buffers, "MIN_BYTES", 0)
     real_init = host.Buffers.__init__
-    monkeypatch.setattr(host.Buffers, "__init__",
-                        lambda self, keep=3, **kw: real_init(self, 1, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        host.Buffers, "__init__", lambda self, keep=3, **kw: real_init(self, 1, **kw)
+    )
     a = run_convert(models["bias"], tmp_path / "driver", act_dtype="float16", tp=2, device="cuda")
     assert "open_gpu" in a.seconds
     b = run_convert(models["bias"], tmp_path / "host", act_dtype="float16", tp=2, device="cpu")

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
-from reference import independent_unpack, load_vectors, rand_bytes
 
 from mpack import iokit, target
 from mpack.convert import host, host_repack, marlin
 from mpack.convert.pipeline import no_cuda_here, run_convert
 from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
+from tests.convert.reference import independent_unpack, load_vectors, rand_bytes
 
 pytestmark = pytest.mark.skipif(
     not host_repack.available(), reason="the native host repack is not built here"
@@ -150,10 +150,30 @@ def test_native_repack_refuses_bad_shapes():
 # --- scales and bias --------------------------------------------------------------------------
 
 SPECIAL = np.array(
-    [0.0, -0.0, 1.0, 1e-40, -3e-39, 1e-45, 65504.0, 65520.0, 1e30, np.inf, -np.inf, 255.875,
-     255.0, 3.0e38, 1.00390625, 1.0078125, 1.01171875, 2.0**-24, 2.0**-25, 2.0**-26],
+    [
+        0.0,
+        -0.0,
+        1.0,
+        1e-40,
+        -3e-39,
+        1e-45,
+        65504.0,
+        65520.0,
+        1e30,
+        np.inf,
+        -np.inf,
+        255.875,
+        255.0,
+        3.0e38,
+        1.00390625,
+        1.0078125,
+        1.01171875,
+        2.0**-24,
+        2.0**-25,
+        2.0**-26,
+    ],
     dtype=np.float32,
-)  # fmt: skip
+)
 
 
 def _random_f32(n: int, seed: int) -> np.ndarray:
@@ -247,8 +267,9 @@ def test_scales_and_bias_unpack_as_torch_unpacks_them(act):
     b = host.act_bits(np.concatenate([SPECIAL, _random_f32(180, 5)]), act)
     pb = host.pack_bias(b, 256)
     want_b = marlin.unpack_bias(torch.from_numpy(pb.view(np.int16)).view(dt), b.size)
-    assert np.array_equal(host.unpack_bias(pb, b.size).view(np.int16),
-                          want_b.view(torch.int16).numpy())  # fmt: skip
+    assert np.array_equal(
+        host.unpack_bias(pb, b.size).view(np.int16), want_b.view(torch.int16).numpy()
+    )
     assert np.array_equal(host.unpack_bias(pb, b.size), b)
 
 
@@ -285,9 +306,15 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize(
     "model, act, tp",
-    [("tensor", "bfloat16", 2), ("tensor", "float16", 1), ("channel-f16", "bfloat16", 2),
-     ("bias", "float16", 2), ("bias", "bfloat16", 1), ("bias-f32", "bfloat16", 2)],
-)  # fmt: skip
+    [
+        ("tensor", "bfloat16", 2),
+        ("tensor", "float16", 1),
+        ("channel-f16", "bfloat16", 2),
+        ("bias", "float16", 2),
+        ("bias", "bfloat16", 1),
+        ("bias-f32", "bfloat16", 2),
+    ],
+)
 def test_host_and_torch_paths_write_the_same_sidecar(models, tmp_path, monkeypatch, model, act, tp):
     ck = models[model]
     a = run_convert(ck, tmp_path / "host", act_dtype=act, tp=tp, device="cpu")
@@ -318,8 +345,9 @@ def test_a_host_conversion_never_imports_torch(models, tmp_path):
     assert (tmp_path / "o" / "mpack.json").is_file()
 
 
-@pytest.mark.parametrize("cores, cuda_maybe, host_path", [(2, False, True), (16, True, True),
-                                                         (4, True, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "cores, cuda_maybe, host_path", [(2, False, True), (16, True, True), (4, True, False)]
+)
 def test_auto_device(models, tmp_path, monkeypatch, cores, cuda_maybe, host_path):
     """Note [auto device]: ``auto`` takes the host path where there is surely no GPU, or on
     AUTO_HOST_CORES cores or more; else it asks torch (here: no CUDA, so torch's CPU path)."""

@@ -20,10 +20,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("huggingface_hub")
 
-from helpers import CliPool, assert_refused, cli, explain, manifest, tmp_dirs  # noqa: E402
-from hf_cache import add_repo  # noqa: E402
-
-from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import CliPool, assert_refused, cli, explain, manifest, tmp_dirs
+from tests.convert.hf_cache import add_repo
 
 REPO = "org/tiny"
 PARTIAL = "org/partial"  # its tree listing names a shard its snapshot lacks
@@ -127,16 +126,20 @@ def test_revision_resolves_offline(runs, name: str, requested: str) -> None:
 
 def test_unknown_revision_is_refused(runs) -> None:
     assert_refused(
-        runs["unknown-revision"].result(), runs["out"]["unknown-revision"],
-        f"{REPO}@v9: not in the local Hugging Face cache", "HF_HUB_OFFLINE",
-    )  # fmt: skip
+        runs["unknown-revision"].result(),
+        runs["out"]["unknown-revision"],
+        f"{REPO}@v9: not in the local Hugging Face cache",
+        "HF_HUB_OFFLINE",
+    )
 
 
 def test_repo_not_in_cache_is_refused(runs) -> None:
     assert_refused(
-        runs["not-cached"].result(), runs["out"]["not-cached"],
-        "org/absent: not in the local Hugging Face cache", "HF_HUB_OFFLINE",
-    )  # fmt: skip
+        runs["not-cached"].result(),
+        runs["out"]["not-cached"],
+        "org/absent: not in the local Hugging Face cache",
+        "HF_HUB_OFFLINE",
+    )
 
 
 def test_incomplete_snapshot_is_refused_naming_the_missing_file(runs, hub) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import independent_unpack, load_vectors, rand_bytes
 
 from mpack.convert import host_repack
 from mpack.convert import marlin as m
+from tests.convert.reference import independent_unpack, load_vectors, rand_bytes
 
 # Llama-3.1-8B linears as [N, K]: qkv, o, gate_up, down.
 LLAMA8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -34,8 +34,16 @@ def test_spec_vector_w_equals_k():
 def test_spec_vector_w_equals_n():
     k, n = torch.meshgrid(torch.arange(128), torch.arange(64), indexing="ij")
     words, _ = _words(n)
-    assert words[0:8] == [0x00000000, 0x08080808, 0x10101010, 0x18181818,
-                          0x20202020, 0x28282828, 0x30303030, 0x38383838]  # fmt: skip
+    assert words[0:8] == [
+        0x00000000,
+        0x08080808,
+        0x10101010,
+        0x18181818,
+        0x20202020,
+        0x28282828,
+        0x30303030,
+        0x38383838,
+    ]
     assert words[32] == 0x01010101
     assert words[255] == 0x3F3F3F3F
 
@@ -162,9 +170,21 @@ def test_golden_shard_scales_broadcast(golden):
 
 @pytest.mark.parametrize(
     "n, k",
-    [(64, 16), (64, 64), (64, 128), (96, 192), (128, 64), (192, 256), (200, 300), (960, 576),
-     (576, 1536), (1, 4), (130, 132), (1000, 256)],
-)  # fmt: skip
+    [
+        (64, 16),
+        (64, 64),
+        (64, 128),
+        (96, 192),
+        (128, 64),
+        (192, 256),
+        (200, 300),
+        (960, 576),
+        (576, 1536),
+        (1, 4),
+        (130, 132),
+        (1000, 256),
+    ],
+)
 def test_round_trip_and_independent_unpack(n, k):
     w = rand_bytes(n, k, seed=n * 7919 + k)
     np_, kp = m.marlin_padded_nk(n, k)

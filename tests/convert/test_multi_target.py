@@ -15,17 +15,16 @@ import pytest
 
 pytest.importorskip("torch")
 
-from helpers import cli, cli_popen, explain  # noqa: E402
-from test_convert import check_sidecar_rules, same_bytes, tensors  # noqa: E402
-
-from mpack.convert import convert  # noqa: E402
-from mpack.convert.checkpoint import Checkpoint  # noqa: E402
-from mpack.convert.multi import MultiConvertResult  # noqa: E402
-from mpack.convert.pipeline import ConvertResult, run_convert  # noqa: E402
-from mpack.convert.staging import work_dirs  # noqa: E402
-from mpack.fixtures import make_checkpoint  # noqa: E402
-from mpack.hub import plan_push, push_sidecar  # noqa: E402
-from mpack.sidecar import COMMON_NAME  # noqa: E402
+from mpack.convert import convert
+from mpack.convert.checkpoint import Checkpoint
+from mpack.convert.multi import MultiConvertResult
+from mpack.convert.pipeline import ConvertResult, run_convert
+from mpack.convert.staging import work_dirs
+from mpack.fixtures import make_checkpoint
+from mpack.hub import plan_push, push_sidecar
+from mpack.sidecar import COMMON_NAME
+from tests.convert.helpers import cli, cli_popen, explain
+from tests.convert.test_convert import check_sidecar_rules, same_bytes, tensors
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden" / "cases"
 BIG = dict(hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=4, vocab=2048)
@@ -40,7 +39,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
         # a BF16 bias, cast to float16 for one target and kept for the other
         "qwen2": make_checkpoint(
             root / "qwen2", arch="qwen2", scheme="FP8", hidden=256, heads=4, kv_heads=2
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -61,16 +60,28 @@ def test_each_target_is_the_single_target_sidecar(ckpts, tmp_path, monkeypatch, 
     if path == "torch":
         monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
     out = tmp_path / "multi"
-    r = convert(ckpts[model], out, tp=[1, 2], profile=["w8a16", "w8a8-marlin"],
-                act_dtype=["bfloat16", "float16"], device="cpu")  # fmt: skip
+    r = convert(
+        ckpts[model],
+        out,
+        tp=[1, 2],
+        profile=["w8a16", "w8a8-marlin"],
+        act_dtype=["bfloat16", "float16"],
+        device="cpu",
+    )
     assert isinstance(r, MultiConvertResult) and r.out == out and r.skipped == []
     names = [x.out.name for x in r.results]
     assert sorted(names) == sorted(p.name for p in out.iterdir())
     assert len(names) == 8 and "tp2-w8a8-marlin-float16" in names
     for x in r.results:
         t = x.manifest["target"]
-        single = run_convert(ckpts[model], tmp_path / f"single-{x.out.name}", tp=t["tp_size"],
-                             profile=t["profile"], act_dtype=t["act_dtype"], device="cpu")  # fmt: skip
+        single = run_convert(
+            ckpts[model],
+            tmp_path / f"single-{x.out.name}",
+            tp=t["tp_size"],
+            profile=t["profile"],
+            act_dtype=t["act_dtype"],
+            device="cpu",
+        )
         same_files(single.out, x.out)
         assert x.digest == single.digest and x.bytes_written == single.bytes_written
 
@@ -78,13 +89,27 @@ def test_each_target_is_the_single_target_sidecar(ckpts, tmp_path, monkeypatch, 
 @pytest.mark.parametrize("path", ["host", "torch"])
 def test_one_run_matches_both_golden_profiles(tmp_path, path):
     """tiny-llama-tensor-w8a16-bf16-tp1 and -w8a8marlin-bf16-tp1 share their input."""
-    cases = [GOLDEN / "tiny-llama-tensor-w8a16-bf16-tp1", GOLDEN / "tiny-llama-tensor-w8a8marlin-bf16-tp1"]  # fmt: skip
+    cases = [
+        GOLDEN / "tiny-llama-tensor-w8a16-bf16-tp1",
+        GOLDEN / "tiny-llama-tensor-w8a8marlin-bf16-tp1",
+    ]
     inputs = [(c / "input" / "model.safetensors").read_bytes() for c in cases]
     assert inputs[0] == inputs[1]
     out = tmp_path / "out"
     env = {"MPACK_NO_HOST_REPACK": "1"} if path == "torch" else None
-    r = cli("convert", cases[0] / "input", "-o", out, "--profile", "w8a16,w8a8-marlin",
-            "--act-dtype", "bfloat16", "--device", "cpu", env=env)  # fmt: skip
+    r = cli(
+        "convert",
+        cases[0] / "input",
+        "-o",
+        out,
+        "--profile",
+        "w8a16,w8a8-marlin",
+        "--act-dtype",
+        "bfloat16",
+        "--device",
+        "cpu",
+        env=env,
+    )
     assert r.returncode == 0, explain(r)
     for case_dir in cases:
         case = json.loads((case_dir / "case.json").read_text())
@@ -106,15 +131,21 @@ def test_the_source_is_read_once(ckpts, tmp_path, monkeypatch):
         return real(self, name, pieces)
 
     monkeypatch.setattr(Checkpoint, "read_pieces", counting)
-    r = convert(ckpts["llama"], tmp_path / "out", tp=[1, 2], profile=["w8a16", "w8a8-marlin"],
-                device="cpu")  # fmt: skip
+    r = convert(
+        ckpts["llama"], tmp_path / "out", tp=[1, 2], profile=["w8a16", "w8a8-marlin"], device="cpu"
+    )
     assert len(r.results) == 4
     ck = r.results[0].manifest
     from mpack.convert.checkpoint import open_checkpoint
 
     src = open_checkpoint(ckpts["llama"])
-    weights = [n for n in src.tensors if n.endswith(".weight") and n.rpartition(".")[0] in
-               {s["module"] for ly in ck["layers"].values() for s in ly["shards"]}]  # fmt: skip
+    weights = [
+        n
+        for n in src.tensors
+        if n.endswith(".weight")
+        and n.rpartition(".")[0]
+        in {s["module"] for ly in ck["layers"].values() for s in ly["shards"]}
+    ]
     common = [e.name for e in tensors_in(r.results[0].out / COMMON_NAME)]
     assert weights and common
     for n in weights + common:
@@ -141,8 +172,18 @@ def test_an_invalid_target_refuses_the_whole_run(ckpts, tmp_path):
 
 def test_skip_invalid_converts_the_others_and_reports(ckpts, tmp_path):
     out = tmp_path / "out"
-    r = cli("convert", ckpts["llama"], "-o", out, "--tp", "1,3", "--device", "cpu", "--json",
-            "--skip-invalid")  # fmt: skip
+    r = cli(
+        "convert",
+        ckpts["llama"],
+        "-o",
+        out,
+        "--tp",
+        "1,3",
+        "--device",
+        "cpu",
+        "--json",
+        "--skip-invalid",
+    )
     assert r.returncode == 0, explain(r)
     doc = json.loads(r.stdout)
     assert [t["name"] for t in doc["targets"]] == ["tp1-w8a16-bfloat16"]
@@ -150,8 +191,17 @@ def test_skip_invalid_converts_the_others_and_reports(ckpts, tmp_path):
     assert "does not divide" in doc["skipped"][0]["reason"]
     assert sorted(p.name for p in out.iterdir()) == ["tp1-w8a16-bfloat16"]
     # nothing valid at all: refused even so
-    r = cli("convert", ckpts["llama"], "-o", tmp_path / "none", "--tp", "3,5", "--device", "cpu",
-            "--skip-invalid")  # fmt: skip
+    r = cli(
+        "convert",
+        ckpts["llama"],
+        "-o",
+        tmp_path / "none",
+        "--tp",
+        "3,5",
+        "--device",
+        "cpu",
+        "--skip-invalid",
+    )
     assert r.returncode == 2, explain(r)
     assert "tp3-w8a16-bfloat16" in r.stderr and "tp5-w8a16-bfloat16" in r.stderr
 
@@ -190,8 +240,10 @@ def test_up_to_date_and_force_per_target(ckpts, tmp_path):
     assert r.returncode == 0, explain(r)
     doc = json.loads(r.stdout)
     assert [(t["name"], t["up_to_date"]) for t in doc["targets"]] == [
-        ("tp1-w8a16-bfloat16", True), ("tp2-w8a16-bfloat16", True), ("tp4-w8a16-bfloat16", False)
-    ]  # fmt: skip
+        ("tp1-w8a16-bfloat16", True),
+        ("tp2-w8a16-bfloat16", True),
+        ("tp4-w8a16-bfloat16", False),
+    ]
     assert [t["bytes_written"] for t in doc["targets"][:2]] == [0, 0]
     assert all(p.stat().st_mtime_ns == s for p, s in stamps.items())
     digests = {t["name"]: t["manifest_digest"] for t in first["targets"]}
@@ -205,8 +257,9 @@ def test_up_to_date_and_force_per_target(ckpts, tmp_path):
 
 
 def test_single_target_json_keeps_its_shape(ckpts, tmp_path):
-    r = cli("convert", ckpts["llama"], "-o", tmp_path / "o", "--tp", "2", "--device", "cpu",
-            "--json")  # fmt: skip
+    r = cli(
+        "convert", ckpts["llama"], "-o", tmp_path / "o", "--tp", "2", "--device", "cpu", "--json"
+    )
     assert r.returncode == 0, explain(r)
     doc = json.loads(r.stdout)
     assert (
@@ -260,7 +313,7 @@ def test_sigterm_mid_run_leaves_no_target(tmp_path):
 
 
 def test_push_sends_the_directory_as_one_repo(ckpts, tmp_path):
-    from test_push import RecordingApi
+    from tests.test_push import RecordingApi
 
     out = tmp_path / "out"
     r = convert(ckpts["llama"], out, tp=[1, 2], profile=["w8a16", "w8a8-marlin"], device="cpu")
@@ -283,10 +336,22 @@ def test_push_sends_the_directory_as_one_repo(ckpts, tmp_path):
 def test_gpu_targets_are_the_cpu_sidecars(ckpts, tmp_path, monkeypatch, driver):
     if driver == "torch":
         monkeypatch.setenv("MPACK_NO_DRIVER_PATH", "1")
-    r = convert(ckpts["qwen2"], tmp_path / "gpu", tp=[1, 2], profile=["w8a16", "w8a8-marlin"],
-                act_dtype=["bfloat16", "float16"], device="cuda")  # fmt: skip
+    r = convert(
+        ckpts["qwen2"],
+        tmp_path / "gpu",
+        tp=[1, 2],
+        profile=["w8a16", "w8a8-marlin"],
+        act_dtype=["bfloat16", "float16"],
+        device="cuda",
+    )
     for x in r.results:
         t = x.manifest["target"]
-        single = run_convert(ckpts["qwen2"], tmp_path / f"cpu-{x.out.name}", tp=t["tp_size"],
-                             profile=t["profile"], act_dtype=t["act_dtype"], device="cpu")  # fmt: skip
+        single = run_convert(
+            ckpts["qwen2"],
+            tmp_path / f"cpu-{x.out.name}",
+            tp=t["tp_size"],
+            profile=t["profile"],
+            act_dtype=t["act_dtype"],
+            device="cpu",
+        )
         same_files(single.out, x.out)

@@ -29,15 +29,30 @@ CHECKPOINTS = {
     "llama": dict(scheme="FP8"),
     "qwen2": dict(arch="qwen2", scheme="FP8", hidden=128, intermediate=256, vocab=128),
     # qkv N = 96 + 32 + 32 = 160, K = 96: every layer needs padding
-    "padded": dict(scheme="FP8_DYNAMIC", hidden=96, heads=3, kv_heads=1, head_dim=32,
-                   intermediate=160, vocab=128),
-    "eleven": dict(scheme="FP8_DYNAMIC", layers=11, hidden=64, heads=2, kv_heads=1,
-                   intermediate=128, vocab=128),
+    "padded": dict(
+        scheme="FP8_DYNAMIC",
+        hidden=96,
+        heads=3,
+        kv_heads=1,
+        head_dim=32,
+        intermediate=160,
+        vocab=128,
+    ),
+    "eleven": dict(
+        scheme="FP8_DYNAMIC", layers=11, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=128
+    ),
     # down_proj K = 12: 6 per rank at TP 2, not a multiple of 4
     "k-slice": dict(scheme="FP8", hidden=64, heads=2, kv_heads=2, intermediate=12, vocab=128),
-}  # fmt: skip
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+}
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 FORWARD = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -54,10 +69,18 @@ def opened(path: Path) -> Checkpoint:
     return ck
 
 
-def plan_of(path: Path, *, profile: str = "w8a16", act: str = "bfloat16", tp: int = 1,
-            fusion: str = "vllm", passthrough: bool = True) -> Plan:  # fmt: skip
-    return make_plan(opened(path), profile=profile, act_dtype=act, tp=tp, fusion=fusion,
-                     passthrough=passthrough)  # fmt: skip
+def plan_of(
+    path: Path,
+    *,
+    profile: str = "w8a16",
+    act: str = "bfloat16",
+    tp: int = 1,
+    fusion: str = "vllm",
+    passthrough: bool = True,
+) -> Plan:
+    return make_plan(
+        opened(path), profile=profile, act_dtype=act, tp=tp, fusion=fusion, passthrough=passthrough
+    )
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -98,8 +121,15 @@ def test_fuse_none_keeps_checkpoint_names_in_natural_order(ckpts: dict[str, Path
 # --- slices -----------------------------------------------------------------------------------
 
 
-SLICED = [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4), ("padded", 1),
-          ("eleven", 1)]  # fmt: skip
+SLICED = [
+    ("llama", 1),
+    ("llama", 2),
+    ("llama", 4),
+    ("qwen2", 2),
+    ("qwen2", 4),
+    ("padded", 1),
+    ("eleven", 1),
+]
 
 
 @pytest.mark.parametrize("name, tp", SLICED, ids=str)
@@ -136,7 +166,10 @@ def test_kv_rows_at_tp_4_over_2_kv_heads_by_hand(ckpts: dict[str, Path]) -> None
     for r, ly in enumerate(qkv):
         kv = (0, 64) if r < 2 else (64, 128)
         assert [(p.module.rpartition(".")[2], p.rows) for p in ly.pieces] == [
-            ("q_proj", (64 * r, 64 * r + 64)), ("k_proj", kv), ("v_proj", kv)]  # fmt: skip
+            ("q_proj", (64 * r, 64 * r + 64)),
+            ("k_proj", kv),
+            ("v_proj", kv),
+        ]
         assert (ly.n, ly.k, ly.np_, ly.kp) == (192, 256, 192, 256)
 
 
@@ -163,17 +196,33 @@ def test_layers_manifest_of_tp_2(ckpts: dict[str, Path], profile: str) -> None:
     p = "model.layers.1"
     requant = profile == "w8a8-marlin"  # and the checkpoint is per-tensor
     assert m[f"{p}.self_attn.qkv_proj"] == {
-        "index": 4, "n": 128, "k": 128, "np": 128, "kp": 128, "strategy": "tensor",
-        "parallel": "column", "bias": True, "requantized": requant,
-        "shards": [{"module": f"{p}.self_attn.q_proj", "rows": 64},
-                   {"module": f"{p}.self_attn.k_proj", "rows": 32},
-                   {"module": f"{p}.self_attn.v_proj", "rows": 32}],
-    }  # fmt: skip
+        "index": 4,
+        "n": 128,
+        "k": 128,
+        "np": 128,
+        "kp": 128,
+        "strategy": "tensor",
+        "parallel": "column",
+        "bias": True,
+        "requantized": requant,
+        "shards": [
+            {"module": f"{p}.self_attn.q_proj", "rows": 64},
+            {"module": f"{p}.self_attn.k_proj", "rows": 32},
+            {"module": f"{p}.self_attn.v_proj", "rows": 32},
+        ],
+    }
     assert m[f"{p}.self_attn.o_proj"] == {
-        "index": 5, "n": 128, "k": 64, "np": 128, "kp": 64, "strategy": "tensor",
-        "parallel": "row", "bias": False, "requantized": requant,
+        "index": 5,
+        "n": 128,
+        "k": 64,
+        "np": 128,
+        "kp": 64,
+        "strategy": "tensor",
+        "parallel": "row",
+        "bias": False,
+        "requantized": requant,
         "shards": [{"module": f"{p}.self_attn.o_proj", "rows": 128}],
-    }  # fmt: skip
+    }
     assert [ly["index"] for ly in m.values()] == list(range(8))
 
 
@@ -214,8 +263,13 @@ def test_common_layout_is_the_passthrough_tensors(ckpts: dict[str, Path]) -> Non
     assert sorted(bare.files) == [rank_file_name(0, 2), rank_file_name(1, 2)]
 
 
-META = {"format": "mpack-sidecar", "format_version": "2", "tp_size": "4", "profile": "w8a16",
-        "act_dtype": "float16"}  # fmt: skip
+META = {
+    "format": "mpack-sidecar",
+    "format_version": "2",
+    "tp_size": "4",
+    "profile": "w8a16",
+    "act_dtype": "float16",
+}
 
 
 def test_every_rank_file_lays_out_its_units_tensors(ckpts: dict[str, Path]) -> None:
@@ -233,10 +287,12 @@ def test_every_rank_file_lays_out_its_units_tensors(ckpts: dict[str, Path]) -> N
 
 @pytest.mark.parametrize(
     "name, tp, problem",
-    [("llama", 3, "--tp 3 does not divide num_attention_heads=4"),
-     ("llama", 8, "--tp 8 does not divide num_attention_heads=4"),
-     ("padded", 3, "--tp 3 does not divide intermediate_size=160")],
-)  # fmt: skip
+    [
+        ("llama", 3, "--tp 3 does not divide num_attention_heads=4"),
+        ("llama", 8, "--tp 8 does not divide num_attention_heads=4"),
+        ("padded", 3, "--tp 3 does not divide intermediate_size=160"),
+    ],
+)
 def test_a_tp_that_does_not_fit_names_config_json(ckpts, name: str, tp: int, problem: str) -> None:
     with pytest.raises(UnsupportedSchemeError) as e:
         plan_of(ckpts[name], tp=tp)
@@ -270,18 +326,28 @@ def test_a_k_slice_that_is_not_a_multiple_of_4(ckpts: dict[str, Path]) -> None:
 P = "model.layers.1"
 #: an edit of a real, opened checkpoint -> what make_plan must say about it
 BROKEN = {
-    "missing-shard": (lambda ck: ck.layers.pop(f"{P}.self_attn.k_proj"),
-                      f"{P}.self_attn.qkv_proj needs {P}.self_attn.q_proj, {P}.self_attn.k_proj, "
-                      f"{P}.self_attn.v_proj; quantized FP8 {P}.self_attn.k_proj not found"),
-    "mixed-strategies": (lambda ck: setattr(ck.layers[f"{P}.mlp.up_proj"], "strategy", "channel"),
-                         f"{P}.mlp.gate_up_proj: fused shards mix strategies ['channel', 'tensor']"),
-    "bias-on-one-shard": (lambda ck: setattr(ck.layers[f"{P}.self_attn.q_proj"], "has_bias", True),
-                          f"{P}.self_attn.qkv_proj: some fused shards have a bias and some do not"),
-    "config-disagrees": (lambda ck: ck.config.update(intermediate_size=256),
-                         "model.layers.0.mlp.gate_proj.weight has N=512, config.json implies 256"),
-    "config-lacks-heads": (lambda ck: ck.config.pop("num_attention_heads"),
-                           "config.json: missing or bad model dimension 'num_attention_heads'"),
-}  # fmt: skip
+    "missing-shard": (
+        lambda ck: ck.layers.pop(f"{P}.self_attn.k_proj"),
+        f"{P}.self_attn.qkv_proj needs {P}.self_attn.q_proj, {P}.self_attn.k_proj, "
+        f"{P}.self_attn.v_proj; quantized FP8 {P}.self_attn.k_proj not found",
+    ),
+    "mixed-strategies": (
+        lambda ck: setattr(ck.layers[f"{P}.mlp.up_proj"], "strategy", "channel"),
+        f"{P}.mlp.gate_up_proj: fused shards mix strategies ['channel', 'tensor']",
+    ),
+    "bias-on-one-shard": (
+        lambda ck: setattr(ck.layers[f"{P}.self_attn.q_proj"], "has_bias", True),
+        f"{P}.self_attn.qkv_proj: some fused shards have a bias and some do not",
+    ),
+    "config-disagrees": (
+        lambda ck: ck.config.update(intermediate_size=256),
+        "model.layers.0.mlp.gate_proj.weight has N=512, config.json implies 256",
+    ),
+    "config-lacks-heads": (
+        lambda ck: ck.config.pop("num_attention_heads"),
+        "config.json: missing or bad model dimension 'num_attention_heads'",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))

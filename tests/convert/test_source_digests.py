@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import flip_byte
 
 from mpack.convert import source as source_mod
 from mpack.convert import verify as run_verify
@@ -20,6 +19,7 @@ from mpack.errors import OutputExistsError, VerificationError
 from mpack.fixtures import make_checkpoint
 from mpack.iokit import HashCancelled
 from mpack.sidecar import load_manifest, read_layout, write_manifest
+from tests.conftest import flip_byte
 
 CHUNK = 4096  # small enough that every shard of a tiny checkpoint spans many chunks
 

@@ -17,8 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
-from helpers import edit_config, weight_args  # noqa: E402
-
 from mpack.convert.checkpoint import (  # noqa: E402
     find_layers,
     layer_summary,
@@ -31,6 +29,7 @@ from mpack.errors import CorruptFileError, UnsupportedSchemeError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 from mpack.iokit import chunk_digests  # noqa: E402
 from mpack.sidecar import FileLayout, HashingWriter, TensorSpec  # noqa: E402
+from tests.convert.helpers import edit_config, weight_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")

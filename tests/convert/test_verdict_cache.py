@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli, edit_config, weight_args
 
 from mpack.convert import scheme_check
 from mpack.convert.checkpoint import find_layers, layer_summary, open_checkpoint
 from mpack.convert.scheme_check import SchemeCheck, cached_verdict, verdict_key
 from mpack.errors import UnsupportedSchemeError
 from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import cli, edit_config, weight_args
 
 
 @pytest.fixture(scope="module")

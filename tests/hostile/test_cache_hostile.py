@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import threading
 from pathlib import Path
 
@@ -26,15 +25,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))  # tests/convert/helpers
 
-from helpers import cli, edit_config, weight_args  # noqa: E402
-
-from mpack import cache  # noqa: E402
-from mpack.convert import cuda_repack as cr  # noqa: E402
-from mpack.convert.checkpoint import find_layers, layer_summary, open_checkpoint  # noqa: E402
-from mpack.convert.scheme_check import VERDICT_FORMAT, SchemeCheck, verdict_key  # noqa: E402
-from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack import cache
+from mpack.convert import cuda_repack as cr
+from mpack.convert.checkpoint import find_layers, layer_summary, open_checkpoint
+from mpack.convert.scheme_check import VERDICT_FORMAT, SchemeCheck, verdict_key
+from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import cli, edit_config, weight_args
 
 NOBODY = 65534
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root")
@@ -70,15 +67,21 @@ def plant(root: Path, kind: str, name: str, data: bytes, breach: str) -> Path:
         os.chmod(d, 0o700)
     entry.write_bytes(data)
     os.chmod(entry, 0o600)
-    links = {"symlinked root": (root, base), "symlinked folder": (base / kind, folder),
-             "symlinked entry": (folder / name, entry)}  # fmt: skip
+    links = {
+        "symlinked root": (root, base),
+        "symlinked folder": (base / kind, folder),
+        "symlinked entry": (folder / name, entry),
+    }
     if breach in links:
         link, target = links[breach]
         link.symlink_to(target)
         if os.geteuid() == 0:
             os.lchown(link, NOBODY, NOBODY)  # planted by them
-    owner = {"entry of another user": entry, "folder of another user": folder,
-             "root of another user": base}.get(breach)  # fmt: skip
+    owner = {
+        "entry of another user": entry,
+        "folder of another user": folder,
+        "root of another user": base,
+    }.get(breach)
     if owner is not None:
         os.chown(owner, NOBODY, NOBODY)
     modes = {

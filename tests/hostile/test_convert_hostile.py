@@ -22,22 +22,20 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))  # tests/convert/helpers
 
-from conftest import flip_byte  # noqa: E402
-from helpers import cli, cli_env, explain, manifest, snapshot, tensor_range  # noqa: E402
-
-from mpack.convert.pipeline import run_convert  # noqa: E402
-from mpack.convert.source import SourceChangedError  # noqa: E402
-from mpack.convert.staging import (  # noqa: E402
+from mpack.convert.pipeline import run_convert
+from mpack.convert.source import SourceChangedError
+from mpack.convert.staging import (
     _work_path,
     check_apart,
     lock_path,
     output_path,
     work_dirs,
 )
-from mpack.errors import BusyError, InputError, UsageError  # noqa: E402
-from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack.errors import BusyError, InputError, UsageError
+from mpack.fixtures import make_checkpoint
+from tests.conftest import flip_byte
+from tests.convert.helpers import cli, cli_env, explain, manifest, snapshot, tensor_range
 
 SHARD = "model-00003-of-00004.safetensors"
 
@@ -158,8 +156,11 @@ def _hold_lock(out: Path) -> subprocess.Popen:
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(lock_path(out))],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc
 
@@ -249,8 +250,11 @@ def test_mount_point_output_is_refused_up_front(ckpt: Path, tmp_path: Path) -> N
         pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
     r = subprocess.run(
         [*args, str(mnt), sys.executable, str(ckpt)],
-        capture_output=True, text=True, env=cli_env(), timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=180,
+    )
     assert r.returncode == 2, explain(r)
     assert f"-o {mnt} ({mnt}) is a mount point" in r.stderr, r.stderr
     assert "use a subdirectory of it" in r.stderr
@@ -329,8 +333,12 @@ def test_cli_output_that_is_the_current_directory_is_refused(ckpt: Path, tmp_pat
     for out, said in (("", "-o is empty"), ("../cwd", f"({cwd}) is the current directory")):
         r = subprocess.run(
             [sys.executable, "-m", "mpack.cli", "convert", str(ckpt), "-o", out, "--device", "cpu"],
-            capture_output=True, text=True, env=cli_env(), cwd=cwd, timeout=180,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            cwd=cwd,
+            timeout=180,
+        )
         assert r.returncode == 2, explain(r)
         assert said in r.stderr, r.stderr
         assert "name a new directory, e.g. -o ./sidecar" in r.stderr
@@ -365,9 +373,12 @@ def _in_mount_namespace(script: str, *args: str | os.PathLike) -> subprocess.Com
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
     return subprocess.run(
-        [*ns, "sh", "-c", script, "sh", *map(str, args)], capture_output=True, text=True,
-        env=cli_env({"PYTHON": sys.executable}), timeout=180,
-    )  # fmt: skip
+        [*ns, "sh", "-c", script, "sh", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=cli_env({"PYTHON": sys.executable}),
+        timeout=180,
+    )
 
 
 def test_output_name_longer_than_the_file_system_takes_is_refused(
@@ -391,8 +402,12 @@ def test_output_under_the_home_of_no_such_user_is_refused(ckpt: Path, tmp_path: 
         pwd.getpwnam(user)
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", "convert", str(ckpt), "-o", f"~{user}/x"],
-        capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert r.returncode == 2, explain(r)
     assert f"error: -o ~{user}/x: ~{user} names a home directory, but there is no user {user}" in (
         r.stderr
@@ -407,8 +422,10 @@ def test_bind_mount_output_is_refused_up_front(ckpt: Path, tmp_path: Path) -> No
     (tmp_path / "b").mkdir()
     r = _in_mount_namespace(
         'mount --bind "$1" "$2" && exec "$PYTHON" -m mpack.cli convert "$3" -o "$2" --device cpu',
-        tmp_path / "a", tmp_path / "b", ckpt,
-    )  # fmt: skip
+        tmp_path / "a",
+        tmp_path / "b",
+        ckpt,
+    )
     assert r.returncode == 2, explain(r)
     assert f"-o {tmp_path / 'b'} ({tmp_path / 'b'}) is a mount point" in r.stderr, r.stderr
     assert "convert: " not in r.stderr, "refused only after the conversion"
@@ -424,12 +441,14 @@ def test_full_disk_names_the_file(ckpt: Path, tmp_path: Path) -> None:
         'mount -t tmpfs -o size=256k mpack-test "$1" || exit 99\n'
         '"$PYTHON" -m mpack.cli convert "$2" -o "$1/out" --device cpu; rc=$?\n'
         'echo "left: $(ls -A "$1")" >&2; exit $rc',
-        mnt, ckpt,
-    )  # fmt: skip
+        mnt,
+        ckpt,
+    )
     assert r.returncode == 3, explain(r)
     assert re.search(
         rf"error: {re.escape(str(mnt))}/\.mpack-[0-9a-f]{{12}}\.tmp-[0-9a-f]{{8}}/"
-        rf"[a-z0-9_.-]+: No space left on device while writing the sidecar {re.escape(str(mnt))}/out",
+        rf"[a-z0-9_.-]+: No space left on device while writing the sidecar "
+        rf"{re.escape(str(mnt))}/out",
         r.stderr,
     ), r.stderr
     assert "?:" not in r.stderr

@@ -20,15 +20,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-
-from rt_helpers import DaemonProc, child_env, fd_count, raw_connect, wait_for  # noqa: E402
-from sidecar_factory import make_sidecar  # noqa: E402
-
-from mpack.errors import DaemonError, UsageError  # noqa: E402
-from mpack.runtime import attach, load  # noqa: E402
-from mpack.runtime import protocol as P  # noqa: E402
-from mpack.runtime.client import status_of  # noqa: E402
+from mpack.errors import DaemonError, UsageError
+from mpack.runtime import attach, load
+from mpack.runtime import protocol as P
+from mpack.runtime.client import status_of
+from tests.runtime.rt_helpers import DaemonProc, child_env, fd_count, raw_connect, wait_for
+from tests.runtime.sidecar_factory import make_sidecar
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root")
@@ -103,8 +100,11 @@ def test_the_daemon_outlives_the_reader_of_its_output(sc, env, tmp_path):
     sock = tmp_path / "s.sock"
     proc = subprocess.Popen(
         _serve_cmd(sc, "--socket", str(sock)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         assert _read_line(proc.stdout).startswith(b"READY ")
         proc.stdout.close()  # what `head -1` does after its line
@@ -128,9 +128,12 @@ def test_a_reader_gone_before_ready_neither_kills_the_daemon_nor_fails_its_exit(
     err = tmp_path / "serve.err"
     with open(err, "w") as e:
         proc = subprocess.Popen(
-            _serve_cmd(sc, "--socket", str(sock)), stdout=subprocess.PIPE, stderr=e, env=env,
+            _serve_cmd(sc, "--socket", str(sock)),
+            stdout=subprocess.PIPE,
+            stderr=e,
+            env=env,
             cwd=tmp_path,
-        )  # fmt: skip
+        )
     proc.stdout.close()
     try:
         wait_for(lambda: sock.exists() or proc.poll() is not None, 120, "the socket")
@@ -286,8 +289,12 @@ def test_status_connections_close_right_after_the_reply(sc, env, tmp_path):
         wait_for(lambda: fd_count(d.pid) <= base, 0.5, "the daemon to close the status connection")
         r = subprocess.run(
             [sys.executable, "-m", "mpack.cli", "status", "--socket", str(sock), "--json"],
-            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        )
         assert r.returncode == 0 and str(d.pid) in r.stdout, r.stderr
         assert d.stop() == 0
     finally:
@@ -311,8 +318,12 @@ NO_CUDA = "--device cuda:0: no CUDA device here (torch reports none)"
 def test_serve_on_a_missing_cuda_device_is_a_usage_error(sc, env, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", "serve", str(sc), "--device", "cuda:0"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     _assert_clean_refusal(r.returncode, r.stderr, NO_CUDA, "hint: use --device cpu")
     assert "READY" not in r.stdout
 

@@ -14,23 +14,18 @@ import functools
 import json
 import shutil
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))
-
-from helpers import cli  # noqa: E402
-from sidecar_factory import make_sidecar  # noqa: E402
-
-from mpack import ui  # noqa: E402
-from mpack.errors import CorruptFileError, quote  # noqa: E402
-from mpack.iokit import sha256_file  # noqa: E402
-from mpack.runtime import load  # noqa: E402
-from mpack.sidecar import MANIFEST_NAME, manifest_bytes, rank_file_name  # noqa: E402
+from mpack import ui
+from mpack.errors import CorruptFileError, quote
+from mpack.iokit import sha256_file
+from mpack.runtime import load
+from mpack.sidecar import MANIFEST_NAME, manifest_bytes, rank_file_name
+from tests.convert.helpers import cli
+from tests.runtime.sidecar_factory import make_sidecar
 
 mpack_cli = functools.partial(cli, timeout=120)
 
@@ -86,8 +81,23 @@ def rename_layer(sc: Path, new: str, *, in_rank_file: bool) -> None:
 # --- the helper ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("char", ["\x00", "\x1b", "\x07", "\x7f", "\x85", "\x9b", "\u202e",
-                                  "\u2066", "\u200b", "\u2028", "\ud800", "\udc80"])  # fmt: skip
+@pytest.mark.parametrize(
+    "char",
+    [
+        "\x00",
+        "\x1b",
+        "\x07",
+        "\x7f",
+        "\x85",
+        "\x9b",
+        "\u202e",
+        "\u2066",
+        "\u200b",
+        "\u2028",
+        "\ud800",
+        "\udc80",
+    ],
+)
 def test_quote_escapes_every_control_format_and_surrogate_character(char):
     q = quote(f"a{char}b")
     assert char not in q and q.isprintable() and q.isascii(), q
@@ -161,8 +171,12 @@ def test_load_escapes_and_caps_the_name_in_its_error(sc):
 
 def test_verify_escapes_an_unlisted_file_name_and_the_recorded_source(sc):
     (sc / "odd\x1b[2Jname").write_bytes(b"x")
-    edit_manifest(sc, lambda m: m.__setitem__(
-        "source", {"kind": "local", "path": "/nowhere/\x1b[31m", "files": []}))  # fmt: skip
+    edit_manifest(
+        sc,
+        lambda m: m.__setitem__(
+            "source", {"kind": "local", "path": "/nowhere/\x1b[31m", "files": []}
+        ),
+    )
     r = mpack_cli("verify", sc)
     assert r.returncode == 2, r.stderr
     assert not raw_in(r.stdout + r.stderr), (r.stdout, r.stderr)
@@ -171,17 +185,31 @@ def test_verify_escapes_an_unlisted_file_name_and_the_recorded_source(sc):
 
 
 def test_a_recorded_hub_repo_that_is_no_repo_id_is_refused_escaped(sc):
-    edit_manifest(sc, lambda m: m.__setitem__(
-        "source", {"kind": "hub", "repo": "org/\x1b[31mrepo", "revision": "a" * 40,
-                   "requested_revision": None, "files": []}))  # fmt: skip
+    edit_manifest(
+        sc,
+        lambda m: m.__setitem__(
+            "source",
+            {
+                "kind": "hub",
+                "repo": "org/\x1b[31mrepo",
+                "revision": "a" * 40,
+                "requested_revision": None,
+                "files": [],
+            },
+        ),
+    )
     r = mpack_cli("verify", sc)  # was exit 1: huggingface_hub's HFValidationError
     assert r.returncode == 2 and "not a Hugging Face repo id" in r.stderr, r.stderr
     assert "org/\\x1b[31mrepo" in r.stderr and not raw_in(r.stderr)
 
 
 def test_verify_escapes_the_recorded_source_path_in_its_note(sc):
-    edit_manifest(sc, lambda m: m.__setitem__(
-        "source", {"kind": "local", "path": "/nowhere/\x1b[31m\u202e", "files": []}))  # fmt: skip
+    edit_manifest(
+        sc,
+        lambda m: m.__setitem__(
+            "source", {"kind": "local", "path": "/nowhere/\x1b[31m\u202e", "files": []}
+        ),
+    )
     r = mpack_cli("verify", sc)
     assert r.returncode == 0, r.stderr
     assert "source not checked" in r.stdout and "\\x1b[31m\\u202e" in r.stdout
@@ -199,9 +227,18 @@ def test_the_daemon_log_escapes_what_a_peer_sent(capsys):
 
 def test_status_escapes_a_peers_sidecar_and_device(capsys, monkeypatch):
     monkeypatch.setattr(ui.console, "width", 400)
-    doc = {"state": "serving", "sidecar": "/x/\x1b[31msc", "rank": 0, "tp_size": 1,
-           "device": "cpu", "device_label": "cpu\x1b[2J", "bytes": 1, "clients": [],
-           "uptime_s": 1, "pid": 1}  # fmt: skip
+    doc = {
+        "state": "serving",
+        "sidecar": "/x/\x1b[31msc",
+        "rank": 0,
+        "tp_size": 1,
+        "device": "cpu",
+        "device_label": "cpu\x1b[2J",
+        "bytes": 1,
+        "clients": [],
+        "uptime_s": 1,
+        "pid": 1,
+    }
     ui.emit_status([doc], as_json=False)
     out = capsys.readouterr().out
     assert not raw_in(out) and "\\x1b[31msc" in out and "\\x1b[2J" in out, out

@@ -25,17 +25,14 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-
-from rt_helpers import DaemonProc, child_env, wait_for  # noqa: E402
-from sidecar_factory import make_sidecar  # noqa: E402
-
-from mpack.errors import DaemonError, ProtocolError  # noqa: E402
-from mpack.runtime import attach  # noqa: E402
-from mpack.runtime import protocol as P  # noqa: E402
-from mpack.runtime.client import status_of  # noqa: E402
-from mpack.runtime.host import SEALS  # noqa: E402
-from mpack.sidecar import load_manifest  # noqa: E402
+from mpack.errors import DaemonError, ProtocolError
+from mpack.runtime import attach
+from mpack.runtime import protocol as P
+from mpack.runtime.client import status_of
+from mpack.runtime.memfd import SEALS
+from mpack.sidecar import load_manifest
+from tests.runtime.rt_helpers import DaemonProc, child_env, wait_for
+from tests.runtime.sidecar_factory import make_sidecar
 
 PAGE = 4096
 
@@ -68,9 +65,13 @@ def rdir(env, monkeypatch) -> Path:
 
 def _cli(env: dict, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mpack.cli", *args], capture_output=True, text=True, env=env,
-        cwd=cwd, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "mpack.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 # --- fake peers ---------------------------------------------------------------------------------
@@ -135,10 +136,15 @@ def _memfd(size: int, *, sealed: bool = True) -> int:
 
 def _attached(digest: str, *, size: int = PAGE, tensors: object = None) -> dict:
     return {
-        "type": P.ATTACHED, "digest": digest, "rank": 0, "device": "cpu", "backend": "host",
-        "size": size, "data_size": PAGE,
+        "type": P.ATTACHED,
+        "digest": digest,
+        "rank": 0,
+        "device": "cpu",
+        "backend": "host",
+        "size": size,
+        "data_size": PAGE,
         "tensors": [["t", "U8", [16], 0]] if tensors is None else tensors,
-    }  # fmt: skip
+    }
 
 
 def _with_fd(msg: dict, make_fd: Callable[[], tuple[int, list[int]]]) -> Reply:
@@ -278,10 +284,22 @@ def _serve_into_stalled_pipe(sc: Path, sock: Path, env: dict, cwd: Path):
     fcntl.fcntl(r, fcntl.F_SETPIPE_SZ, PAGE)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mpack.cli", "serve", str(sc), "--device", "cpu",
-             "--socket", str(sock)],
-            stdout=subprocess.DEVNULL, stderr=w, env=env, cwd=cwd,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mpack.cli",
+                "serve",
+                str(sc),
+                "--device",
+                "cpu",
+                "--socket",
+                str(sock),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=w,
+            env=env,
+            cwd=cwd,
+        )
     finally:
         os.close(w)
 
@@ -384,10 +402,20 @@ def test_a_daemon_with_a_stalled_log_reader_still_stops_cleanly(sc, env, tmp_pat
 
 def _status_reply(**over: object) -> Reply:
     doc = {
-        "type": P.STATUS, "sidecar": "/x", "digest": "0" * 64, "rank": 0, "tp_size": 1,
-        "device": "cpu", "device_label": "cpu", "backend": "host", "bytes": 1, "socket": "/x",
-        "pid": 1, "uptime_s": 1.0, "clients": [],
-    }  # fmt: skip
+        "type": P.STATUS,
+        "sidecar": "/x",
+        "digest": "0" * 64,
+        "rank": 0,
+        "tp_size": 1,
+        "device": "cpu",
+        "device_label": "cpu",
+        "backend": "host",
+        "bytes": 1,
+        "socket": "/x",
+        "pid": 1,
+        "uptime_s": 1.0,
+        "clients": [],
+    }
     doc.update(over)
     body = {k: v for k, v in doc.items() if v is not None}
 

@@ -27,25 +27,18 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))
-
-from conftest import flip_byte  # noqa: E402
-from helpers import cli  # noqa: E402
-from sidecar_factory import make_sidecar  # noqa: E402
-
-import mpack.sidecar  # noqa: E402
-from mpack.errors import (  # noqa: E402
+import mpack.sidecar
+from mpack.errors import (
     CorruptFileError,
     EnvironmentFailure,
     InputError,
     VerificationError,
     exit_code_for,
 )
-from mpack.iokit import chunk_digests, sha256_file  # noqa: E402
-from mpack.runtime import attach, load  # noqa: E402
-from mpack.runtime.layout import plan_rank  # noqa: E402
-from mpack.sidecar import (  # noqa: E402
+from mpack.iokit import chunk_digests, sha256_file
+from mpack.runtime import attach, load
+from mpack.runtime.allocation import plan_rank
+from mpack.sidecar import (
     MANIFEST_NAME,
     MAX_MANIFEST,
     check_files,
@@ -54,6 +47,9 @@ from mpack.sidecar import (  # noqa: E402
     rank_file_name,
     read_layout,
 )
+from tests.conftest import flip_byte
+from tests.convert.helpers import cli
+from tests.runtime.sidecar_factory import make_sidecar
 
 HANG_S = 20  # a consumer that has not returned by then is hung (a FIFO open blocks forever)
 mpack_cli = functools.partial(cli, timeout=HANG_S * 3)
@@ -288,9 +284,14 @@ def test_an_oversized_manifest_is_refused_before_it_is_parsed(sc, monkeypatch):
 
 @pytest.mark.parametrize(
     "value, why",
-    [(10**18, "not an integer in 1..1024"), (0, "not an integer in 1..1024"),
-     (-1, "not an integer in 1..1024"), (True, "not an integer"), (2.0, "not an integer")],
-)  # fmt: skip
+    [
+        (10**18, "not an integer in 1..1024"),
+        (0, "not an integer in 1..1024"),
+        (-1, "not an integer in 1..1024"),
+        (True, "not an integer"),
+        (2.0, "not an integer"),
+    ],
+)
 def test_tp_size_out_of_range_is_refused_before_use(sc, value, why):
     rewrite_manifest(sc, lambda m: m["target"].__setitem__("tp_size", value))
     err = finishes(lambda: load_manifest(sc))
@@ -316,12 +317,23 @@ def test_deeply_nested_json_is_a_corrupt_manifest(sc):
         (lambda m: m["files"].append(dict(m["files"][0])), "listed twice"),
         (lambda m: m["target"].__setitem__("profile", "w4a16"), "target profile"),
         (lambda m: m["target"].__setitem__("act_dtype", "float32"), "target act_dtype"),
-        (lambda m: m["layers"].__setitem__("x", {"n": 10**12, "k": 1, "np": 1, "kp": 1,
-                                                 "bias": False}), "layer 'x' is malformed"),
+        (
+            lambda m: m["layers"].__setitem__(
+                "x", {"n": 10**12, "k": 1, "np": 1, "kp": 1, "bias": False}
+            ),
+            "layer 'x' is malformed",
+        ),
     ],
-    ids=["negative-size", "huge-size", "bad-digest", "duplicate-file", "profile", "act-dtype",
-         "huge-layer"],
-)  # fmt: skip
+    ids=[
+        "negative-size",
+        "huge-size",
+        "bad-digest",
+        "duplicate-file",
+        "profile",
+        "act-dtype",
+        "huge-layer",
+    ],
+)
 def test_every_number_and_name_is_bounded(sc, edit, match):
     rewrite_manifest(sc, edit)
     with pytest.raises(CorruptFileError, match=match):
@@ -333,9 +345,13 @@ def test_every_number_and_name_is_bounded(sc, edit, match):
 
 @pytest.mark.parametrize(
     "encoding, match",
-    [("utf-16", "UTF-16 byte order mark"), ("utf-16-le", "NUL bytes"),
-     ("utf-32", "UTF-32 byte order mark"), ("utf-8-sig", "UTF-8 byte order mark")],
-)  # fmt: skip
+    [
+        ("utf-16", "UTF-16 byte order mark"),
+        ("utf-16-le", "NUL bytes"),
+        ("utf-32", "UTF-32 byte order mark"),
+        ("utf-8-sig", "UTF-8 byte order mark"),
+    ],
+)
 def test_a_manifest_that_is_not_plain_utf8_is_refused(sc, encoding, match):
     text = (sc / MANIFEST_NAME).read_text()
     (sc / MANIFEST_NAME).write_bytes(text.encode(encoding))  # the same JSON, other bytes
@@ -438,17 +454,28 @@ def test_a_whole_file_sha256_beside_several_chunk_digests_is_checked_by_verify(s
 
 @pytest.mark.parametrize(
     "files, match",
-    [("x", "source files is 'x', not a list"),
-     ({"a": 1}, "not a list"),
-     (["x"], "malformed source files entry 'x'"),
-     ([{"name": "../etc/passwd", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
-     ([{"name": "/etc/passwd", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
-     ([{"name": "a\x1b.json", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
-     ([{"name": "a.json", "size": "1", "sha256": OTHER_DIGEST}], "malformed source files"),
-     ([{"name": "a.json", "size": 1, "sha256": OTHER_DIGEST,
-        "chunks": {"bytes": 64, "sha256": [OTHER_DIGEST]}}], "not both")],
+    [
+        ("x", "source files is 'x', not a list"),
+        ({"a": 1}, "not a list"),
+        (["x"], "malformed source files entry 'x'"),
+        ([{"name": "../etc/passwd", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
+        ([{"name": "/etc/passwd", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
+        ([{"name": "a\x1b.json", "size": 1, "sha256": OTHER_DIGEST}], "malformed source files"),
+        ([{"name": "a.json", "size": "1", "sha256": OTHER_DIGEST}], "malformed source files"),
+        (
+            [
+                {
+                    "name": "a.json",
+                    "size": 1,
+                    "sha256": OTHER_DIGEST,
+                    "chunks": {"bytes": 64, "sha256": [OTHER_DIGEST]},
+                }
+            ],
+            "not both",
+        ),
+    ],
     ids=["string", "dict", "string-entry", "dotdot", "absolute", "control", "size", "both"],
-)  # fmt: skip
+)
 def test_source_files_of_the_wrong_type_are_bad_input(sc, files, match):
     rewrite_manifest(sc, lambda m: m["source"].__setitem__("files", files))
     with pytest.raises(CorruptFileError, match=match):
@@ -541,8 +568,9 @@ def test_verify_with_the_source_fails_a_flipped_byte_on_its_chunk_digest(convert
 
 def test_verify_fails_a_corrupted_rank_file_whose_entry_was_removed(sc):
     flip_byte(sc / RANK0, (sc / RANK0).stat().st_size - 1)
-    rewrite_manifest(sc, lambda m: m.__setitem__(
-        "files", [f for f in m["files"] if f["name"] != RANK0]))  # fmt: skip
+    rewrite_manifest(
+        sc, lambda m: m.__setitem__("files", [f for f in m["files"] if f["name"] != RANK0])
+    )
     r = mpack_cli("verify", sc)
     assert r.returncode == 2 and RANK0 in r.stderr and "do not list" in r.stderr, r.stderr
 
@@ -554,8 +582,12 @@ def test_verify_reports_files_the_manifest_does_not_list(sc):
 
 
 def test_verify_reports_an_unlisted_common_file(sc):
-    rewrite_manifest(sc, lambda m: m.__setitem__(
-        "files", [f for f in m["files"] if f["name"] != "common.safetensors"]))  # fmt: skip
+    rewrite_manifest(
+        sc,
+        lambda m: m.__setitem__(
+            "files", [f for f in m["files"] if f["name"] != "common.safetensors"]
+        ),
+    )
     r = mpack_cli("verify", sc)
     assert r.returncode == 2 and "common.safetensors: not listed" in r.stderr, r.stderr
 

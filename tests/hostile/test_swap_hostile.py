@@ -22,15 +22,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))  # tests/convert/helpers
 
-from helpers import cli, cli_env, explain, manifest, snapshot  # noqa: E402
-
-from mpack.convert import staging  # noqa: E402
-from mpack.convert.pipeline import run_convert  # noqa: E402
-from mpack.convert.staging import _work_path, lock_path, work_dirs  # noqa: E402
-from mpack.errors import BusyError, EnvironmentFailure, OutputExistsError  # noqa: E402
-from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack.convert import staging
+from mpack.convert.pipeline import run_convert
+from mpack.convert.staging import _work_path, lock_path, work_dirs
+from mpack.errors import BusyError, EnvironmentFailure, OutputExistsError
+from mpack.fixtures import make_checkpoint
+from tests.convert.helpers import cli, cli_env, explain, manifest, snapshot
 
 NOBODY = 65534
 
@@ -278,8 +276,11 @@ def _hold_work_dir(out: Path) -> tuple[subprocess.Popen, Path]:
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(work)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc, work
 

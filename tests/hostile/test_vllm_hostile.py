@@ -18,23 +18,16 @@ import importlib.util
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# On pytest's sys.path, tests/vllm itself is a namespace package `vllm` (tests/conftest.py):
-# only a real vLLM counts.
+# Only a real vLLM counts, not a folder named vllm found on sys.path (tests/conftest.py).
 _spec = importlib.util.find_spec("vllm")
 if _spec is None or _spec.origin in (None, "namespace"):
     pytest.skip("needs vLLM: make test runs this file with .venv-vllm", allow_module_level=True)
 pytest.importorskip("vllm")
-
-VLLM_TESTS = Path(__file__).resolve().parents[1] / "vllm"
-sys.path.insert(0, str(VLLM_TESTS))
-
-from test_vllm_loader import assert_same_tensors, ok, run_cli, run_workers  # noqa: E402
 
 from mpack.errors import MpackError, UsageError  # noqa: E402
 from mpack.iokit import chunk_digests, sha256_file  # noqa: E402
@@ -48,6 +41,7 @@ from mpack.sidecar import (  # noqa: E402
     read_layout,
     write_manifest,
 )
+from tests.vllm.test_vllm_loader import assert_same_tensors, ok, run_cli, run_workers  # noqa: E402
 
 CKPT = ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16"]  # 2 layers, vocab 1000
 CONVERT = ["--tp", "1", "--profile", "w8a16", "--act-dtype", "bfloat16", "--quiet"]
@@ -202,16 +196,26 @@ BAD: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("vllm-hostile")
-    ckpts = {"ck": [], "ck-1layer": ["--layers", "1"], "ck-vocab": ["--vocab", "1024"],
-             "ck-tied": ["--tie-embeddings"], "ck-qwen3": ["--arch", "qwen3"]}  # fmt: skip
+    ckpts = {
+        "ck": [],
+        "ck-1layer": ["--layers", "1"],
+        "ck-vocab": ["--vocab", "1024"],
+        "ck-tied": ["--tie-embeddings"],
+        "ck-qwen3": ["--arch", "qwen3"],
+    }
     for name, more in ckpts.items():
         run_cli(["mpack.fixtures", str(work / name), *CKPT, *more], work)
     ck, ckt, ckq = work / "ck", work / "ck-tied", work / "ck-qwen3"
     sc, sc1, scv, scn = work / "sc", work / "sc-1layer", work / "sc-vocab", work / "sc-np"
     sct, scq = work / "sc-tied", work / "sc-qwen3"
-    for src, out, more in ((ck, sc, []), (work / "ck-1layer", sc1, []),
-                           (work / "ck-vocab", scv, []), (ck, scn, ["--no-passthrough"]),
-                           (ckt, sct, []), (ckq, scq, [])):  # fmt: skip
+    for src, out, more in (
+        (ck, sc, []),
+        (work / "ck-1layer", sc1, []),
+        (work / "ck-vocab", scv, []),
+        (ck, scn, ["--no-passthrough"]),
+        (ckt, sct, []),
+        (ckq, scq, []),
+    ):
         run_cli(["mpack", "convert", str(src), "-o", str(out), *CONVERT, *more], work)
 
     full_config = load_manifest(sc)[0]["model"]["config"]
@@ -239,8 +243,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         model = ckq if id.startswith("qwen3") else ck
         d = {"id": id, "model": str(model), "profile": "w8a16", "dtype": "bfloat16"}
         if sidecar is not None:
-            d.update(load_format="mpack", sidecar=str(sidecar),
-                     extra={"sidecar": str(sidecar), "attach": "never"})  # fmt: skip
+            d.update(
+                load_format="mpack",
+                sidecar=str(sidecar),
+                extra={"sidecar": str(sidecar), "attach": "never"},
+            )
         return d | kw
 
     loads = [
@@ -255,8 +262,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         load("extra-socket-int", sc, extra={"sidecar": str(sc), "socket": 5}),
     ]
     loads += [load(name, path) for name, path in paths.items()]
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(work), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(work),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     results = run_workers({1: loads}, env, work)[1][0]
     return {"results": results, "paths": paths}
 
@@ -264,9 +276,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "load, default",
-    [("good", "default"), ("good-no-passthrough", "default"), ("good-tied", "default-tied"),
-     ("qwen3-good", "qwen3-default")],
-)  # fmt: skip
+    [
+        ("good", "default"),
+        ("good-no-passthrough", "default"),
+        ("good-tied", "default-tied"),
+        ("qwen3-good", "qwen3-default"),
+    ],
+)
 def test_honest_sidecars_still_load(world: dict[str, Any], load: str, default: str) -> None:
     """The checks refuse nothing an honest conversion writes (lm_head tied or not, Qwen3's own
     norms, --no-passthrough): the model equals vLLM's own."""

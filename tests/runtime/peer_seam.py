@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from mpack.runtime.allocation import plan_rank
 from mpack.runtime.daemon import Daemon, Served
-from mpack.runtime.host import HostExport
-from mpack.runtime.layout import plan_rank
+from mpack.runtime.memfd import HostExport
 from mpack.runtime.protocol import Device
 
 

@@ -46,9 +46,15 @@ class DaemonProc(DaemonHandle):
         python: str = sys.executable,
     ) -> None:
         super().__init__(
-            sidecar, device=device, args=extra, python=python, env=env, cwd=workdir,
-            log_dir=workdir, timeout=READY_TIMEOUT_S,
-        )  # fmt: skip
+            sidecar,
+            device=device,
+            args=extra,
+            python=python,
+            env=env,
+            cwd=workdir,
+            log_dir=workdir,
+            timeout=READY_TIMEOUT_S,
+        )
 
 
 class Probe:
@@ -59,8 +65,14 @@ class Probe:
         self.err = workdir / f"probe-{id(self)}.err"
         with open(self.err, "w") as e:
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=e, text=True, env=env, cwd=workdir
-            )  # fmt: skip
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=e,
+                text=True,
+                env=env,
+                cwd=workdir,
+            )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

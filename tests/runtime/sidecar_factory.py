@@ -65,9 +65,17 @@ def make_sidecar(
             ("mlp.down_proj", hidden, inter // tp, "row"),
         ):
             table[f"{p}.{name}"] = {
-                "index": len(table), "n": n, "k": k, "np": n, "kp": k, "strategy": "channel",
-                "parallel": parallel, "bias": False, "requantized": False, "shards": [],
-            }  # fmt: skip
+                "index": len(table),
+                "n": n,
+                "k": k,
+                "np": n,
+                "kp": k,
+                "strategy": "channel",
+                "parallel": parallel,
+                "bias": False,
+                "requantized": False,
+                "shards": [],
+            }
     for r in range(tp):
         specs = []
         for name, ly in table.items():

@@ -7,14 +7,15 @@ import os
 import re
 
 import pytest
-from sidecar_factory import expected_tensors, make_sidecar
+
+from tests.runtime.sidecar_factory import expected_tensors, make_sidecar
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    from mpack.runtime.layout import plan_rank
+    from mpack.runtime.allocation import plan_rank
 
     return plan_rank(
         make_sidecar(tmp_path_factory.mktemp("sc") / "s", layers=2, hidden=1024, inter=2048), 0

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_helpers import DaemonProc, child_env
 
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
 from mpack.verify.forward import REL_TOL, forward_check, reference_model, score
 from mpack.verify.model import greedy_generate
+from tests.runtime.rt_helpers import DaemonProc, child_env
 
 HERE = Path(__file__).resolve().parent
 CLIENT = HERE / "equivalence_client.py"
@@ -86,7 +86,7 @@ def _serve_and_attach(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-            )  # fmt: skip
+            )
             for o in outs
         ]
         for p in procs:
@@ -154,16 +154,21 @@ def test_tp2_two_daemons_match_tp1(checkpoints, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "model, profile, tp",
-    [("llama-tensor-bf16", "w8a16", 1), ("qwen2-bias-channel-fp16", "w8a8-marlin", 1),
-     ("padded-tensor-bf16", "w8a16", 1), ("qwen2-bias-tensor-bf16", "w8a16", 2)],
+    [
+        ("llama-tensor-bf16", "w8a16", 1),
+        ("qwen2-bias-channel-fp16", "w8a8-marlin", 1),
+        ("padded-tensor-bf16", "w8a16", 1),
+        ("qwen2-bias-tensor-bf16", "w8a16", 2),
+    ],
     ids=lambda v: str(v),
-)  # fmt: skip
+)
 def test_gpu_served_model_matches_reference(checkpoints, tmp_path, model, profile, tp):
     _run_case(checkpoints, tmp_path, model, profile, tp, "cuda:0")
 
 
 def test_reference_linear_equals_dense_on_8b_shapes():
-    """marlin_linear == x @ dequant(W)^T + b in fp32, on random layers of the Llama-3.1-8B shapes."""
+    """marlin_linear == x @ dequant(W)^T + b in fp32, on random layers of the Llama-3.1-8B
+    shapes."""
     from mpack.convert import marlin
     from mpack.target import padded_nk
     from mpack.verify.reference import marlin_linear
@@ -197,8 +202,11 @@ def test_verify_forward_cli(checkpoints, tmp_path):
     run_convert(checkpoints["qwen2-bias-tensor-bf16"], sidecar, tp=2, device="cpu")
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", "verify", str(sidecar), "--forward", "--json"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     fwd = doc["forward"]
@@ -214,9 +222,21 @@ def test_verify_forward_with_a_missing_source_is_exit_2(checkpoints, tmp_path):
     run_convert(checkpoints["llama-tensor-bf16"], sidecar, device="cpu")
     missing = tmp_path / "no-such-checkpoint"
     r = subprocess.run(
-        [sys.executable, "-m", "mpack.cli", "verify", str(sidecar), "--forward", "--source", str(missing)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mpack.cli",
+            "verify",
+            str(sidecar),
+            "--forward",
+            "--source",
+            str(missing),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "no-such-checkpoint" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -291,7 +311,8 @@ def test_forward_check_fails_a_scale_or_bias_one_ulp_off(
 def test_verify_forward_on_cuda_without_cuda_is_a_usage_error(
     checkpoints, tmp_path, one_thread, monkeypatch, capsys
 ):
-    """`verify --forward --device cuda:0` where there is no CUDA: exit 2 with a hint, no traceback."""
+    """`verify --forward --device cuda:0` where there is no CUDA: exit 2 with a hint, no
+    traceback."""
     from mpack.cli import main
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as here; on a GPU box too

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import flip_byte
-from sidecar_factory import expected_tensors, make_sidecar
 
 from mpack.errors import (
     CorruptFileError,
@@ -19,7 +17,7 @@ from mpack.errors import (
     VerificationError,
 )
 from mpack.runtime import load
-from mpack.runtime.layout import REGION_ALIGN, plan_rank
+from mpack.runtime.allocation import REGION_ALIGN, plan_rank
 from mpack.runtime.loader import HostDest, fill
 from mpack.sidecar import (
     FileLayout,
@@ -31,6 +29,8 @@ from mpack.sidecar import (
     write_manifest,
 )
 from mpack.target import packed_specs
+from tests.conftest import flip_byte
+from tests.runtime.sidecar_factory import expected_tensors, make_sidecar
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -137,8 +137,16 @@ def _one_file_sidecar(path: Path, specs: list[TensorSpec]) -> Path:
             w.write_at(e.offset, bytes(e.nbytes))
         size, digest = w.finish()
         files.append({"name": name, "size": size, "sha256": digest})
-    write_manifest(path, new_manifest(target=target_of(profile="w8a16", act_dtype="bfloat16", tp=1, fusion="vllm"),
-                                      source={}, model={}, layers=layers, files=files))  # fmt: skip
+    write_manifest(
+        path,
+        new_manifest(
+            target=target_of(profile="w8a16", act_dtype="bfloat16", tp=1, fusion="vllm"),
+            source={},
+            model={},
+            layers=layers,
+            files=files,
+        ),
+    )
     return path
 
 

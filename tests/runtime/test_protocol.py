@@ -141,9 +141,17 @@ def test_too_long_socket_paths_are_refused():
         P.check_socket_path(Path("/tmp/" + "x" * 120))
 
 
-READY_INFO = {"socket": "/run/user/1000/mpack/3f0c-r0-cpu.sock", "pid": 4242, "device": "cpu",
-              "backend": "host", "bytes": 1625472, "load_s": 0.008, "rank": 0,
-              "digest": "ab" * 32, "tp_size": 1}  # fmt: skip
+READY_INFO = {
+    "socket": "/run/user/1000/mpack/3f0c-r0-cpu.sock",
+    "pid": 4242,
+    "device": "cpu",
+    "backend": "host",
+    "bytes": 1625472,
+    "load_s": 0.008,
+    "rank": 0,
+    "digest": "ab" * 32,
+    "tp_size": 1,
+}
 
 
 def test_the_ready_line_round_trips(capsys):
@@ -151,8 +159,17 @@ def test_the_ready_line_round_trips(capsys):
     assert line.startswith("READY socket=/run/user/1000/mpack/3f0c-r0-cpu.sock pid=4242 ")
     assert "tp_size" not in line  # only READY_KEYS
     r = S.parse_ready(line + "\n")
-    assert r == S.Ready(Path(READY_INFO["socket"]), 4242, "cpu", "host", 1625472, 0.008, 0,
-                        "ab" * 32, {k: str(READY_INFO[k]) for k in S.READY_KEYS})  # fmt: skip
+    assert r == S.Ready(
+        Path(READY_INFO["socket"]),
+        4242,
+        "cpu",
+        "host",
+        1625472,
+        0.008,
+        0,
+        "ab" * 32,
+        {k: str(READY_INFO[k]) for k in S.READY_KEYS},
+    )
     ui.emit_ready(READY_INFO)  # what `mpack serve` prints
     assert capsys.readouterr().out == line + "\n"
 
@@ -172,10 +189,12 @@ def test_other_lines_are_not_ready_and_a_broken_ready_line_is_an_error():
 def test_importing_the_runtime_loads_neither_torch_nor_cuda_bindings(tmp_path):
     code = (
         "import sys\n"
-        "import mpack.runtime, mpack.runtime.protocol, mpack.runtime.layout, mpack.runtime.loader\n"
-        "import mpack.runtime.host, mpack.runtime.cuda_vmm, mpack.runtime.daemon\n"
+        "import mpack.runtime, mpack.runtime.protocol, mpack.runtime.allocation\n"
+        "import mpack.runtime.loader\n"
+        "import mpack.runtime.memfd, mpack.runtime.cuda_vmm, mpack.runtime.daemon\n"
         "import mpack.runtime.client, mpack.runtime.weights, mpack.runtime.spawn\n"
-        "print(json.dumps(sorted(m for m in ('torch', 'cuda.bindings', 'numpy') if m in sys.modules)))\n"
+        "mods = ('torch', 'cuda.bindings', 'numpy')\n"
+        "print(json.dumps(sorted(m for m in mods if m in sys.modules)))\n"
     )
     r = subprocess.run(
         [sys.executable, "-c", "import json\n" + code],

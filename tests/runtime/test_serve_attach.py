@@ -21,8 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import flip_byte
-from rt_helpers import (
+
+from mpack.errors import DaemonError, UsageError
+from mpack.runtime import attach
+from mpack.runtime import protocol as P
+from mpack.runtime.spawn import DaemonHandle, spawn
+from tests.conftest import flip_byte
+from tests.runtime.rt_helpers import (
     DaemonProc,
     Probe,
     child_env,
@@ -36,12 +41,7 @@ from rt_helpers import (
     status,
     wait_for,
 )
-from sidecar_factory import digest_of_tensors, expected_tensors, make_sidecar
-
-from mpack.errors import DaemonError, UsageError
-from mpack.runtime import attach
-from mpack.runtime import protocol as P
-from mpack.runtime.spawn import DaemonHandle, spawn
+from tests.runtime.sidecar_factory import digest_of_tensors, expected_tensors, make_sidecar
 
 HERE = Path(__file__).resolve().parent
 DEVICES = [
@@ -343,7 +343,8 @@ try:
     s.connect(sys.argv[1])
 except OSError as e:
     print(json.dumps({"uid": os.getuid(), "connect_error": e.errno})); sys.exit(0)
-body = json.dumps({"v": 1, "type": "attach", "digest": sys.argv[2], "rank": 0, "device": sys.argv[3]}).encode()
+msg = {"v": 1, "type": "attach", "digest": sys.argv[2], "rank": 0, "device": sys.argv[3]}
+body = json.dumps(msg).encode()
 try:
     s.sendall(b"MPAK" + struct.pack("<I", len(body)) + body)
 except OSError:
@@ -381,8 +382,12 @@ def test_a_peer_with_another_uid_is_refused(world):
         def as_nobody() -> dict:
             r = subprocess.run(
                 [exe, "-I", "-S", "-c", RAW_CLIENT, str(d.socket), digest, key],
-                user=nobody, group=nobody, capture_output=True, text=True, timeout=30,
-            )  # fmt: skip
+                user=nobody,
+                group=nobody,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert r.returncode == 0, r.stderr
             return json.loads(r.stdout)
 
@@ -410,8 +415,11 @@ def test_peer_uid_check_seam(world, tmp_path):
     with open(out, "w") as o:
         proc = subprocess.Popen(
             [sys.executable, str(HERE / "peer_seam.py"), str(sc), str(sock)],
-            stdout=o, stderr=subprocess.STDOUT, env=world.env, cwd=tmp_path,
-        )  # fmt: skip
+            stdout=o,
+            stderr=subprocess.STDOUT,
+            env=world.env,
+            cwd=tmp_path,
+        )
     try:
         wait_for(lambda: "READY" in out.read_text() or proc.poll() is not None, 60, "seam READY")
         assert proc.poll() is None, out.read_text()
@@ -460,8 +468,12 @@ def test_a_corrupted_sidecar_is_refused(world, kind):
         expect = ["format version 99", "mpack convert"]
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", "serve", str(sc), "--device", world.device],
-        capture_output=True, text=True, env=world.env, cwd=world.root, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=world.env,
+        cwd=world.root,
+        timeout=300,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "READY" not in r.stdout
     assert "Traceback" not in r.stderr and r.stderr.startswith("error: ")
@@ -521,8 +533,12 @@ def test_one_daemon_per_sidecar_rank_and_device(world, served):
     sc, d = served
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", "serve", str(sc), "--device", world.device],
-        capture_output=True, text=True, env=world.env, cwd=world.root, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=world.env,
+        cwd=world.root,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     assert "already serves" in r.stderr and f"pid {d.pid}" in r.stderr
     assert d.alive() and status(d.socket)["pid"] == d.pid
@@ -615,8 +631,12 @@ def test_100_attach_detach_cycles_leak_nothing(world, served, runtime_env):
 def _cli(world: World, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mpack.cli", *args],
-        capture_output=True, text=True, env={**world.env, "COLUMNS": "250"}, cwd=world.root, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**world.env, "COLUMNS": "250"},
+        cwd=world.root,
+        timeout=120,
+    )
 
 
 def test_status_shows_what_is_served(world, served):

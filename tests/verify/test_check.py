@@ -4,7 +4,6 @@ compatible forward to it: a result that lists the problems, and the same report 
 from __future__ import annotations
 
 import pytest
-from conftest import flip_byte
 
 import mpack.convert as mc
 from mpack.errors import UsageError, VerificationError
@@ -12,6 +11,7 @@ from mpack.fixtures import make_checkpoint
 from mpack.sidecar import rank_file_name, read_layout
 from mpack.verify import Verification, verify
 from mpack.verify.check import MAX_LISTED
+from tests.conftest import flip_byte
 
 
 def test_the_compatible_forward_is_callable_twice_and_agrees(converted) -> None:

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import flip_byte
 
 import mpack.convert as mc
 from mpack import iokit
@@ -28,6 +27,7 @@ from mpack.sidecar import (
 )
 from mpack.verify import compare, verify
 from mpack.verify.compare import SidecarComparer
+from tests.conftest import flip_byte
 
 RANK0 = rank_file_name(0, 1)
 LAYER = "model.layers.0.mlp.gate_up_proj"  # a fused layer of the fixture (vLLM names)
@@ -162,16 +162,22 @@ def test_a_source_that_changed_is_named(converted, tmp_path) -> None:
 
 def _file(tmp_path: Path, chunk: int) -> tuple[Path, FileLayout, dict]:
     """A safetensors file of three tensors, its layout and its files record (``chunk`` bytes)."""
-    specs = [TensorSpec("a", "U8", (3000,)), TensorSpec("b", "U8", (1280,)),
-             TensorSpec("c", "U8", (77,))]  # fmt: skip
+    specs = [
+        TensorSpec("a", "U8", (3000,)),
+        TensorSpec("b", "U8", (1280,)),
+        TensorSpec("c", "U8", (77,)),
+    ]
     layout = FileLayout.plan(specs)
     path = tmp_path / "f.safetensors"
     w = HashingWriter(path, layout, chunk_bytes=chunk)
     for e in layout.entries:
         w.write_at(e.offset, _bytes_of(e.name, e.nbytes))
     size, _ = w.finish()
-    return path, layout, {"name": path.name, "size": size,
-                          "chunks": {"bytes": chunk, "sha256": w.chunks}}  # fmt: skip
+    return (
+        path,
+        layout,
+        {"name": path.name, "size": size, "chunks": {"bytes": chunk, "sha256": w.chunks}},
+    )
 
 
 def _bytes_of(name: str, n: int) -> bytes:
@@ -216,8 +222,13 @@ def test_the_comparer_names_the_tensor_and_the_chunk(tmp_path, monkeypatch) -> N
 
 def test_the_comparer_reports_a_planned_tensor_the_file_holds_otherwise(tmp_path) -> None:
     path, layout, record = _file(tmp_path, chunk=1 << 20)
-    planned = FileLayout.plan([TensorSpec("a", "U8", (3000,)), TensorSpec("b", "U8", (640, 2)),
-                               TensorSpec("d", "U8", (8,))])  # fmt: skip
+    planned = FileLayout.plan(
+        [
+            TensorSpec("a", "U8", (3000,)),
+            TensorSpec("b", "U8", (640, 2)),
+            TensorSpec("d", "U8", (8,)),
+        ]
+    )
     c = _run(path, planned, layout, record, planned.entries)
     assert c.unmatched == ["b", "d"] and c.unplanned == ["b", "c"]
     assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
@@ -232,12 +243,18 @@ def test_cli_says_where_it_rederived(converted) -> None:
     ck, sc = converted
     base = [sys.executable, "-m", "mpack", "verify", str(sc), "--source", str(ck)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    human = subprocess.run([*base, "--rederive-device", "cpu"], capture_output=True, text=True,
-                           timeout=300, env=env)  # fmt: skip
+    human = subprocess.run(
+        [*base, "--rederive-device", "cpu"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert human.returncode == 0, human.stderr
     assert "(on cpu) are byte-identical" in human.stdout
-    doc = subprocess.run([*base, "--rederive-device", "cpu", "--json"], capture_output=True,
-                         text=True, timeout=300, env=env)  # fmt: skip
+    doc = subprocess.run(
+        [*base, "--rederive-device", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert doc.returncode == 0, doc.stderr
     got = json.loads(doc.stdout)
     assert got["rederive_device"] == "cpu"
@@ -262,8 +279,13 @@ def test_a_cpu_verify_never_imports_torch(converted) -> None:
         "print(json.dumps('torch' in sys.modules))"
     )
     args = ["verify", str(sc), "--source", str(ck), "--rederive-device", "cpu"]
-    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "byte-identical" in out

@@ -156,9 +156,22 @@ def test_pip_resolves_mpack_with_vllm(tmp_path: Path) -> None:
     would otherwise send every wheel whole: torch 2.14.0 and its CUDA wheels, 2.2 GB a run here
     against 84 MB, for the same resolution."""
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-           "--use-feature=fast-deps", "--timeout", "20", "--retries", "1",
-           "--report", str(report), f"{REPO}[vllm]"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--use-feature=fast-deps",
+        "--timeout",
+        "20",
+        "--retries",
+        "1",
+        "--report",
+        str(report),
+        f"{REPO}[vllm]",
+    ]
     r = subprocess.run(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=tmp_path
     )

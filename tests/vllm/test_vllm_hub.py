@@ -25,11 +25,8 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "convert"))
-
-from hf_cache import add_repo  # noqa: E402
-from test_vllm_loader import (  # noqa: E402
+from tests.convert.hf_cache import add_repo
+from tests.vllm.test_vllm_loader import (
     CASES,
     CKPTS,
     assert_same_tensors,
@@ -59,32 +56,73 @@ def hub_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("vllm-hub")
     ck, sc = work / "ck", work / "sc"
     run_cli(["mpack.fixtures", str(ck), *CKPTS[CASE.ckpt]], work)
-    run_cli(["mpack", "convert", str(ck), "-o", str(sc), "--quiet", "--tp", str(CASE.tp),
-             "--profile", CASE.profile, "--act-dtype", CASE.dtype], work)  # fmt: skip
+    run_cli(
+        [
+            "mpack",
+            "convert",
+            str(ck),
+            "-o",
+            str(sc),
+            "--quiet",
+            "--tp",
+            str(CASE.tp),
+            "--profile",
+            CASE.profile,
+            "--act-dtype",
+            CASE.dtype,
+        ],
+        work,
+    )
     cache = work / "hf-cache"
     add_repo(cache, "org/tiny-marlin", _files(sc), COMMIT, ["main", "v1"])
     multi = {"config.json": (sc / "config.json").read_bytes(), **_files(sc, f"{TARGET}/")}
     add_repo(cache, "org/multi-marlin", multi, COMMIT, ["main"])
     runtime = work / "xdg-runtime"
     runtime.mkdir(mode=0o700)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(work / "hf-home")}  # fmt: skip
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(runtime),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(work / "hf-home"),
+    }
 
     base = {"profile": CASE.profile, "dtype": CASE.dtype, "sidecar": str(sc)}
     never = {"attach": "never"}
     loads = [
         {**base, "id": "default", "model": str(ck), "sidecar": None},
-        {**base, "id": "local", "model": str(ck), "load_format": "mpack",
-         "extra": {**never, "sidecar": str(sc)}},
-        {**base, "id": "hub-extra", "model": str(ck), "load_format": "mpack",
-         "extra": {**never, "sidecar": "org/tiny-marlin@v1"}},
-        {**base, "id": "hub-model", "model": "org/tiny-marlin", "load_format": "mpack",
-         "extra": never},
-        {**base, "id": "hub-multi", "model": "org/multi-marlin", "load_format": "mpack",
-         "extra": never},
-    ]  # fmt: skip
+        {
+            **base,
+            "id": "local",
+            "model": str(ck),
+            "load_format": "mpack",
+            "extra": {**never, "sidecar": str(sc)},
+        },
+        {
+            **base,
+            "id": "hub-extra",
+            "model": str(ck),
+            "load_format": "mpack",
+            "extra": {**never, "sidecar": "org/tiny-marlin@v1"},
+        },
+        {
+            **base,
+            "id": "hub-model",
+            "model": "org/tiny-marlin",
+            "load_format": "mpack",
+            "extra": never,
+        },
+        {
+            **base,
+            "id": "hub-multi",
+            "model": "org/multi-marlin",
+            "load_format": "mpack",
+            "extra": never,
+        },
+    ]
     t0 = time.monotonic()
     results = run_workers({CASE.tp: loads}, env, work)
     print(f"\nvLLM hub loads: {time.monotonic() - t0:.1f} s")

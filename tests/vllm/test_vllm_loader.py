@@ -32,11 +32,10 @@ from typing import Any
 
 import pytest
 
+from tests.runtime.rt_helpers import DaemonProc
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent / "runtime"))
-
-from rt_helpers import DaemonProc  # noqa: E402
 
 WORKER = HERE / "vllm_worker.py"
 WORKER_TIMEOUT_S = 600
@@ -80,9 +79,17 @@ CKPTS = {
     "qwen2-tensor": ["--arch", "qwen2", "--scheme", "FP8", "--dtype", "float16"],
     "qwen2-channel": ["--arch", "qwen2", "--scheme", "FP8_DYNAMIC", "--dtype", "bfloat16"],
     # One layer fewer than llama-tensor, otherwise the same: a sidecar of another model.
-    "llama-tensor-1layer": ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16",
-                            "--layers", "1"],
-}  # fmt: skip
+    "llama-tensor-1layer": [
+        "--arch",
+        "llama",
+        "--scheme",
+        "FP8",
+        "--dtype",
+        "bfloat16",
+        "--layers",
+        "1",
+    ],
+}
 
 # A pairwise covering set over (arch, scales, profile, dtype, TP).
 CASES = [
@@ -102,23 +109,37 @@ PATHS = ("mpack-never", "mpack-require", "mpack-auto")
 # what the message must be about (a regex) and two values it must name (the sidecar's and the
 # engine's), loosely.
 BAD = {
-    "tp-size": dict(sidecar="sc:" + CASES[1].name, about=r"tensor.parallel|\btp\b",
-                    needs=("2", "1")),
-    "tp-size-on-tp2": dict(sidecar="sc:" + BASE.name, tp=2, about=r"tensor.parallel|\btp\b",
-                           needs=("1", "2")),
-    "profile": dict(sidecar="sc:" + BASE.name, profile="w8a8-marlin", about="profile",
-                    needs=("w8a16", "w8a8-marlin")),
-    "act-dtype": dict(sidecar="sc:" + BASE.name, dtype="float16", about="dtype",
-                      needs=("bfloat16", "float16")),
+    "tp-size": dict(
+        sidecar="sc:" + CASES[1].name, about=r"tensor.parallel|\btp\b", needs=("2", "1")
+    ),
+    "tp-size-on-tp2": dict(
+        sidecar="sc:" + BASE.name, tp=2, about=r"tensor.parallel|\btp\b", needs=("1", "2")
+    ),
+    "profile": dict(
+        sidecar="sc:" + BASE.name,
+        profile="w8a8-marlin",
+        about="profile",
+        needs=("w8a16", "w8a8-marlin"),
+    ),
+    "act-dtype": dict(
+        sidecar="sc:" + BASE.name, dtype="float16", about="dtype", needs=("bfloat16", "float16")
+    ),
     "engine-version": dict(sidecar="old-engine", about="version", needs=("0.32.1", "0.33.0")),
-    "architecture": dict(sidecar="other-arch", about="model",
-                         needs=("Qwen3ForCausalLM", "LlamaForCausalLM")),
-    "require-no-daemon": dict(sidecar="sc:" + BASE.name, attach="require", no_daemon=True,
-                              about="daemon|serve", needs=("require",)),
-    "corrupt-rank-file": dict(sidecar="corrupt", about="checksum|sha256|digest|corrupt",
-                              needs=("rank-00-of-01",)),
+    "architecture": dict(
+        sidecar="other-arch", about="model", needs=("Qwen3ForCausalLM", "LlamaForCausalLM")
+    ),
+    "require-no-daemon": dict(
+        sidecar="sc:" + BASE.name,
+        attach="require",
+        no_daemon=True,
+        about="daemon|serve",
+        needs=("require",),
+    ),
+    "corrupt-rank-file": dict(
+        sidecar="corrupt", about="checksum|sha256|digest|corrupt", needs=("rank-00-of-01",)
+    ),
     "other-layers": dict(sidecar="one-layer", about="layer", needs=("1", "2")),
-}  # fmt: skip
+}
 
 
 # --- the world: checkpoints, sidecars, daemons, worker results ----------------------------------
@@ -143,10 +164,12 @@ def make_sidecars(work: Path) -> dict[str, Path]:
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda n: run_cli(["mpack.fixtures", str(ck[n]), *CKPTS[n]], work), CKPTS))
     converts = {
-        "sc:" + c.name: (ck[c.ckpt], ["--tp", str(c.tp), "--profile", c.profile,
-                                       "--act-dtype", c.dtype])
+        "sc:" + c.name: (
+            ck[c.ckpt],
+            ["--tp", str(c.tp), "--profile", c.profile, "--act-dtype", c.dtype],
+        )
         for c in CASES
-    }  # fmt: skip
+    }
     converts["one-layer"] = (
         ck["llama-tensor-1layer"],
         ["--tp", "1", "--profile", BASE.profile, "--act-dtype", BASE.dtype],
@@ -195,12 +218,19 @@ def jobs(paths: dict[str, Path], no_daemon_dir: Path) -> dict[int, list[dict[str
     by_tp: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
 
     def load(case: Case, path: str, **kw: Any) -> dict[str, Any]:
-        d = {"id": f"{case.name}/{path}", "model": str(paths["ck:" + case.ckpt]),
-             "profile": case.profile, "dtype": case.dtype}  # fmt: skip
+        d = {
+            "id": f"{case.name}/{path}",
+            "model": str(paths["ck:" + case.ckpt]),
+            "profile": case.profile,
+            "dtype": case.dtype,
+        }
         if path != "default":
             sidecar = paths["sc:" + case.name]
-            d.update(load_format="mpack", sidecar=str(sidecar),
-                     extra={"sidecar": str(sidecar), "attach": path.removeprefix("mpack-")})  # fmt: skip
+            d.update(
+                load_format="mpack",
+                sidecar=str(sidecar),
+                extra={"sidecar": str(sidecar), "attach": path.removeprefix("mpack-")},
+            )
         d.update(kw)
         return d
 
@@ -210,17 +240,33 @@ def jobs(paths: dict[str, Path], no_daemon_dir: Path) -> dict[int, list[dict[str
     base_sc = str(paths["sc:" + BASE.name])
     by_tp[1] += [
         # The model directory is the sidecar: no "sidecar" key.
-        load(BASE, "model-dir", model=base_sc, load_format="mpack", sidecar=base_sc,
-             extra={"attach": "never"}),
+        load(
+            BASE,
+            "model-dir",
+            model=base_sc,
+            load_format="mpack",
+            sidecar=base_sc,
+            extra={"attach": "never"},
+        ),
         # auto with no daemon reachable: a private load.
-        load(BASE, "auto-no-daemon", load_format="mpack", sidecar=base_sc,
-             extra={"sidecar": base_sc, "attach": "auto"},
-             env={"XDG_RUNTIME_DIR": str(no_daemon_dir)}),
-    ]  # fmt: skip
+        load(
+            BASE,
+            "auto-no-daemon",
+            load_format="mpack",
+            sidecar=base_sc,
+            extra={"sidecar": base_sc, "attach": "auto"},
+            env={"XDG_RUNTIME_DIR": str(no_daemon_dir)},
+        ),
+    ]
     for name, bad in BAD.items():
         sidecar = str(paths[bad["sidecar"]])
-        d = load(BASE, f"bad/{name}", load_format="mpack", sidecar=sidecar,
-                 extra={"sidecar": sidecar, "attach": bad.get("attach", "never")})  # fmt: skip
+        d = load(
+            BASE,
+            f"bad/{name}",
+            load_format="mpack",
+            sidecar=sidecar,
+            extra={"sidecar": sidecar, "attach": bad.get("attach", "never")},
+        )
         d.update({k: bad[k] for k in ("profile", "dtype") if k in bad})
         if bad.get("no_daemon"):
             d["env"] = {"XDG_RUNTIME_DIR": str(no_daemon_dir)}
@@ -235,13 +281,21 @@ def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path) -
         out_dir = work / f"results-tp{tp}"
         out_dir.mkdir()
         job = work / f"job-tp{tp}.json"
-        job.write_text(json.dumps({"tp": tp, "port": free_port(), "out_dir": str(out_dir),
-                                   "loads": loads}, indent=1))  # fmt: skip
+        job.write_text(
+            json.dumps(
+                {"tp": tp, "port": free_port(), "out_dir": str(out_dir), "loads": loads}, indent=1
+            )
+        )
         for rank in range(tp):
             log = work / f"worker-tp{tp}-r{rank}.log"
             with open(log, "w") as f:
-                p = subprocess.Popen([sys.executable, str(WORKER), str(job), str(rank)],
-                                     stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work)  # fmt: skip
+                p = subprocess.Popen(
+                    [sys.executable, str(WORKER), str(job), str(rank)],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=work,
+                )
             procs.append((tp, rank, p, log, out_dir / f"rank-{rank}.json"))
     results: dict[int, dict[int, dict]] = {1: {}, 2: {}}
     deadline = time.monotonic() + WORKER_TIMEOUT_S
@@ -253,8 +307,9 @@ def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path) -
             p.kill()
             p.wait()
         if p.returncode != 0 or not out.exists():
-            failed.append(f"worker tp{tp} rank {rank} exited {p.returncode}:\n"
-                          + log.read_text()[-6000:])  # fmt: skip
+            failed.append(
+                f"worker tp{tp} rank {rank} exited {p.returncode}:\n" + log.read_text()[-6000:]
+            )
         else:
             results[tp][rank] = json.loads(out.read_text())
     if failed:
@@ -281,13 +336,20 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     paths = make_sidecars(work)
     t_made = time.monotonic()
 
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(runtime),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     daemons = [  # the main venv's `mpack serve SIDECAR --rank R --device cpu`
-        DaemonProc(paths["sc:" + c.name], "cpu", env, work, "--rank", str(rank),
-                   python=main_python())
-        for c in CASES for rank in range(c.tp)
-    ]  # fmt: skip
+        DaemonProc(
+            paths["sc:" + c.name], "cpu", env, work, "--rank", str(rank), python=main_python()
+        )
+        for c in CASES
+        for rank in range(c.tp)
+    ]
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         for d in daemons:

@@ -52,12 +52,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import cpu_standins  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+# cpu_standins is the file beside this one: run as a script, its folder is first on sys.path
+# (scripts/vllm_gpu.py puts it there before importing this module).
+import cpu_standins
+import torch
+from torch import nn
 
 LEAVES = ("weight", "weight_scale", "bias")
 
