@@ -681,7 +681,10 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
             hint=f"if {sidecar} is a checkpoint, convert it: mpack convert {sidecar} -o "
             f"{sidecar.name or 'out'}-marlin",
         ) from None
+    digest = hashlib.sha256(raw).hexdigest()  # Note [manifest digest]
     text = _manifest_text(raw, path)
+    if digest in _CHECKED:  # these very bytes passed every check below (Note [checked once])
+        return json.loads(text), digest
     try:
         m = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -696,7 +699,19 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
                 hint=regenerate_hint_of(m if isinstance(m, dict) else {}, sidecar),
             )
     check_manifest(m, path)
-    return m, hashlib.sha256(raw).hexdigest()  # Note [manifest digest]
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[digest] = None
+    return m, digest
+
+
+# Note [checked once]: every check load_manifest makes is a function of the manifest's bytes (and
+# of this mpack), so a process checks each digest once: a later load of the same bytes (a second
+# attach(), a daemon and its status) parses them and skips the checks; other bytes, even at the
+# same path, are checked in full. The entries are digests only (nothing an attacker could steer
+# but a hash), at most _CHECKED_MAX of them, oldest dropped first.
+_CHECKED: dict[str, None] = {}
+_CHECKED_MAX = 64
 
 
 _BOMS = (

@@ -7,8 +7,8 @@
 
     w = load("llama-marlin/", rank=0, device="cpu")               # a private copy, no daemon
 
-Modules: protocol (wire format, socket naming), layout (where each byte goes), loader (verified
-pipelined fill, ``load``), host (memfd backend), cuda_vmm (CUDA VMM backend, cuda-bindings
+Modules: protocol (wire format, socket naming), allocation (where each byte goes), loader
+(verified pipelined fill, ``load``), memfd (host backend), cuda_vmm (CUDA VMM backend, cuda-bindings
 imported lazily), daemon (``serve``), client (``attach``, status), weights (``SharedWeights``),
 spawn (start and stop a daemon process from code: the READY fields, the logs), vllm
 (``--load-format mpack``). Importing this package imports neither torch nor cuda-bindings and never
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mpack.runtime.weights import SharedWeights
 
-__all__ = ["SharedWeights", "attach", "load", "serve"]
+__all__ = ["SharedWeights", "attach", "load", "serve", "warm"]
 
 
 def load(
@@ -67,6 +67,32 @@ def serve(
     from mpack.runtime.daemon import serve as _serve
 
     _serve(resolve_sidecar(sidecar, rank=rank), rank=rank, device=device, socket_path=socket, **kw)
+
+
+# Note [warm attach]: a process pays for the first attach() once: the import of the client, the
+# Hub-or-directory resolver, the manifest checks and the backend's module, and the first call of
+# each (compiled regexes, the JSON decoder). Those are the same for every sidecar, so they can
+# be paid before anyone waits: warm() does it, and the vLLM plugin calls it when vLLM loads its
+# plugins, long before the model is built. It initialises no device (a process may still fork
+# after it) and loads no torch. Figures: docs/BENCHMARKS.md, section 10.
+def warm(device: str = "cpu") -> None:
+    """Import what :func:`attach` and :func:`load` use for ``device`` (``cpu``: the host
+    backend; ``cuda``/``cuda:N``: the CUDA one, cuda-bindings included when installed), so that
+    the first call in this process does not pay for it (Note [warm attach]). Touches no device;
+    cheap after the first call."""
+    import contextlib
+    import importlib
+
+    from mpack.device import SERVE, DeviceSpec
+
+    for name in ("mpack.hub_sidecar", "mpack.runtime.client", "mpack.runtime.weights"):
+        importlib.import_module(name)
+    if DeviceSpec.parse(device, SERVE).kind == "cpu":
+        importlib.import_module("mpack.runtime.memfd")
+        return
+    importlib.import_module("mpack.runtime.cuda_vmm")
+    with contextlib.suppress(ImportError):  # absent: attach says so, with its hint
+        importlib.import_module("cuda.bindings.driver")
 
 
 def __getattr__(name: str) -> Any:

@@ -93,9 +93,13 @@ def register() -> None:
     idempotent, touches no device."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
+    from mpack.runtime import warm
+
     cls = loader_class()
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not cls:  # vLLM warns on a re-register
         register_model_loader(LOAD_FORMAT)(cls)
+    for device in ("cpu", "cuda"):  # the first attach, paid now (Note [warm attach])
+        warm(device)
 
 
 def __getattr__(name: str) -> Any:

@@ -419,3 +419,31 @@ def test_rank_tensor_problems_name_every_difference(sidecar: Path, manifest: dic
         f"{name}: {qkv}.weight_scale is ('F16', (1, {was})), "
         f"the manifest implies ('F16', (1, {np_}))",
     ]
+
+
+def test_each_digest_is_checked_once(sidecar: Path, tmp_path: Path, monkeypatch) -> None:
+    """Note [checked once]: the same bytes are checked once per process; other bytes at the same
+    path are checked in full, and a bad manifest is still refused after a good one was seen."""
+    import shutil
+
+    import mpack.sidecar as sc
+
+    monkeypatch.setattr(sc, "_CHECKED", {})
+    calls: list[Path] = []
+    real = sc.check_manifest
+    monkeypatch.setattr(sc, "check_manifest", lambda m, p: (calls.append(p), real(m, p))[1])
+    copy_dir = tmp_path / "sc"
+    shutil.copytree(sidecar, copy_dir)
+    first = load_manifest(copy_dir)
+    assert load_manifest(copy_dir) == first and load_manifest(sidecar) == first
+    assert len(calls) == 1  # three loads of one digest
+    again = load_manifest(copy_dir)[0]
+    again["model"]["num_layers"] = -1  # callers get their own dict, not the cached check's
+    assert load_manifest(copy_dir)[0] == first[0]
+
+    bad = json.loads((copy_dir / MANIFEST_NAME).read_text())
+    bad["format_version"] = 999
+    (copy_dir / MANIFEST_NAME).write_text(json.dumps(bad))
+    with pytest.raises(FormatVersionError):
+        load_manifest(copy_dir)
+    assert len(calls) == 2

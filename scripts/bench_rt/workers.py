@@ -10,7 +10,6 @@ fresh process, reporting JSON lines on stdout (``emit``) and taking commands on 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import mmap
@@ -204,23 +203,16 @@ def w_safetensors(a: dict[str, Any]) -> None:
 
 
 def client_start(dev: str) -> tuple[Callable[..., Any], float, float]:
-    """What a client does before it attaches: import torch and mpack's client modules for
-    ``dev`` (imports are not attach latency), then on CUDA ``_cuda_init``. (``attach``, import
+    """What a client does before it attaches: import torch and ``mpack.runtime.warm(dev)``
+    (what an engine's vLLM plugin does at start: imports are not attach latency), then on CUDA
+    ``_cuda_init``. (``attach``, import
     seconds, CUDA seconds)."""
     t0 = time.perf_counter()
     import torch
 
-    import mpack.runtime.client  # noqa: F401
-    import mpack.runtime.weights  # noqa: F401
-    from mpack.runtime import attach
+    from mpack.runtime import attach, warm
 
-    if dev != "cpu":
-        import mpack.runtime.cuda_vmm  # noqa: F401
-
-        with contextlib.suppress(ImportError):
-            from cuda.bindings import driver  # noqa: F401
-    else:
-        import mpack.runtime.memfd  # noqa: F401
+    warm(dev)  # as the vLLM plugin does at registration (Note [warm attach])
     t1 = time.perf_counter()
     if dev != "cpu":
         _cuda_init(torch, dev)

@@ -497,6 +497,9 @@ def test_vllm_plugin_registers_the_load_format(world: dict[str, Any]) -> None:
     for tp in (1, 2):
         for rank, res in enumerate(ranks(world, tp)):
             assert res["_plugin_registered"], f"TP {tp} rank {rank}: load format mpack unknown"
+            # the plugin paid for the first attach ahead (Note [warm attach])
+            warmed = ["mpack.hub_sidecar", "mpack.runtime.client", "mpack.runtime.memfd"]
+            assert res["_warmed"] == warmed, f"TP {tp} rank {rank}: {res['_warmed']}"
 
 
 # --- bad inputs -----------------------------------------------------------------------------------

@@ -237,6 +237,10 @@ def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
         gc.collect()
 
 
+#: What mpack.runtime.warm() imports for the first attach (Note [warm attach]).
+WARMED = ("mpack.hub_sidecar", "mpack.runtime.client", "mpack.runtime.memfd")
+
+
 def main(job_path: str, rank: int) -> int:
     cpu_standins.install()  # before anything imports vLLM
     job = json.loads(Path(job_path).read_text())
@@ -252,6 +256,7 @@ def main(job_path: str, rank: int) -> int:
     first = dict(job["loads"][0], load_format="auto", extra=None)  # any config will do
     cfg = engine_config(first, tp)  # EngineArgs loads vLLM's general plugins
     plugin_registered = "mpack" in _LOAD_FORMAT_TO_MODEL_LOADER
+    warmed = [m for m in WARMED if m in sys.modules]  # by the plugin, before any load
     from mpack.runtime.vllm import register
 
     register()
@@ -266,7 +271,11 @@ def main(job_path: str, rank: int) -> int:
         initialize_model_parallel(tensor_model_parallel_size=tp)
     setup = time.perf_counter() - t0
 
-    results: dict[str, Any] = {"_setup_seconds": setup, "_plugin_registered": plugin_registered}
+    results: dict[str, Any] = {
+        "_setup_seconds": setup,
+        "_plugin_registered": plugin_registered,
+        "_warmed": warmed,
+    }
     for load in job["loads"]:
         results[load["id"]] = run_load(load, tp)
     out = Path(job["out_dir"]) / f"rank-{rank}.json"
