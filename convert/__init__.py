@@ -5,15 +5,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from mpack.convert.options import ConvertOptions
 
 if TYPE_CHECKING:
     from mpack.convert.multi import MultiConvertResult
-    from mpack.convert.pipeline import ConvertResult
+    from mpack.convert.pipeline import ConvertResult, Progress
 
-__all__ = ["ConvertResult", "MultiConvertResult", "convert", "verify"]
+__all__ = ["ConvertOptions", "ConvertResult", "MultiConvertResult", "convert", "start", "verify"]
 
 
 def __getattr__(name: str) -> Any:
@@ -78,35 +84,73 @@ def convert(
         MpackError: bad input (a subclass with ``exit_code`` 2), with nothing written at ``out``;
             e.g. ``OutputExistsError`` when ``out`` holds another sidecar and ``force`` is off.
     """
-    from mpack.convert.multi import run_convert_many, target_specs
-    from mpack.convert.pipeline import run_convert
-
-    specs = target_specs(tp, profile, act_dtype)
-    if len(specs) > 1:
-        return run_convert_many(
-            source,
-            out,
-            specs,
+    return start(
+        source,
+        out,
+        ConvertOptions(
             revision=revision,
+            profile=profile,
+            act_dtype=act_dtype,
+            tp=tp,
             fuse=fuse,
             device=device,
             passthrough=passthrough,
             force=force,
             skip_invalid=skip_invalid,
-        )
-    tp, profile, act_dtype = specs[0].tp, specs[0].profile, specs[0].act_dtype
-    return run_convert(
-        source,
-        out,
-        revision=revision,
-        profile=profile,
-        act_dtype=act_dtype,
-        tp=tp,
-        fuse=fuse,
-        device=device,
-        passthrough=passthrough,
-        force=force,
+        ),
     )
+
+
+def start(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    options: ConvertOptions,
+    *,
+    progress: Callable[[], AbstractContextManager[Progress | None]] | None = None,
+) -> ConvertResult | MultiConvertResult:
+    """Convert ``source`` into ``out`` as ``options`` ask: one target through
+    :func:`mpack.convert.pipeline.run_convert`, several through
+    :func:`mpack.convert.multi.run_convert_many`. What :func:`convert` and ``mpack convert`` run.
+
+    For a local source, two things start before this process imports torch, so that they overlap
+    its imports: the compressed-tensors check, in a forked child (Note [scheme check in a
+    child]), and the kernel's read-ahead of the shards (Note [prefetch] in mpack/iokit.py). The
+    check is cancelled at the end, whatever happened.
+
+    ``progress``: a function returning a context manager that yields the progress callback (or
+    ``None``), as :func:`mpack.ui.convert_progress` does; it is entered only after the check has
+    forked, since a live display runs a thread and no thread may run in the parent before the fork.
+    """
+    from mpack.convert.scheme_check import SchemeCheck
+    from mpack.iokit import prefetch
+    from mpack.sidecar import CONFIG_NAME
+
+    specs = options.targets()  # a bad list is refused before anything starts
+    early = None
+    if (Path(source) / CONFIG_NAME).is_file():
+        early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
+        libs = []
+        if options.names_cuda():
+            from mpack import cudadrv
+
+            libs = cudadrv.library_files()  # before the shards: Note [prefetch]
+        prefetch(libs + sorted(Path(source).glob("*.safetensors")))
+    try:
+        run: Callable[..., Any]
+        if len(specs) > 1:
+            from mpack.convert.multi import run_convert_many as run
+        else:
+            from mpack.convert.pipeline import run_convert as run
+
+            one = specs[0]
+            options = dataclasses.replace(
+                options, tp=one.tp, profile=one.profile, act_dtype=one.act_dtype
+            )
+        with (progress or contextlib.nullcontext)() as callback:
+            return run(source, out, options, progress=callback, scheme_check=early)
+    finally:
+        if early is not None:
+            early.cancel()
 
 
 def verify(

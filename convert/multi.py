@@ -53,6 +53,7 @@ from mpack.convert.checkpoint import (
     open_checkpoint,
     read_scale_array,
 )
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import (
     ConvertResult,
     Progress,
@@ -145,21 +146,16 @@ class MultiConvertResult:
 def run_convert_many(
     source: str | os.PathLike,
     out: str | os.PathLike,
-    specs: Sequence[TargetSpec],
+    options: ConvertOptions,
     *,
-    revision: str | None = None,
-    fuse: str = "vllm",
-    device: str = "auto",
-    passthrough: bool = True,
-    force: bool = False,
-    skip_invalid: bool = False,
     progress: Progress | None = None,
     scheme_check: SchemeCheck | None = None,
 ) -> MultiConvertResult:
-    """Convert ``source`` into one sidecar per target of ``specs`` at ``OUT/<name>``, reading
-    the source once (Note [many targets]). The options are those of
-    :func:`mpack.convert.pipeline.run_convert`; ``skip_invalid``: leave out the targets that
-    cannot be planned (reported in ``skipped``) instead of refusing the run.
+    """Convert ``source`` into one sidecar per target of ``options`` (their cross product:
+    :meth:`ConvertOptions.targets`) at ``OUT/<name>``, reading the source once (Note [many
+    targets]). The other options are those of :func:`mpack.convert.pipeline.run_convert`;
+    ``skip_invalid``: leave out the targets that cannot be planned (reported in ``skipped``)
+    instead of refusing the run.
 
     Raises:
         UsageError: a misspelt profile, activation dtype, fusion or device, a TP below 1.
@@ -168,6 +164,9 @@ def run_convert_many(
         OutputExistsError: ``out`` is itself a sidecar; or (per target) as ``run_convert``.
     """
     tl = Timeline()
+    specs = options.targets()
+    revision, fuse, device = options.revision, options.fuse, options.device
+    passthrough, force, skip_invalid = options.passthrough, options.force, options.skip_invalid
     _check_options(specs, fuse, device)
     out = output_path(out)
     if (out / MANIFEST_NAME).exists():

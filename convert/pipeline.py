@@ -49,6 +49,7 @@ from mpack.convert.checkpoint import (
     open_checkpoint,
     read_scale_array,
 )
+from mpack.convert.options import ConvertOptions
 from mpack.convert.plan import Plan, check_fusion_tp, make_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
@@ -143,21 +144,15 @@ def _seconds(tl: Timeline, *, done: bool) -> dict[str, float]:
 def run_convert(
     source: str | os.PathLike,
     out: str | os.PathLike,
+    options: ConvertOptions = ConvertOptions(),
     *,
-    revision: str | None = None,
-    profile: str = "w8a16",
-    act_dtype: str | None = None,
-    tp: int = 1,
-    fuse: str = "vllm",
-    device: str = "auto",
-    passthrough: bool = True,
-    force: bool = False,
     progress: Progress | None = None,
     scheme_check: SchemeCheck | None = None,
 ) -> ConvertResult:
     """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar at ``out``.
 
-    See :func:`mpack.convert.convert` for the arguments. Raises an ``MpackError`` (exit code 2)
+    ``options`` name one target (several: :func:`mpack.convert.multi.run_convert_many`); see
+    :func:`mpack.convert.convert` for their meaning. Raises an ``MpackError`` (exit code 2)
     for bad input, with nothing written at ``out`` (some checks finish while the work
     directory fills; it is removed then). ``scheme_check``: the check of this source,
     already started by the caller (the CLI forks it before importing torch); it is used when its
@@ -171,6 +166,9 @@ def run_convert(
     nothing written (Note [stable source] in :mod:`mpack.convert.source`).
     """
     tl = Timeline()
+    profile, act_dtype, tp = options.target()
+    revision, fuse, device = options.revision, options.fuse, options.device
+    passthrough, force = options.passthrough, options.force
     _check_options(profile, act_dtype, tp, fuse, device)
     out = output_path(out)
     src = resolve_source(str(source), revision, show_progress=progress is not None)

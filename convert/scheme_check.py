@@ -32,10 +32,11 @@ if TYPE_CHECKING:
 # another core while the parent streams. The parent waits for the child's verdict before anything
 # becomes visible: a failed check removes the work directory, and its error is the same, word for
 # word, as the inline check's. Where compressed-tensors is already imported (a library caller, the
-# tests) or fork is unavailable, the check runs inline. The CLI starts the child for a local source
-# first thing, before it imports torch (see mpack.cli). Even in a child, the full import (torch,
-# then compressed-tensors) was longer than the whole stream, so the warm CLI waited for it: the
-# child imports only the config models it needs (Note [lean import] in mpack/convert/ctlean.py).
+# tests) or fork is unavailable, the check runs inline. mpack.convert.start (the CLI and
+# convert()) starts the child for a local source first thing, before anything imports torch. Even
+# in a child, the full import (torch, then compressed-tensors) was longer than the whole stream, so
+# the warm CLI waited for it: the child imports only the config models it needs
+# (Note [lean import] in mpack/convert/ctlean.py).
 
 # Note [verdict cache]: even lean, the child imports torch (compressed-tensors' models use it at
 # class definition): seconds of CPU, and from a cold disk seconds of reads that the conversion's own

@@ -10,7 +10,6 @@ same way (Note [interrupts]); a closed stdout is not an error (Note [closed stdo
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import signal
@@ -18,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import typer.core
@@ -31,6 +30,9 @@ from mpack.errors import (
     as_mpack_error,
     exit_code_for,
 )
+
+if TYPE_CHECKING:
+    from mpack.convert.options import ConvertOptions
 
 #: The environment variables mpack reads (shown at the end of ``mpack --help``; README too).
 ENVIRONMENT = {
@@ -300,22 +302,22 @@ def convert(
         raise UsageError("--json and --quiet contradict each other; pick one")
     if push_to is not None:
         _check_push_options(push_to, json_out, out)
-    from mpack.convert.multi import target_specs
+    from mpack.convert.options import ConvertOptions
 
-    specs = target_specs(
-        [_tp_value(v) for v in _comma_list(tp, "--tp")],
-        _comma_list(profile, "--profile"),
-        None if act_dtype is None else _comma_list(act_dtype, "--act-dtype"),
+    options = ConvertOptions(
+        revision=revision,
+        profile=_comma_list(profile, "--profile"),
+        act_dtype=None if act_dtype is None else _comma_list(act_dtype, "--act-dtype"),
+        tp=[_tp_value(v) for v in _comma_list(tp, "--tp")],
+        fuse=fuse,
+        device=device,
+        passthrough=not no_passthrough,
+        force=force,
+        skip_invalid=skip_invalid,
     )
+    specs = options.targets()
     _at_stake.append(_output_note(out))  # what an interrupt did to OUT, said if one comes
-    options: dict[str, Any] = dict(
-        revision=revision, fuse=fuse, device=device, passthrough=not no_passthrough, force=force
-    )
-    if len(specs) > 1:
-        options.update(specs=specs, skip_invalid=skip_invalid)
-    else:
-        options.update(tp=specs[0].tp, profile=specs[0].profile, act_dtype=specs[0].act_dtype)
-    result = _run_convert(source, out, show_progress=not (json_out or quiet), **options)
+    result = _run_convert(source, out, options, show_progress=not (json_out or quiet))
     from mpack import ui
 
     if len(specs) > 1:
@@ -347,50 +349,17 @@ def _tp_value(v: str) -> int:
         raise UsageError(f"--tp takes whole numbers, got {v!r}", hint="e.g. --tp 1,2,4,8") from None
 
 
-def _names_cuda(device: str) -> bool:
-    """Whether convert's ``device`` names a CUDA device; False for a bad name (refused later, in
-    the conversion's own words)."""
-    from mpack.device import CONVERT, DeviceSpec
+def _run_convert(source: str, out: str, options: ConvertOptions, *, show_progress: bool) -> Any:
+    """:func:`mpack.convert.start` (the early scheme check and read-ahead, then the conversion)
+    with progress lines; ``mpack.ui`` is imported once the early work has started."""
+    from mpack.convert import start
 
-    try:
-        return DeviceSpec.parse(device, CONVERT).kind == "cuda"
-    except UsageError:
-        return False
-
-
-def _run_convert(source: str, out: str, *, show_progress: bool, **options: Any) -> Any:
-    """:func:`mpack.convert.pipeline.run_convert` (with ``specs``, several targets:
-    :func:`mpack.convert.multi.run_convert_many`) with progress lines. For a local source, two
-    things start before this process imports torch, so that they overlap its imports: the
-    compressed-tensors check, in a forked child (Note [scheme check in a child]), and the kernel's
-    read-ahead of the shards (Note [prefetch] in mpack/iokit.py)."""
-    from mpack.convert.scheme_check import SchemeCheck
-    from mpack.iokit import prefetch
-    from mpack.sidecar import CONFIG_NAME
-
-    early = None
-    if (Path(source) / CONFIG_NAME).is_file():
-        early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
-        libs = []
-        if _names_cuda(options.get("device", "")):
-            from mpack import cudadrv
-
-            libs = cudadrv.library_files()  # before the shards: Note [prefetch]
-        prefetch(libs + sorted(Path(source).glob("*.safetensors")))
-    try:
+    def progress() -> Any:
         from mpack import ui
-        from mpack.convert.pipeline import run_convert
 
-        run: Any = run_convert
-        if "specs" in options:
-            from mpack.convert.multi import run_convert_many
+        return ui.convert_progress(enabled=show_progress)
 
-            run = functools.partial(run_convert_many, specs=options.pop("specs"))
-        with ui.convert_progress(enabled=show_progress) as progress:
-            return run(source, out, progress=progress, scheme_check=early, **options)
-    finally:
-        if early is not None:
-            early.cancel()
+    return start(source, out, options, progress=progress)
 
 
 @command

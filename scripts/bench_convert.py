@@ -96,6 +96,7 @@ LIBRARY_RUN = r"""
 import json, sys, time
 import torch, compressed_tensors  # a long-lived caller (a service, a notebook) has these loaded
 from mpack.convert import cuda_repack
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert, torch_device
 src, out, device = sys.argv[1:4]
 dev = torch_device(device)
@@ -103,7 +104,7 @@ if dev.type == "cuda":  # CUDA context and the repack kernel ready, as in a warm
     torch.empty(1, device=dev)
     cuda_repack.available(dev)
 t = time.perf_counter()
-r = run_convert(src, out, device=device, force=True)
+r = run_convert(src, out, ConvertOptions(device=device, force=True))
 wall = time.perf_counter() - t
 print(json.dumps({"wall": wall, "seconds": r.seconds, "bytes": r.bytes_written,
                   "timeline": r.timeline}))

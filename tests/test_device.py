@@ -151,6 +151,12 @@ def _entry(module: str, name: str, *args: Any) -> Callable[[str], Any]:
     return call
 
 
+def _convert_names_cuda(text: str) -> bool:
+    from mpack.convert.options import ConvertOptions
+
+    return ConvertOptions(device=text).names_cuda()
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -159,7 +165,7 @@ def _entry(module: str, name: str, *args: Any) -> Callable[[str], Any]:
         _entry("mpack.convert.pipeline", "check_device_here"),
         _entry("mpack.convert.pipeline", "torch_device"),
         _entry("mpack.convert.driver", "check_cuda_here", 1),
-        _entry("mpack.cli", "_names_cuda"),
+        _convert_names_cuda,
         _verify_forward,
         _verify_rederive,
         _load,

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import ResolvedSource, provenance
 from mpack.errors import FormatVersionError
@@ -83,23 +84,27 @@ def sidecars(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         run_convert(
             case / opts.get("input", "input"),
             root / case.name,
-            profile=opts["profile"],
-            act_dtype=opts["act_dtype"],
-            tp=opts["tp"],
-            fuse=opts.get("fusion", "vllm"),
-            device="cpu",
+            ConvertOptions(
+                profile=opts["profile"],
+                act_dtype=opts["act_dtype"],
+                tp=opts["tp"],
+                fuse=opts.get("fusion", "vllm"),
+                device="cpu",
+            ),
         )
         out[case.name] = root / case.name
     first = cases[0] / "input"
     run_convert(
         first,
         root / "fuse-none",
-        profile="w8a16",
-        act_dtype="bfloat16",
-        tp=1,
-        fuse="none",
-        device="cpu",
-        passthrough=False,
+        ConvertOptions(
+            profile="w8a16",
+            act_dtype="bfloat16",
+            tp=1,
+            fuse="none",
+            device="cpu",
+            passthrough=False,
+        ),
     )
     out["fuse-none"] = root / "fuse-none"
     eleven = make_checkpoint(
@@ -116,11 +121,7 @@ def sidecars(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         run_convert(
             eleven,
             root / f"eleven-{fuse}",
-            profile="w8a16",
-            act_dtype="bfloat16",
-            tp=1,
-            fuse=fuse,
-            device="cpu",
+            ConvertOptions(profile="w8a16", act_dtype="bfloat16", tp=1, fuse=fuse, device="cpu"),
         )
         out[f"eleven-{fuse}"] = root / f"eleven-{fuse}"
     return out

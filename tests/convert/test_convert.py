@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from mpack.convert import marlin
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
 from mpack.sidecar import ALIGN, read_layout
@@ -268,7 +269,9 @@ CONVERSIONS = [
 @pytest.mark.parametrize("model, profile, act_dtype, tp", CONVERSIONS, ids=lambda v: str(v))
 def test_convert_matches_reference(models, tmp_path, model, profile, act_dtype, tp):
     ck, out = models[model], tmp_path / "sidecar"
-    result = run_convert(ck, out, profile=profile, act_dtype=act_dtype, tp=tp, device="cpu")
+    result = run_convert(
+        ck, out, ConvertOptions(profile=profile, act_dtype=act_dtype, tp=tp, device="cpu")
+    )
     assert not result.up_to_date and result.manifest["target"]["tp_size"] == tp
     check_sidecar_rules(out, profile=profile, act_dtype=act_dtype, tp=tp)
     _check_against_reference(ck, out, profile=profile, act_dtype=act_dtype, tp=tp)
@@ -279,8 +282,14 @@ def test_profiles_agree_on_channel_and_differ_on_tensor(models, tmp_path):
     """SPEC §2: channel strategy gives identical bytes in both profiles; tensor strategy does
     not."""
     for model, same in (("llama-channel", True), ("llama-tensor", False)):
-        a = run_convert(models[model], tmp_path / f"{model}-a", profile="w8a16", device="cpu")
-        b = run_convert(models[model], tmp_path / f"{model}-b", profile="w8a8-marlin", device="cpu")
+        a = run_convert(
+            models[model], tmp_path / f"{model}-a", ConvertOptions(profile="w8a16", device="cpu")
+        )
+        b = run_convert(
+            models[model],
+            tmp_path / f"{model}-b",
+            ConvertOptions(profile="w8a8-marlin", device="cpu"),
+        )
         ta = tensors(a.out / "rank-00-of-01.safetensors")
         tb = tensors(b.out / "rank-00-of-01.safetensors")
         assert ta.keys() == tb.keys()
@@ -289,7 +298,7 @@ def test_profiles_agree_on_channel_and_differ_on_tensor(models, tmp_path):
 
 def test_qwen2_bias_lands_in_qkv(models, tmp_path):
     out = tmp_path / "s"
-    m = run_convert(models["qwen2-bias"], out, device="cpu").manifest
+    m = run_convert(models["qwen2-bias"], out, ConvertOptions(device="cpu")).manifest
     assert m["layers"]["model.layers.0.self_attn.qkv_proj"]["bias"] is True
     assert m["layers"]["model.layers.0.self_attn.o_proj"]["bias"] is False
     got = tensors(out / "rank-00-of-01.safetensors")
@@ -297,14 +306,16 @@ def test_qwen2_bias_lands_in_qkv(models, tmp_path):
 
 
 def test_act_dtype_defaults_to_checkpoint_dtype(models, tmp_path):
-    m = run_convert(models["smollm-padded-channel"], tmp_path / "s", device="cpu").manifest
+    m = run_convert(
+        models["smollm-padded-channel"], tmp_path / "s", ConvertOptions(device="cpu")
+    ).manifest
     assert m["target"]["act_dtype"] == "float16"
     assert m["model"]["config"]["hidden_size"] == 576
 
 
 def test_fuse_none_keeps_checkpoint_names(models, tmp_path):
     ck, out = models["llama-tensor"], tmp_path / "s"
-    m = run_convert(ck, out, fuse="none", device="cpu").manifest
+    m = run_convert(ck, out, ConvertOptions(fuse="none", device="cpu")).manifest
     got = tensors(out / "rank-00-of-01.safetensors")
     src = _source(ck)
     q = "model.layers.1.self_attn.q_proj"
@@ -317,7 +328,7 @@ def test_fuse_none_keeps_checkpoint_names(models, tmp_path):
 
 def test_no_passthrough(models, tmp_path):
     out = tmp_path / "s"
-    run_convert(models["llama-tensor"], out, passthrough=False, device="cpu")
+    run_convert(models["llama-tensor"], out, ConvertOptions(passthrough=False, device="cpu"))
     assert not (out / "common.safetensors").exists()
     assert (out / "rank-00-of-01.safetensors").is_file()
 
@@ -397,10 +408,9 @@ def test_gpu_golden_case(case_dir: Path, tmp_path: Path):
     run_convert(
         case_dir / case["input"],
         out,
-        profile=case["profile"],
-        act_dtype=case["act_dtype"],
-        tp=case["tp"],
-        device="cuda",
+        ConvertOptions(
+            profile=case["profile"], act_dtype=case["act_dtype"], tp=case["tp"], device="cuda"
+        ),
     )
     for name in case["expected_files"]:
         got, exp = tensors(out / name), tensors(case_dir / "expected" / name)
@@ -413,9 +423,13 @@ def test_gpu_golden_case(case_dir: Path, tmp_path: Path):
 @pytest.mark.parametrize("model, profile, act_dtype, tp", CONVERSIONS[::2], ids=lambda v: str(v))
 def test_gpu_and_cpu_sidecars_identical(models, tmp_path, model, profile, act_dtype, tp):
     a = run_convert(
-        models[model], tmp_path / "cpu", profile=profile, act_dtype=act_dtype, tp=tp, device="cpu"
+        models[model],
+        tmp_path / "cpu",
+        ConvertOptions(profile=profile, act_dtype=act_dtype, tp=tp, device="cpu"),
     )
     b = run_convert(
-        models[model], tmp_path / "gpu", profile=profile, act_dtype=act_dtype, tp=tp, device="cuda"
+        models[model],
+        tmp_path / "gpu",
+        ConvertOptions(profile=profile, act_dtype=act_dtype, tp=tp, device="cuda"),
     )
     assert a.manifest["files"] == b.manifest["files"]

@@ -20,6 +20,7 @@ import pytest
 
 from mpack import target
 from mpack.convert import driver, host, host_repack
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
 from tests.convert.helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
@@ -192,12 +193,12 @@ def test_gpu_driver_path_writes_the_host_paths_sidecar(
     models, tmp_path, monkeypatch, model, act, tp
 ):
     ck = models[model]
-    a = run_convert(ck, tmp_path / "driver", act_dtype=act, tp=tp, device="cuda")
+    a = run_convert(ck, tmp_path / "driver", ConvertOptions(act_dtype=act, tp=tp, device="cuda"))
     assert "open_gpu" in a.seconds and "import_torch" not in a.seconds
-    b = run_convert(ck, tmp_path / "host", act_dtype=act, tp=tp, device="cpu")
+    b = run_convert(ck, tmp_path / "host", ConvertOptions(act_dtype=act, tp=tp, device="cpu"))
     assert a.digest == b.digest and safetensors_bytes(a.out) == safetensors_bytes(b.out)
     monkeypatch.setenv(driver.ENV_OFF, "1")
-    c = run_convert(ck, tmp_path / "torch", act_dtype=act, tp=tp, device="cuda")
+    c = run_convert(ck, tmp_path / "torch", ConvertOptions(act_dtype=act, tp=tp, device="cuda"))
     assert "import_torch" in c.seconds  # the driver path declined: the torch path ran
     assert safetensors_bytes(c.out) == safetensors_bytes(a.out)
 
@@ -211,9 +212,15 @@ def test_gpu_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch
     monkeypatch.setattr(
         host.Buffers, "__init__", lambda self, keep=3, **kw: real_init(self, 1, **kw)
     )
-    a = run_convert(models["bias"], tmp_path / "driver", act_dtype="float16", tp=2, device="cuda")
+    a = run_convert(
+        models["bias"],
+        tmp_path / "driver",
+        ConvertOptions(act_dtype="float16", tp=2, device="cuda"),
+    )
     assert "open_gpu" in a.seconds
-    b = run_convert(models["bias"], tmp_path / "host", act_dtype="float16", tp=2, device="cpu")
+    b = run_convert(
+        models["bias"], tmp_path / "host", ConvertOptions(act_dtype="float16", tp=2, device="cpu")
+    )
     assert safetensors_bytes(a.out) == safetensors_bytes(b.out)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from mpack import iokit, target
 from mpack.convert import host, host_repack, marlin
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import no_cuda_here, run_convert
 from mpack.fixtures import make_checkpoint
 from tests.convert.helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
@@ -317,17 +318,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
 )
 def test_host_and_torch_paths_write_the_same_sidecar(models, tmp_path, monkeypatch, model, act, tp):
     ck = models[model]
-    a = run_convert(ck, tmp_path / "host", act_dtype=act, tp=tp, device="cpu")
+    a = run_convert(ck, tmp_path / "host", ConvertOptions(act_dtype=act, tp=tp, device="cpu"))
     assert "import_torch" not in a.seconds  # the host path took it
     monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
-    b = run_convert(ck, tmp_path / "torch", act_dtype=act, tp=tp, device="cpu")
+    b = run_convert(ck, tmp_path / "torch", ConvertOptions(act_dtype=act, tp=tp, device="cpu"))
     assert "import_torch" in b.seconds
     assert a.digest == b.digest
     assert safetensors_bytes(a.out) == safetensors_bytes(b.out)
 
 
 def test_requantizing_plans_take_the_torch_path(models, tmp_path):
-    r = run_convert(models["tensor"], tmp_path / "o", profile="w8a8-marlin", tp=2, device="cpu")
+    r = run_convert(
+        models["tensor"], tmp_path / "o", ConvertOptions(profile="w8a8-marlin", tp=2, device="cpu")
+    )
     assert "import_torch" in r.seconds
 
 
@@ -356,7 +359,7 @@ def test_auto_device(models, tmp_path, monkeypatch, cores, cuda_maybe, host_path
 
     monkeypatch.setattr(iokit, "usable_cores", lambda: cores)
     monkeypatch.setattr(pipeline, "no_cuda_here", lambda: not cuda_maybe)
-    r = run_convert(models["tensor"], tmp_path / "o", device="auto")
+    r = run_convert(models["tensor"], tmp_path / "o", ConvertOptions(device="auto"))
     assert ("import_torch" not in r.seconds) is host_path
 
 
@@ -408,8 +411,12 @@ def test_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch):
     given = []
     real_give = host.Buffers.give
     monkeypatch.setattr(host.Buffers, "give", lambda self, a: (given.append(1), real_give(self, a)))
-    a = run_convert(models["bias"], tmp_path / "host", act_dtype="float16", tp=2, device="cpu")
+    a = run_convert(
+        models["bias"], tmp_path / "host", ConvertOptions(act_dtype="float16", tp=2, device="cpu")
+    )
     assert len(given) > 10
     monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
-    b = run_convert(models["bias"], tmp_path / "torch", act_dtype="float16", tp=2, device="cpu")
+    b = run_convert(
+        models["bias"], tmp_path / "torch", ConvertOptions(act_dtype="float16", tp=2, device="cpu")
+    )
     assert safetensors_bytes(a.out) == safetensors_bytes(b.out)

@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 from mpack.convert import convert
 from mpack.convert.checkpoint import Checkpoint
 from mpack.convert.multi import MultiConvertResult
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import ConvertResult, run_convert
 from mpack.convert.staging import work_dirs
 from mpack.fixtures import make_checkpoint
@@ -77,10 +78,9 @@ def test_each_target_is_the_single_target_sidecar(ckpts, tmp_path, monkeypatch, 
         single = run_convert(
             ckpts[model],
             tmp_path / f"single-{x.out.name}",
-            tp=t["tp_size"],
-            profile=t["profile"],
-            act_dtype=t["act_dtype"],
-            device="cpu",
+            ConvertOptions(
+                tp=t["tp_size"], profile=t["profile"], act_dtype=t["act_dtype"], device="cpu"
+            ),
         )
         same_files(single.out, x.out)
         assert x.digest == single.digest and x.bytes_written == single.bytes_written
@@ -349,9 +349,8 @@ def test_gpu_targets_are_the_cpu_sidecars(ckpts, tmp_path, monkeypatch, driver):
         single = run_convert(
             ckpts["qwen2"],
             tmp_path / f"cpu-{x.out.name}",
-            tp=t["tp_size"],
-            profile=t["profile"],
-            act_dtype=t["act_dtype"],
-            device="cpu",
+            ConvertOptions(
+                tp=t["tp_size"], profile=t["profile"], act_dtype=t["act_dtype"], device="cpu"
+            ),
         )
         same_files(single.out, x.out)

@@ -13,6 +13,7 @@ import pytest
 
 from mpack.convert import source as source_mod
 from mpack.convert import verify as run_verify
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import ResolvedSource, hash_sources
 from mpack.errors import OutputExistsError, VerificationError
@@ -34,7 +35,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
 def converted(tmp_path: Path, small_chunks: int) -> tuple[Path, Path]:
     src = make_checkpoint(tmp_path / "ckpt", layers=1, vocab=300)
     out = tmp_path / "side"
-    run_convert(src, out, device="cpu")
+    run_convert(src, out, ConvertOptions(device="cpu"))
     return Path(src), out
 
 
@@ -84,7 +85,7 @@ def test_verify_and_up_to_date_accept_whole_file_records(converted) -> None:
     m, _ = load_manifest(out)
     assert all("chunks" not in r for r in m["source"]["files"])
     assert run_verify(out, source=src)["source_checked"]
-    again = run_convert(src, out, device="cpu")
+    again = run_convert(src, out, ConvertOptions(device="cpu"))
     assert again.up_to_date  # same source, recorded the older way: nothing to redo
     assert json.loads((out / "mpack.json").read_text()) == m
 
@@ -95,7 +96,7 @@ def test_changed_source_is_not_up_to_date_in_either_form(converted) -> None:
     shard = next(src.glob("*.safetensors"))
     flip_byte(shard, read_layout(shard).entries[-1].offset, mask=0x01)
     with pytest.raises(OutputExistsError, match="different sidecar"):
-        run_convert(src, out, device="cpu")
+        run_convert(src, out, ConvertOptions(device="cpu"))
 
 
 def test_hash_sources_stops_when_asked(tmp_path: Path, small_chunks: int) -> None:

@@ -22,6 +22,7 @@ from mpack.convert.checkpoint import (  # noqa: E402
     layer_summary,
     open_checkpoint,
 )
+from mpack.convert.options import ConvertOptions  # noqa: E402
 from mpack.convert.plan import make_plan  # noqa: E402
 from mpack.convert.scheme_check import SchemeCheck  # noqa: E402
 from mpack.convert.stream import Streamer  # noqa: E402
@@ -228,9 +229,9 @@ def test_passthrough_copy_through_small_reused_buffers(
     from mpack import iokit
     from mpack.convert import pipeline
 
-    a = pipeline.run_convert(ckpt, tmp_path / "a", device="cpu")
+    a = pipeline.run_convert(ckpt, tmp_path / "a", ConvertOptions(device="cpu"))
     monkeypatch.setattr(iokit, "COPY_BYTES", 4096)
-    b = pipeline.run_convert(ckpt, tmp_path / "b", device="cpu")
+    b = pipeline.run_convert(ckpt, tmp_path / "b", ConvertOptions(device="cpu"))
     assert a.manifest["files"] == b.manifest["files"]
 
 
@@ -243,11 +244,11 @@ def test_gpu_small_pieces_and_tight_rings_give_the_cpu_bytes(
     times, each reuse waiting on a copy event or the hasher), TP 2: the CPU path's bytes."""
     from mpack.convert import pipeline, stream
 
-    a = pipeline.run_convert(ckpt, tmp_path / "cpu", device="cpu", tp=2)
+    a = pipeline.run_convert(ckpt, tmp_path / "cpu", ConvertOptions(device="cpu", tp=2))
     monkeypatch.setattr(stream, "PIECE", piece)
     monkeypatch.setattr(stream, "IN_PIECES", count)
     monkeypatch.setattr(stream, "OUT_PIECES", count)
-    b = pipeline.run_convert(ckpt, tmp_path / "gpu", device="cuda", tp=2)
+    b = pipeline.run_convert(ckpt, tmp_path / "gpu", ConvertOptions(device="cuda", tp=2))
     assert a.manifest["files"] == b.manifest["files"]
     assert b.seconds["read_busy"] > 0 and b.seconds["write_busy"] > 0
 
@@ -262,7 +263,7 @@ def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path, monkeypatch, 
 
     if path == "torch":
         monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
-    r = pipeline.run_convert(ckpt, tmp_path / "out", device="cpu")
+    r = pipeline.run_convert(ckpt, tmp_path / "out", ConvertOptions(device="cpu"))
     spans = r.timeline
     lanes = {lane for lane, *_ in spans}
     assert {"main", "read", "transform", "write", "copy", "hash-src"} <= lanes

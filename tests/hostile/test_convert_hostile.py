@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import SourceChangedError
 from mpack.convert.staging import (
@@ -110,7 +111,7 @@ def test_source_changed_during_convert_is_refused(
             fn(src / SHARD, sharded_other / SHARD)
 
     with pytest.raises(SourceChangedError) as ei:
-        run_convert(src, out, device="cpu", progress=progress)
+        run_convert(src, out, ConvertOptions(device="cpu"), progress=progress)
     assert changed, "the source was never changed: progress was not called"
     e = ei.value
     assert isinstance(e, InputError) and e.exit_code == 2
@@ -134,7 +135,7 @@ def test_second_convert_to_the_same_output_is_busy(ckpt: Path, tmp_path: Path) -
             seen["run"] = cli("convert", ckpt, "-o", out, "--tp", "2", "--device", "cpu")
             seen["survived"] = [p for p in live if (p / "rank-00-of-01.safetensors").is_file()]
 
-    result = run_convert(ckpt, out, device="cpu", progress=progress)
+    result = run_convert(ckpt, out, ConvertOptions(device="cpu"), progress=progress)
     r = seen["run"]
     assert r.returncode == 2, explain(r)
     assert f"error: another mpack convert (pid {os.getpid()}) is writing {out}" in r.stderr
@@ -175,7 +176,7 @@ def test_busy_output_spares_a_live_work_dir_and_a_dead_runs_is_removed(
         live.mkdir()
         (live / "rank-00-of-01.safetensors").write_bytes(b"partial")
         with pytest.raises(BusyError, match=f"another mpack convert \\(pid {holder.pid}\\)"):
-            run_convert(ckpt, out, device="cpu")
+            run_convert(ckpt, out, ConvertOptions(device="cpu"))
         assert live.is_dir() and (live / "rank-00-of-01.safetensors").read_bytes() == b"partial"
         assert not out.exists()
     finally:
@@ -184,7 +185,7 @@ def test_busy_output_spares_a_live_work_dir_and_a_dead_runs_is_removed(
     # the holder is gone: what it left is stale, whatever pid its name holds
     legacy = tmp_path / f".out.mpack-tmp-{os.getpid()}-cafef00d"  # a live pid, an old name
     legacy.mkdir()
-    result = run_convert(ckpt, out, device="cpu")
+    result = run_convert(ckpt, out, ConvertOptions(device="cpu"))
     assert result.up_to_date is False
     assert not live.exists() and not legacy.exists()
     assert sorted(os.listdir(tmp_path)) == ["out"]
@@ -206,7 +207,7 @@ def test_a_run_killed_holding_the_lock_leaves_nothing_that_blocks(
     )
     r = subprocess.run([sys.executable, "-c", code, str(lock_path(out)), str(work)], env=cli_env())
     assert r.returncode == 9 and lock_path(out).is_file() and work.is_dir()
-    assert run_convert(ckpt, out, device="cpu").up_to_date is False
+    assert run_convert(ckpt, out, ConvertOptions(device="cpu")).up_to_date is False
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
@@ -215,7 +216,7 @@ def test_a_run_killed_holding_the_lock_leaves_nothing_that_blocks(
 
 def test_old_sidecar_copies_are_removed_by_the_next_run(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run_convert(ckpt, out, device="cpu")
+    run_convert(ckpt, out, ConvertOptions(device="cpu"))
     planted = [
         tmp_path / ".out.mpack-old-4242-deadbeef",  # an older mpack's name
         _work_path(out, "old"),
@@ -226,7 +227,7 @@ def test_old_sidecar_copies_are_removed_by_the_next_run(ckpt: Path, tmp_path: Pa
     others = [tmp_path / ".other.mpack-old-4242-deadbeef", tmp_path / ".out.mpack-old-x"]
     for p in others:  # not ours: another output's, or a name no mpack writes
         p.mkdir()
-    result = run_convert(ckpt, out, device="cpu")
+    result = run_convert(ckpt, out, ConvertOptions(device="cpu"))
     assert result.up_to_date is True
     assert not any(p.exists() for p in planted)
     assert hidden(tmp_path) == sorted(p.name for p in others)
@@ -266,12 +267,12 @@ def test_symlink_output_writes_at_its_target_and_keeps_the_link(ckpt: Path, tmp_
     real.mkdir()
     link = tmp_path / "link"
     link.symlink_to(real)
-    result = run_convert(ckpt, link, device="cpu")
+    result = run_convert(ckpt, link, ConvertOptions(device="cpu"))
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert result.out == real
     assert (real / "mpack.json").is_file()
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
-    assert run_convert(ckpt, link, device="cpu").up_to_date is True
+    assert run_convert(ckpt, link, ConvertOptions(device="cpu")).up_to_date is True
 
 
 def test_output_reaching_into_the_source_through_a_symlink_is_refused(
@@ -281,7 +282,7 @@ def test_output_reaching_into_the_source_through_a_symlink_is_refused(
     before = snapshot(src)
     (tmp_path / "link").symlink_to(src)
     with pytest.raises(UsageError, match=f"lies inside the source checkpoint {src}"):
-        run_convert(src, tmp_path / "link" / "sidecar", device="cpu")
+        run_convert(src, tmp_path / "link" / "sidecar", ConvertOptions(device="cpu"))
     assert snapshot(src) == before and sorted(os.listdir(src)) == sorted(before)
 
 
@@ -297,7 +298,7 @@ def test_symlinked_source_with_output_inside_the_real_source_is_refused(
     link.symlink_to(real)
     for out in (real / "sidecar", real):
         with pytest.raises(UsageError, match=f"lies inside the source checkpoint {real}"):
-            run_convert(link, out, device="cpu")
+            run_convert(link, out, ConvertOptions(device="cpu"))
         with pytest.raises(UsageError, match=f"lies inside the source checkpoint {real}"):
             check_apart(output_path(out), link)  # the unresolved link, as a caller may pass it
     assert snapshot(real) == before and sorted(os.listdir(real)) == sorted(before)
@@ -307,11 +308,11 @@ def test_symlinked_source_with_output_inside_the_real_source_is_refused(
 def test_source_inside_the_output_is_refused(ckpt: Path, tmp_path: Path) -> None:
     """A --force run onto a sidecar that holds the checkpoint would remove the checkpoint."""
     sc = tmp_path / "sc"
-    run_convert(ckpt, sc, device="cpu", tp=2)
+    run_convert(ckpt, sc, ConvertOptions(device="cpu", tp=2))
     src = Path(shutil.copytree(ckpt, sc / "ckpt"))
     before = snapshot(sc)
     with pytest.raises(UsageError, match=f"the source checkpoint {src} lies inside -o {sc}"):
-        run_convert(src, sc, device="cpu", force=True)
+        run_convert(src, sc, ConvertOptions(device="cpu", force=True))
     assert snapshot(sc) == before
 
 
@@ -320,7 +321,7 @@ def test_empty_output_is_refused(ckpt: Path, tmp_path: Path, monkeypatch) -> Non
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     with pytest.raises(UsageError, match="-o is empty") as ei:
-        run_convert(ckpt, "", device="cpu")
+        run_convert(ckpt, "", ConvertOptions(device="cpu"))
     assert "-o ./sidecar" in (ei.value.hint or "")
     assert os.listdir(cwd) == []
 
@@ -349,9 +350,9 @@ def test_cli_output_that_is_the_current_directory_is_refused(ckpt: Path, tmp_pat
 def test_output_with_a_long_name(ckpt: Path, tmp_path: Path) -> None:
     """A 240-byte name is valid; the hidden work, old and lock names must not grow with it."""
     out = tmp_path / ("s" * 240)
-    run_convert(ckpt, out, device="cpu")
+    run_convert(ckpt, out, ConvertOptions(device="cpu"))
     assert (out / "mpack.json").is_file()
-    run_convert(ckpt, out, device="cpu", force=True)  # the swap's old directory too
+    run_convert(ckpt, out, ConvertOptions(device="cpu", force=True))  # the swap's old directory too
     assert sorted(os.listdir(tmp_path)) == [out.name]
     names = {p.name for p in (_work_path(out, "tmp"), _work_path(out, "old"), lock_path(out))}
     short = {p.name for p in (_work_path(tmp_path / "s", "tmp"), lock_path(tmp_path / "s"))}
@@ -392,7 +393,7 @@ def test_output_name_longer_than_the_file_system_takes_is_refused(
     assert "choose a shorter name" in r.stderr and "Traceback" not in r.stderr
     deep = tmp_path.joinpath(*["d" * 200] * 21)  # every name fits, the whole path does not
     with pytest.raises(UsageError, match="too long for the sidecar's files in it"):
-        run_convert(ckpt, deep, device="cpu")
+        run_convert(ckpt, deep, ConvertOptions(device="cpu"))
     assert os.listdir(tmp_path) == []
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("compressed_tensors")
 
 
 from mpack.convert import staging
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.convert.staging import _work_path, lock_path, work_dirs
 from mpack.errors import BusyError, EnvironmentFailure, OutputExistsError
@@ -42,7 +43,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sidecar(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished sidecar of ``ckpt`` (TP 2, so that a TP-1 run over it needs --force)."""
     out = tmp_path_factory.mktemp("sidecar") / "sc"
-    run_convert(ckpt, out, device="cpu", tp=2)
+    run_convert(ckpt, out, ConvertOptions(device="cpu", tp=2))
     return out
 
 
@@ -108,7 +109,7 @@ def test_what_appears_at_out_during_the_run_is_left_and_the_run_fails(
     out = tmp_path / "out"
     progress = once(lambda: PLANTS[kind](out))
     with pytest.raises(OutputExistsError) as ei:
-        run_convert(ckpt, out, device="cpu", force=force, progress=progress)
+        run_convert(ckpt, out, ConvertOptions(device="cpu", force=force), progress=progress)
     assert f"{out} changed during the run" in ei.value.message, ei.value.message
     assert "it was left as it was" in ei.value.message
     if kind == "directory":
@@ -129,7 +130,9 @@ def test_an_empty_directory_made_at_out_during_the_run_is_replaced(
     ckpt: Path, tmp_path: Path, force: bool
 ) -> None:
     out = tmp_path / "out"
-    result = run_convert(ckpt, out, device="cpu", force=force, progress=once(out.mkdir))
+    result = run_convert(
+        ckpt, out, ConvertOptions(device="cpu", force=force), progress=once(out.mkdir)
+    )
     assert result.up_to_date is False and (out / "mpack.json").is_file()
     assert os.listdir(tmp_path) == ["out"]
 
@@ -141,7 +144,7 @@ def test_force_replaces_a_sidecar_but_not_a_file_added_to_it_during_the_run(
     before = snapshot(out)
     progress = once(lambda: (out / "precious.txt").write_text("data"))
     with pytest.raises(OutputExistsError, match="precious.txt, which no sidecar has"):
-        run_convert(ckpt, out, device="cpu", force=True, progress=progress)
+        run_convert(ckpt, out, ConvertOptions(device="cpu", force=True), progress=progress)
     assert snapshot(out) == {**before, "precious.txt": snapshot(out)["precious.txt"]}
     assert (out / "precious.txt").read_text() == "data"
     assert manifest(out)["target"]["tp_size"] == 2  # the old sidecar, not the new one
@@ -159,7 +162,7 @@ def test_force_does_not_replace_a_directory_swapped_in_for_the_sidecar(
         _plant_dir(out)
 
     with pytest.raises(OutputExistsError, match="precious.txt, which no sidecar has"):
-        run_convert(ckpt, out, device="cpu", force=True, progress=once(swap_in))
+        run_convert(ckpt, out, ConvertOptions(device="cpu", force=True), progress=once(swap_in))
     assert os.listdir(out) == ["precious.txt"]
     assert sorted(os.listdir(tmp_path)) == ["kept", "out"]
 
@@ -178,7 +181,7 @@ def test_force_replaces_a_sidecar_and_leaves_nothing(
 ) -> None:
     _exchange(exchange, monkeypatch)
     out = Path(shutil.copytree(sidecar, tmp_path / "out"))
-    assert run_convert(ckpt, out, device="cpu", force=True).up_to_date is False
+    assert run_convert(ckpt, out, ConvertOptions(device="cpu", force=True)).up_to_date is False
     assert manifest(out)["target"]["tp_size"] == 1
     assert os.listdir(tmp_path) == ["out"]
 
@@ -203,7 +206,7 @@ def test_a_file_added_between_the_check_and_the_exchange_is_swapped_back(
 
     monkeypatch.setattr(staging, "_exchange_at", late)
     with pytest.raises(OutputExistsError, match="precious.txt, which no sidecar has"):
-        run_convert(ckpt, out, device="cpu", force=True)
+        run_convert(ckpt, out, ConvertOptions(device="cpu", force=True))
     assert planted
     assert (out / "precious.txt").read_text() == "data"
     assert {n: v for n, v in snapshot(out).items() if n != "precious.txt"} == before
@@ -250,7 +253,7 @@ def test_a_lock_file_deleted_by_another_user_does_not_let_a_second_run_in(
         seen["run"] = cli("convert", ckpt, "-o", out, "--device", "cpu")
         seen["survived"] = [p for p in live if (p / "rank-00-of-01.safetensors").is_file()]
 
-    result = run_convert(ckpt, out, device="cpu", progress=once(meddle))
+    result = run_convert(ckpt, out, ConvertOptions(device="cpu"), progress=once(meddle))
     assert seen["lock gone"], "the other user could not delete the lock file"
     r = seen["run"]
     assert r.returncode == 2, explain(r)
@@ -290,14 +293,14 @@ def test_a_live_work_directory_is_never_removed(ckpt: Path, tmp_path: Path) -> N
     holder, work = _hold_work_dir(out)
     try:
         with pytest.raises(BusyError, match=f"another mpack convert is writing {out}"):
-            run_convert(ckpt, out, device="cpu")
+            run_convert(ckpt, out, ConvertOptions(device="cpu"))
         assert (work / "rank-00-of-01.safetensors").read_bytes() == b"partial"
         assert not out.exists() and not lock_path(out).exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
     # its holder is gone: the directory is a dead run's, and goes
-    assert run_convert(ckpt, out, device="cpu").up_to_date is False
+    assert run_convert(ckpt, out, ConvertOptions(device="cpu")).up_to_date is False
     assert os.listdir(tmp_path) == ["out"]
 
 
@@ -309,7 +312,7 @@ def test_a_dead_runs_directory_keeps_what_mpack_did_not_write(ckpt: Path, tmp_pa
     old.mkdir()
     (old / "mpack.json").write_text("{}")
     (old / "precious.txt").write_text("data")
-    assert run_convert(ckpt, out, device="cpu").up_to_date is False
+    assert run_convert(ckpt, out, ConvertOptions(device="cpu")).up_to_date is False
     assert os.listdir(old) == ["precious.txt"]
     assert sorted(os.listdir(tmp_path)) == sorted(["out", old.name])
 
@@ -323,7 +326,9 @@ def test_a_parent_renamed_during_the_run_leaves_nothing_behind(ckpt: Path, tmp_p
     out = parent / "out"
     moved = tmp_path / "P2"
     with pytest.raises(EnvironmentFailure) as ei:
-        run_convert(ckpt, out, device="cpu", progress=once(lambda: parent.rename(moved)))
+        run_convert(
+            ckpt, out, ConvertOptions(device="cpu"), progress=once(lambda: parent.rename(moved))
+        )
     assert ei.value.exit_code == 3
     assert f"{parent}: the directory of -o was moved or removed during the run" in str(ei.value)
     assert os.listdir(tmp_path) == ["P2"]
@@ -349,6 +354,6 @@ def test_a_work_directory_renamed_by_another_user_is_still_removed(
             os.close(fd)
 
     with pytest.raises(EnvironmentFailure, match="this run's work directory was moved") as ei:
-        run_convert(ckpt, out, device="cpu", progress=once(meddle))
+        run_convert(ckpt, out, ConvertOptions(device="cpu"), progress=once(meddle))
     assert ei.value.exit_code == 3
     assert os.listdir(shared) == []

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
 from mpack.verify.forward import REL_TOL, forward_check, reference_model, score
@@ -125,7 +126,9 @@ def _check(results: list[dict], refs: dict) -> None:
 def _run_case(checkpoints, tmp_path, model, profile, tp, device) -> tuple[list[dict], dict]:
     ck = checkpoints[model]
     sidecar = tmp_path / "sidecar"
-    manifest = run_convert(ck, sidecar, profile=profile, tp=tp, device="cpu").manifest
+    manifest = run_convert(
+        ck, sidecar, ConvertOptions(profile=profile, tp=tp, device="cpu")
+    ).manifest
     ids, refs = _reference(ck, manifest, "cpu" if device == "cpu" else device)
     results = _serve_and_attach(sidecar, tp, device, ids, refs, tmp_path)
     _check(results, refs)
@@ -199,7 +202,7 @@ def test_verify_forward_cli(checkpoints, tmp_path):
     import json
 
     sidecar = tmp_path / "s"
-    run_convert(checkpoints["qwen2-bias-tensor-bf16"], sidecar, tp=2, device="cpu")
+    run_convert(checkpoints["qwen2-bias-tensor-bf16"], sidecar, ConvertOptions(tp=2, device="cpu"))
     r = subprocess.run(
         [sys.executable, "-m", "mpack.cli", "verify", str(sidecar), "--forward", "--json"],
         capture_output=True,
@@ -219,7 +222,7 @@ def test_verify_forward_cli(checkpoints, tmp_path):
 
 def test_verify_forward_with_a_missing_source_is_exit_2(checkpoints, tmp_path):
     sidecar = tmp_path / "s"
-    run_convert(checkpoints["llama-tensor-bf16"], sidecar, device="cpu")
+    run_convert(checkpoints["llama-tensor-bf16"], sidecar, ConvertOptions(device="cpu"))
     missing = tmp_path / "no-such-checkpoint"
     r = subprocess.run(
         [
@@ -269,7 +272,7 @@ def one_thread():
 def _forward(checkpoints, tmp_path, model, act, profile, tp) -> dict:
     ck = checkpoints[model]
     sidecar = tmp_path / "s"
-    run_convert(ck, sidecar, profile=profile, act_dtype=act, tp=tp, device="cpu")
+    run_convert(ck, sidecar, ConvertOptions(profile=profile, act_dtype=act, tp=tp, device="cpu"))
     return forward_check(sidecar, ck)
 
 
@@ -318,7 +321,7 @@ def test_verify_forward_on_cuda_without_cuda_is_a_usage_error(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as here; on a GPU box too
     ck = checkpoints["llama-tensor-bf16"]
     sidecar = tmp_path / "s"
-    run_convert(ck, sidecar, device="cpu")
+    run_convert(ck, sidecar, ConvertOptions(device="cpu"))
     argv = ["verify", str(sidecar), "--source", str(ck), "--forward", "--device", "cuda:0"]
     assert main(argv) == 2
     err = capsys.readouterr().err

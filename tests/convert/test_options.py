@@ -1,0 +1,127 @@
+"""One ``ConvertOptions`` for ``mpack convert`` and :func:`mpack.convert.convert`: the same
+inputs reach the pipeline as the same object, and both start the early scheme check and the
+read-ahead for a local source (:func:`mpack.convert.start`).
+
+The pipeline itself is replaced by a recorder: nothing is converted here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpack import cli, cudadrv, iokit
+from mpack.convert import convert, multi, pipeline, scheme_check
+from mpack.convert.options import ConvertOptions
+from mpack.errors import UsageError
+from mpack.sidecar import CONFIG_NAME
+
+
+class Recorded(UsageError):
+    """Raised by the stand-in pipeline once it has noted its call (exit code 2 in the CLI)."""
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[dict[str, Any]]:
+    """Each call of run_convert / run_convert_many: which, source, out, options, scheme_check."""
+    seen: list[dict[str, Any]] = []
+
+    def recorder(name: str):
+        def run(source, out, options, *, progress=None, scheme_check=None):
+            call = dict(run=name, source=str(source), out=str(out), options=options)
+            seen.append({**call, "check": scheme_check})
+            raise Recorded("recorded")
+
+        return run
+
+    monkeypatch.setattr(pipeline, "run_convert", recorder("one"))
+    monkeypatch.setattr(multi, "run_convert_many", recorder("many"))
+    return seen
+
+
+CASES = [  # (CLI arguments, convert() keywords, which run, the options it gets)
+    (
+        ["--tp", "2", "--profile", "w8a8-marlin", "--device", "cpu", "--no-passthrough"],
+        dict(tp=2, profile="w8a8-marlin", device="cpu", passthrough=False),
+        "one",
+        ConvertOptions(tp=2, profile="w8a8-marlin", device="cpu", passthrough=False),
+    ),
+    (
+        ["--revision", "abc", "--act-dtype", "float16", "--fuse", "none", "--force"],
+        dict(revision="abc", act_dtype="float16", fuse="none", force=True),
+        "one",
+        ConvertOptions(revision="abc", act_dtype="float16", fuse="none", force=True),
+    ),
+    (
+        ["--tp", "1,2", "--profile", "w8a16,w8a8-marlin", "--skip-invalid", "--device", "cuda"],
+        dict(tp=[1, 2], profile=["w8a16", "w8a8-marlin"], skip_invalid=True, device="cuda"),
+        "many",
+        ConvertOptions(
+            tp=(1, 2), profile=("w8a16", "w8a8-marlin"), skip_invalid=True, device="cuda"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, kwargs, run, expected", CASES)
+def test_cli_and_library_hand_the_pipeline_the_same_options(
+    calls, tmp_path: Path, argv: list[str], kwargs: dict[str, Any], run: str, expected: Any
+) -> None:
+    src, out = str(tmp_path / "no-checkpoint-here"), str(tmp_path / "out")
+    assert cli.main(["convert", src, "-o", out, "--quiet", *argv]) == 2
+    with pytest.raises(Recorded):
+        convert(src, out, **kwargs)
+    by_cli, by_library = calls
+    assert by_cli == by_library
+    assert by_cli["run"] == run and by_cli["options"] == expected
+    assert by_cli["source"] == src and by_cli["out"] == out
+
+
+def test_one_value_and_a_list_of_one_are_the_same_options() -> None:
+    assert ConvertOptions(tp=[2], profile=["w8a16"]) == ConvertOptions(tp=2, profile="w8a16")
+    assert [(t.tp, t.profile) for t in ConvertOptions(tp=[1, 2, 1]).targets()] == [
+        (1, "w8a16"),
+        (2, "w8a16"),
+    ]
+    with pytest.raises(UsageError, match="several targets"):
+        ConvertOptions(tp=[1, 2]).target()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_library_convert_starts_the_scheme_check_and_the_read_ahead(
+    calls, monkeypatch, tmp_path: Path, device: str
+) -> None:
+    events: list[Any] = []
+
+    class FakeCheck:
+        def __init__(self, source: Any) -> None:
+            events.append(("check", str(source)))
+
+        def cancel(self) -> None:
+            events.append("cancel")
+
+    monkeypatch.setattr(scheme_check, "SchemeCheck", FakeCheck)
+    monkeypatch.setattr(iokit, "prefetch", lambda paths: events.append(("prefetch", paths)))
+    monkeypatch.setattr(cudadrv, "library_files", lambda: [Path("/libcuda-stand-in.so")])
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / CONFIG_NAME).write_text("{}")
+    shards = [src / "model-00002.safetensors", src / "model-00001.safetensors"]
+    for p in shards:
+        p.write_bytes(b"")
+    with pytest.raises(Recorded):
+        convert(src, tmp_path / "out", device=device)
+    libs = [Path("/libcuda-stand-in.so")] if device == "cuda" else []
+    assert events == [("check", str(src)), ("prefetch", libs + sorted(shards)), "cancel"]
+    assert isinstance(calls[0]["check"], FakeCheck)  # the pipeline waits on the early check
+
+
+def test_a_remote_source_starts_neither(calls, monkeypatch, tmp_path: Path) -> None:
+    started: list[str] = []
+    monkeypatch.setattr(scheme_check, "SchemeCheck", lambda s: started.append("check"))
+    monkeypatch.setattr(iokit, "prefetch", lambda paths: started.append("prefetch"))
+    with pytest.raises(Recorded):
+        convert("some-org/some-model", tmp_path / "out")
+    assert started == [] and calls[0]["check"] is None
