@@ -160,3 +160,28 @@ def synth(
         stdout=subprocess.DEVNULL if quiet else None,
     )
     print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def marlin_8b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path]:
+    """The 8B-shaped checkpoint ``work/ck-8b`` (``layers`` decoder layers) and its ``w8a8-marlin``
+    sidecar ``work/sc-8b`` converted on CUDA, each made only when missing (vLLM's GPU runs)."""
+    ck, sc = work / "ck-8b", work / "sc-8b"
+    if not synth_present(ck, layers, LLAMA_8B_VOCAB):
+        synth(ck, layers, LLAMA_8B_VOCAB, env, work)
+    if not (sc / "mpack.json").is_file():
+        convert = [sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q"]
+        subprocess.run(
+            [*convert, "--profile", "w8a8-marlin", "--device", "cuda"], env=env, check=True
+        )
+    return ck, sc
+
+
+def mpack_spawn(mpack_env: str) -> object:
+    """``mpack.runtime.spawn`` from mpack's environment (``mpack_env``: its PYTHONPATH), for a
+    script that runs under another one."""
+    for p in filter(None, mpack_env.split(os.pathsep)):
+        if p not in sys.path:
+            sys.path.append(p)
+    from mpack.runtime import spawn
+
+    return spawn

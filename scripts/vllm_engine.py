@@ -46,7 +46,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
 DTYPES = ("bfloat16", "float16")
@@ -388,15 +387,6 @@ def _env(base: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _spawn_module(mpack_env: str) -> Any:
-    for p in filter(None, mpack_env.split(os.pathsep)):
-        if p not in sys.path:
-            sys.path.append(p)
-    from mpack.runtime import spawn
-
-    return spawn
-
-
 def gpu_memory() -> dict[str, Any]:
     """nvidia-smi's view: MiB used on the GPU, and by each process."""
     q = ["nvidia-smi", "--format=csv,noheader,nounits"]
@@ -414,6 +404,8 @@ def gpu_memory() -> dict[str, Any]:
 
 
 def tokens(a: argparse.Namespace) -> int:
+    from benchutil import mpack_spawn  # scripts/, beside this file
+
     me = [sys.executable, str(Path(__file__).resolve())]
     menv, venv = _env(a.mpack_env), _env(a.vllm_env)
     work = a.work
@@ -447,7 +439,7 @@ def tokens(a: argparse.Namespace) -> int:
         )
     plan = work / "plan.json"
     plan.write_text(json.dumps(runs))
-    sp = _spawn_module(a.mpack_env)
+    sp = mpack_spawn(a.mpack_env)
     with contextlib.ExitStack() as stack:
         daemons = [
             stack.enter_context(
@@ -562,52 +554,14 @@ class Engine:
             self.proc.wait()
 
 
-def drop_caches() -> bool:
-    subprocess.run(["sync"], check=False)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def restart(a: argparse.Namespace) -> int:
+    from benchutil import drop_caches, marlin_8b, mpack_spawn  # scripts/, beside this file
+
     me = [sys.executable, str(Path(__file__).resolve())]
     menv, venv = _env(a.mpack_env), _env(a.vllm_env)
     work, out = a.work, a.out
-    ck, sc = work / "ck-8b", work / "sc-8b"
     t = time.time()
-    if not (ck / "config.json").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "synth_checkpoint.py"),
-                str(ck),
-                "--layers",
-                str(a.layers),
-            ],
-            env=menv,
-            check=True,
-        )
-    if not (sc / "mpack.json").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "mpack",
-                "convert",
-                str(ck),
-                "-o",
-                str(sc),
-                "-q",
-                "--profile",
-                "w8a8-marlin",
-                "--device",
-                "cuda",
-            ],
-            env=menv,
-            check=True,
-        )
+    ck, sc = marlin_8b(work, a.layers, menv)
     print(f"8B-shaped checkpoint and sidecar: {time.time() - t:.0f} s", flush=True)
     partial = out / "engine-restart-partial.json"
 
@@ -624,7 +578,7 @@ def restart(a: argparse.Namespace) -> int:
     }
     res: dict[str, Any] = {"layers": a.layers, "memory": {}}
     mem = res["memory"]
-    sp = _spawn_module(a.mpack_env)
+    sp = mpack_spawn(a.mpack_env)
 
     def one(role: str, mode: str) -> dict[str, Any]:
         e = Engine(me, venv, work, out, role, {**base, "mode": mode})

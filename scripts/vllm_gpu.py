@@ -47,6 +47,7 @@ sys.path[:0] = [str(REPO / "tests" / "vllm")]
 
 import cpu_standins  # noqa: E402
 import vllm_worker as vw  # noqa: E402  (installs no stand-ins: its main() does)
+from benchutil import marlin_8b, mpack_spawn  # noqa: E402  (scripts/, beside this file)
 
 ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
@@ -287,17 +288,6 @@ def _kill(procs: dict[str, subprocess.Popen]) -> None:
 READY_TIMEOUT_S = 180
 
 
-def _spawn_module(mpack_env: str) -> Any:
-    """``mpack.runtime.spawn``, from mpack's environment (``--mpack-env``, appended to this
-    process's path: it only fills in what this process lacks)."""
-    for p in filter(None, mpack_env.split(os.pathsep)):
-        if p not in sys.path:
-            sys.path.append(p)
-    from mpack.runtime import spawn
-
-    return spawn
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["run", "prepare", "worker", "bench-one"])
@@ -335,7 +325,7 @@ def run(a: argparse.Namespace) -> int:
     subprocess.run([*me, "prepare", "--work", str(a.work)], env=menv, check=True)
     print(f"prepare: {time.time() - t:.0f} s", flush=True)
     dev = "cuda:0" if _device() == "cuda" else "cpu"
-    sp = _spawn_module(a.mpack_env)
+    sp = mpack_spawn(a.mpack_env)
     # the daemons are stopped (and the workers killed) however the run ends
     with contextlib.ExitStack() as stack:
         daemons = [
@@ -409,41 +399,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[str, Any]:
-    ck, sc = a.work / "ck-8b", a.work / "sc-8b"
     t = time.time()
-    if not (ck / "config.json").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "synth_checkpoint.py"),
-                str(ck),
-                "--layers",
-                str(a.bench_layers),
-            ],
-            env=menv,
-            check=True,
-        )
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mpack",
-            "convert",
-            str(ck),
-            "-o",
-            str(sc),
-            "-q",
-            "--profile",
-            "w8a8-marlin",
-            "--device",
-            "cuda",
-        ],
-        env=menv,
-        check=True,
-    )
+    ck, sc = marlin_8b(a.work, a.bench_layers, menv)
     print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
     res: dict[str, Any] = {"layers": a.bench_layers}
-    with _spawn_module(a.mpack_env).spawn(
+    with mpack_spawn(a.mpack_env).spawn(
         sc, device="cuda:0", env=menv, cwd=a.work, log_dir=a.work, timeout=READY_TIMEOUT_S
     ):
         for path in ("default", "attached", "private"):  # the page cache is warm: convert read it
