@@ -78,7 +78,7 @@ MAX_TP = 1024
 MAX_FILE_BYTES = 1 << 48
 MAX_DIM = 1 << 24
 #: The model dimensions a manifest's ``model.config`` records; a loader compares them with the
-#: model it loads into (runtime/vllm.py).
+#: model it loads into (runtime/vllm/checks.py).
 MODEL_DIMS = (
     "hidden_size",
     "intermediate_size",

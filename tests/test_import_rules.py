@@ -55,11 +55,15 @@ def layer_of(module: str) -> str | None:
 
 
 def library_modules() -> dict[str, Path]:
+    """``{module name: source}`` of every module, those of subpackages (``mpack.runtime.vllm``)
+    included."""
     out = {}
     for pkg, folder in FOLDERS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
-            out[name] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((pkg, *parts))] = path
     return out
 
 
@@ -88,6 +92,7 @@ MODULES = library_modules()
 def test_every_layer_has_modules() -> None:
     layers = {layer_of(m) for m in MODULES}
     assert layers == {"core", "convert", "runtime", "verify", "cli"}, layers
+    assert {"mpack.runtime.vllm", "mpack.runtime.vllm.loader"} <= set(MODULES)  # subpackages too
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -36,3 +36,15 @@ def test_convert_pipeline_imports_torch_only_when_it_streams():
         "print('torch' in sys.modules)\n"
     )
     assert _run(code) == "False"
+
+
+def test_the_vllm_entry_point_imports_neither_vllm_nor_torch():
+    """vLLM imports ``mpack.runtime.vllm`` (the ``vllm.general_plugins`` entry point) in every
+    process it starts; only ``register()`` imports the loader, and with it vLLM and torch. The
+    loader's checks and its sources of weights need neither."""
+    code = (
+        "import sys\n"
+        "import mpack.runtime.vllm, mpack.runtime.vllm.checks, mpack.runtime.vllm.source\n"
+        "print([m for m in ('torch', 'vllm', 'mpack.runtime.vllm.loader') if m in sys.modules])\n"
+    )
+    assert _run(code) == "[]"

@@ -31,7 +31,7 @@ pytest.importorskip("vllm")
 
 from mpack.errors import MpackError, UsageError  # noqa: E402
 from mpack.iokit import chunk_digests, sha256_file  # noqa: E402
-from mpack.runtime.vllm import Options  # noqa: E402
+from mpack.runtime.vllm.checks import Options  # noqa: E402
 from mpack.sidecar import (  # noqa: E402
     COMMON_NAME,
     FileLayout,

@@ -1,4 +1,4 @@
-"""What ``--load-format mpack`` checks before vLLM builds the model (runtime/vllm.py).
+"""What ``--load-format mpack`` checks before vLLM builds the model (runtime/vllm/loader.py).
 
 Note [the loader trusts nothing in the sidecar]: a sidecar's manifest passes mpack's strict
 reader (mpack.sidecar.check_manifest), but a schema-valid manifest can still describe another
@@ -18,8 +18,8 @@ checked here against the engine, before any model memory is allocated:
 * the tensors of ``common.safetensors``: none belongs to a Marlin layer, embeddings and norms
   have the engine's vocabulary and hidden size, no decoder layer beyond the model's.
 
-After the build, runtime/vllm.py checks the model itself the same way (every Marlin layer gets
-sidecar weights, every other parameter is loaded). This module imports neither vLLM nor torch.
+After the build, runtime/vllm/loader.py checks the model itself the same way (every Marlin layer
+gets sidecar weights, every other parameter is loaded). This module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations

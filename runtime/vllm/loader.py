@@ -1,14 +1,14 @@
-"""``--load-format mpack``: vLLM takes its FP8 Marlin weights from an mpack sidecar.
+"""``MpackModelLoader``: vLLM's model loader for ``--load-format mpack``.
 
-Installed with the ``vllm`` extra, mpack registers :func:`register` under vLLM's
-``vllm.general_plugins`` entry point group; vLLM calls it in every process (API server, engine
-core, workers) and it registers the load format ``mpack``. This is the only module of mpack that
-imports vLLM (docs/VLLM.md); the checks it runs on its inputs are runtime/vllm_checks.py.
+:func:`mpack.runtime.vllm.register` registers it with vLLM. The class derives from vLLM's
+``DefaultModelLoader``, so this module imports vLLM: import it only where vLLM is importable.
+The checks it runs on its inputs are runtime/vllm/checks.py; where it reads from (the sidecar,
+the rank's tensors), runtime/vllm/source.py.
 
 What :class:`MpackModelLoader` does, in order (Note [loading from a sidecar]):
 
 1. **Checks, before any model memory is allocated** (Note [the loader trusts nothing in the
-   sidecar] in runtime/vllm_checks.py): ``--model-loader-extra-config``; the sidecar's manifest
+   sidecar] in runtime/vllm/checks.py): ``--model-loader-extra-config``; the sidecar's manifest
    (the same strict checks as every mpack reader), then its target against the engine: vLLM's
    version, the TP size, the activation dtype against the model dtype, the fusion, and the
    profile against the compressed-tensors scheme vLLM will choose on this GPU (``w8a16``:
@@ -20,7 +20,8 @@ What :class:`MpackModelLoader` does, in order (Note [loading from a sidecar]):
    ``auto``, the FP8 linear layers of this model are put on Marlin (the sidecar holds Marlin
    weights).
 2. **The rank's tensors**: attached zero-copy from ``mpack serve`` (``attach: auto|require``) or
-   loaded privately with :func:`mpack.runtime.load` (``never``, or ``auto`` with no daemon).
+   loaded privately with :func:`mpack.runtime.load` (``never``, or ``auto`` with no daemon):
+   :func:`~mpack.runtime.vllm.source.rank_weights`.
 3. **The model, built as vLLM builds it** (``create_model``), on the target device.
 4. **Every Marlin layer** gets the sidecar's ``weight``, ``weight_scale`` and ``bias`` as its
    parameters' data (the attached views themselves: no copy), loses ``input_scale`` as Marlin's
@@ -38,27 +39,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
 
 from mpack import arch
 from mpack.errors import (
     CorruptFileError,
-    DaemonError,
     InputError,
     MpackError,
     UsageError,
     shown,
 )
-from mpack.runtime.vllm_checks import (
-    ATTACH_MODES,
-    EXTRA_KEYS,
+from mpack.runtime.vllm.checks import (
     OTHER_MODEL_HINT,
     PROFILE_SCHEMES,
     EngineMismatchError,
@@ -71,76 +70,17 @@ from mpack.runtime.vllm_checks import (
     expected_profile,
     first_and_more,
 )
+from mpack.runtime.vllm.source import rank_weights, sidecar_dir
 from mpack.sidecar import (
     COMMON_NAME,
-    MANIFEST_NAME,
     MODEL_DIMS,
     expected_rank_tensors,
     load_manifest,
     read_layout,
 )
-from mpack.target import dir_name
 
-log = logging.getLogger("mpack.vllm")
-
-LOAD_FORMAT = "mpack"
 #: vLLM's quantization keys of the two FP8 paths that run through Marlin.
 MARLIN_QUANT_KEYS = ("w8a16_fp8", "fp8_w8a8")
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the ``mpack`` load format. Cheap,
-    idempotent, touches no device."""
-    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
-
-    from mpack.runtime import warm
-
-    cls = loader_class()
-    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not cls:  # vLLM warns on a re-register
-        register_model_loader(LOAD_FORMAT)(cls)
-    for device in ("cpu", "cuda"):  # the first attach, paid now (Note [warm attach])
-        warm(device)
-
-
-def __getattr__(name: str) -> Any:
-    # The loader class derives from vLLM's DefaultModelLoader, so it is defined on first use:
-    # importing this module (e.g. to read its constants) does not import vLLM.
-    if name == "MpackModelLoader":
-        return loader_class()
-    raise AttributeError(name)
-
-
-def sidecar_dir(
-    opts: Options,
-    model: str,
-    revision: str | None = None,
-    *,
-    rank: int | None = None,
-    target: dict[str, Any] | None = None,
-) -> Path:
-    """The sidecar, as a local directory: ``{"sidecar": PATH_OR_REPO_ID}``, else the model
-    itself (a directory, or a Hub repo id at vLLM's ``--revision``).
-
-    A repo id is fetched through the HF cache (mpack/hub_sidecar.py): the manifest, then the
-    files of TP rank ``rank`` (every rank's for None). ``target``: the engine's target, whose
-    folder is taken in a multi-target repo (or directory) named without one. vLLM's
-    ``--revision`` is the model's: a ``"sidecar"`` beside another checkpoint takes its own
-    ``@revision``."""
-    from mpack.hub_sidecar import resolve_sidecar
-
-    if opts.sidecar:
-        return resolve_sidecar(opts.sidecar, rank=rank, target=target)
-    local = Path(model).exists()
-    path = resolve_sidecar(model, None if local else revision, rank=rank, target=target)
-    if (path / MANIFEST_NAME).is_file():
-        return path
-    raise InputError(
-        f"{model}: not an mpack sidecar (no {MANIFEST_NAME}"
-        + (f", nor a folder {dir_name(target)} holding one" if target else "")
-        + ") and no sidecar named",
-        hint="serve the sidecar (a directory or Hub repo id) as the model, or pass "
-        '--model-loader-extra-config \'{"sidecar": "PATH_OR_REPO_ID"}\'',
-    )
 
 
 def engine_target(engine: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +93,7 @@ def engine_target(engine: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# --- checks against the engine (before any model memory): runtime/vllm_checks.py ----------------
+# --- checks against the engine (before any model memory): runtime/vllm/checks.py ---------------
 
 
 def _capability() -> int | None:
@@ -230,28 +170,7 @@ def force_marlin(vllm_config: Any) -> None:
     kc.linear_backend_per_quant = per
 
 
-# --- the rank's tensors ---------------------------------------------------------------------------
-
-
-def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
-    """The rank's ``SharedWeights``: attached (zero-copy) or loaded privately, per ``attach``."""
-    from mpack.runtime import attach, load
-
-    if opts.attach != "never":
-        try:
-            w = attach(sidecar, rank=rank, device=device, socket=opts.socket)
-            log.info("mpack: rank %d attached zero-copy (%d bytes on %s)", rank, w.nbytes, device)
-            return w
-        except DaemonError as e:
-            if opts.attach == "require":
-                raise DaemonError(
-                    f"attach: require, but {e.message}",
-                    hint=f"start it: mpack serve {sidecar} --rank {rank} --device {device}",
-                ) from None
-            log.warning("mpack: rank %d loads privately: %s", rank, e.message)
-    w = load(sidecar, rank=rank, device=device)
-    log.info("mpack: rank %d loaded privately (%d bytes on %s)", rank, w.nbytes, device)
-    return w
+# --- the rank's tensors (runtime/vllm/source.py) ------------------------------------------------
 
 
 def _device_label(target: torch.device) -> str:
@@ -280,7 +199,7 @@ class Checked:
 
 def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Checked:
     """The sidecar to load, once everything the engine fixes agrees with it, before any model
-    memory (Note [the loader trusts nothing in the sidecar] in runtime/vllm_checks.py); the
+    memory (Note [the loader trusts nothing in the sidecar] in runtime/vllm/checks.py); the
     model's FP8 linears are then put on Marlin."""
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp != 1:
@@ -328,119 +247,106 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     return Checked(sidecar, manifest, dims, engine["tied"], skip)
 
 
-@functools.cache
-def loader_class() -> type:
-    """vLLM's ``DefaultModelLoader`` subclass for ``--load-format mpack`` (built once)."""
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.utils.torch_utils import set_default_torch_dtype
+class MpackModelLoader(DefaultModelLoader):
+    """``--load-format mpack`` (Note [loading from a sidecar] in the module docstring)."""
 
-    class MpackModelLoader(DefaultModelLoader):
-        """``--load-format mpack`` (Note [loading from a sidecar] in the module docstring)."""
+    def __init__(self, load_config: Any) -> None:
+        self.options = Options.parse(load_config.model_loader_extra_config)
+        # DefaultModelLoader reads the rest of the model (common.safetensors, or the
+        # checkpoint's non-Marlin tensors): hand it a load config it knows.
+        super().__init__(
+            dataclasses.replace(
+                load_config, load_format="safetensors", model_loader_extra_config={}
+            )
+        )
 
-        def __init__(self, load_config: Any) -> None:
-            self.options = Options.parse(load_config.model_loader_extra_config)
-            # DefaultModelLoader reads the rest of the model (common.safetensors, or the
-            # checkpoint's non-Marlin tensors): hand it a load config it knows.
-            super().__init__(
-                dataclasses.replace(
-                    load_config, load_format="safetensors", model_loader_extra_config={}
+    def download_model(self, model_config: Any) -> None:
+        """Fetch the sidecar ahead of ``load_model`` (every rank's files: this call has no
+        rank), at the current engine's target when a config is set."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+        target = None
+        if cfg is not None and cfg.model_config is not None:
+            qc = getattr(model_config.hf_config, "quantization_config", None)
+            with contextlib.suppress(MpackError, TypeError, AttributeError):
+                target = {
+                    "tp_size": cfg.parallel_config.tensor_parallel_size,
+                    "profile": expected_profile(qc, _capability()),
+                    "act_dtype": str(model_config.dtype).removeprefix("torch."),
+                    "fusion": "vllm",
+                }
+        sidecar_dir(self.options, model_config.model, model_config.revision, target=target)
+
+    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        checked = getattr(model, "_mpack_checked", None)
+        if checked is None:
+            raise MpackError("--load-format mpack loads weights only through load_model")
+        self._load_rest(model, model_config, checked, model._mpack_weights)
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        checked = checked_sidecar(self.options, vllm_config, model_config)
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        target = torch.device(load_device)
+        rank = get_tensor_model_parallel_rank()
+        weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
+        try:
+            if checked.skip is None:  # the tensors loaded are those whose header was checked
+                check_common(
+                    _common_shapes(weights),
+                    checked.manifest["layers"],
+                    checked.dims,
+                    checked.tied,
+                    checked.sidecar / COMMON_NAME,
                 )
-            )
+            with set_default_torch_dtype(model_config.dtype):
+                with target:
+                    model = self.create_model(vllm_config, model_config, prefix)
+                model._mpack_weights = weights  # the lease and mappings live with the model
+                model._mpack_checked = checked
+                layers = _swap_in(model, checked.manifest, weights, checked.sidecar)
+                self._load_rest(model, model_config, checked, weights, layers)
+                _process_others(model, layers, model_config, target, process_weights_after_loading)
+        except BaseException:
+            weights.close()
+            raise
+        return model.eval()
 
-        def download_model(self, model_config: Any) -> None:
-            """Fetch the sidecar ahead of ``load_model`` (every rank's files: this call has no
-            rank), at the current engine's target when a config is set."""
-            from vllm.config import get_current_vllm_config_or_none
+    def _load_rest(
+        self,
+        model: nn.Module,
+        model_config: Any,
+        checked: Checked,
+        weights: Any,
+        layers: dict[str, nn.Module] | None = None,
+    ) -> None:
+        """Every non-Marlin tensor, through vLLM's own weight loaders; then, at load time
+        (``layers`` given), every parameter of the model must have been loaded."""
+        source = checked.sidecar / COMMON_NAME if checked.skip is None else Path(model_config.model)
+        last: list[str] = []  # the tensor vLLM was given last: the one it failed on
 
-            cfg = get_current_vllm_config_or_none()
-            target = None
-            if cfg is not None and cfg.model_config is not None:
-                qc = getattr(model_config.hf_config, "quantization_config", None)
-                with contextlib.suppress(MpackError, TypeError, AttributeError):
-                    target = {
-                        "tp_size": cfg.parallel_config.tensor_parallel_size,
-                        "profile": expected_profile(qc, _capability()),
-                        "act_dtype": str(model_config.dtype).removeprefix("torch."),
-                        "fusion": "vllm",
-                    }
-            sidecar_dir(self.options, model_config.model, model_config.revision, target=target)
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in _rest_of_model(self, model, model_config, checked, weights):
+                last[:] = [name]
+                yield name, t
 
-        def load_weights(self, model: nn.Module, model_config: Any) -> None:
-            checked = getattr(model, "_mpack_checked", None)
-            if checked is None:
-                raise MpackError("--load-format mpack loads weights only through load_model")
-            self._load_rest(model, model_config, checked, model._mpack_weights)
-
-        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            checked = checked_sidecar(self.options, vllm_config, model_config)
-            load_device = vllm_config.load_config.device or vllm_config.device_config.device
-            target = torch.device(load_device)
-            rank = get_tensor_model_parallel_rank()
-            weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
-            try:
-                if checked.skip is None:  # the tensors loaded are those whose header was checked
-                    check_common(
-                        _common_shapes(weights),
-                        checked.manifest["layers"],
-                        checked.dims,
-                        checked.tied,
-                        checked.sidecar / COMMON_NAME,
-                    )
-                with set_default_torch_dtype(model_config.dtype):
-                    with target:
-                        model = self.create_model(vllm_config, model_config, prefix)
-                    model._mpack_weights = weights  # the lease and mappings live with the model
-                    model._mpack_checked = checked
-                    layers = _swap_in(model, checked.manifest, weights, checked.sidecar)
-                    self._load_rest(model, model_config, checked, weights, layers)
-                    _process_others(
-                        model, layers, model_config, target, process_weights_after_loading
-                    )
-            except BaseException:
-                weights.close()
-                raise
-            return model.eval()
-
-        def _load_rest(
-            self,
-            model: nn.Module,
-            model_config: Any,
-            checked: Checked,
-            weights: Any,
-            layers: dict[str, nn.Module] | None = None,
-        ) -> None:
-            """Every non-Marlin tensor, through vLLM's own weight loaders; then, at load time
-            (``layers`` given), every parameter of the model must have been loaded."""
-            source = (
-                checked.sidecar / COMMON_NAME if checked.skip is None else Path(model_config.model)
-            )
-            last: list[str] = []  # the tensor vLLM was given last: the one it failed on
-
-            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, t in _rest_of_model(self, model, model_config, checked, weights):
-                    last[:] = [name]
-                    yield name, t
-
-            try:
-                loaded = model.load_weights(tensors())
-            except torch.OutOfMemoryError:
-                raise  # the machine's fault, not the file's
-            except (AssertionError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as e:
-                # vLLM's weight loaders assert and index what they are given: a file that does
-                # not fit this model ends in one of these, deep inside vLLM.
-                at = f" at tensor {shown(last[0])}" if last else ""
-                raise CorruptFileError(
-                    f"{source}: vLLM could not load it into this model{at}: "
-                    f"{type(e).__name__}: {shown(str(e))}",
-                    hint=OTHER_MODEL_HINT,
-                ) from e
-            if layers is not None:
-                _check_all_loaded(model, loaded, layers, source)
-
-    return MpackModelLoader
+        try:
+            loaded = model.load_weights(tensors())
+        except torch.OutOfMemoryError:
+            raise  # the machine's fault, not the file's
+        except (AssertionError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as e:
+            # vLLM's weight loaders assert and index what they are given: a file that does
+            # not fit this model ends in one of these, deep inside vLLM.
+            at = f" at tensor {shown(last[0])}" if last else ""
+            raise CorruptFileError(
+                f"{source}: vLLM could not load it into this model{at}: "
+                f"{type(e).__name__}: {shown(str(e))}",
+                hint=OTHER_MODEL_HINT,
+            ) from e
+        if layers is not None:
+            _check_all_loaded(model, loaded, layers, source)
 
 
 def _common_shapes(weights: Any) -> dict[str, tuple[int, ...]]:
@@ -621,14 +527,11 @@ def _process_others(
 
 
 __all__ = [
-    "ATTACH_MODES",
-    "EXTRA_KEYS",
-    "LOAD_FORMAT",
-    "EngineMismatchError",
-    "Options",
-    "check_target",
-    "expected_profile",
-    "loader_class",
+    "MARLIN_QUANT_KEYS",
+    "Checked",
+    "MpackModelLoader",
+    "checked_sidecar",
+    "engine_target",
+    "force_marlin",
     "marlin_layer_names",
-    "register",
 ]
