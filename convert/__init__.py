@@ -47,6 +47,7 @@ def convert(
     passthrough: bool = True,
     force: bool = False,
     skip_invalid: bool = False,
+    backend: str = "auto",
 ) -> ConvertResult | MultiConvertResult:
     """Write a Marlin FP8 sidecar for ``source`` at ``out``; return what was done.
 
@@ -71,6 +72,9 @@ def convert(
         force: redo the work even if ``out`` is up to date, or replace another sidecar there.
         skip_invalid: with several targets, leave out those that cannot be made (e.g. a TP
             that does not divide the heads) instead of refusing the run; at least one must be.
+        backend: ``"auto"`` (the first that can, in ``device``'s order: Note [choosing a
+            backend] in :mod:`mpack.convert.backends`), or ``"host"``, ``"driver"`` or
+            ``"torch"``: that one, or a ``UsageError`` saying why it cannot. Same bytes on each.
 
     Returns:
         A :class:`ConvertResult`, the same facts ``mpack convert --json`` prints: ``out`` (the
@@ -78,7 +82,8 @@ def convert(
         ``digest`` (the manifest digest, what ``mpack serve`` and ``attach`` match on),
         ``up_to_date`` (True: ``out`` already held this sidecar and nothing was done),
         ``seconds`` (time per phase, ``"total"`` included when work was done),
-        ``bytes_written`` (0 when up to date) and ``timeline``.
+        ``bytes_written`` (0 when up to date), ``timeline`` and ``backend`` (which one converted
+        the layers, and why those before it did not).
 
     Raises:
         MpackError: bad input (a subclass with ``exit_code`` 2), with nothing written at ``out``;
@@ -97,6 +102,7 @@ def convert(
             passthrough=passthrough,
             force=force,
             skip_invalid=skip_invalid,
+            backend=backend,
         ),
     )
 
@@ -129,11 +135,9 @@ def start(
     early = None
     if (Path(source) / CONFIG_NAME).is_file():
         early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
-        libs = []
-        if options.names_cuda():
-            from mpack import cudadrv
+        from mpack.convert.backends import prefetch_files
 
-            libs = cudadrv.library_files()  # before the shards: Note [prefetch]
+        libs = prefetch_files(options.device)  # before the shards: Note [prefetch]
         prefetch(libs + sorted(Path(source).glob("*.safetensors")))
     try:
         run: Callable[..., Any]

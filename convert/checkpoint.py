@@ -33,7 +33,7 @@ from mpack.sidecar import (
     INDEX_NAME,
     SINGLE_NAME,
     TensorEntry,
-    read_layout,
+    read_file_map,
     torch_dtype,
 )
 from mpack.target import ACT_DTYPES, BIAS, SCALE, WEIGHT
@@ -373,7 +373,7 @@ def _shard_tensors(
             raise SourceNotFoundError(
                 f"{index_path}: lists shard {fname}, which does not exist in {root}"
             )
-        for e in read_layout(path).entries:
+        for e in read_file_map(path).entries:
             if e.name in tensors:
                 raise CorruptFileError(
                     f"{path}: tensor {e.name!r} also appears in {tensors[e.name].file}"

@@ -16,15 +16,16 @@ How it is built and run:
   torch uses) and launched with ``cuLaunchKernel`` on torch's current stream, so it is ordered
   with the torch work around it like any torch op;
 * :func:`available` says whether all of that works here (it never raises, and checks the
-  kernel's bytes against the torch path once); :func:`pack_weight_fast` uses the kernel for CUDA
-  tensors when it is available and :func:`mpack.convert.marlin.pack_weight` otherwise.
+  kernel's bytes against the torch path once). Whether a conversion uses the kernel is not
+  decided here: the torch backend (:mod:`mpack.convert.backends.torch`) asks :func:`available`
+  when it opens, and the driver backend runs the kernel itself (Note [choosing a backend]).
 
 Importing this module imports neither torch nor cuda-bindings, and touches no CUDA: each
 happens on the first call that needs it. Building, loading and launching need no torch
-(:mod:`mpack.convert.driver` runs the kernel without it); :func:`pack_weight_cuda` and
-:func:`available` are the torch wrappers. ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (the torch
-path is used); ``MPACK_REPACK_SOURCE`` points at another copy of ``marlin_repack.cu``; builds are
-cached in ``kernels`` of mpack's cache (:mod:`mpack.cache`, ``MPACK_CACHE_DIR``).
+(:mod:`mpack.convert.backends.driver` runs the kernel without it); :func:`pack_weight_cuda` and
+:func:`available` are the torch wrappers. ``MPACK_REPACK_SOURCE`` points at another copy of
+``marlin_repack.cu``; builds are cached in ``kernels`` of mpack's cache (:mod:`mpack.cache`,
+``MPACK_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -33,11 +34,10 @@ import ctypes
 import hashlib
 import os
 import threading
-from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpack import cache, cudadrv, env_flag, target
+from mpack import cache, cudadrv, target
 from mpack.errors import UsageError
 
 if TYPE_CHECKING:  # the torch wrappers import it on use: the driver path runs without it
@@ -49,7 +49,6 @@ __all__ = [
     "compile_kernel",
     "kernel_source_path",
     "pack_weight_cuda",
-    "pack_weight_fast",
     "unavailable_reason",
 ]
 
@@ -337,16 +336,8 @@ def pack_weight_cuda(
     return out
 
 
-def turned_off() -> bool:
-    """Whether ``MPACK_NO_CUDA_KERNEL=1`` turns the kernel off (same bytes through torch's ops):
-    every path that would launch it asks here."""
-    return env_flag("MPACK_NO_CUDA_KERNEL")
-
-
 def _probe(ordinal: int) -> tuple[bool, str | None]:
     """Can the kernel run on device ``ordinal``, and does it give the torch path's bytes?"""
-    if turned_off():
-        return False, "turned off by MPACK_NO_CUDA_KERNEL"
     try:
         cudadrv.driver(_NEEDED_BY)
         cudadrv.nvrtc(_NEEDED_BY)
@@ -410,26 +401,3 @@ def available(device: torch.device | int | None = None) -> bool:
 def unavailable_reason() -> str | None:
     """Why the last :func:`available` call said False (None after a True)."""
     return _last_reason[0]
-
-
-def pack_weight_fast(
-    wck: torch.Tensor,
-    np_: int | None = None,
-    kp: int | None = None,
-    pool: Executor | None = None,
-) -> torch.Tensor:
-    """:func:`pack_weight_cuda` for CUDA tensors when :func:`available`, else the torch path.
-
-    Args:
-        wck: float8_e4m3fn or uint8 ``[N, K]``, any device.
-        np_, kp: padded dims (default :func:`mpack.convert.marlin.marlin_padded_nk`).
-        pool: for the torch path on the CPU (:func:`mpack.convert.host_repack.block_pool`).
-
-    Returns:
-        int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, identical bytes either way.
-    """
-    from mpack.convert import marlin
-
-    if wck.is_cuda and available(wck.device):
-        return pack_weight_cuda(wck, np_, kp)
-    return marlin.pack_weight(wck, np_, kp, pool)

@@ -25,9 +25,10 @@ read-back (:func:`unpack_differs`) runs the same steps backwards (the transpose 
 the interleave is undone by one pack of the even and the odd bytes). SSE2 is part of the x86-64 ABI,
 so the plain build has it; elsewhere (aarch64) :data:`KERNEL` is ``"rows"``.
 
-The extension is optional (setup.py): where it was not built, :func:`available` is False and
-callers use the torch path. ``MPACK_NO_HOST_REPACK=1`` turns it off. Both give the same bytes
-(tests/convert/test_host_repack.py, against the golden cases and the torch path).
+The extension is optional (setup.py): where it was not built, :func:`available` is False, the
+host backend refuses and the torch backend repacks with torch's ops (``MPACK_NO_HOST_REPACK=1``
+does the same where it is built). Both give the same bytes (tests/convert/test_host.py, against
+the golden cases and torch's ops).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from mpack import env_flag, iokit, target
+from mpack import iokit, target
 
 try:
     from mpack.convert import _repack
@@ -72,8 +73,9 @@ KERNEL = "tile" if _repack is not None and getattr(_repack, "TILE_KERNEL", 0) el
 
 
 def available() -> bool:
-    """The native repack is built here and not turned off (``MPACK_NO_HOST_REPACK``)."""
-    return _repack is not None and not env_flag("MPACK_NO_HOST_REPACK")
+    """The native repack is built here (whether a conversion uses it is the backends' choice:
+    Note [choosing a backend] in :mod:`mpack.convert.backends`)."""
+    return _repack is not None
 
 
 def block_workers() -> int:

@@ -30,7 +30,6 @@ from concurrent.futures import Executor
 import torch
 
 from mpack import target
-from mpack.convert import host_repack
 from mpack.sidecar import torch_dtype
 
 __all__ = [
@@ -101,28 +100,29 @@ def _swap_middle_bytes_(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
-# Note [repack in blocks]: on the CPU the three passes (pair the int16 lanes, permute the
-# words, swap their middle bytes) run over a block of n-tiles at a time, about
-# ``REPACK_BLOCK_BYTES`` of input, so each pass reads what the previous one left in cache
-# instead of streaming the whole layer through memory three times. Each pass is small, so
-# torch's own intra-op threads (OpenMP, a barrier per pass) stall whenever one of them loses its
-# core to the conversion's I/O and hashing threads; a conversion therefore gives the blocks to a
-# pool of plain threads, each running torch ops on one thread (:func:`block_pool`). Blocks are
-# 4 MiB, not 1 MiB (about one core's L2): alone the two sizes tie, but next to busy hashing
-# threads, the case of a conversion, fewer torch calls mean fewer hand-overs of the GIL among the
-# pool's threads. For the same reason a first pass made of shifts and masks (twice the torch
-# calls), faster on one core, was slower on many threads: not kept. On a GPU the whole layer is
-# one block (the fused kernel of :mod:`mpack.convert.cuda_repack` is the fast path there). Where
-# the native host repack is built, :func:`pack_weight` uses it for CPU tensors instead of this
-# function (Note [host repack] in :mod:`mpack.convert.host_repack`: faster on fewer threads);
-# this torch path stays as the fallback and as a second implementation the tests compare it
-# with. Figures: docs/BENCHMARKS.md, sections 1, 6 and 9.
+# Note [repack in blocks]: on the CPU the three passes (pair the int16 lanes, permute the words,
+# swap their middle bytes) run over a block of n-tiles at a time, about ``REPACK_BLOCK_BYTES`` of
+# input, so each pass reads what the previous one left in cache instead of streaming the whole layer
+# through memory three times. Each pass is small, so torch's own intra-op threads (OpenMP, a barrier
+# per pass) stall whenever one of them loses its core to the conversion's I/O and hashing threads; a
+# conversion therefore gives the blocks to a pool of plain threads, each running torch ops on one
+# thread (``host_repack.block_pool``). Blocks are 4 MiB, not 1 MiB (about one core's L2): alone the
+# two sizes tie, but next to busy hashing threads, the case of a conversion, fewer torch calls mean
+# fewer hand-overs of the GIL among the pool's threads. For the same reason a first pass made of
+# shifts and masks (twice the torch calls), faster on one core, was slower on many threads: not
+# kept. On a GPU the whole layer is one block (the fused kernel of :mod:`mpack.convert.cuda_repack`
+# is the fast path there). This module is torch's ops only: where the native host repack is built,
+# the torch backend repacks CPU tensors with it instead (Note [host repack] in
+# :mod:`mpack.convert.host_repack`: faster on fewer threads), a choice made when the backend opens
+# (Note [choosing a backend] in :mod:`mpack.convert.backends`); these ops stay as that backend's
+# last resort and as a second implementation the tests compare the others with. Figures:
+# docs/BENCHMARKS.md, sections 1, 6 and 9.
 def repack(wck: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     """Repack checkpoint fp8 rows into Marlin tiles, without padding (SPEC §5).
 
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, row-major; ``N % 64 == 0``, ``K % 16 == 0``.
-        pool: CPU only: repack the blocks on these threads (see :func:`block_pool`; Note
+        pool: CPU only: repack the blocks on these threads (``host_repack.block_pool``; Note
             [repack in blocks]).
 
     Returns:
@@ -209,7 +209,7 @@ def pack_weight(
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``, ``K % 4 == 0`` (fused/sliced rows of one rank).
         np_, kp: padded dims; default :func:`marlin_padded_nk` ``(N, K)``.
-        pool: CPU only: threads for the repack's blocks (:func:`block_pool`).
+        pool: CPU only: threads for the repack's blocks (``host_repack.block_pool``).
 
     Returns:
         int32 ``[Kp/16, 4*Np]`` on ``wck``'s device.
@@ -220,11 +220,6 @@ def pack_weight(
     if np_ < n or kp < k:
         raise ValueError(f"padded dims ({np_}, {kp}) smaller than the layer ({n}, {k})")
     w = _as_bytes(wck)
-    if not w.is_cuda and host_repack.available():  # Note [host repack]: one native pass
-        rows = w if w.stride(1) == 1 else w.contiguous()
-        return torch.from_numpy(
-            host_repack.pack_rows(host_repack.rows_of(rows.numpy()), k, np_, kp, pool)
-        )
     if (np_, kp) != (n, k):
         padded = torch.zeros((np_, kp), dtype=torch.uint8, device=w.device)
         padded[:n, :k] = w

@@ -21,11 +21,12 @@ the read is most of a conversion. :func:`run_convert_many` reads it once:
    once and from that copy to the others.
 
 Each target's bytes are those a single-target run writes: the same plan, the same transform
-functions, the same manifest (tests/convert/test_multi_target.py compares every file). The
-read is on the host: targets on the host path and the driver path read from those arrays as a
-single run does; a torch target (``w8a8-marlin`` requantization, or ``MPACK_NO_HOST_REPACK``)
-gets tensors over them (on CUDA, its weights are copied to the device, and its results back,
-without the pinned rings of a single run: same bytes, not its speed).
+functions, the same manifest (tests/convert/test_multi_target.py compares every file). Each
+target's backend is the one a single run of it opens (:func:`mpack.convert.backends.open_backend`),
+opened once for all the targets it takes. The read is on the host: the host and driver backends
+read from those arrays as a single run does; the torch backend (``w8a8-marlin`` requantization,
+or ``MPACK_NO_HOST_REPACK``) gets tensors over them (on CUDA, its weights are copied to the
+device: same bytes, not a single run's speed).
 """
 
 from __future__ import annotations
@@ -34,22 +35,23 @@ import contextlib
 import functools
 import itertools
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mpack import target as tgt
-from mpack.convert import driver
+from mpack.convert.backends import Backend, check_device_here, report
+from mpack.convert.backends.host import Buffers
 from mpack.convert.checkpoint import (
     Checkpoint,
     check_scale_values,
     find_layers,
-    float32_values,
     open_checkpoint,
     read_scale_array,
 )
@@ -61,19 +63,16 @@ from mpack.convert.pipeline import (
     _bump_unless,
     _Counter,
     _finish,
-    _host_path,
     _manifest,
     _open_writers,
     _seconds,
     _watched,
-    check_device_here,
-    torch_device,
 )
 from mpack.convert.plan import OutLayer, Plan, check_fusion_tp, make_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import ResolvedSource, resolve_source, source_files
 from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
-from mpack.convert.stream import Streamer, WriteItem, _flat_bytes
+from mpack.convert.stream import Streamer
 from mpack.convert.timeline import Timeline
 from mpack.errors import (
     MpackError,
@@ -81,22 +80,16 @@ from mpack.errors import (
     UnsupportedSchemeError,
     UsageError,
 )
-from mpack.iokit import COPY_BYTES, copy_file, pool, put_or_abort
+from mpack.iokit import COPY_BYTES, copy_file, pool
 from mpack.sidecar import (
     CHUNK_BYTES,
     COMMON_NAME,
     COPIED_FILES,
     MANIFEST_NAME,
     HashingWriter,
-    rank_file_name,
     target_of,
 )
 from mpack.target import ACT_DTYPES, BIAS, FUSIONS, PROFILES, SCALE, WEIGHT
-
-if TYPE_CHECKING:
-    import torch
-
-    from mpack.convert.host import Buffers
 
 
 @dataclass(frozen=True)
@@ -188,7 +181,8 @@ def run_convert_many(
             )
         names = source_files(src, ck.files)
         records = functools.partial(watch.records, names)
-        made: dict[int, tuple[dict[str, Any], str]] = {}  # id(stage) -> manifest, digest
+        made: dict[int, tuple[dict[str, Any], str, dict[str, Any]]] = {}  # id(stage) -> manifest,
+        # digest, backend
         with contextlib.ExitStack() as stack:
             stages = []
             for plan in plans:
@@ -213,7 +207,9 @@ def run_convert_many(
                 watch.check_unchanged()  # the digests compared are of these files
             else:
                 works = [s.work for _, s in todo]
-                written = _write_all([p for p, _ in todo], works, device, watch.check, progress, tl)
+                written, used = _write_all(
+                    [p for p, _ in todo], works, options, watch.check, progress, tl
+                )
                 with tl.span("main", "copy-files"):
                     copied = _copy_files(src, names, works)
                 with tl.span("main", "wait-source-hashes"):
@@ -222,9 +218,9 @@ def run_convert_many(
                     watch.check.agree(ck)
                 with tl.span("main", "manifest"):
                     watch.check_unchanged()
-                    for (plan, stage), w in zip(todo, written, strict=True):
+                    for (plan, stage), w, b in zip(todo, written, used, strict=True):
                         manifest = _manifest(plan, src, files_src, w, copied)
-                        made[id(stage)] = (manifest, stage.write_manifest(manifest))
+                        made[id(stage)] = (manifest, stage.write_manifest(manifest), b)
         # every stage swapped into place (in reverse order) when the stack closed
     results = []
     for plan, stage in zip(plans, stages, strict=True):
@@ -236,7 +232,7 @@ def run_convert_many(
                 )
             )
         else:
-            m, digest = made[id(stage)]
+            m, digest, used_by = made[id(stage)]
             results.append(
                 ConvertResult(
                     stage.out,
@@ -246,6 +242,7 @@ def run_convert_many(
                     seconds=_seconds(tl, done=True),
                     bytes_written=plan.total_bytes,
                     timeline=tl.spans(),
+                    backend=used_by,
                 )
             )
     return MultiConvertResult(out, results, skipped)
@@ -323,13 +320,13 @@ def _modules(layer: OutLayer) -> list[str]:
 def _write_all(
     plans: list[Plan],
     works: list[Path],
-    device: str,
+    options: ConvertOptions,
     check: SchemeCheck,
     progress: Progress | None,
     tl: Timeline,
-) -> list[dict[str, dict[str, Any]]]:
-    """Stream every target's files into its work directory; ``{file: {size, chunks}}`` per
-    target (as :func:`mpack.convert.pipeline._write_all` does for one)."""
+) -> tuple[list[dict[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """Stream every target's files into its work directory; ``{file: {size, chunks}}`` and the
+    backend's report per target (as :func:`mpack.convert.pipeline._write_all` does for one)."""
     ck = plans[0].ckpt
     with contextlib.ExitStack() as stack:
         with tl.span("main", "setup"):
@@ -347,18 +344,19 @@ def _write_all(
                 bump = functools.partial(_bump_unless, stop, count.add_bytes)
                 copied = copier.submit(copy_tensors_many, ck.read_into, commons, bump, tl)
             try:
-                sinks = _sinks(plans, writers, device, tl, stack)
+                sinks = _sinks(plans, writers, options, tl, stack)
                 with tl.span("main", "validate-values"), check.errors_first():
                     _validate_values(ck, {p.act_dtype for p in plans})
                 with tl.span("main", "stream"):
-                    _stream(sinks, count, tl, stack)
+                    _stream(sinks, count, tl)
             except BaseException:
                 stop.set()
                 raise
             if copied is not None:
                 copied.result()
         with tl.span("main", "finish"):
-            return [{name: _finish(w) for name, w in ws.items()} for ws in writers]
+            files = [{name: _finish(w) for name, w in ws.items()} for ws in writers]
+            return files, [report(s.backend) for s in sinks]
 
 
 def copy_tensors_many(
@@ -370,8 +368,8 @@ def copy_tensors_many(
     """:func:`mpack.iokit.copy_tensors` into several files that plan the same tensors (each at
     its own offset: their headers differ): each piece is read once and written to all."""
     buf = memoryview(bytearray(COPY_BYTES))
-    for entry in writers[0].layout.entries:
-        at = [w.layout.entry(entry.name).offset for w in writers]
+    for entry in writers[0].file_map.entries:
+        at = [w.file_map.entry(entry.name).offset for w in writers]
         for pos in range(0, entry.nbytes, COPY_BYTES):
             view = buf[: min(COPY_BYTES, entry.nbytes - pos)]
             t = time.perf_counter()
@@ -407,69 +405,35 @@ def _validate_values(ck: Checkpoint, acts: set[str]) -> None:
 
 @dataclass
 class _Sink:
-    """One target of the stream: its plan and writers, and where its transform runs (``dev``
-    a torch device, or None: the host path, on ``gpu`` when given)."""
+    """One target of the stream: its plan, its writers and its backend."""
 
     plan: Plan
     writers: dict[str, HashingWriter]
-    dev: Any = None
-    gpu: driver.GpuRepack | None = None
-    transform: Callable[[OutLayer, dict[str, Any]], list[Any]] | None = None
+    backend: Backend
 
 
 def _sinks(
     plans: list[Plan],
     writers: list[dict[str, HashingWriter]],
-    device: str,
+    options: ConvertOptions,
     tl: Timeline,
     stack: contextlib.ExitStack,
 ) -> list[_Sink]:
-    """Each target's path, as :func:`mpack.convert.pipeline.open_device` picks it for a single
-    run; the GPU (driver path) and torch are opened once for all."""
-    from mpack.convert import host
-
-    sinks, gpu, tried, dev = [], None, False, None
+    """Each target's backend, as a single run of it opens one; each backend opened once for all
+    the targets it takes (``opened``), closed with ``stack``."""
+    opened: list[Backend] = []
+    sinks = []
     for plan, ws in zip(plans, writers, strict=True):
-        if _host_path(device, plan):
-            sinks.append(_Sink(plan, ws))
-            continue
-        if device != "cpu" and host.supported(plan):
-            if not tried:
-                tried = True
-                with tl.span("main", "driver"):
-                    gpu = driver.open_gpu(device, plan)
-                if gpu is not None:
-                    stack.callback(gpu.close)
-            if gpu is not None:
-                sinks.append(_Sink(plan, ws, gpu=gpu))
-                continue
-        if dev is None:
-            with tl.span("main", "torch"):
-                dev = torch_device(device)
-        sinks.append(_Sink(plan, ws, dev=dev))
+        b = options.open_backend(plan, tl, opened)
+        if all(b is not o for o in opened):
+            opened.append(b)
+            stack.callback(b.close)
+        sinks.append(_Sink(plan, ws, b))
     return sinks
 
 
-def _stream(sinks: list[_Sink], count: _Counter, tl: Timeline, stack: contextlib.ExitStack) -> None:
-    from mpack.convert import host, host_repack
-
-    gpu = next((s.gpu for s in sinks if s.gpu is not None), None)
-    on_cpu = any(s.gpu is None and (s.dev is None or s.dev.type == "cpu") for s in sinks)
-    threads = stack.enter_context(host_repack.block_pool()) if on_cpu else None
-    buffers = host.Buffers() if gpu is None else gpu.buffers()
-    stack.callback(buffers.close)
-    for s in sinks:
-        act = s.plan.act_dtype
-        if s.dev is None:
-            s.transform = functools.partial(
-                host.transform, act_dtype=act, pool=threads, buffers=buffers, gpu=s.gpu
-            )
-        else:
-            from mpack.convert.transform import transform
-
-            pool_ = threads if s.dev.type == "cpu" else None
-            s.transform = functools.partial(transform, act_dtype=act, pool=pool_)
-    MultiStreamer(sinks, buffers, count.add_bytes, count.unit_done, tl).run()
+def _stream(sinks: list[_Sink], count: _Counter, tl: Timeline) -> None:
+    MultiStreamer(sinks, count.add_bytes, count.unit_done, tl).run()
 
 
 def read_raw(ck: Checkpoint, unit: list[OutLayer], buffers: Buffers) -> dict[str, Any]:
@@ -487,99 +451,59 @@ def read_raw(ck: Checkpoint, unit: list[OutLayer], buffers: Buffers) -> dict[str
     return src
 
 
-def host_src(raw: dict[str, Any], act: str) -> dict[str, np.ndarray]:
-    """What :func:`mpack.convert.host.read_unit` gives, from :func:`read_raw`'s arrays: the
-    biases cast to ``act`` (uint16 bits)."""
-    from mpack.convert.host import act_bits
-
-    st = tgt.act_dtype(act).st
-    out = {}
-    for name, x in raw.items():
-        if isinstance(x, tuple):
-            b, dt = x
-            x = b.view("<u2") if dt == st else act_bits(float32_values(b, dt), act)
-        out[name] = x
-    return out
-
-
-def torch_src(raw: dict[str, Any], ck: Checkpoint, dev: torch.device) -> dict[str, torch.Tensor]:
-    """What :func:`mpack.convert.transform.read_unit` gives, over :func:`read_raw`'s arrays:
-    weights uint8 (on ``dev``), scales float32, biases in their stored dtype (on the host)."""
-    import torch
-
-    from mpack.sidecar import torch_dtype
-
-    out = {}
-    for name, x in raw.items():
-        if isinstance(x, tuple):
-            b, dt = x
-            out[name] = torch.from_numpy(b).view(torch_dtype(dt)).reshape(ck.tensors[name].shape)
-        elif name.endswith(f".{WEIGHT}"):
-            w = torch.from_numpy(x)
-            out[name] = w.to(dev) if dev.type != "cpu" else w
-        else:
-            out[name] = torch.from_numpy(x)
-    return out
-
-
 class MultiStreamer(Streamer):
     """:class:`mpack.convert.stream.Streamer`'s three stages for several targets: the read
-    stage reads each unit once (:func:`read_raw`), the transform stage runs every target's
-    transform on it, and the one writer writes every target's results. The unit's arrays are
-    handed back to ``buffers`` once every target has transformed it."""
+    stage reads each unit once (:func:`read_raw`, into the page-locked arrays of a driver
+    backend when there is one), the transform stage runs every target's transform on it, and
+    the one writer writes every target's results. The unit's arrays are handed back once every
+    target has transformed it."""
 
     def __init__(
         self,
         sinks: list[_Sink],
-        buffers: Buffers,
         on_written: Callable[[int], None],
         on_unit: Callable[[int], None] | None,
         timeline: Timeline,
     ) -> None:
-        first = sinks[0]
-        read = functools.partial(read_raw, buffers=buffers)
         super().__init__(
-            first.plan,
-            first.writers,
-            None,
-            _unused,
-            on_written,
-            on_unit,
-            timeline,
-            read,
-            buffers.give,
+            sinks[0].plan, sinks[0].writers, sinks[0].backend, on_written, on_unit, timeline
         )
         self.sinks = sinks
-        self._index = 0
+        self.backends = list({id(s.backend): s.backend for s in sinks}.values())
+        by_name = {b.name: b for b in self.backends}
+        own = by_name.get("driver") or by_name.get("host")
+        self.buffers: Buffers = own.buffers if own is not None else Buffers()  # type: ignore[attr-defined]
+        self._owned = own is None
+        self._writes = queue.Queue(min(b.write_queue for b in self.backends))
 
-    def _transform_unit(self, unit: list[OutLayer], src: dict[str, Any], ready: Any) -> None:
-        i, self._index = self._index, self._index + 1
-        acts: dict[str, dict[str, Any]] = {}
+    def _streaming(self) -> contextlib.AbstractContextManager[None]:
+        stack = contextlib.ExitStack()
+        for b in self.backends:
+            stack.enter_context(b.streaming(self.abort, self.timeline))
+        if self._owned:
+            stack.callback(self.buffers.close)
+        return stack
+
+    def _read_unit(
+        self, ck: Checkpoint, unit: list[OutLayer], act: str
+    ) -> tuple[dict[str, Any], Any]:
+        return read_raw(ck, unit, self.buffers), None
+
+    def _transform_unit(
+        self, i: int, unit: list[OutLayer], src: dict[str, Any], ready: Any
+    ) -> None:
+        ck = self.plan.ckpt
+        adopted: dict[tuple[int, str], dict[str, Any]] = {}
         for s in self.sinks:
-            if s.dev is None:
-                act = s.plan.act_dtype
-                if act not in acts:
-                    acts[act] = host_src(src, act)
-                mine = acts[act]
-            else:
-                mine = torch_src(src, self.plan.ckpt, s.dev)
-            for layer in s.plan.units[i]:
-                outs = s.transform(layer, mine)  # type: ignore[misc]
-                self._emit_to(s, layer, outs)
-
-    def _emit_to(self, s: _Sink, layer: OutLayer, outs: list[Any]) -> None:
-        """Queue a layer's results for the writer, as host bytes (a torch target's CUDA
-        results are copied back first)."""
-        w = s.writers[rank_file_name(layer.rank, s.plan.tp)]
-        for spec, tensor in zip(layer.tensor_specs(s.plan.act_dtype), outs, strict=True):
-            entry = w.layout.entry(spec.name)
-            if not isinstance(tensor, np.ndarray) and tensor.is_cuda:
-                tensor = tensor.cpu()
-            flat = _flat_bytes(tensor)
-            assert flat.nbytes == entry.nbytes, spec.name
-            owner = tensor if isinstance(tensor, np.ndarray) else None
-            put_or_abort(self._writes, WriteItem(w, entry.offset, flat, owner=owner), self.abort)
-
-
-def _unused(layer: OutLayer, src: dict[str, Any]) -> list[Any]:
-    raise AssertionError("MultiStreamer transforms per target")
+            act, b = s.plan.act_dtype, s.backend
+            key = (id(b), act)
+            if key not in adopted:
+                adopted[key] = b.from_raw(src, ck, act)
+            mine = adopted[key]
+            with b.on_unit(mine, None):
+                for layer in s.plan.units[i]:
+                    outs = b.transform(layer, mine, act)
+                    self._emit(b, s.plan, s.writers, layer, outs)
+        for x in src.values():
+            if isinstance(x, np.ndarray):
+                self.buffers.give(x)

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 from mpack.errors import UsageError
 
 if TYPE_CHECKING:
+    from mpack.convert.backends import Backend
     from mpack.convert.multi import TargetSpec
+    from mpack.convert.plan import Plan
+    from mpack.convert.timeline import Timeline
 
 
 def _one_or_many(value: Any) -> Any:
@@ -45,10 +48,28 @@ class ConvertOptions:
     passthrough: bool = True
     force: bool = False
     skip_invalid: bool = False
+    #: ``auto`` or a backend's name (:data:`mpack.convert.backends.BACKENDS`): the one to use.
+    backend: str = "auto"
+    #: What is turned off (:data:`mpack.convert.backends.SWITCHES`); None: what the environment
+    #: turns off.
+    disable: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("profile", "act_dtype", "tp"):
             object.__setattr__(self, name, _one_or_many(getattr(self, name)))
+        if self.disable is not None:
+            object.__setattr__(self, "disable", frozenset(self.disable))
+
+    def open_backend(
+        self, plan: Plan, tl: Timeline | None = None, opened: list[Backend] | None = None
+    ) -> Backend:
+        """The backend these options ask for, for ``plan``
+        (:func:`mpack.convert.backends.open_backend`; ``opened``: those this run opened)."""
+        from mpack.convert.backends import open_backend
+
+        return open_backend(
+            self.device, plan, backend=self.backend, disabled=self.disable, tl=tl, opened=opened
+        )
 
     def targets(self) -> list[TargetSpec]:
         """The targets, in the order given, repeats dropped

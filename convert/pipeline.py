@@ -9,14 +9,13 @@ Order of work (ARCHITECTURE.md "Data flow"), as :func:`run_convert` reads:
    (:mod:`mpack.convert.plan`), from the headers alone: no torch yet;
 3. if OUT already holds this sidecar (same source files, same target), stop: up to date
    (:func:`mpack.convert.staging.staged_sidecar`, which owns the output directory);
-4. in a hidden work directory: start copying the pass-through tensors on a thread, then (unless
-   the host path converts: Note [host path] in :mod:`mpack.convert.host`, no torch at all) import
-   torch, check the device and every layer's scale values (Note [torch off the critical path]:
-   the copy and the source hashing run while the interpreter imports), and stream the fused
-   layers through three stages on their own threads — read (from the shards, on CUDA into
-   pinned staging rings and on to the GPU on a copy stream), transform
-   (:mod:`mpack.convert.transform`, on the chosen device), write (at the planned offset, chunk
-   digests and disk writeback behind it) — with a few units in flight
+4. in a hidden work directory: start copying the pass-through tensors on a thread, then open the
+   backend that converts the layers (:func:`mpack.convert.backends.open_backend`: the host
+   backend imports no torch at all; the torch backend imports it here, Note [torch off the
+   critical path]: the copy and the source hashing run while the interpreter imports), check
+   every layer's scale values, and stream the fused layers through three stages on their own
+   threads — read (from the shards), transform (the backend's), write (at the planned offset,
+   chunk digests and disk writeback behind it) — with a few units in flight
    (:mod:`mpack.convert.stream`), so memory is bounded whatever the model; the config and
    tokenizer files are copied after;
 5. wait for the source hashes and the scheme check's verdict, check that no source file changed
@@ -38,10 +37,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mpack import iokit
-from mpack.convert import driver
+from mpack.convert.backends import BACKENDS, Backend, check_device_here, report
 from mpack.convert.checkpoint import (
     Checkpoint,
     check_scale_values,
@@ -68,7 +66,6 @@ from mpack.convert.source import (
 )
 from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
 from mpack.convert.timeline import Timeline
-from mpack.device import CONVERT, DeviceSpec, no_cuda_here
 from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
 from mpack.iokit import Aborted, copy_file, copy_tensors, pool
 from mpack.sidecar import (
@@ -81,9 +78,6 @@ from mpack.sidecar import (
     new_manifest,
 )
 from mpack.target import ACT_DTYPES, FUSIONS, PROFILES
-
-if TYPE_CHECKING:  # Note [torch off the critical path]: imported once the copy has started
-    import torch
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
 
@@ -116,7 +110,9 @@ class ConvertResult:
     ``up_to_date``: ``out`` already held this sidecar, nothing was done; ``seconds``: phase ->
     seconds (``"total"`` once work was done), read from the timeline (:data:`SECONDS`);
     ``bytes_written``: bytes of the safetensors files written (0 when up to date);
-    ``timeline``: ``(lane, what, start, end)`` spans, for benchmarks.
+    ``timeline``: ``(lane, what, start, end)`` spans, for benchmarks; ``backend``: the backend
+    that converted the layers and why the ones before it did not
+    (:func:`mpack.convert.backends.report`; empty when up to date).
     """
 
     out: Path
@@ -126,6 +122,7 @@ class ConvertResult:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_written: int = 0
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
+    backend: dict[str, Any] = field(default_factory=dict)
 
 
 def _seconds(tl: Timeline, *, done: bool) -> dict[str, float]:
@@ -169,7 +166,7 @@ def run_convert(
     profile, act_dtype, tp = options.target()
     revision, fuse, device = options.revision, options.fuse, options.device
     passthrough, force = options.passthrough, options.force
-    _check_options(profile, act_dtype, tp, fuse, device)
+    _check_options(profile, act_dtype, tp, fuse, device, options.backend)
     out = output_path(out)
     src = resolve_source(str(source), revision, show_progress=progress is not None)
     check_apart(out, src.path)
@@ -202,7 +199,7 @@ def run_convert(
                 return ConvertResult(
                     out, m, digest, up_to_date=True, seconds=_seconds(tl, done=False)
                 )
-            written = _write_all(plan, stage.work, device, watch.check, progress, tl)
+            written, used = _write_all(plan, stage.work, options, watch.check, progress, tl)
             with tl.span("main", "copy-files"):
                 copied = [
                     copy_file(src.path / n, stage.work / n, CHUNK_BYTES)
@@ -226,46 +223,16 @@ def run_convert(
         seconds=_seconds(tl, done=True),
         bytes_written=plan.total_bytes,
         timeline=tl.spans(),
+        backend=used,
     )
 
 
 # --- options ------------------------------------------------------------------------------
 
 
-def check_device_here(device: str, option: str = "--device") -> None:
-    """Refuse a ``device`` that is not one of convert's names (:data:`mpack.device.CONVERT`), or
-    a CUDA one on a machine surely without CUDA (:func:`mpack.device.no_cuda_here`), before any
-    work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked once
-    the device opens (the same ``UsageError``, :func:`mpack.convert.driver.check_cuda_here`).
-    ``option``: the flag named in the error."""
-    if DeviceSpec.parse(device, CONVERT, option).kind == "cuda" and no_cuda_here():
-        driver.check_cuda_here(device, 0, option)
-
-
-def torch_device(device: str, option: str = "--device") -> torch.device:
-    """The torch device a conversion on ``device`` runs on: ``auto`` -> CUDA when present, else
-    CPU; ``cpu``; ``cuda`` / ``cuda:i``. ``option``: the flag named in an error.
-
-    Raises:
-        UsageError: a bad name, or a CUDA device that is not here.
-    """
-    import torch
-
-    if DeviceSpec.parse(device, CONVERT, option).kind == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        driver.check_cuda_here(device, count, option)
-    return dev
-
-
-#: The old name of :func:`torch_device`, kept for convert/multi.py, scripts/bench_convert.py and
-#: tests/convert/test_driver.py until they call it by its name.
-resolve_device = torch_device
-
-
-def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str, device: str) -> None:
+def _check_options(
+    profile: str, act_dtype: str | None, tp: int, fuse: str, device: str, backend: str
+) -> None:
     if profile not in PROFILES:
         raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     if act_dtype is not None and act_dtype not in ACT_DTYPES:
@@ -276,6 +243,8 @@ def _check_options(profile: str, act_dtype: str | None, tp: int, fuse: str, devi
         raise UsageError(f"--tp must be at least 1, got {tp}")
     check_fusion_tp(fuse, tp)
     check_device_here(device)  # a GPU asked for where there is none: before the source is read
+    if backend not in ("auto", *BACKENDS):
+        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def _act_dtype(ck: Checkpoint, requested: str | None) -> str:
@@ -406,23 +375,22 @@ def validate_values(ck: Checkpoint, plan: Plan) -> None:
 # (more with a cold disk; figures: docs/BENCHMARKS.md, section 9) and starting CUDA. Nothing
 # before the Marlin layers needs it: resolving the source, planning from the headers, the
 # output's lock and work directory, the source hashes, and the pass-through tensors (a plain byte
-# copy into their own file, a quarter of an 8B model's bytes). So this module imports torch only
-# in :func:`_write_all`, after the pass-through copy has started on its thread: the copy and the
-# hashing run while the interpreter imports. Then the device is checked and every layer's scale
-# values (an error stops the copy, and the work directory goes), and the Marlin layers go
-# through :class:`mpack.convert.stream.Streamer` (read, transform and write on their own
-# threads, pinned staging rings on CUDA). Each file hashes as it is written
-# (:class:`mpack.sidecar.HashingWriter`).
+# copy into their own file, a quarter of an 8B model's bytes). So the backend opens (the torch
+# backend imports torch) only in :func:`_write_all`, after the pass-through copy has started on
+# its thread: the copy and the hashing run while the interpreter imports. Then every layer's
+# scale values are checked (an error stops the copy, and the work directory goes), and the
+# Marlin layers go through :class:`mpack.convert.stream.Streamer` (read, transform and write on
+# their own threads). Each file hashes as it is written (:class:`mpack.sidecar.HashingWriter`).
 def _write_all(
     plan: Plan,
     work: Path,
-    device: str,
+    options: ConvertOptions,
     check: SchemeCheck,
     progress: Progress | None,
     tl: Timeline,
-) -> dict[str, dict[str, Any]]:
-    """Stream every output file into ``work``; return ``{file: {size, chunks}}`` (Note [torch
-    off the critical path])."""
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Stream every output file into ``work``; return ``{file: {size, chunks}}`` and the
+    backend's :func:`~mpack.convert.backends.report` (Note [torch off the critical path])."""
     with contextlib.ExitStack() as stack:
         with tl.span("main", "setup"):
             writers = _open_writers(plan, work, stack)
@@ -438,84 +406,19 @@ def _write_all(
                     copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME], bump, tl
                 )
             try:
-                dev, gpu = open_device(device, plan, tl, stack)
+                backend = options.open_backend(plan, tl)
+                stack.callback(backend.close)
                 with tl.span("main", "validate-values"), check.errors_first():
                     validate_values(plan.ckpt, plan)
                 with tl.span("main", "stream"):
-                    _stream_layers(plan, writers, dev, gpu, count, tl, stack)
+                    _stream_layers(plan, writers, backend, count, tl)
             except BaseException:
                 stop.set()  # the copy stops at its next piece
                 raise
             if copied is not None:
                 copied.result()
         with tl.span("main", "finish"):
-            return {name: _finish(w) for name, w in writers.items()}
-
-
-def open_device(
-    device: str,
-    plan: Plan,
-    tl: Timeline,
-    stack: contextlib.ExitStack,
-    option: str = "--device",
-    spans: tuple[str, str] = ("driver", "torch"),
-) -> tuple[torch.device | None, driver.GpuRepack | None]:
-    """Where ``plan``'s Marlin layers are transformed for ``device``: ``(None, None)`` on the
-    host path (Note [host path]), ``(None, gpu)`` on the driver path (Note [driver path]; the
-    GPU is closed with ``stack``), else ``(a torch device, None)``, torch imported. ``spans``:
-    the ``main`` lane's names for opening the GPU and for importing torch. ``option``: the flag
-    named in an error (``--device``; verify's ``--rederive-device``)."""
-    if _host_path(device, plan):
-        return None, None
-    if device != "cpu":
-        with tl.span("main", spans[0]):
-            gpu = driver.open_gpu(device, plan, option)
-        if gpu is not None:
-            stack.callback(gpu.close)
-            return None, gpu
-    with tl.span("main", spans[1]):
-        return torch_device(device, option), None
-
-
-def host_io(
-    plan: Plan, gpu: driver.GpuRepack | None, stack: contextlib.ExitStack
-) -> tuple[Any, Callable[..., Any]]:
-    """The host path's recycled arrays (Note [recycled buffers]; page-locked on the driver
-    path), released when ``stack`` closes, after the stream, and the unit reader that fills
-    them (:func:`mpack.convert.host.read_unit`)."""
-    from mpack.convert import host
-
-    buffers = host.Buffers() if gpu is None else gpu.buffers()
-    stack.callback(buffers.close)
-    return buffers, functools.partial(host.read_unit, act=plan.act_dtype, buffers=buffers)
-
-
-#: ``--device auto`` takes the host path on this many usable cores even where a GPU is (Note
-#: [auto device]).
-AUTO_HOST_CORES = 8
-
-
-# Note [auto device]: the bytes are the same on every path, so ``auto`` is the fastest one
-# here. On a many-core machine with a GPU (the 16-core H200 host), the host path converted the
-# 8B checkpoint as fast as the CUDA path without torch (the driver path, Note [driver path]),
-# and faster than the CUDA path with it: a tie, so the host path, which starts no GPU and pins
-# no memory. On few cores the host path is CPU-bound, most of its CPU time the repack, and the
-# driver path needs far fewer CPU-seconds, so below 8 cores ``auto`` keeps the GPU when there is
-# one. Figures: docs/BENCHMARKS.md, sections 6.1, 6.2 and 9.
-def _host_path(device: str, plan: Plan) -> bool:
-    """Convert on the CPU without torch (Note [host path] in :mod:`mpack.convert.host`): the
-    device is ``cpu``, or ``auto`` on a machine surely without CUDA or with at least
-    :data:`AUTO_HOST_CORES` usable cores, and the host path takes every layer of the plan (Note
-    [auto device]).
-    """
-    from mpack.convert import host
-
-    if device == "auto":
-        if not (no_cuda_here() or iokit.usable_cores() >= AUTO_HOST_CORES):
-            return False
-    elif device != "cpu":
-        return False
-    return host.supported(plan)
+            return {name: _finish(w) for name, w in writers.items()}, report(backend)
 
 
 def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> None:
@@ -526,37 +429,12 @@ def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> 
 
 
 def _stream_layers(
-    plan: Plan,
-    writers: dict[str, HashingWriter],
-    dev: torch.device | None,
-    gpu: driver.GpuRepack | None,
-    count: _Counter,
-    tl: Timeline,
-    stack: contextlib.ExitStack,
+    plan: Plan, writers: dict[str, HashingWriter], backend: Backend, count: _Counter, tl: Timeline
 ) -> None:
-    """The Marlin layers of every rank through the streamer, on ``dev`` (None: the host path,
-    numpy, no torch: the weights repacked on ``gpu`` when given (Note [driver path]), else by
-    the native repack)."""
-    from mpack.convert import host_repack
+    """The Marlin layers of every rank through the streamer, on ``backend``."""
     from mpack.convert.stream import Streamer
 
-    # CPU: the repack's blocks on a pool of threads (Note [repack in blocks], [host repack])
-    on_cpu = gpu is None and (dev is None or dev.type == "cpu")
-    threads = stack.enter_context(host_repack.block_pool()) if on_cpu else None
-    read = recycle = None
-    if dev is None:
-        from mpack.convert import host
-
-        buffers, read = host_io(plan, gpu, stack)
-        xf = functools.partial(
-            host.transform, act_dtype=plan.act_dtype, pool=threads, buffers=buffers, gpu=gpu
-        )
-        recycle = buffers.give
-    else:
-        from mpack.convert.transform import transform
-
-        xf = functools.partial(transform, act_dtype=plan.act_dtype, pool=threads)
-    Streamer(plan, writers, dev, xf, count.add_bytes, count.unit_done, tl, read, recycle).run()
+    Streamer(plan, writers, backend, count.add_bytes, count.unit_done, tl).run()
 
 
 def _open_writers(plan: Plan, work: Path, stack: contextlib.ExitStack) -> dict[str, HashingWriter]:
@@ -568,8 +446,8 @@ def _open_writers(plan: Plan, work: Path, stack: contextlib.ExitStack) -> dict[s
             w.close()
 
     stack.callback(close_all)
-    for name, layout in plan.files.items():
-        writers[name] = HashingWriter(work / name, layout, whole_file=False)
+    for name, file_map in plan.files.items():
+        writers[name] = HashingWriter(work / name, file_map, whole_file=False)
     return writers
 
 

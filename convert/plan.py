@@ -1,7 +1,7 @@
 """The output plan: fusion, TP slices, padding, and every output tensor's name, shape and offset.
 
 Built from headers alone (SPEC §6, §9), before any tensor data moves: when :func:`make_plan`
-returns, the whole sidecar layout is known and every rejection has already happened.
+returns, every file of the sidecar is mapped and every rejection has already happened.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mpack.sidecar import (
     CONFIG_NAME,
     FORMAT,
     FORMAT_VERSION,
-    FileLayout,
+    FileMap,
     TensorSpec,
     rank_file_name,
     target_of,
@@ -76,7 +76,7 @@ class Plan:
     fusion: str
     units: list[list[OutLayer]]  # [unit][rank]
     passthrough: list[str]
-    files: dict[str, FileLayout] = field(default_factory=dict)  # file name -> layout
+    files: dict[str, FileMap] = field(default_factory=dict)  # file name -> its map
 
     @property
     def target(self) -> dict[str, Any]:
@@ -294,8 +294,8 @@ def make_plan(
     }
     for rank in range(tp):
         specs = [s for unit in units for s in unit[rank].tensor_specs(act_dtype)]
-        plan.files[rank_file_name(rank, tp)] = FileLayout.plan(specs, {**meta, "rank": str(rank)})
+        plan.files[rank_file_name(rank, tp)] = FileMap.plan(specs, {**meta, "rank": str(rank)})
     if plan.passthrough:
         specs = [TensorSpec(n, ck.tensors[n].dtype, ck.tensors[n].shape) for n in plan.passthrough]
-        plan.files[COMMON_NAME] = FileLayout.plan(specs, {**meta, "content": "pass-through"})
+        plan.files[COMMON_NAME] = FileMap.plan(specs, {**meta, "content": "pass-through"})
     return plan

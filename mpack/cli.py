@@ -39,7 +39,8 @@ ENVIRONMENT = {
     "MPACK_DEBUG=1": "show the traceback of an error",
     "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal (5)",
     "MPACK_SCHEME_CHECK=inline": "parse the quantization config in-process, not in a child",
-    "MPACK_NO_CUDA_KERNEL=1": "convert on CUDA with torch ops instead of the fused kernel",
+    "MPACK_NO_HOST_REPACK=1": "no native repack: convert on the CPU with torch's ops",
+    "MPACK_NO_CUDA_KERNEL=1": "no fused kernel: convert on CUDA with torch's ops",
     "MPACK_NO_DRIVER_PATH=1": "convert on CUDA through torch, not cuda-bindings alone",
     "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
     "MPACK_NO_VERDICT_CACHE=1": "check the quantization config every time (no cached verdict)",
@@ -233,6 +234,15 @@ ConvertDeviceOpt = Annotated[
         "8+ cores or without a GPU (native repack built), else CUDA when present.",
     ),
 ]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        metavar="[auto|host|driver|torch]",
+        help="Which code converts the layers (identical bytes on each); auto: the first that "
+        "can, as --device orders them. -v says which ran and why the others did not.",
+    ),
+]
 NoPassthroughOpt = Annotated[
     bool,
     typer.Option(
@@ -279,6 +289,7 @@ def convert(
     tp: ConvertTpOpt = "1",
     fuse: FuseOpt = "vllm",
     device: ConvertDeviceOpt = "auto",
+    backend: BackendOpt = "auto",
     no_passthrough: NoPassthroughOpt = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -311,6 +322,7 @@ def convert(
         tp=[_tp_value(v) for v in _comma_list(tp, "--tp")],
         fuse=fuse,
         device=device,
+        backend=backend,
         passthrough=not no_passthrough,
         force=force,
         skip_invalid=skip_invalid,

@@ -16,7 +16,7 @@ The forms, and the options that take each (a :class:`Grammar`):
 A value outside its option's forms is a :class:`mpack.errors.UsageError` (exit code 2) worded
 ``<option> must be <forms>, got '<value>'``. Whether the device is *here* is for the caller:
 the runtime asks torch (:func:`mpack.runtime.protocol.checked_device`), a conversion the driver
-or torch (:func:`mpack.convert.driver.check_cuda_here`); :func:`no_cuda_here` answers the one
+or torch (:func:`mpack.convert.backends.check_cuda_here`); :func:`no_cuda_here` answers the one
 question that needs neither. Nothing here imports torch or starts CUDA.
 """
 

@@ -10,7 +10,7 @@ two steps (docs/HUB.md):
 2. :func:`push`: one commit through huggingface_hub (its token and ``HF_ENDPOINT``), whose errors
    become mpack's own (:class:`HubError`).
 
-The layout in the repo (Note [repo layout]):
+What the repo holds (Note [repo contents]):
 
 * one sidecar: its files at the repo root, with the card as ``README.md``;
 * several (a directory of sidecars, such as the multi-target ``mpack convert`` writes, named by
@@ -52,7 +52,7 @@ from mpack.target import dir_name
 
 #: The model card's name: the Hub shows a repo's README.md as its card.
 CARD_NAME = "README.md"
-#: The one file the Hub makes itself in a new repo; a push keeps it (Note [repo layout]).
+#: The one file the Hub makes itself in a new repo; a push keeps it (Note [repo contents]).
 GITATTRIBUTES = ".gitattributes"
 #: Tags of every pushed repo (the Hub lists them on the page and filters by them).
 TAGS = ("mpack", "marlin", "fp8", "compressed-tensors", "vllm")
@@ -221,7 +221,7 @@ def plan_push(
         prefix = f"{t.folder}/" if t.folder else ""
         names = [f["name"] for f in t.manifest["files"]] + [MANIFEST_NAME]
         uploads += [Upload(prefix + n, stamps[t.sidecar / n][2], t.sidecar / n) for n in names]
-    if targets[0].folder:  # Note [repo layout]: the model's own files at the root too
+    if targets[0].folder:  # Note [repo contents]: the model's own files at the root too
         first = targets[0]
         uploads += [
             Upload(f["name"], f["size"], first.sidecar / f["name"])
@@ -444,7 +444,7 @@ def model_card(repo_id: str, targets: list[Target], *, revision: str | None = No
 
 # --- the push -----------------------------------------------------------------------------
 
-# Note [repo layout]: a push makes the revision hold exactly what it sends, plus the Hub's
+# Note [repo contents]: a push makes the revision hold exactly what it sends, plus the Hub's
 # .gitattributes: files of an earlier push that this one does not send (a rank file of another
 # TP size, a target no longer built) are deleted in the same commit, so the card never lists
 # less than the repo holds and a loader never finds a stale file beside a manifest. The Hub's
@@ -459,7 +459,7 @@ def model_card(repo_id: str, targets: list[Target], *, revision: str | None = No
 def push(plan: PushPlan, *, api: Any = None, show_progress: bool = False) -> PushResult:
     """Send ``plan`` as one commit: create the repo if needed (``private`` applies only then),
     the branch if ``revision`` names a new one, then ``create_commit`` with every upload and the
-    deletions of Note [repo layout].
+    deletions of Note [repo contents].
 
     ``api``: an ``huggingface_hub.HfApi`` (default: a new one, which takes its token from
     ``HF_TOKEN`` or ``hf auth login`` and its endpoint from ``HF_ENDPOINT``); tests pass a

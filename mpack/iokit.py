@@ -12,7 +12,7 @@ and hash bytes fast:
   (:class:`ChunkDigester`);
 * writes: :class:`FileWriter` (hashes behind itself, starts the disk writeback early: Note
   [write-behind]), :func:`copy_file`, :func:`copy_tensors`;
-* the pinned staging ring between files and a GPU (:class:`PinnedRing`, Note [staging rings]).
+* the pinned ring between files and a GPU (:class:`PinnedRing`, Note [pinned rings]).
 
 torch and numpy are imported only by the ring, when one is made.
 """
@@ -550,7 +550,7 @@ def copy_tensors(
     """
     piece = COPY_BYTES
     buf = memoryview(bytearray(piece))
-    for entry in w.layout.entries:
+    for entry in w.file_map.entries:
         for pos in range(0, entry.nbytes, piece):
             view = buf[: min(piece, entry.nbytes - pos)]
             t = time.perf_counter()
@@ -561,9 +561,9 @@ def copy_tensors(
             bump(len(view))
 
 
-# --- the pinned staging ring ---------------------------------------------------------------
+# --- the pinned ring ---------------------------------------------------------------
 #
-# Note [staging rings]: every buffer on the host side of a GPU copy is a fixed piece of pinned
+# Note [pinned rings]: every buffer on the host side of a GPU copy is a fixed piece of pinned
 # memory, reused. Fresh pageable buffers cost a page fault per 4 KiB, and pageable copies go
 # through the driver's own bounce buffer at a fraction of the link's speed; a reused pinned
 # ring costs neither, and bounds memory whatever the size of what passes through it. A piece is
@@ -648,7 +648,7 @@ class Slot:
 
 
 class PinnedRing:
-    """``count`` pieces of ``piece`` bytes of pinned host memory, reused (Note [staging rings]).
+    """``count`` pieces of ``piece`` bytes of pinned host memory, reused (Note [pinned rings]).
 
     A ring is used one of two ways, not both. Threads that pass pieces to each other take one
     with :meth:`acquire` and give it back with :meth:`release` (convert's read, transform and
@@ -666,7 +666,7 @@ class PinnedRing:
         *,
         pin: bool = True,
         abort: threading.Event | None = None,
-        name: str = "staging ring",
+        name: str = "pinned ring",
         stall_s: float = STALL_S,
     ) -> None:
         import torch

@@ -166,7 +166,7 @@ def regenerate_hint_of(manifest: Mapping[str, Any], sidecar: str | os.PathLike) 
     return "regenerate it: " + regenerate_hint(shown(origin, 4096) if origin else None, sidecar)
 
 
-# --- safetensors layout ------------------------------------------------------------------
+# --- safetensors file maps ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,10 @@ class TensorEntry:
 # given), the rest after them (in the order given), so safetensors' no-gap rule holds and
 # every 64-multiple tensor starts 64-byte aligned.
 @dataclass
-class FileLayout:
-    """The complete byte layout of one safetensors file, known before any data is written
-    (Note [alignment])."""
+class FileMap:
+    """The map of one safetensors file: its header bytes and where each tensor lies, known
+    before any data is written (Note [alignment]). ("Layout" in mpack means the Marlin layout
+    only: docs/LAYOUT.md.)"""
 
     header: bytes  # the 8-byte length prefix + JSON header, padded
     entries: list[TensorEntry]  # in file order
@@ -223,7 +224,7 @@ class FileLayout:
     @classmethod
     def plan(
         cls, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
-    ) -> FileLayout:
+    ) -> FileMap:
         specs = list(specs)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -254,7 +255,7 @@ class FileLayout:
         return cls(header=head, entries=entries, size=start + rel, metadata=dict(metadata or {}))
 
 
-def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
+def read_file_map(path: str | os.PathLike, *, follow: bool = True) -> FileMap:
     """Parse and validate a safetensors file's header without reading tensor data.
 
     ``follow=False`` refuses a symlink (a sidecar's own files); either way the file must be a
@@ -289,12 +290,12 @@ def read_layout(path: str | os.PathLike, *, follow: bool = True) -> FileLayout:
         raise CorruptFileError(
             f"{path}: file {what}: tensors end at byte {pos}, file has {size} bytes"
         )
-    return FileLayout(header=prefix + raw, entries=entries, size=size, metadata=dict(meta))
+    return FileMap(header=prefix + raw, entries=entries, size=size, metadata=dict(meta))
 
 
 def read_header_bytes(path: str | os.PathLike, *, follow: bool = True) -> tuple[int, bytes, bytes]:
     """A safetensors file's size, 8-byte length prefix and JSON header bytes, unparsed (what
-    :func:`read_layout` parses; ``follow`` as there). Raises as :func:`read_layout` does for a
+    :func:`read_file_map` parses; ``follow`` as there). Raises as :func:`read_file_map` does for a
     file that is not regular or whose header length does not fit."""
     path = Path(path)
     with open_regular_file(path, follow=follow, what="safetensors file") as f:
@@ -356,7 +357,7 @@ def _is_count(x: Any) -> bool:
 class HashingWriter(FileWriter):
     """Writes one planned safetensors file front to back, its header first, hashing every byte:
     :class:`mpack.iokit.FileWriter` (chunk digests and write-behind behind the writes) with the
-    file's :class:`FileLayout`.
+    file's :class:`FileMap`.
 
     Writes must come in file order (the planner guarantees it). ``finish()`` returns
     ``(size, sha256)`` (``whole_file=False``, what ``mpack convert`` uses: None for the sha256)
@@ -367,13 +368,13 @@ class HashingWriter(FileWriter):
     def __init__(
         self,
         path: str | os.PathLike,
-        layout: FileLayout,
+        file_map: FileMap,
         chunk_bytes: int | None = CHUNK_BYTES,
         whole_file: bool = True,
     ) -> None:
-        super().__init__(path, layout.size, chunk_bytes, whole_file)
-        self.layout = layout
-        self.write_at(0, layout.header)
+        super().__init__(path, file_map.size, chunk_bytes, whole_file)
+        self.file_map = file_map
+        self.write_at(0, file_map.header)
 
 
 # --- manifest ----------------------------------------------------------------------------
@@ -785,10 +786,10 @@ def expected_rank_tensors(m: Mapping[str, Any]) -> dict[str, tuple[str, tuple[in
     }
 
 
-def rank_tensor_problems(layout: FileLayout, m: Mapping[str, Any], name: str) -> list[str]:
+def rank_tensor_problems(file_map: FileMap, m: Mapping[str, Any], name: str) -> list[str]:
     """How a rank file's tensors differ from :func:`expected_rank_tensors` (empty: they agree)."""
     expected = expected_rank_tensors(m)
-    got = {e.name: (e.dtype, tuple(e.shape)) for e in layout.entries}
+    got = {e.name: (e.dtype, tuple(e.shape)) for e in file_map.entries}
     # names from the manifest and the header: escaped and capped (Note [quoting untrusted text])
     problems = [f"{name}: tensor {shown(t)} is missing" for t in sorted(set(expected) - set(got))]
     problems += [f"{name}: unexpected tensor {shown(t)}" for t in sorted(set(got) - set(expected))]
@@ -888,22 +889,22 @@ def _file_problems(fd: int, p: Path, f: Mapping[str, Any], digests: bool = True)
 
 def sidecar_problems(
     sidecar: Path, m: dict[str, Any], *, hashed_elsewhere: Iterable[str] = ()
-) -> tuple[list[str], dict[str, FileLayout]]:
+) -> tuple[list[str], dict[str, FileMap]]:
     """``mpack verify``'s checks 1, without the source: :func:`check_files`, then every
     safetensors file's header, and the rank files' tensors against the manifest
-    (:func:`rank_tensor_problems`). Returns the problems and the layout of every safetensors
+    (:func:`rank_tensor_problems`). Returns the problems and the map of every safetensors
     file that parses. Used by ``mpack verify`` and by ``mpack push`` before it sends anything."""
     problems = check_files(sidecar, m, hashed_elsewhere=hashed_elsewhere)
-    layouts: dict[str, FileLayout] = {}
+    file_maps: dict[str, FileMap] = {}
     for name in safetensors_files(m):  # every rank file is listed (check_manifest)
         try:
-            layouts[name] = read_layout(sidecar / name, follow=False)
+            file_maps[name] = read_file_map(sidecar / name, follow=False)
         except InputError as e:
             problems.append(str(e))
             continue
         if name != COMMON_NAME:
-            problems += rank_tensor_problems(layouts[name], m, name)
-    return problems, layouts
+            problems += rank_tensor_problems(file_maps[name], m, name)
+    return problems, file_maps
 
 
 def check_files(

@@ -334,6 +334,7 @@ def convert_doc(result: Any) -> dict[str, Any]:
         "layers": len(m["layers"]),  # linear layers (per rank), as before
         "linear_layers": len(m["layers"]),
         "decoder_layers": decoder_layers(m),
+        "backend": result.backend or None,  # None: up to date, nothing converted
     }
 
 

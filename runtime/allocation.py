@@ -27,7 +27,7 @@ from mpack.sidecar import (
     load_manifest,
     rank_file_name,
     rank_tensor_problems,
-    read_layout,
+    read_file_map,
     regenerate_hint_of,
 )
 
@@ -123,8 +123,8 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Allocation:
         if name not in listed:
             raise CorruptFileError(f"{sidecar}: the manifest does not list {name}", hint=hint)
         path = sidecar / name
-        layout = read_layout(path, follow=False)
-        if name != COMMON_NAME and (bad := rank_tensor_problems(layout, manifest, name)):
+        file_map = read_file_map(path, follow=False)
+        if name != COMMON_NAME and (bad := rank_tensor_problems(file_map, manifest, name)):
             # the same structural rule `mpack verify` applies (FORMAT.md): a rank file holds
             # exactly the tensors the manifest's layers imply
             raise CorruptFileError(
@@ -133,22 +133,23 @@ def plan_rank(sidecar: str | os.PathLike, rank: int) -> Allocation:
                 + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""),
                 hint=hint,
             )
-        if layout.size != listed[name]["size"]:
+        if file_map.size != listed[name]["size"]:
             raise VerificationError(
-                f"{path}: {layout.size} bytes, the manifest says {listed[name]['size']}", hint=hint
+                f"{path}: {file_map.size} bytes, the manifest says {listed[name]['size']}",
+                hint=hint,
             )
         offset = _align(offset, REGION_ALIGN)
         regions.append(
-            Region(name, path, offset, layout.size, layout.header, *_chunks(listed[name]))
+            Region(name, path, offset, file_map.size, file_map.header, *_chunks(listed[name]))
         )
-        for e in layout.entries:
+        for e in file_map.entries:
             if e.name in seen:
                 raise CorruptFileError(
                     f"{sidecar}: tensor {e.name!r} is in both {seen[e.name]} and {name}"
                 )
             seen[e.name] = name
             tensors.append(TensorEntry(e.name, e.dtype, e.shape, offset + e.offset, e.nbytes))
-        offset += layout.size
+        offset += file_map.size
     for e in tensors:
         check_entry(e, offset, str(sidecar))
     return Allocation(sidecar, manifest, digest, rank, tp, regions, tensors, offset)
@@ -189,7 +190,7 @@ def tensors_from_wire(items: Any, size: int) -> list[TensorEntry]:
             name, dtype, tuple(shape), offset, TensorSpec(name, dtype, tuple(shape)).nbytes
         )
         try:
-            check_entry(e, size, "daemon layout")
+            check_entry(e, size, "daemon tensor table")
         except CorruptFileError as err:
             raise ProtocolError(str(err)) from None
         out.append(e)

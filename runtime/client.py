@@ -193,7 +193,7 @@ def _check_attached(
     try:
         tensors = tensors_from_wire(items, data_size)
     except ProtocolError as e:
-        raise ProtocolError(f"the daemon at {path} sent a bad layout: {e}") from None
+        raise ProtocolError(f"the daemon at {path} sent a bad tensor table: {e}") from None
     return size, tensors
 
 

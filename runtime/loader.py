@@ -11,7 +11,7 @@ fill]); a longer chunk (a version-1 file, which lists only its whole-file sha256
 read front to back and hashed piece by piece on one thread. ``preadv`` and ``hashlib`` release
 the GIL, so disk, hashing and H2D copies overlap. A slot is reused only after its hash and its
 copy finished. Every digest must match the manifest, and each file's first bytes must equal the
-header that was parsed when planning (so the layout describes exactly the bytes loaded);
+header that was parsed when planning (so the file map describes exactly the bytes loaded);
 otherwise the load fails and nothing is served.
 """
 

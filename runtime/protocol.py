@@ -287,45 +287,50 @@ def checked_device(spec: str) -> DeviceSpec:
     if d.kind == "cuda":
         import torch
 
-        n = torch.cuda.device_count()  # 0 without a driver or a CUDA build; never raises
-        if d.ordinal >= n:
-            label = str(spec).strip()
-            if n == 0:
-                raise UsageError(
-                    f"--device {label}: no CUDA device here (torch reports none)",
-                    hint="use --device cpu (or run on a machine with a GPU and its driver)",
-                )
-            raise UsageError(
-                f"--device {label}: no such CUDA device here (torch reports {n}: "
-                f"cuda:0 to cuda:{n - 1})",
-                hint=f"use --device cuda:0 .. cuda:{n - 1}, or --device cpu",
-            )
+        # 0 without a driver or a CUDA build; never raises
+        _check_count(spec, d.ordinal, torch.cuda.device_count(), "torch")
     return d
 
 
+def _check_count(spec: str, ordinal: int, n: int, who: str) -> None:
+    """Refuse ``cuda:<ordinal>`` where ``who`` counts ``n`` CUDA devices."""
+    if ordinal < n:
+        return
+    label = str(spec).strip()
+    if n == 0:
+        raise UsageError(
+            f"--device {label}: no CUDA device here ({who} reports none)",
+            hint="use --device cpu (or run on a machine with a GPU and its driver)",
+        )
+    raise UsageError(
+        f"--device {label}: no such CUDA device here ({who} reports {n}: cuda:0 to cuda:{n - 1})",
+        hint=f"use --device cuda:0 .. cuda:{n - 1}, or --device cpu",
+    )
+
+
 def resolve_device(spec: str) -> Device:
-    """:func:`checked_device`, and for CUDA the GPU's UUID from the driver (initialises it)."""
-    d = checked_device(spec)
+    """``spec`` checked as :func:`checked_device` checks it, but counting the GPUs with the CUDA
+    driver (cuda-bindings), not torch: the daemon and ``attach`` use the driver anyway, and the
+    daemon imports no torch (Note [torch-free daemon fill] in :mod:`mpack.runtime.cuda_vmm`);
+    and for CUDA the GPU's UUID from the driver (initialises it).
+
+    Raises:
+        UsageError: a bad spec, a CUDA device that is not here, or no cuda-bindings (its hint).
+    """
+    d = DeviceSpec.parse(spec)
     if d.kind == "cpu":
         return Device("cpu", None, "cpu")
+    from mpack import cudadrv
+    from mpack.device import no_cuda_here
+
+    if no_cuda_here():
+        _check_count(spec, d.ordinal, 0, "the CUDA driver")
+    cudadrv.driver()  # cuda-bindings missing: its install hint
+    _check_count(spec, d.ordinal, cudadrv.device_count(), "the CUDA driver")
     from mpack.runtime import cuda_vmm
 
     key = DeviceSpec("cuda", uuid=cuda_vmm.device_uuid(d.ordinal))
     return Device("cuda", d.ordinal, str(key))
-
-
-def parse_device_spec(spec: str) -> tuple[str, int | None]:
-    """Kept for tests/runtime/test_protocol.py: :meth:`DeviceSpec.parse` as a
-    ``(kind, ordinal)`` pair. Call that instead."""
-    d = DeviceSpec.parse(spec)
-    return d.kind, (None if d.kind == "cpu" else d.ordinal)
-
-
-def parse_device(spec: str) -> tuple[str, int | None]:
-    """Kept for tests/runtime/test_protocol.py: :func:`checked_device` as a
-    ``(kind, ordinal)`` pair. Call that instead."""
-    d = checked_device(spec)
-    return d.kind, (None if d.kind == "cpu" else d.ordinal)
 
 
 # --- rendezvous --------------------------------------------------------------------------------

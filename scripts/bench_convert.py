@@ -97,9 +97,9 @@ import json, sys, time
 import torch, compressed_tensors  # a long-lived caller (a service, a notebook) has these loaded
 from mpack.convert import cuda_repack
 from mpack.convert.options import ConvertOptions
-from mpack.convert.pipeline import run_convert, torch_device
+from mpack.convert.pipeline import run_convert
 src, out, device = sys.argv[1:4]
-dev = torch_device(device)
+dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device)
 if dev.type == "cuda":  # CUDA context and the repack kernel ready, as in a warm service
     torch.empty(1, device=dev)
     cuda_repack.available(dev)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mpack.sidecar import FileLayout, TensorSpec
+from mpack.sidecar import FileMap, TensorSpec
 
 LLAMA_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
 SHARD_BYTES = 5 * 1024**3
@@ -117,10 +117,10 @@ def write_checkpoint(
     weight_map = {}
     for i, group in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        layout = FileLayout.plan(group, {"format": "pt"})
+        file_map = FileMap.plan(group, {"format": "pt"})
         with open(out / name, "wb") as f:
-            f.write(layout.header)
-            for e in layout.entries:
+            f.write(file_map.header)
+            for e in file_map.entries:
                 spec = next(s for s in group if s.name == e.name)
                 f.write(_data(spec, gen).numpy().tobytes())
                 weight_map[e.name] = name

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import mpack.convert as mc
-from mpack.convert.pipeline import no_cuda_here
+from mpack.device import no_cuda_here
 from mpack.errors import SourceNotFoundError, UnsupportedSchemeError
 from mpack.fixtures import make_checkpoint
 from mpack.verify import verify

@@ -162,9 +162,9 @@ def _convert_names_cuda(text: str) -> bool:
     [
         _entry("mpack.runtime.protocol", "checked_device"),
         _entry("mpack.runtime.protocol", "resolve_device"),
-        _entry("mpack.convert.pipeline", "check_device_here"),
-        _entry("mpack.convert.pipeline", "torch_device"),
-        _entry("mpack.convert.driver", "check_cuda_here", 1),
+        _entry("mpack.convert.backends", "check_device_here"),
+        _entry("mpack.convert.backends", "check_cuda_here", 1),
+        _entry("mpack.convert.backends", "prefetch_files"),
         _convert_names_cuda,
         _verify_forward,
         _verify_rederive,
@@ -195,9 +195,16 @@ def test_socket_names_read_the_key_with_it() -> None:
 
 # --- no other parser ----------------------------------------------------------------------------
 
-#: Functions that parsed device strings before mpack/device.py, and are no longer called by the
-#: package (those still defined are thin wrappers over it, kept for old tests).
-RETIRED = {"parse_device_spec", "parse_device", "check_device_name", "ordinal_of"}
+#: Functions that parsed device strings before mpack/device.py: gone, and called nowhere.
+RETIRED = {
+    "parse_device_spec",
+    "parse_device",
+    "check_device_name",
+    "ordinal_of",
+    "torch_device",
+    "open_device",
+    "open_gpu",
+}
 #: Source text that reads a device string by hand.
 HAND_PARSING = [
     re.compile(r"""partition\(\s*["']:["']\s*\)"""),
@@ -209,16 +216,22 @@ HAND_PARSING = [
 NOT_YET: dict[str, str] = {}
 
 
-def test_no_retired_parser_is_called() -> None:
-    calls = []
+def test_no_retired_parser_is_defined_or_called() -> None:
+    found = []
     for path, text in package_sources().items():
         for node in ast.walk(ast.parse(text, path)):
             if isinstance(node, ast.Call):
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
                 if name in RETIRED:
-                    calls.append(f"{path}:{node.lineno} calls {name}")
-    assert not calls, "call mpack.device.DeviceSpec.parse instead:\n" + "\n".join(calls)
+                    found.append(f"{path}:{node.lineno} calls {name}")
+            elif isinstance(node, ast.FunctionDef) and node.name in RETIRED:
+                found.append(f"{path}:{node.lineno} defines {node.name}")
+            elif isinstance(node, ast.Assign) and any(
+                getattr(t, "id", None) in RETIRED | {"resolve_device"} for t in node.targets
+            ):
+                found.append(f"{path}:{node.lineno} keeps an alias")
+    assert not found, "call mpack.device.DeviceSpec.parse instead:\n" + "\n".join(found)
 
 
 def test_no_module_parses_device_strings_by_hand() -> None:
@@ -240,8 +253,8 @@ def test_no_module_parses_device_strings_by_hand() -> None:
     ],
 )
 def test_defined_once(name: str, home: str) -> None:
-    """One function of each name in the package: convert's old ``resolve_device`` is now
-    ``torch_device`` (its old name an alias of it), ``no_cuda_here`` moved here."""
+    """One function of each name in the package: the runtime's ``resolve_device`` (convert's
+    went with the backends), ``no_cuda_here`` here."""
     homes = [
         path
         for path, text in package_sources().items()
@@ -249,14 +262,6 @@ def test_defined_once(name: str, home: str) -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
     ]
     assert homes == [home]
-
-
-def test_old_names_are_the_new_functions() -> None:
-    import mpack.device
-    from mpack.convert import pipeline
-
-    assert pipeline.resolve_device is pipeline.torch_device
-    assert pipeline.no_cuda_here is mpack.device.no_cuda_here
 
 
 def test_no_cuda_here_reads_cuda_visible_devices(monkeypatch) -> None:

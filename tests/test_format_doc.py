@@ -32,7 +32,7 @@ from mpack.sidecar import (
     digest_of,
     load_manifest,
     rank_file_name,
-    read_layout,
+    read_file_map,
 )
 from tests.conftest import REPO
 
@@ -221,17 +221,17 @@ def test_header_metadata_is_as_documented(sidecars: dict[str, Path]) -> None:
             "act_dtype": t["act_dtype"],
         }
         for r in range(t["tp_size"]):
-            meta = read_layout(sidecar / rank_file_name(r, t["tp_size"])).metadata
+            meta = read_file_map(sidecar / rank_file_name(r, t["tp_size"])).metadata
             assert meta == {**base, "rank": str(r)}
         if (sidecar / COMMON_NAME).is_file():
-            common = read_layout(sidecar / COMMON_NAME).metadata
+            common = read_file_map(sidecar / COMMON_NAME).metadata
             assert common == {**base, "content": "pass-through"}
 
 
 # --- (b) the stdlib reader -----------------------------------------------------------------
 
 
-def test_reader_matches_read_layout(sidecars: dict[str, Path], read_sidecar) -> None:
+def test_reader_matches_read_file_map(sidecars: dict[str, Path], read_sidecar) -> None:
     for sidecar in sidecars.values():
         m = _manifest(sidecar)
         tp = m["target"]["tp_size"]
@@ -240,7 +240,7 @@ def test_reader_matches_read_layout(sidecars: dict[str, Path], read_sidecar) -> 
             got = read_sidecar(sidecar, rank=r)
             want = {
                 e.name: (e.dtype, tuple(e.shape), fname, e.offset, e.nbytes)
-                for e in read_layout(sidecar / fname).entries
+                for e in read_file_map(sidecar / fname).entries
             }
             assert got == want
             for dtype, shape, _, offset, nbytes in got.values():
@@ -249,9 +249,9 @@ def test_reader_matches_read_layout(sidecars: dict[str, Path], read_sidecar) -> 
                     assert offset % ALIGN == 0
         for f in m["files"]:
             if f["name"].endswith(".safetensors"):
-                layout = read_layout(sidecar / f["name"])
-                assert layout.entries[0].offset % ALIGN == 0
-                for e in layout.entries:
+                file_map = read_file_map(sidecar / f["name"])
+                assert file_map.entries[0].offset % ALIGN == 0
+                for e in file_map.entries:
                     assert e.nbytes % ALIGN or e.offset % ALIGN == 0, (f["name"], e.name)
 
 
@@ -452,9 +452,11 @@ def test_files_hold_tensors_in_the_documented_order(sidecars: dict[str, Path]) -
         ]
         files = {rank_file_name(r, tp): writer for r in range(tp)}
         if COMMON_NAME in names:
-            files[COMMON_NAME] = sorted(e.name for e in read_layout(sidecar / COMMON_NAME).entries)
+            files[COMMON_NAME] = sorted(
+                e.name for e in read_file_map(sidecar / COMMON_NAME).entries
+            )
         for fname, order in files.items():
-            entries = sorted(read_layout(sidecar / fname).entries, key=lambda e: e.offset)
+            entries = sorted(read_file_map(sidecar / fname).entries, key=lambda e: e.offset)
             size = {e.name: e.nbytes for e in entries}
             want = [t for t in order if size[t] % ALIGN == 0] + [
                 t for t in order if size[t] % ALIGN

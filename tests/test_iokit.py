@@ -1,4 +1,4 @@
-"""mpack/iokit.py: the chunk digester, parallel preads, the staging ring's hand-outs, pools.
+"""mpack/iokit.py: the chunk digester, parallel preads, the pinned ring's hand-outs, pools.
 
 Everything here runs on the CPU; the ring's CUDA copies are exercised by the GPU tests of
 convert (test_stream.py) and the loader (test_loader.py).

@@ -34,7 +34,7 @@ from mpack.hub import (
     push_sidecar,
     target_dir_name,
 )
-from mpack.sidecar import MANIFEST_NAME, load_manifest, read_layout
+from mpack.sidecar import MANIFEST_NAME, load_manifest, read_file_map
 from tests.conftest import flip_byte
 
 REPO = "my-org/tiny-marlin"
@@ -261,7 +261,7 @@ def test_a_damaged_sidecar_is_refused(converted, tmp_path, damage) -> None:
     sc = _copy(converted.single, tmp_path / "sc")
     rank1 = sc / "rank-01-of-02.safetensors"
     if damage == "flip":
-        flip_byte(rank1, read_layout(rank1).entries[0].offset)
+        flip_byte(rank1, read_file_map(rank1).entries[0].offset)
     elif damage == "truncate":
         os.truncate(rank1, rank1.stat().st_size - 64)
     else:

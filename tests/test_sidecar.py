@@ -34,14 +34,14 @@ from mpack.sidecar import (
     MAX_DIM,
     MAX_FILE_BYTES,
     MAX_TP,
-    FileLayout,
+    FileMap,
     TensorSpec,
     check_manifest,
     expected_rank_tensors,
     load_manifest,
     rank_file_name,
     rank_tensor_problems,
-    read_layout,
+    read_file_map,
     torch_dtype,
 )
 
@@ -80,18 +80,18 @@ def _stock_view(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     }
 
 
-def _write_planned(path: Path, layout: FileLayout, rng: random.Random) -> dict[str, bytes]:
+def _write_planned(path: Path, file_map: FileMap, rng: random.Random) -> dict[str, bytes]:
     """Write ``layout`` with random tensor bytes; return name -> the bytes written."""
-    data = {e.name: rng.randbytes(e.nbytes) for e in layout.entries}
+    data = {e.name: rng.randbytes(e.nbytes) for e in file_map.entries}
     with open(path, "wb") as f:
-        f.write(layout.header)
-        for e in layout.entries:
+        f.write(file_map.header)
+        for e in file_map.entries:
             assert f.tell() == e.offset
             f.write(data[e.name])
     return data
 
 
-# --- FileLayout.plan against the stock reader -----------------------------------------------
+# --- FileMap.plan against the stock reader -----------------------------------------------
 
 
 MIXED = [
@@ -106,12 +106,16 @@ MIXED = [
 
 
 def test_plan_puts_64_multiples_first_in_the_order_given(tmp_path: Path) -> None:
-    layout = FileLayout.plan(MIXED, {"format": "pt", "rank": "0"})
-    assert [e.name for e in layout.entries] == ["w", "f8", "s", "empty", "odd", "scalar", "b"]
+    file_map = FileMap.plan(MIXED, {"format": "pt", "rank": "0"})
+    assert [e.name for e in file_map.entries] == ["w", "f8", "s", "empty", "odd", "scalar", "b"]
     path = tmp_path / "mixed.safetensors"
-    written = _write_planned(path, layout, random.Random(0))
-    assert path.stat().st_size == layout.size == layout.data_start + sum(map(len, written.values()))
-    assert layout.data_start % ALIGN == 0
+    written = _write_planned(path, file_map, random.Random(0))
+    assert (
+        path.stat().st_size
+        == file_map.size
+        == file_map.data_start + sum(map(len, written.values()))
+    )
+    assert file_map.data_start % ALIGN == 0
     view = _stock_view(path)
     assert set(view) == {s.name for s in MIXED}
     for s in MIXED:
@@ -119,14 +123,14 @@ def test_plan_puts_64_multiples_first_in_the_order_given(tmp_path: Path) -> None
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"format": "pt", "rank": "0"}
     raw = path.read_bytes()
-    for e in layout.entries:
+    for e in file_map.entries:
         if e.nbytes % ALIGN == 0:
             assert e.offset % ALIGN == 0, e.name
         assert raw[e.offset : e.offset + e.nbytes] == written[e.name]
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_layouts_are_read_back_by_safetensors_and_read_layout(
+def test_random_file_maps_are_read_back_by_safetensors_and_read_file_map(
     tmp_path: Path, seed: int
 ) -> None:
     rng = random.Random(seed)
@@ -140,24 +144,28 @@ def test_random_layouts_are_read_back_by_safetensors_and_read_layout(
         for i in range(rng.randint(0, 12))
     ]
     meta = {"seed": str(seed)} if seed % 2 else None
-    layout = FileLayout.plan(specs, meta)
+    file_map = FileMap.plan(specs, meta)
     path = tmp_path / "r.safetensors"
-    written = _write_planned(path, layout, rng)
+    written = _write_planned(path, file_map, rng)
     view = _stock_view(path)
     assert view == {s.name: (s.dtype, s.shape, written[s.name]) for s in specs}
-    assert layout.data_start % ALIGN == 0
-    assert all(e.offset % ALIGN == 0 for e in layout.entries if e.nbytes % ALIGN == 0)
-    again = read_layout(path)
-    assert (again.header, again.entries, again.size) == (layout.header, layout.entries, layout.size)
+    assert file_map.data_start % ALIGN == 0
+    assert all(e.offset % ALIGN == 0 for e in file_map.entries if e.nbytes % ALIGN == 0)
+    again = read_file_map(path)
+    assert (again.header, again.entries, again.size) == (
+        file_map.header,
+        file_map.entries,
+        file_map.size,
+    )
     assert again.metadata == (meta or {})
 
 
 def test_plan_refuses_duplicate_names() -> None:
     with pytest.raises(ValueError, match="duplicate tensor names"):
-        FileLayout.plan([TensorSpec("a", "U8", (64,)), TensorSpec("a", "U8", (3,))])
-    layout = FileLayout.plan([TensorSpec("a", "U8", (3,))])
+        FileMap.plan([TensorSpec("a", "U8", (64,)), TensorSpec("a", "U8", (3,))])
+    file_map = FileMap.plan([TensorSpec("a", "U8", (3,))])
     with pytest.raises(KeyError):
-        layout.entry("b")
+        file_map.entry("b")
 
 
 def test_dtype_table_agrees_with_torch_and_safetensors(tmp_path: Path) -> None:
@@ -171,26 +179,26 @@ def test_dtype_table_agrees_with_torch_and_safetensors(tmp_path: Path) -> None:
         assert TensorSpec(name, name, (3, 5)).nbytes == 15 * size
 
 
-# --- read_layout on real files ----------------------------------------------------------------
+# --- read_file_map on real files ----------------------------------------------------------------
 
 
-def test_read_layout_agrees_with_safetensors_on_golden_files(golden: Path) -> None:
+def test_read_file_map_agrees_with_safetensors_on_golden_files(golden: Path) -> None:
     files = sorted((golden / "cases").glob("*/input/model.safetensors"))
     files += sorted((golden / "cases").glob("*/expected/*.safetensors"))
     assert len(files) >= 6
     for path in files:
-        layout = read_layout(path)
+        file_map = read_file_map(path)
         raw = path.read_bytes()
         view = _stock_view(path)
-        assert [e.name for e in layout.entries] != [] and layout.size == len(raw)
-        assert {e.name for e in layout.entries} == set(view), path
-        for e in layout.entries:
+        assert [e.name for e in file_map.entries] != [] and file_map.size == len(raw)
+        assert {e.name for e in file_map.entries} == set(view), path
+        for e in file_map.entries:
             dtype, shape, data = view[e.name]
             assert (e.dtype, e.shape) == (dtype, shape)
             assert raw[e.offset : e.offset + e.nbytes] == data, (path, e.name)
         with safe_open(str(path), framework="pt") as f:
-            assert layout.metadata == (f.metadata() or {})
-        assert layout.header == raw[: layout.data_start]
+            assert file_map.metadata == (f.metadata() or {})
+        assert file_map.header == raw[: file_map.data_start]
 
 
 def _raw(header: Any, data: bytes = b"") -> bytes:
@@ -229,26 +237,26 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
-def test_read_layout_refuses_what_safetensors_refuses(tmp_path: Path, case: str) -> None:
+def test_read_file_map_refuses_what_safetensors_refuses(tmp_path: Path, case: str) -> None:
     raw, match = BAD_FILES[case]
     path = tmp_path / "bad.safetensors"
     path.write_bytes(raw)
     with pytest.raises(CorruptFileError, match=match) as e:
-        read_layout(path)
+        read_file_map(path)
     assert str(path) in str(e.value)
     with pytest.raises(safetensors.SafetensorError):
         safetensors.deserialize(raw)
 
 
-def test_read_layout_follow_decides_on_symlinks(tmp_path: Path) -> None:
+def test_read_file_map_follow_decides_on_symlinks(tmp_path: Path) -> None:
     real = tmp_path / "real.safetensors"
-    layout = FileLayout.plan([TensorSpec("a", "U8", (3,))])
-    _write_planned(real, layout, random.Random(1))
+    file_map = FileMap.plan([TensorSpec("a", "U8", (3,))])
+    _write_planned(real, file_map, random.Random(1))
     link = tmp_path / "link.safetensors"
     link.symlink_to(real)
-    assert read_layout(link).entries == layout.entries
+    assert read_file_map(link).entries == file_map.entries
     with pytest.raises(InputError, match="symbolic link"):
-        read_layout(link, follow=False)
+        read_file_map(link, follow=False)
 
 
 # --- check_manifest: bounds and refusals -------------------------------------------------------
@@ -399,7 +407,7 @@ def test_expected_rank_tensors_are_the_real_rank_files(sidecar: Path) -> None:
         path = sidecar / rank_file_name(r, TP)
         got = {name: (dtype, shape) for name, (dtype, shape, _) in _stock_view(path).items()}
         assert got == want, r
-        assert rank_tensor_problems(read_layout(path), m, path.name) == []
+        assert rank_tensor_problems(read_file_map(path), m, path.name) == []
 
 
 def test_rank_tensor_problems_name_every_difference(sidecar: Path, manifest: dict) -> None:
@@ -407,7 +415,7 @@ def test_rank_tensor_problems_name_every_difference(sidecar: Path, manifest: dic
     manifest["layers"][qkv]["np"] += 64
     manifest["layers"]["model.layers.9.mlp.down_proj"] = {**manifest["layers"][qkv], "bias": False}
     name = rank_file_name(1, TP)
-    problems = rank_tensor_problems(read_layout(sidecar / name), manifest, name)
+    problems = rank_tensor_problems(read_file_map(sidecar / name), manifest, name)
     np_, rows = manifest["layers"][qkv]["np"], manifest["layers"][qkv]["kp"] // 16
     was = np_ - 64
     assert problems == [

@@ -38,7 +38,7 @@ from mpack.errors import (
     listed,
 )
 from mpack.sidecar import (
-    FileLayout,
+    FileMap,
     load_manifest,
     regenerate_hint_of,
     safetensors_files,
@@ -131,6 +131,7 @@ def verify(
     device: str = "cpu",
     rederive_device: str = "auto",
     require_source: bool = False,
+    rederive_backend: str = "auto",
 ) -> Verification:
     """Verify ``sidecar``: checksums, re-derivation from its source, and optionally the model
     outputs (see the module docstring).
@@ -147,6 +148,8 @@ def verify(
             result is the same on each.
         require_source: fail when the source is not found (given or recorded), instead of
             passing on the checksums alone (``--require-source``, for CI).
+        rederive_backend: ``auto`` (as a conversion picks) or the backend to re-derive on
+            (:data:`mpack.convert.backends.BACKENDS`); the result is the same on each.
 
     Returns:
         A :class:`Verification`; its ``problems`` list every mismatch found (call
@@ -166,7 +169,7 @@ def verify(
         from mpack.runtime.protocol import checked_device
 
         checked_device(device)  # a device that is not there fails now, not after the re-derivation
-    from mpack.convert.pipeline import check_device_here
+    from mpack.convert.backends import check_device_here
 
     # a typo, or a GPU where there is none, fails before any work
     check_device_here(rederive_device, "--rederive-device")
@@ -176,17 +179,18 @@ def verify(
     path = Path(sidecar)
     with tl.span("main", "files"):
         m, digest = load_manifest(path)
-        problems, layouts = _check_files(path, m, streamed=True)
+        problems, file_maps = _check_files(path, m, streamed=True)
     result = Verification(str(path), digest, len(m["files"]), problems=problems)
     _check_source(
         result,
         path,
         m,
-        layouts,
+        file_maps,
         None if source is None else str(source),
         revision,
         rederive_device,
         tl,
+        rederive_backend,
     )
     if result.problems:
         result.hint = regenerate_hint_of(m, path)
@@ -210,7 +214,7 @@ def verify(
 
 def _check_files(
     sidecar: Path, m: dict[str, Any], *, streamed: bool = False
-) -> tuple[list[str], dict[str, FileLayout]]:
+) -> tuple[list[str], dict[str, FileMap]]:
     """Checks 1 (:func:`mpack.sidecar.sidecar_problems`). ``streamed``: leave the digests of the
     safetensors files to the re-derivation (:func:`mpack.verify.rederive.rederive`), which reads
     them anyway."""
@@ -222,11 +226,12 @@ def _check_source(
     result: Verification,
     sidecar: Path,
     m: dict[str, Any],
-    layouts: dict[str, FileLayout],
+    file_maps: dict[str, FileMap],
     source: str | None,
     revision: str | None,
     device: str,
     tl: Timeline,
+    backend: str = "auto",
 ) -> None:
     """Checks 2 and 3, when the source is found and checks 1 found nothing; else checks 1 done
     whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
@@ -237,7 +242,7 @@ def _check_source(
         result.problems = _check_files(sidecar, m)[0]
         return
     try:
-        got = rederive(sidecar, m, layouts, src, device, tl)
+        got = rederive(sidecar, m, file_maps, src, device, tl, backend)
     except MpackError:
         full = _check_files(sidecar, m)[0]
         if full:  # a damaged sidecar is reported as such, whatever its source

@@ -31,7 +31,7 @@ import numpy as np
 from mpack.errors import CorruptFileError
 from mpack.fsutil import open_regular
 from mpack.iokit import ChunkDigester, pread_pieces
-from mpack.sidecar import FileLayout, TensorEntry, digest_problems
+from mpack.sidecar import FileMap, TensorEntry, digest_problems
 
 __all__ = ["READ_BYTES", "SidecarComparer", "same_bytes"]
 
@@ -76,9 +76,10 @@ class SidecarComparer:
     """The sidecar file ``path`` against the bytes written to it, as planned by ``planned``.
 
     Args:
-        planned: the layout a conversion from the source writes (``Plan.files[name]``); writes
-            come at its offsets, in its order. ``.layout`` is this, for the writer's callers.
-        found: the file's layout as read from its header (:func:`mpack.sidecar.read_layout`).
+        planned: the file map a conversion from the source writes (``Plan.files[name]``);
+            writes come at its offsets, in its order. ``.file_map`` is this, for the writer's
+            callers.
+        found: the file's map as read from its header (:func:`mpack.sidecar.read_file_map`).
             A planned tensor is compared with the tensor of ``found`` that has its name, dtype
             and shape; one without such a partner is in :attr:`unmatched`.
         record: the file's manifest ``files`` entry; its size was checked already.
@@ -92,14 +93,14 @@ class SidecarComparer:
     def __init__(
         self,
         path: Path,
-        planned: FileLayout,
-        found: FileLayout,
+        planned: FileMap,
+        found: FileMap,
         record: Mapping[str, Any],
         *,
         pool: Executor,
         ordered: Executor,
     ) -> None:
-        self.path, self.layout, self.record = path, planned, record
+        self.path, self.file_map, self.record = path, planned, record
         self.size = int(record["size"])
         ch = record.get("chunks")
         chunk = ch["bytes"] if ch else max(self.size, 1)  # no chunks: one whole-file sha256
@@ -154,9 +155,9 @@ class SidecarComparer:
     # --- the writer's interface -------------------------------------------------------------
 
     def write_at(self, offset: int, data: Any) -> None:
-        """Compare ``data``, the bytes a conversion writes at ``offset`` of the planned layout,
+        """Compare ``data``, the bytes a conversion writes at ``offset`` of the planned file map,
         with the sidecar's bytes of the same tensor. ``data`` is not kept."""
-        e = self.layout.entries[bisect.bisect_right(self._starts, offset) - 1]
+        e = self.file_map.entries[bisect.bisect_right(self._starts, offset) - 1]
         target = self._target.get(e.name)
         want = _as_u8(data)
         if target is None or not len(want):
@@ -164,7 +165,7 @@ class SidecarComparer:
         a = target.offset + offset - e.offset  # the sidecar's bytes [a, b)
         b = a + len(want)
         held = self._held[0] if self._held is not None else self._pos
-        if a < held:  # a range already passed (another layout order): read again, not hashed
+        if a < held:  # a range already passed (another order of tensors): read again, not hashed
             self._compare_again(e.name, a, want)
             return
 

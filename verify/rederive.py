@@ -16,28 +16,29 @@ without any network call; :func:`find_source`), :func:`rederive`
 
 Note [verify as a conversion]: re-deriving is a conversion whose writer compares instead of
 writing, so it runs convert's own machinery (:class:`mpack.convert.stream.Streamer`: read,
-transform and write on their own threads; the host or driver path's numpy arrays, or torch's
-tensors and staging rings) with :class:`mpack.verify.compare.SidecarComparer` as the writer,
+transform and write on their own threads, on the backend a conversion would open:
+:func:`mpack.convert.backends.open_backend`) with
+:class:`mpack.verify.compare.SidecarComparer` as the writer,
 and the pass-through tensors through :func:`mpack.iokit.copy_tensors` on another thread. As in a
 conversion, the source files are hashed on a thread from the start (which also warms the page cache
 for the reads), the plan comes from the shard headers, and compressed-tensors' parse of the config
 runs in a forked child whose verdict is awaited at the end (Note [scheme check in a child] in
 :mod:`mpack.convert.scheme_check`). The layout is read backwards on the re-derived tensors, where
-the transform left them (on the host path and the driver path in host memory, on the torch path on
-its device): the comparison proves them equal to the sidecar's, so this is the check of the
-sidecar's own bytes. A layer whose bytes differ is read back from the sidecar afterwards to say
-which of its tensors does not unpack.
+the transform left them, by the backend's own ``read_back`` (the host and driver backends in host
+memory, the torch backend on its device): the comparison proves them equal to the sidecar's, so
+this is the check of the sidecar's own bytes. A layer whose bytes differ is read back from the
+sidecar afterwards to say which of its tensors does not unpack.
 """
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from mpack import iokit
+from mpack.convert.backends import Backend, open_backend
 from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint
 from mpack.convert.plan import OutLayer, Plan, make_plan
 from mpack.convert.scheme_check import SchemeCheck
@@ -53,15 +54,11 @@ from mpack.convert.timeline import Timeline
 from mpack.errors import CorruptFileError, SourceNotFoundError
 from mpack.fsutil import open_regular_file
 from mpack.iokit import copy_tensors, pread_pieces
-from mpack.sidecar import COMMON_NAME, FileLayout, rank_file_name, torch_dtype
-from mpack.target import act_dtype
+from mpack.sidecar import COMMON_NAME, FileMap, rank_file_name, torch_dtype
 from mpack.verify.compare import SidecarComparer
 
-if TYPE_CHECKING:  # the torch path imports them on use (Note [verify without torch])
+if TYPE_CHECKING:  # the torch backend imports it on use (Note [verify without torch])
     import torch
-
-    from mpack.convert.driver import GpuRepack
-    from mpack.convert.transform import Fused
 
 __all__ = ["Rederived", "find_source", "rederive"]
 
@@ -137,10 +134,11 @@ class Rederived:
 def rederive(
     sidecar: Path,
     m: dict[str, Any],
-    layouts: dict[str, FileLayout],
+    file_maps: dict[str, FileMap],
     src: ResolvedSource,
     device: str = "auto",
     tl: Timeline | None = None,
+    backend: str = "auto",
 ) -> Rederived:
     """Re-derive every tensor of ``sidecar`` from ``src`` on ``device`` and compare, checking the
     digests of the files read on the way (Note [verify as a conversion]).
@@ -153,6 +151,7 @@ def rederive(
             sizes and kinds are checked, their digests not yet.
         tl: gets a ``main`` span for each phase (``plan``, ``pass``, ``wait-source-hashes``,
             ``wait-scheme-check``, ``tensor-problems``).
+        backend: ``auto`` or the backend to re-derive on (:data:`mpack.convert.backends.BACKENDS`).
 
     Raises:
         MpackError: the source cannot be opened or planned, or its config is refused (the
@@ -162,14 +161,23 @@ def rederive(
     check = SchemeCheck(src.path)  # forked before any thread of this run starts
     try:
         with tl.span("main", "plan"):
-            ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in layouts)
+            ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in file_maps)
         recorded = m["source"].get("files", [])  # hashed in the forms the manifest records
         names, forms = sorted(f["name"] for f in recorded), record_forms(recorded)
         with hashing(src, names, forms=forms) as hashed, contextlib.ExitStack() as on:
-            where, dev, gpu = _where(device, plan, tl, on)  # the hashing runs meanwhile
+            be = open_backend(
+                device,
+                plan,
+                backend=backend,
+                option="--rederive-device",
+                tl=tl,
+                spans=("open-gpu", "import-torch"),
+            )  # the hashing runs meanwhile
+            on.callback(be.close)
+            where = be.where
             # the pass: read, re-derive, compare and digest both sides
-            with _Comparers(sidecar, m, layouts, plan) as cmp, tl.span("main", "pass"):
-                checker = _run(plan, cmp.files, dev, gpu)
+            with _Comparers(sidecar, m, file_maps, plan) as cmp, tl.span("main", "pass"):
+                checker = _run(plan, cmp.files, be)
                 file_problems = cmp.finish(m)
             if file_problems:
                 return Rederived(file_problems=file_problems, device=where)
@@ -178,42 +186,22 @@ def rederive(
         with tl.span("main", "wait-scheme-check"):
             check.agree(ck)  # its verdict; the same layers as the headers
         with tl.span("main", "tensor-problems"):
-            problems += _tensor_problems(sidecar, plan, cmp.files, checker, layouts)
+            problems += _tensor_problems(sidecar, plan, cmp.files, checker, file_maps)
     finally:
         check.cancel()
     compared = sum(len(ly.tensor_specs(plan.act_dtype)) for unit in plan.units for ly in unit)
     if COMMON_NAME in cmp.files:
         common = cmp.files[COMMON_NAME]
-        compared += len(common.layout.entries) - len(common.unmatched)
+        compared += len(common.file_map.entries) - len(common.unmatched)
     return Rederived([], problems, len(plan.units) * plan.tp, compared, where)
 
 
-# Note [verify without torch]: verify re-derives as a conversion converts, on the path the
-# conversion would take for this ``device`` (Note [auto device], [host path], [driver path]): the
-# host path (numpy, the native repack) or the driver path (the kernel through cuda-bindings)
-# where it takes the plan, and then torch is never imported for a good sidecar (reading a
-# differing layer back, a failure's diagnosis, still uses it). The layout is read backwards by
-# :func:`mpack.convert.host.backwards`: the native unpack of each weight to the checkpoint rows,
-# numpy for the scales and bias, the torch path's words. Elsewhere (a requantizing plan, no
-# native repack) the torch path runs as before.
-def _where(
-    device: str, plan: Plan, tl: Timeline, on: contextlib.ExitStack
-) -> tuple[str, torch.device | None, GpuRepack | None]:
-    """Where the re-derivation runs: ``(name, torch device or None, GPU repack or None)``, the
-    path a conversion would take (Note [verify without torch])."""
-    from mpack.convert import pipeline
-
-    dev, gpu = pipeline.open_device(
-        device, plan, tl, on, "--rederive-device", spans=("open-gpu", "import-torch")
-    )
-    if dev is None:
-        return ("cpu" if gpu is None else f"cuda:{gpu.ordinal}"), None, gpu
-    where = str(dev)
-    if dev.type == "cuda" and dev.index is None:
-        import torch
-
-        where = f"cuda:{torch.cuda.current_device()}"
-    return where, dev, None
+# Note [verify without torch]: verify re-derives on the backend a conversion would open for
+# this ``device`` (Note [choosing a backend] in :mod:`mpack.convert.backends`): the host backend
+# (numpy, the native repack) or the driver backend (the kernel through cuda-bindings) where it
+# takes the plan, and then torch is never imported for a good sidecar (reading a differing layer
+# back, a failure's diagnosis, still uses it). Elsewhere (a requantizing plan, no native repack)
+# the torch backend runs. Each backend reads the layout backwards itself (``read_back``).
 
 
 def _open_and_plan(
@@ -252,9 +240,9 @@ class _Comparers:
     """A :class:`SidecarComparer` for every planned file, on digest threads of their own."""
 
     def __init__(
-        self, sidecar: Path, m: dict[str, Any], layouts: dict[str, FileLayout], plan: Plan
+        self, sidecar: Path, m: dict[str, Any], file_maps: dict[str, FileMap], plan: Plan
     ) -> None:
-        self.sidecar, self.m, self.layouts, self.plan = sidecar, m, layouts, plan
+        self.sidecar, self.m, self.file_maps, self.plan = sidecar, m, file_maps, plan
         self.files: dict[str, SidecarComparer] = {}
         self._stack = contextlib.ExitStack()
 
@@ -267,7 +255,7 @@ class _Comparers:
                 c = SidecarComparer(
                     self.sidecar / name,
                     planned,
-                    self.layouts[name],
+                    self.file_maps[name],
                     records[name],
                     pool=pool,
                     ordered=ordered,
@@ -286,57 +274,27 @@ class _Comparers:
         self._stack.close()
 
 
-def _run(
-    plan: Plan, files: dict[str, SidecarComparer], dev: torch.device | None, gpu: GpuRepack | None
-) -> _Checker | _HostChecker:
-    """Stream every unit through the transform into ``files``, and the pass-through tensors into
-    ``common.safetensors``'s comparer meanwhile; the checker holds the layout-backwards checks.
-    ``dev`` None: the host path (numpy; the weights repacked on ``gpu`` when given, else by the
-    native repack), Note [verify without torch]."""
-    tl = Timeline()
-    with contextlib.ExitStack() as stack:
-        checker: _Checker | _HostChecker
-        if dev is None:
-            from mpack.convert import host_repack
-            from mpack.convert.pipeline import host_io
-
-            # the native unpack always runs here, the native repack without a GPU
-            pool = stack.enter_context(host_repack.block_pool())
-            buffers, read = host_io(plan, gpu, stack)
-            checker = _HostChecker(plan.act_dtype, pool, buffers, gpu)
-            streamer = Streamer(
-                plan,
-                files,
-                None,
-                checker,
-                _ignore,
-                None,
-                tl,
-                read,  # type: ignore[arg-type]
-                buffers.give,
-            )
-        else:
-            from mpack.convert import host_repack
-
-            # CPU: the repack's (and the unpack's) blocks on a pool (Note [repack in blocks])
-            pool = stack.enter_context(host_repack.block_pool()) if dev.type == "cpu" else None
-            checker = _Checker(plan.act_dtype, pool)
-            streamer = Streamer(plan, files, dev, checker, _ignore, None, tl)  # type: ignore[arg-type]
-        with iokit.pool("copy", 1) as copier:
-            copied = None
-            if COMMON_NAME in files:
-                copied = copier.submit(
-                    copy_tensors, plan.ckpt.read_into, files[COMMON_NAME], _ignore, tl
-                )  # type: ignore[arg-type]
-            try:
-                streamer.run()
-            except BaseException:
-                if copied is not None:
-                    copied.cancel()
-                raise
+def _run(plan: Plan, files: dict[str, SidecarComparer], backend: Backend) -> _Checker:
+    """Stream every unit through ``backend``'s transform into ``files``, and the pass-through
+    tensors into ``common.safetensors``'s comparer meanwhile; the checker holds the
+    layout-backwards checks."""
+    checker = _Checker(backend)
+    streamer = Streamer(plan, files, backend, transform=checker)  # type: ignore[arg-type]
+    with iokit.pool("copy", 1) as copier:
+        copied = None
+        if COMMON_NAME in files:
+            copied = copier.submit(
+                copy_tensors, plan.ckpt.read_into, files[COMMON_NAME], _ignore, Timeline()
+            )  # type: ignore[arg-type]
+        try:
+            streamer.run()
+        except BaseException:
             if copied is not None:
-                copied.result()
-        checker.settle(dev)
+                copied.cancel()
+            raise
+        if copied is not None:
+            copied.result()
+    checker.settle()
     return checker
 
 
@@ -344,137 +302,29 @@ def _ignore(_: int) -> None:
     pass
 
 
-class _HostChecker:
-    """The host path's transform (:func:`mpack.convert.host.transform`), followed by the layout
-    read backwards on its results (:func:`mpack.convert.host.backwards`), before they are
-    handed on: Note [verify without torch]."""
-
-    def __init__(self, act: str, pool: Executor, buffers: Any, gpu: GpuRepack | None) -> None:
-        self.act, self.pool, self.buffers, self.gpu = act, pool, buffers, gpu
-        self.failed: dict[tuple[int, str], list[str]] = {}  # (rank, layer) -> what
-
-    def __call__(self, layer: OutLayer, src: dict[str, Any]) -> list[Any]:
-        from mpack.convert import host
-
-        outs = host.transform(layer, src, self.act, self.pool, self.buffers, self.gpu)
-        for what, differs in host.backwards(layer, src, outs, self.act, self.pool):
-            if differs:
-                self.failed.setdefault((layer.rank, layer.name), []).append(what)
-        return outs
-
-    def settle(self, dev: Any) -> None:
-        """Nothing is queued: every check was read as it ran."""
-
-
 class _Checker:
-    """The transform of a conversion, followed by the layout read backwards on its results
-    (where they are: on CUDA the comparisons are queued and read in :meth:`settle`)."""
+    """The backend's transform, followed by the layout read backwards on its results before
+    they are handed on (:meth:`mpack.convert.backends.Backend.read_back`; queued where the
+    backend answers later, read in :meth:`settle`)."""
 
-    def __init__(self, act: str, pool: Executor | None) -> None:
-        self.act, self.pool = act, pool
-        self.dt = torch_dtype(act_dtype(act).st)
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self._flags: list[tuple[OutLayer, str, Any]] = []
         self.failed: dict[tuple[int, str], list[str]] = {}  # (rank, layer) -> what
 
-    def __call__(self, layer: OutLayer, src: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        from mpack.convert.transform import fuse, pack
-
-        fused = fuse(layer, src)
-        outs = pack(layer, fused, self.act, self.pool)
-        for what, differs in _backwards(layer, fused, outs, self.dt, self.pool):
+    def __call__(self, layer: OutLayer, src: dict[str, Any], act: str) -> list[Any]:
+        outs = self.backend.transform(layer, src, act)
+        for what, differs in self.backend.read_back(layer, src, outs, act):
             self._flags.append((layer, what, differs))
         return outs
 
-    def settle(self, dev: torch.device) -> None:
-        """Read every queued comparison (after the device finished them)."""
-        if dev.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(dev)
+    def settle(self) -> None:
+        """Read every queued comparison (after the backend finished them)."""
+        self.backend.settle()
         for layer, what, differs in self._flags:
             if bool(differs):
                 self.failed.setdefault((layer.rank, layer.name), []).append(what)
         self._flags = []
-
-
-def _backwards(
-    layer: OutLayer,
-    fused: Fused,
-    packed: list[torch.Tensor],
-    dt: torch.dtype,
-    pool: Executor | None,
-) -> list[tuple[str, Any]]:
-    """The layout read backwards (check 3): ``(what, differs)`` for the weight, the scales and
-    the bias of one rank's layer, ``packed`` as the sidecar stores them. ``differs`` is a bool,
-    or on CUDA a bool tensor not read yet."""
-    from mpack.convert import marlin
-
-    what = "requantized" if layer.requant else "checkpoint"
-    out = [
-        (
-            f"{layer.name}.weight does not unpack to the {what} bytes",
-            _weight_differs(packed[0], fused.weight, layer.n, layer.k, pool),
-        ),
-        (
-            f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
-            _differs(marlin.unpack_scales(packed[1], layer.n), fused.scale.to(dt)),
-        ),
-    ]
-    if fused.bias is not None:
-        out.append(
-            (
-                f"{layer.name}.bias does not unpack to the checkpoint bias",
-                _differs(marlin.unpack_bias(packed[2], layer.n), fused.bias.to(dt)),
-            )
-        )
-    return out
-
-
-def _differs(a: torch.Tensor, b: torch.Tensor) -> Any:
-    """Whether ``a`` and ``b`` differ in shape or bytes: a bool, or on CUDA a bool tensor whose
-    reading (a sync) waits until :meth:`_Checker.settle`."""
-    import torch
-
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return True
-    if a.is_cuda:
-        return (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).any()
-    return not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _weight_differs(
-    packed: torch.Tensor, weight: torch.Tensor, n: int, k: int, pool: Executor | None
-) -> Any:
-    """Whether ``packed`` (int32 ``[Kp/16, 4*Np]``) unpacks to other bytes than ``weight``
-    (uint8 ``[N, K]``).
-
-    On the CPU with a pool, in blocks of n-tiles on its threads, as the repack runs (Note [repack
-    in blocks] in :mod:`mpack.convert.marlin`): unpacking a whole layer with torch's own threads
-    costs twice the repack on 2 cores. The Marlin weight is n-tiles of 256 consecutive words in
-    every packed row (SPEC §5, :mod:`mpack.convert.marlin`'s docstring), so a column slice of
-    whole n-tiles unpacks (:func:`mpack.convert.marlin.unrepack`) to their 64 rows each, alone.
-    """
-    import torch
-
-    from mpack.convert import marlin
-
-    if pool is None or packed.is_cuda:
-        return _differs(marlin.unpack_weight(packed, n, k), weight)
-    kt, cols = packed.shape
-    kp = 16 * kt
-    if packed.dtype != torch.int32 or cols % 256 or cols // 4 < n or kp < k:
-        return _differs(marlin.unpack_weight(packed, n, k), weight)  # raises as the layout does
-    step = max(1, marlin.REPACK_BLOCK_BYTES // (64 * kp))  # n-tiles per block
-    w = weight.view(torch.uint8)
-
-    def same(j: int) -> bool:
-        r0, r1 = 64 * j, min(64 * (j + step), n)  # padding rows are not compared
-        block = packed[:, 256 * j : 256 * (j + step)].contiguous()  # int32 [Kp/16, 256 * tiles]
-        rows = marlin.unrepack(block)[: r1 - r0, :k]  # uint8 [r1 - r0, K]
-        return torch.equal(rows, w[r0:r1])
-
-    with marlin._one_torch_thread():  # the pool's threads are the parallelism, as in repack
-        return not all(pool.map(same, range(0, -(-n // 64), step)))
 
 
 # --- what differs, for people -----------------------------------------------------------------
@@ -485,7 +335,7 @@ def _tensor_problems(
     plan: Plan,
     files: dict[str, SidecarComparer],
     checker: _Checker,
-    layouts: dict[str, FileLayout],
+    file_maps: dict[str, FileMap],
 ) -> list[str]:
     """Every tensor that differs, per unit and rank, then the pass-through tensors. A layer
     with a differing tensor is read back from the sidecar to say what does not unpack."""
@@ -495,16 +345,16 @@ def _tensor_problems(
         problems += [
             f"{fname}: tensor {t} is missing (the source derives it)"
             for t in c.unmatched
-            if t not in {e.name for e in layouts[fname].entries}
+            if t not in {e.name for e in file_maps[fname].entries}
         ]
         problems += [
             f"{fname}: unexpected tensor {t} (the source does not derive it)" for t in c.unplanned
         ]
-    back = _read_back(sidecar, plan, files, layouts)
+    back = _read_back(sidecar, plan, files, file_maps)
     for unit in plan.units:
         for layer in unit:
             fname = rank_file_name(layer.rank, plan.tp)
-            c, found = files[fname], {e.name for e in layouts[fname].entries}
+            c, found = files[fname], {e.name for e in file_maps[fname].entries}
             for spec in layer.tensor_specs(plan.act_dtype):
                 if spec.name in c.differs or (spec.name in c.unmatched and spec.name in found):
                     problems.append(
@@ -515,8 +365,8 @@ def _tensor_problems(
             problems += [f"{fname}: {w}" for w in dict.fromkeys(whats)]
     if COMMON_NAME in files:
         c = files[COMMON_NAME]
-        found = {e.name for e in layouts[COMMON_NAME].entries}
-        if found != {e.name for e in c.layout.entries}:
+        found = {e.name for e in file_maps[COMMON_NAME].entries}
+        if found != {e.name for e in c.file_map.entries}:
             problems.append(
                 f"{COMMON_NAME}: tensor names differ from the source's pass-through tensors"
             )
@@ -526,7 +376,7 @@ def _tensor_problems(
 
 
 def _read_back(
-    sidecar: Path, plan: Plan, files: dict[str, SidecarComparer], layouts: dict[str, FileLayout]
+    sidecar: Path, plan: Plan, files: dict[str, SidecarComparer], file_maps: dict[str, FileMap]
 ) -> dict[tuple[int, str], list[str]]:
     """The layout read backwards on the sidecar's own bytes, for the layers whose bytes differ
     from the re-derived ones (on the CPU with torch: a failure's diagnosis, not the fast path)."""
@@ -535,17 +385,20 @@ def _read_back(
         bad = [ly for ly in unit if _differing(ly, plan, files)]
         if not bad:
             continue
-        from mpack.convert.transform import fuse, read_unit
+        from mpack.convert.backends.torch import backwards, fuse, read_unit
 
         data = read_unit(plan.ckpt, unit)
         for layer in bad:
             fname = rank_file_name(layer.rank, plan.tp)
             with open_regular_file(sidecar / fname, buffering=0) as f:
-                got = [_read(f, layouts[fname], s.name) for s in layer.tensor_specs(plan.act_dtype)]
+                got = [
+                    _read(f, file_maps[fname], s.name) for s in layer.tensor_specs(plan.act_dtype)
+                ]
             fused = fuse(layer, data)
-            dt = torch_dtype(act_dtype(plan.act_dtype).st)
             out[(layer.rank, layer.name)] = [
-                what for what, differs in _backwards(layer, fused, got, dt, None) if differs
+                what
+                for what, differs in backwards(layer, fused, got, plan.act_dtype, None)
+                if differs
             ]
     return out
 
@@ -557,12 +410,12 @@ def _differing(layer: OutLayer, plan: Plan, files: dict[str, SidecarComparer]) -
     return any(n in c.differs for n in names) and not any(n in c.unmatched for n in names)
 
 
-def _read(f: BinaryIO, layout: FileLayout, name: str) -> torch.Tensor:
+def _read(f: BinaryIO, file_map: FileMap, name: str) -> torch.Tensor:
     """Tensor ``name`` of the sidecar file ``f``, read into a new CPU tensor (a single ``pread``
     returns at most 2 GiB: :func:`mpack.iokit.pread_pieces` reads it whole)."""
     import torch
 
-    e = layout.entry(name)
+    e = file_map.entry(name)
     out = torch.empty(e.nbytes, dtype=torch.uint8)  # every byte is read below
     short = pread_pieces(f.fileno(), [(memoryview(out.numpy()), e.offset)])
     if short is not None:

@@ -76,7 +76,7 @@ from mpack.sidecar import (
     MODEL_DIMS,
     expected_rank_tensors,
     load_manifest,
-    read_layout,
+    read_file_map,
 )
 
 #: vLLM's quantization keys of the two FP8 paths that run through Marlin.
@@ -226,7 +226,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     )
     skip = None
     if COMMON_NAME in {f["name"] for f in manifest["files"]}:
-        common = read_layout(sidecar / COMMON_NAME, follow=False)
+        common = read_file_map(sidecar / COMMON_NAME, follow=False)
         check_common(
             {e.name: e.shape for e in common.entries},
             manifest["layers"],

@@ -59,7 +59,7 @@ def _probe(torch: Any, t: Any) -> int:
 
 # --- the floor -----------------------------------------------------------------------------------
 # Note [the floor]: the fill ``serve`` does, minus everything it checks: the files read front to
-# back in ``chunk`` pieces into the loader's own staging ring (mpack.iokit.PinnedRing: pinned with
+# back in ``chunk`` pieces into the loader's own pinned ring (mpack.iokit.PinnedRing: pinned with
 # CUDA, pageable without), each piece copied asynchronously into one preallocated device buffer;
 # no hashing.
 

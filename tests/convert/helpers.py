@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mpack.iokit import sha256_file
-from mpack.sidecar import read_layout
+from mpack.sidecar import read_file_map
 
 Proc = subprocess.CompletedProcess
 
@@ -180,7 +180,7 @@ def safetensors_bytes(sidecar: Path) -> dict[str, bytes]:
 
 def tensor_range(path: Path, name: str) -> tuple[int, int]:
     """Absolute byte range ``[start, end)`` of tensor ``name`` in safetensors file ``path``."""
-    e = read_layout(path).entry(name)
+    e = read_file_map(path).entry(name)
     return e.offset, e.offset + e.nbytes
 
 
@@ -285,3 +285,24 @@ def _has(ck: Path, name: str) -> bool:
         return name in json.loads((ck / INDEX).read_text())["weight_map"]
     with safe_open(str(ck / SINGLE), framework="pt") as f:
         return name in f.keys()  # noqa: SIM118 - not a dict
+
+
+def tensors(path: Path) -> dict[str, Any]:
+    """Every tensor of a safetensors file, as torch tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Two torch tensors of the same dtype, shape and bytes."""
+    import torch
+
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
+    )

@@ -11,31 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from mpack.convert import marlin
 from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
 from mpack.fixtures import make_checkpoint
-from mpack.sidecar import ALIGN, read_layout
+from mpack.sidecar import ALIGN, read_file_map
+from tests.convert.helpers import same_bytes, tensors
 from tests.convert.reference import expected_bias, expected_scale_row, independent_unpack
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(
-            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-        )
-    )
 
 
 def check_sidecar_rules(
@@ -63,10 +48,10 @@ def check_sidecar_rules(
     for name in listed:
         if not name.endswith(".safetensors"):
             continue
-        layout = read_layout(out / name)
-        first = min(e.offset for e in layout.entries)
+        file_map = read_file_map(out / name)
+        first = min(e.offset for e in file_map.entries)
         assert first % ALIGN == 0, f"{name}: data section starts at {first}"
-        for e in layout.entries:
+        for e in file_map.entries:
             if e.nbytes % ALIGN == 0:
                 assert e.offset % ALIGN == 0, f"{name}: {e.name} at {e.offset}"
         tensors(out / name)  # the stock reader accepts it

@@ -31,22 +31,11 @@ PADDED_SHAPES = [(64, 64), (96, 192), (960, 576), (200, 300), (1, 4), (130, 132)
 # --- anywhere ----------------------------------------------------------------------------------
 
 
-def test_fast_path_on_cpu_is_the_torch_path(golden):
+def test_the_kernel_says_why_it_is_not_available():
     ok = cr.available()
     assert isinstance(ok, bool)
     if not torch.cuda.is_available():
         assert ok is False and cr.unavailable_reason()
-    t, index = load_vectors(golden / "vectors" / "layers.safetensors")
-    for lid in index:
-        assert torch.equal(cr.pack_weight_fast(t[f"{lid}.wck"]), t[f"{lid}.packed"]), lid
-    for n, k in PADDED_SHAPES:
-        w = rand_bytes(n, k, seed=n + k)
-        assert torch.equal(cr.pack_weight_fast(w), m.pack_weight(w)), (n, k)
-        np_, kp = m.marlin_padded_nk(n, k)
-        assert torch.equal(
-            cr.pack_weight_fast(w.view(torch.float8_e4m3fn), np_ + 64, kp + 16),
-            m.pack_weight(w, np_ + 64, kp + 16),
-        )
 
 
 def test_pack_weight_cuda_rejects_cpu_tensors():
@@ -137,7 +126,6 @@ def test_gpu_golden_layers(golden, kernel):
         got = cr.pack_weight_cuda(wck)
         assert got.shape == (info["Kp"] // 16, 4 * info["Np"]), lid
         assert torch.equal(got.cpu(), t[f"{lid}.packed"]), lid
-        assert torch.equal(cr.pack_weight_fast(wck).cpu(), t[f"{lid}.packed"]), lid
 
 
 @pytest.mark.gpu
@@ -196,15 +184,25 @@ def test_gpu_runs_on_the_current_stream(kernel):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_path_uses_the_kernel(kernel, monkeypatch):
+def test_gpu_torch_backend_runs_the_kernel_it_chose(kernel, monkeypatch):
+    """The torch backend on a GPU picks the kernel when it opens (torch's ops with the kernel
+    turned off) and then runs it: no hidden fall-back to the ops."""
+    from mpack.convert.backends import torch as tb
+    from mpack.device import CONVERT, DeviceSpec
+
+    spec = DeviceSpec.parse("cuda", CONVERT)
+    assert tb.open_torch(spec, None, frozenset(), "--device").packer == "kernel"  # type: ignore[arg-type]
+    off = frozenset({"cuda-kernel"})
+    assert tb.open_torch(spec, None, off, "--device").packer == "ops"  # type: ignore[arg-type]
     w = rand_bytes(130, 132, seed=5).cuda()
     expect = m.pack_weight(w.cpu())
 
-    def torch_path_called(*a, **kw):
-        raise AssertionError("pack_weight_fast fell back to the torch path on a CUDA tensor")
+    def torch_ops_called(*a, **kw):
+        raise AssertionError("the kernel's packer ran torch's ops")
 
-    monkeypatch.setattr(m, "pack_weight", torch_path_called)
-    assert torch.equal(cr.pack_weight_fast(w).cpu(), expect)
+    monkeypatch.setattr(m, "pack_weight", torch_ops_called)
+    np_, kp = m.marlin_padded_nk(130, 132)
+    assert torch.equal(tb.pack_weight(w, np_, kp, "kernel").cpu(), expect)
 
 
 @pytest.mark.gpu

@@ -1,10 +1,10 @@
-"""convert/driver.py: ``--device cuda`` without torch (Note [driver path]).
+"""convert/backends/driver.py: ``--device cuda`` without torch (Note [driver path]).
 
 The ``gpu`` tests need a CUDA device and cuda-bindings (``make test-gpu``): the kernel against
 the native repack on fused, sliced and padded pieces and the golden layers, whole sidecars
-against the host path, and a CLI conversion on the GPU that never imports torch. The others run
-anywhere: when the path declines, and the page-locked :class:`Buffers` bookkeeping with a real
-allocator (libc's ``malloc``).
+against the host backend, and a CLI conversion on the GPU that never imports torch. The others run
+anywhere: when the backend refuses and why, and the page-locked :class:`Buffers` bookkeeping with
+a real allocator (libc's ``malloc``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 
 from mpack import target
-from mpack.convert import driver, host, host_repack
+from mpack.convert import host_repack
+from mpack.convert.backends import Refused, driver, host
 from mpack.convert.options import ConvertOptions
 from mpack.convert.pipeline import run_convert
+from mpack.device import CONVERT, DeviceSpec
 from mpack.fixtures import make_checkpoint
 from tests.convert.helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
 from tests.convert.reference import load_vectors
@@ -46,39 +48,42 @@ def models(tmp_path_factory) -> dict[str, Path]:
 # --- anywhere ----------------------------------------------------------------------------------
 
 
-def test_ordinal_of():
-    assert driver.ordinal_of("cuda:3") == 3
-    assert driver.ordinal_of("cuda") == 0
-    assert driver.ordinal_of("auto") == 0
+CUDA = DeviceSpec.parse("cuda", CONVERT)
 
 
 @needs_native
-def test_the_path_declines_what_it_does_not_take(models, monkeypatch):
-    """A requantizing plan and MPACK_NO_DRIVER_PATH=1 leave the GPU to the torch path, before any
-    CUDA call; ``auto`` without a GPU the driver sees is no error."""
+def test_the_backend_refuses_what_it_does_not_take(models):
+    """A requantizing plan, the driver or the kernel turned off: refused before any CUDA call,
+    each with its reason (what ``-v`` and ``--json`` show)."""
     plan = plan_of(models["tensor"], profile="w8a8-marlin", tp=2)
-    assert not host.supported(plan)
-    assert driver.open_gpu("cuda", plan) is None
-    monkeypatch.setenv(driver.ENV_OFF, "1")
-    assert driver.open_gpu("cuda", plan_of(models["tensor"])) is None
+    assert "requantizing" in (host.unsupported(plan) or "")
+    with pytest.raises(Refused, match="requantizing per-tensor shards"):
+        driver.open_driver(CUDA, plan, frozenset())
+    good = plan_of(models["tensor"])
+    assert host.unsupported(good) is None
+    with pytest.raises(Refused, match="MPACK_NO_DRIVER_PATH"):
+        driver.open_driver(CUDA, good, frozenset({"driver"}))
+    with pytest.raises(Refused, match="MPACK_NO_CUDA_KERNEL"):
+        driver.open_driver(CUDA, good, frozenset({"cuda-kernel"}))
 
 
 @needs_native
-def test_no_gpu_here_is_the_torch_paths_error(models):
-    """Without a GPU, ``--device cuda`` says so in the torch path's words whichever path looked
-    (the driver's where cuda-bindings is installed), and ``auto`` is no error. A fresh process:
-    CUDA_VISIBLE_DEVICES counts only before CUDA starts."""
+def test_no_gpu_here_is_a_usage_error(models):
+    """Without a GPU, ``--device cuda:0`` says so whichever backend looked (the driver where
+    cuda-bindings is installed, else torch), and ``auto`` takes the host backend. A fresh
+    process: CUDA_VISIBLE_DEVICES counts only before CUDA starts."""
     code = (
         "import sys\n"
-        "from mpack.convert import driver, pipeline\n"
+        "from mpack.convert.backends import open_backend\n"
         "from mpack.convert.checkpoint import find_layers, open_checkpoint\n"
         "from mpack.convert.plan import make_plan\n"
         "from mpack.errors import UsageError\n"
         "c = open_checkpoint(sys.argv[1]); find_layers(c)\n"
         "plan = make_plan(c, profile='w8a16', act_dtype='bfloat16', tp=1, fusion='vllm')\n"
-        "assert driver.open_gpu('auto', plan) is None\n"
+        "b = open_backend('auto', plan); assert (b.name, b.where) == ('host', 'cpu'), b.name\n"
+        "b.close()\n"
         "try:\n"
-        "    driver.open_gpu('cuda:0', plan) or pipeline.resolve_device('cuda:0')\n"
+        "    open_backend('cuda:0', plan)\n"
         "except UsageError as e:\n"
         "    print(e)\n"
     )
@@ -135,11 +140,12 @@ def test_buffers_with_an_allocator_free_what_they_cannot_keep():
 def gpu(models):
     if not host_repack.available():
         pytest.fail("the host repack extension is not built on this GPU machine")
-    g = driver.open_gpu("cuda", plan_of(models["tensor"]))
-    if g is None:
-        pytest.fail("the driver path does not open on this GPU (cuda-bindings, NVRTC?)")
-    yield g
-    g.close()
+    try:
+        b = driver.open_driver(CUDA, plan_of(models["tensor"]), frozenset())
+    except Refused as e:
+        pytest.fail(f"the driver backend does not open on this GPU: {e}")
+    yield b.gpu
+    b.close()
 
 
 def _native(pieces, k, np_, kp):
@@ -194,12 +200,14 @@ def test_gpu_driver_path_writes_the_host_paths_sidecar(
 ):
     ck = models[model]
     a = run_convert(ck, tmp_path / "driver", ConvertOptions(act_dtype=act, tp=tp, device="cuda"))
+    assert a.backend["name"] == "driver" and a.backend["device"] == "cuda:0"
     assert "open_gpu" in a.seconds and "import_torch" not in a.seconds
     b = run_convert(ck, tmp_path / "host", ConvertOptions(act_dtype=act, tp=tp, device="cpu"))
     assert a.digest == b.digest and safetensors_bytes(a.out) == safetensors_bytes(b.out)
-    monkeypatch.setenv(driver.ENV_OFF, "1")
+    monkeypatch.setenv("MPACK_NO_DRIVER_PATH", "1")  # the switch, read from the environment
     c = run_convert(ck, tmp_path / "torch", ConvertOptions(act_dtype=act, tp=tp, device="cuda"))
-    assert "import_torch" in c.seconds  # the driver path declined: the torch path ran
+    assert c.backend["name"] == "torch" and "MPACK_NO_DRIVER_PATH" in str(c.backend["refused"])
+    assert "import_torch" in c.seconds  # the driver backend refused: torch ran
     assert safetensors_bytes(c.out) == safetensors_bytes(a.out)
 
 
@@ -217,7 +225,7 @@ def test_gpu_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch
         tmp_path / "driver",
         ConvertOptions(act_dtype="float16", tp=2, device="cuda"),
     )
-    assert "open_gpu" in a.seconds
+    assert a.backend["name"] == "driver"
     b = run_convert(
         models["bias"], tmp_path / "host", ConvertOptions(act_dtype="float16", tp=2, device="cpu")
     )

@@ -1,6 +1,7 @@
-"""The torch-free host path (Note [host path], [host repack]): the native repack and the numpy
-scales and bias against the golden vectors, the independent unpack and the torch path; whole
-conversions on both paths give the same bytes; a host conversion never imports torch."""
+"""The torch-free host backend (Note [host path], [host repack]): the native repack and the numpy
+scales and bias against the golden vectors, the independent unpack and torch's ops; which plans
+it takes, ``auto``'s order, recycled buffers; a host conversion never imports torch. (Whole
+sidecars on every backend: tests/convert/test_backends.py.)"""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 import torch
 
 from mpack import iokit, target
-from mpack.convert import host, host_repack, marlin
+from mpack.convert import host_repack, marlin
+from mpack.convert.backends import host
 from mpack.convert.options import ConvertOptions
-from mpack.convert.pipeline import no_cuda_here, run_convert
+from mpack.convert.pipeline import run_convert
+from mpack.device import no_cuda_here
 from mpack.fixtures import make_checkpoint
 from tests.convert.helpers import HOST_MODELS, cli_env, plan_of, python_c, safetensors_bytes
 from tests.convert.reference import independent_unpack, load_vectors, rand_bytes
@@ -41,10 +44,7 @@ def _native(a: np.ndarray, **kw) -> torch.Tensor:
 
 
 def _torch_path(w: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    with monkeypatch.context() as mp:
-        mp.setenv("MPACK_NO_HOST_REPACK", "1")
-        assert not host_repack.available()
-        return marlin.pack_weight(w)
+    return marlin.pack_weight(w)  # torch's ops, whatever is built
 
 
 # --- the native repack ------------------------------------------------------------------------
@@ -305,33 +305,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {name: make_checkpoint(root / name, **kw) for name, kw in MODELS.items()}
 
 
-@pytest.mark.parametrize(
-    "model, act, tp",
-    [
-        ("tensor", "bfloat16", 2),
-        ("tensor", "float16", 1),
-        ("channel-f16", "bfloat16", 2),
-        ("bias", "float16", 2),
-        ("bias", "bfloat16", 1),
-        ("bias-f32", "bfloat16", 2),
-    ],
-)
-def test_host_and_torch_paths_write_the_same_sidecar(models, tmp_path, monkeypatch, model, act, tp):
-    ck = models[model]
-    a = run_convert(ck, tmp_path / "host", ConvertOptions(act_dtype=act, tp=tp, device="cpu"))
-    assert "import_torch" not in a.seconds  # the host path took it
-    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
-    b = run_convert(ck, tmp_path / "torch", ConvertOptions(act_dtype=act, tp=tp, device="cpu"))
-    assert "import_torch" in b.seconds
-    assert a.digest == b.digest
-    assert safetensors_bytes(a.out) == safetensors_bytes(b.out)
-
-
 def test_requantizing_plans_take_the_torch_path(models, tmp_path):
     r = run_convert(
         models["tensor"], tmp_path / "o", ConvertOptions(profile="w8a8-marlin", tp=2, device="cpu")
     )
-    assert "import_torch" in r.seconds
+    assert "import_torch" in r.seconds and r.backend["name"] == "torch"
+    assert "requantizing" in r.backend["refused"]["host (cpu)"]
 
 
 def test_a_host_conversion_never_imports_torch(models, tmp_path):
@@ -349,18 +328,21 @@ def test_a_host_conversion_never_imports_torch(models, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "cores, cuda_maybe, host_path", [(2, False, True), (16, True, True), (4, True, False)]
+    "cores, cuda_maybe, tried_first",
+    [(2, False, []), (16, True, []), (4, True, ["driver (cuda:0)", "torch (cuda:0)"])],
 )
-def test_auto_device(models, tmp_path, monkeypatch, cores, cuda_maybe, host_path):
-    """Note [auto device]: ``auto`` takes the host path where there is surely no GPU, or on
-    AUTO_HOST_CORES cores or more; else it asks torch (here: no CUDA, so torch's CPU path)."""
+def test_auto_device(models, tmp_path, monkeypatch, cores, cuda_maybe, tried_first):
+    """Note [auto device]: ``auto`` tries the host backend first where there is surely no GPU,
+    or on AUTO_HOST_CORES cores or more; else the GPU's backends first (here no GPU: both
+    refuse, and the host backend converts)."""
     from mpack import iokit
-    from mpack.convert import pipeline
+    from mpack.convert import backends
 
     monkeypatch.setattr(iokit, "usable_cores", lambda: cores)
-    monkeypatch.setattr(pipeline, "no_cuda_here", lambda: not cuda_maybe)
+    monkeypatch.setattr(backends, "no_cuda_here", lambda: not cuda_maybe)
     r = run_convert(models["tensor"], tmp_path / "o", ConvertOptions(device="auto"))
-    assert ("import_torch" not in r.seconds) is host_path
+    assert r.backend["name"] == "host"
+    assert list(r.backend["refused"]) == tried_first
 
 
 def test_no_cuda_here(monkeypatch):
@@ -415,8 +397,9 @@ def test_recycling_every_array_keeps_the_bytes(models, tmp_path, monkeypatch):
         models["bias"], tmp_path / "host", ConvertOptions(act_dtype="float16", tp=2, device="cpu")
     )
     assert len(given) > 10
-    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
     b = run_convert(
-        models["bias"], tmp_path / "torch", ConvertOptions(act_dtype="float16", tp=2, device="cpu")
+        models["bias"],
+        tmp_path / "torch",
+        ConvertOptions(act_dtype="float16", tp=2, device="cpu", backend="torch"),
     )
     assert safetensors_bytes(a.out) == safetensors_bytes(b.out)

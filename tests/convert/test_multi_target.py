@@ -24,8 +24,8 @@ from mpack.convert.staging import work_dirs
 from mpack.fixtures import make_checkpoint
 from mpack.hub import plan_push, push_sidecar
 from mpack.sidecar import COMMON_NAME
-from tests.convert.helpers import cli, cli_popen, explain
-from tests.convert.test_convert import check_sidecar_rules, same_bytes, tensors
+from tests.convert.helpers import cli, cli_popen, explain, same_bytes, tensors
+from tests.convert.test_convert import check_sidecar_rules
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden" / "cases"
 BIG = dict(hidden=1024, intermediate=4096, layers=8, heads=8, kv_heads=4, vocab=2048)
@@ -57,9 +57,7 @@ def same_files(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("path", ["host", "torch"])
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
-def test_each_target_is_the_single_target_sidecar(ckpts, tmp_path, monkeypatch, path, model):
-    if path == "torch":
-        monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
+def test_each_target_is_the_single_target_sidecar(ckpts, tmp_path, path, model):
     out = tmp_path / "multi"
     r = convert(
         ckpts[model],
@@ -68,8 +66,12 @@ def test_each_target_is_the_single_target_sidecar(ckpts, tmp_path, monkeypatch, 
         profile=["w8a16", "w8a8-marlin"],
         act_dtype=["bfloat16", "float16"],
         device="cpu",
+        backend="auto" if path == "host" else path,
     )
     assert isinstance(r, MultiConvertResult) and r.out == out and r.skipped == []
+    for x in r.results:  # the host backend refuses requantization: torch takes those targets
+        requant = x.manifest["target"]["profile"] == "w8a8-marlin"
+        assert x.backend["name"] == ("torch" if path == "torch" or requant else "host")
     names = [x.out.name for x in r.results]
     assert sorted(names) == sorted(p.name for p in out.iterdir())
     assert len(names) == 8 and "tp2-w8a8-marlin-float16" in names
@@ -96,7 +98,7 @@ def test_one_run_matches_both_golden_profiles(tmp_path, path):
     inputs = [(c / "input" / "model.safetensors").read_bytes() for c in cases]
     assert inputs[0] == inputs[1]
     out = tmp_path / "out"
-    env = {"MPACK_NO_HOST_REPACK": "1"} if path == "torch" else None
+    backend = [] if path == "host" else ["--backend", path]  # host: auto (torch requantizes)
     r = cli(
         "convert",
         cases[0] / "input",
@@ -108,7 +110,7 @@ def test_one_run_matches_both_golden_profiles(tmp_path, path):
         "bfloat16",
         "--device",
         "cpu",
-        env=env,
+        *backend,
     )
     assert r.returncode == 0, explain(r)
     for case_dir in cases:
@@ -153,9 +155,9 @@ def test_the_source_is_read_once(ckpts, tmp_path, monkeypatch):
 
 
 def tensors_in(path: Path):
-    from mpack.sidecar import read_layout
+    from mpack.sidecar import read_file_map
 
-    return read_layout(path).entries
+    return read_file_map(path).entries
 
 
 # --- invalid targets ----------------------------------------------------------------------
@@ -333,9 +335,7 @@ def test_push_sends_the_directory_as_one_repo(ckpts, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("driver", ["driver", "torch"])
-def test_gpu_targets_are_the_cpu_sidecars(ckpts, tmp_path, monkeypatch, driver):
-    if driver == "torch":
-        monkeypatch.setenv("MPACK_NO_DRIVER_PATH", "1")
+def test_gpu_targets_are_the_cpu_sidecars(ckpts, tmp_path, driver):
     r = convert(
         ckpts["qwen2"],
         tmp_path / "gpu",
@@ -343,9 +343,12 @@ def test_gpu_targets_are_the_cpu_sidecars(ckpts, tmp_path, monkeypatch, driver):
         profile=["w8a16", "w8a8-marlin"],
         act_dtype=["bfloat16", "float16"],
         device="cuda",
+        backend="auto" if driver == "driver" else "torch",
     )
     for x in r.results:
         t = x.manifest["target"]
+        want = "driver" if driver == "driver" and t["profile"] == "w8a16" else "torch"
+        assert (x.backend["name"], x.backend["device"]) == (want, "cuda:0")
         single = run_convert(
             ckpts["qwen2"],
             tmp_path / f"cpu-{x.out.name}",

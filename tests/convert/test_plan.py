@@ -22,7 +22,7 @@ from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint
 from mpack.convert.plan import Plan, make_plan
 from mpack.errors import UnsupportedSchemeError, UsageError
 from mpack.fixtures import make_checkpoint
-from mpack.sidecar import COMMON_NAME, MANIFEST_NAME, rank_file_name, read_layout
+from mpack.sidecar import COMMON_NAME, MANIFEST_NAME, rank_file_name, read_file_map
 
 CHECKPOINTS = {
     # the golden model's dims: 4 heads, 2 KV heads, head_dim 64, intermediate 512
@@ -237,9 +237,13 @@ def test_file_layouts_are_the_files_convert_writes(ckpts, tmp_path, name, tp, ac
     on_disk = sorted(p.name for p in out.glob("*.safetensors"))
     assert sorted(plan.files) == on_disk
     assert on_disk == sorted([COMMON_NAME, *(rank_file_name(r, tp) for r in range(tp))])
-    for fname, layout in plan.files.items():
-        got = read_layout(out / fname)
-        assert (got.header, got.entries, got.size) == (layout.header, layout.entries, layout.size)
+    for fname, file_map in plan.files.items():
+        got = read_file_map(out / fname)
+        assert (got.header, got.entries, got.size) == (
+            file_map.header,
+            file_map.entries,
+            file_map.size,
+        )
     assert plan.total_bytes == sum((out / f).stat().st_size for f in on_disk)
     written = json.loads((out / MANIFEST_NAME).read_text())
     assert written["layers"] == plan.layers_manifest() and written["target"] == plan.target
@@ -275,11 +279,11 @@ META = {
 def test_every_rank_file_lays_out_its_units_tensors(ckpts: dict[str, Path]) -> None:
     plan = plan_of(ckpts["llama"], tp=4, act="float16")
     for r in range(4):
-        layout = plan.files[rank_file_name(r, 4)]
+        file_map = plan.files[rank_file_name(r, 4)]
         specs = [s for unit in plan.units for s in unit[r].tensor_specs("float16")]
-        got = {(e.name, e.dtype, e.shape) for e in layout.entries}
+        got = {(e.name, e.dtype, e.shape) for e in file_map.entries}
         assert got == {(s.name, s.dtype, s.shape) for s in specs}
-        assert layout.metadata == {**META, "rank": str(r)}
+        assert file_map.metadata == {**META, "rank": str(r)}
 
 
 # --- refusals ------------------------------------------------------------------------------------

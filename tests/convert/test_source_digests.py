@@ -19,7 +19,7 @@ from mpack.convert.source import ResolvedSource, hash_sources
 from mpack.errors import OutputExistsError, VerificationError
 from mpack.fixtures import make_checkpoint
 from mpack.iokit import HashCancelled
-from mpack.sidecar import load_manifest, read_layout, write_manifest
+from mpack.sidecar import load_manifest, read_file_map, write_manifest
 from tests.conftest import flip_byte
 
 CHUNK = 4096  # small enough that every shard of a tiny checkpoint spans many chunks
@@ -73,8 +73,8 @@ def test_verify_source_checks_chunks_and_reports_a_changed_shard(converted) -> N
     src, out = converted
     assert run_verify(out, source=src)["source_checked"]
     shard = next(src.glob("*.safetensors"))
-    layout = read_layout(shard)
-    flip_byte(shard, layout.entries[-1].offset, mask=0x01)  # the last tensor: not re-derived
+    file_map = read_file_map(shard)
+    flip_byte(shard, file_map.entries[-1].offset, mask=0x01)  # the last tensor: not re-derived
     with pytest.raises(VerificationError, match=rf"source {shard.name}: differs"):
         run_verify(out, source=src)
 
@@ -94,7 +94,7 @@ def test_changed_source_is_not_up_to_date_in_either_form(converted) -> None:
     src, out = converted
     as_whole_file_records(out, src)
     shard = next(src.glob("*.safetensors"))
-    flip_byte(shard, read_layout(shard).entries[-1].offset, mask=0x01)
+    flip_byte(shard, read_file_map(shard).entries[-1].offset, mask=0x01)
     with pytest.raises(OutputExistsError, match="different sidecar"):
         run_convert(src, out, ConvertOptions(device="cpu"))
 

@@ -29,7 +29,7 @@ from mpack.convert.stream import Streamer  # noqa: E402
 from mpack.errors import CorruptFileError, UnsupportedSchemeError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 from mpack.iokit import chunk_digests  # noqa: E402
-from mpack.sidecar import FileLayout, HashingWriter, TensorSpec  # noqa: E402
+from mpack.sidecar import FileMap, HashingWriter, TensorSpec  # noqa: E402
 from tests.convert.helpers import edit_config, weight_args  # noqa: E402
 
 
@@ -43,20 +43,20 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --- HashingWriter -----------------------------------------------------------------------
 
 
-def _layout(nbytes: int) -> FileLayout:
-    return FileLayout.plan([TensorSpec("t", "U8", (nbytes,))], {})
+def _file_map(nbytes: int) -> FileMap:
+    return FileMap.plan([TensorSpec("t", "U8", (nbytes,))], {})
 
 
 @pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
 def test_writer_chunk_digests_and_sha_match_the_file(tmp_path: Path, chunk: int) -> None:
     """Chunk digests computed while writing = digests of the finished file, any chunk size."""
     n = 300_001
-    layout = _layout(n)
+    file_map = _file_map(n)
     data = random.Random(chunk).randbytes(n)
     path = tmp_path / "f.safetensors"
-    w = HashingWriter(path, layout, chunk_bytes=chunk)
+    w = HashingWriter(path, file_map, chunk_bytes=chunk)
     w.FLUSH_BYTES = 10_000  # many write-behind requests on a small file
-    off, entry = 0, layout.entry("t")
+    off, entry = 0, file_map.entry("t")
     rng = random.Random(1)
     while off < n:
         step = min(rng.randint(1, 50_000), n - off)
@@ -64,7 +64,7 @@ def test_writer_chunk_digests_and_sha_match_the_file(tmp_path: Path, chunk: int)
         off += step
     size, sha = w.finish()
     body = path.read_bytes()
-    assert size == len(body) == layout.size
+    assert size == len(body) == file_map.size
     assert body[entry.offset :] == data
     assert sha == hashlib.sha256(body).hexdigest()
     assert w.chunks == chunk_digests(path, chunk)
@@ -74,9 +74,9 @@ def test_writer_chunk_digests_and_sha_match_the_file(tmp_path: Path, chunk: int)
 def test_writer_fence_lets_a_buffer_be_reused(tmp_path: Path) -> None:
     """A buffer rewritten right after its fence is set never leaks into the whole-file hash."""
     piece, count = 1 << 20, 24
-    layout = _layout(piece * count)
+    file_map = _file_map(piece * count)
     path = tmp_path / "f.safetensors"
-    w = HashingWriter(path, layout, chunk_bytes=None)
+    w = HashingWriter(path, file_map, chunk_bytes=None)
     bufs = [bytearray(piece) for _ in range(2)]
     fences: list[threading.Event | None] = [None, None]
     want = bytearray()
@@ -86,20 +86,20 @@ def test_writer_fence_lets_a_buffer_be_reused(tmp_path: Path) -> None:
             assert fences[j].wait(30)
         bufs[j][:] = bytes([i]) * piece
         want += bufs[j]
-        w.write_at(layout.entry("t").offset + i * piece, memoryview(bufs[j]))
+        w.write_at(file_map.entry("t").offset + i * piece, memoryview(bufs[j]))
         fences[j] = w.fence()
     size, sha = w.finish()
-    assert path.read_bytes()[layout.entry("t").offset :] == want
+    assert path.read_bytes()[file_map.entry("t").offset :] == want
     assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
     assert w.chunks == []
 
 
 def test_writer_refuses_out_of_order_and_short_files(tmp_path: Path) -> None:
-    layout = _layout(100)
-    w = HashingWriter(tmp_path / "f", layout)
+    file_map = _file_map(100)
+    w = HashingWriter(tmp_path / "f", file_map)
     with pytest.raises(AssertionError, match="write at"):
-        w.write_at(layout.entry("t").offset + 1, b"x")
-    w.write_at(layout.entry("t").offset, b"x" * 50)
+        w.write_at(file_map.entry("t").offset + 1, b"x")
+    w.write_at(file_map.entry("t").offset, b"x" * 50)
     with pytest.raises(AssertionError, match="wrote"):
         w.finish()
     w.close()
@@ -178,17 +178,20 @@ def test_streamer_transform_error_stops_every_stage(ckpt: Path, tmp_path: Path) 
     writers = _writers(plan, tmp_path)
     calls = []
 
-    def boom(layer, src):
+    from mpack.convert.backends.torch import TorchBackend
+
+    backend = TorchBackend(torch.device("cpu"), "ops")
+
+    def boom(layer, src, act):
         calls.append(layer.name)
         if len(calls) == 3:
             raise RuntimeError("transform failed on purpose")
-        from mpack.convert.transform import transform
-
-        return transform(layer, src, plan.act_dtype)
+        return backend.transform(layer, src, act)
 
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="on purpose"):
-        Streamer(plan, writers, torch.device("cpu"), boom, lambda n: None).run()
+        Streamer(plan, writers, backend, transform=boom).run()
+    backend.close()
     for w in writers.values():
         w.close()
     assert len(calls) == 3
@@ -207,13 +210,12 @@ def test_streamer_read_error_is_the_one_reported(ckpt: Path, tmp_path: Path) -> 
     assert last.offset > min(t.offset for t in weights)  # earlier units read fine
     os.truncate(src / last.file, last.offset + 1)  # that weight loses all but one byte
     writers = _writers(plan, tmp_path)
-    from mpack.convert.transform import transform
+    from mpack.convert.backends.torch import TorchBackend
 
-    def xf(layer, s):
-        return transform(layer, s, plan.act_dtype)
-
+    backend = TorchBackend(torch.device("cpu"), "ops")
     with pytest.raises(CorruptFileError, match="truncated"):
-        Streamer(plan, writers, torch.device("cpu"), xf, lambda n: None).run()
+        Streamer(plan, writers, backend).run()
+    backend.close()
     for w in writers.values():
         w.close()
 
@@ -242,13 +244,16 @@ def test_gpu_small_pieces_and_tight_rings_give_the_cpu_bytes(
 ) -> None:
     """Every layer split over many pinned pieces, rings of 2-3 pieces (every piece reused many
     times, each reuse waiting on a copy event or the hasher), TP 2: the CPU path's bytes."""
-    from mpack.convert import pipeline, stream
+    from mpack.convert import pipeline
+    from mpack.convert.backends import torch as torch_backend
 
     a = pipeline.run_convert(ckpt, tmp_path / "cpu", ConvertOptions(device="cpu", tp=2))
-    monkeypatch.setattr(stream, "PIECE", piece)
-    monkeypatch.setattr(stream, "IN_PIECES", count)
-    monkeypatch.setattr(stream, "OUT_PIECES", count)
-    b = pipeline.run_convert(ckpt, tmp_path / "gpu", ConvertOptions(device="cuda", tp=2))
+    monkeypatch.setattr(torch_backend, "PIECE", piece)
+    monkeypatch.setattr(torch_backend, "IN_PIECES", count)
+    monkeypatch.setattr(torch_backend, "OUT_PIECES", count)
+    opts = ConvertOptions(device="cuda", tp=2, backend="torch")  # the rings are torch's
+    b = pipeline.run_convert(ckpt, tmp_path / "gpu", opts)
+    assert b.backend["name"] == "torch"
     assert a.manifest["files"] == b.manifest["files"]
     assert b.seconds["read_busy"] > 0 and b.seconds["write_busy"] > 0
 
@@ -261,9 +266,7 @@ def test_timeline_accounts_for_the_run(ckpt: Path, tmp_path: Path, monkeypatch, 
     off the critical path]), and not at all on the host path (Note [host path])."""
     from mpack.convert import pipeline
 
-    if path == "torch":
-        monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
-    r = pipeline.run_convert(ckpt, tmp_path / "out", ConvertOptions(device="cpu"))
+    r = pipeline.run_convert(ckpt, tmp_path / "out", ConvertOptions(device="cpu", backend=path))
     spans = r.timeline
     lanes = {lane for lane, *_ in spans}
     assert {"main", "read", "transform", "write", "copy", "hash-src"} <= lanes

@@ -45,7 +45,7 @@ from mpack.sidecar import (
     load_manifest,
     manifest_bytes,
     rank_file_name,
-    read_layout,
+    read_file_map,
 )
 from tests.conftest import flip_byte
 from tests.convert.helpers import cli
@@ -515,7 +515,7 @@ def test_a_resigned_header_with_bad_numbers_is_refused_by_serve_and_load(sc, how
     rewrite_header(sc / RANK0, edit)
     resign(sc, RANK0)
     with pytest.raises(CorruptFileError, match="malformed header entry"):
-        read_layout(sc / RANK0)
+        read_file_map(sc / RANK0)
     with pytest.raises(CorruptFileError, match="malformed header entry"):
         load(sc, rank=0)
     r = mpack_cli("serve", sc, "--device", "cpu")
@@ -542,7 +542,7 @@ def test_verify_and_load_fail_a_rank_file_with_one_flipped_data_byte_on_its_dige
     # the last byte is tensor data: the header, the tensor names and shapes and the size all
     # still match, so only the digest check can notice
     flip_byte(sc / RANK0, (sc / RANK0).stat().st_size - 1)
-    assert read_layout(sc / RANK0).size == (sc / RANK0).stat().st_size
+    assert read_file_map(sc / RANK0).size == (sc / RANK0).stat().st_size
     want = load_manifest(sc)[0]
     (entry,) = [f for f in want["files"] if f["name"] == RANK0]
     r = mpack_cli("verify", sc)

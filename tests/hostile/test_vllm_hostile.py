@@ -34,11 +34,11 @@ from mpack.iokit import chunk_digests, sha256_file  # noqa: E402
 from mpack.runtime.vllm.checks import Options  # noqa: E402
 from mpack.sidecar import (  # noqa: E402
     COMMON_NAME,
-    FileLayout,
+    FileMap,
     HashingWriter,
     TensorSpec,
     load_manifest,
-    read_layout,
+    read_file_map,
     write_manifest,
 )
 from tests.vllm.test_vllm_loader import assert_same_tensors, ok, run_cli, run_workers  # noqa: E402
@@ -69,18 +69,18 @@ def resign(sidecar: Path, manifest: dict[str, Any] | None = None) -> None:
 def rewrite(path: Path, keep: Any = lambda name: True, add: TensorSpec | None = None) -> None:
     """Rewrite safetensors file ``path`` with only the tensors ``keep(name)`` accepts (their
     bytes unchanged), and ``add`` (zeros), laid out as mpack lays out its files."""
-    old = read_layout(path)
+    old = read_file_map(path)
     kept = [e for e in old.entries if keep(e.name)]
     specs = [TensorSpec(e.name, e.dtype, e.shape) for e in kept] + ([add] if add else [])
-    layout = FileLayout.plan(specs, old.metadata)
+    file_map = FileMap.plan(specs, old.metadata)
     data = path.read_bytes()
     tmp = path.with_suffix(".tmp")
-    w = HashingWriter(tmp, layout)
+    w = HashingWriter(tmp, file_map)
     for e in kept:
-        new = layout.entry(e.name)
+        new = file_map.entry(e.name)
         w.write_at(new.offset, data[e.offset : e.offset + e.nbytes])
     if add:
-        w.write_at(layout.entry(add.name).offset, bytes(add.nbytes))
+        w.write_at(file_map.entry(add.name).offset, bytes(add.nbytes))
     w.finish()
     os.replace(tmp, path)
 

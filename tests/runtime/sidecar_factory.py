@@ -3,7 +3,7 @@
 Each rank file holds, per layer, Marlin-shaped tensors (int32 weights [Kp/16, 4*Np], bf16
 scales [1, Np]); common.safetensors holds bf16 pass-through tensors, one of them of a size that
 is not a multiple of 64 (so the unaligned tail of the layout is exercised). Everything is
-written through mpack.sidecar (FileLayout.plan, HashingWriter, new_manifest, write_manifest),
+written through mpack.sidecar (FileMap.plan, HashingWriter, new_manifest, write_manifest),
 so the files are exactly what the format module accepts.
 """
 
@@ -16,21 +16,21 @@ import numpy as np
 
 from mpack.sidecar import (
     COMMON_NAME,
-    FileLayout,
+    FileMap,
     HashingWriter,
     TensorSpec,
     new_manifest,
     rank_file_name,
-    read_layout,
+    read_file_map,
     target_of,
     write_manifest,
 )
 
 
 def _write(path: Path, specs: list[TensorSpec], rng: np.random.Generator) -> dict:
-    layout = FileLayout.plan(specs, metadata={"format": "pt"})
-    w = HashingWriter(path, layout)
-    for e in layout.entries:
+    file_map = FileMap.plan(specs, metadata={"format": "pt"})
+    w = HashingWriter(path, file_map)
+    for e in file_map.entries:
         w.write_at(e.offset, rng.integers(0, 256, size=e.nbytes, dtype=np.uint8).tobytes())
     size, digest = w.finish()
     return {"name": path.name, "size": size, "sha256": digest}
@@ -113,7 +113,7 @@ def expected_tensors(sidecar: Path, rank: int = 0) -> dict[str, bytes]:
     out = {}
     for name in names:
         data = (sidecar / name).read_bytes()
-        for e in read_layout(sidecar / name).entries:
+        for e in read_file_map(sidecar / name).entries:
             out[e.name] = data[e.offset : e.offset + e.nbytes]
     return out
 

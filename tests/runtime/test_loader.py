@@ -20,7 +20,7 @@ from mpack.runtime import load
 from mpack.runtime.allocation import REGION_ALIGN, plan_rank
 from mpack.runtime.loader import HostDest, fill
 from mpack.sidecar import (
-    FileLayout,
+    FileMap,
     HashingWriter,
     TensorSpec,
     new_manifest,
@@ -131,9 +131,9 @@ def _one_file_sidecar(path: Path, specs: list[TensorSpec]) -> Path:
     ]
     files = []
     for name, file_specs in ((rank_file_name(0, 1), rank), ("common.safetensors", specs)):
-        layout = FileLayout.plan(file_specs)
-        w = HashingWriter(path / name, layout)
-        for e in layout.entries:
+        file_map = FileMap.plan(file_specs)
+        w = HashingWriter(path / name, file_map)
+        for e in file_map.entries:
             w.write_at(e.offset, bytes(e.nbytes))
         size, digest = w.finish()
         files.append({"name": name, "size": size, "sha256": digest})

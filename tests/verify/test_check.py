@@ -8,7 +8,7 @@ import pytest
 import mpack.convert as mc
 from mpack.errors import UsageError, VerificationError
 from mpack.fixtures import make_checkpoint
-from mpack.sidecar import rank_file_name, read_layout
+from mpack.sidecar import rank_file_name, read_file_map
 from mpack.verify import Verification, verify
 from mpack.verify.check import MAX_LISTED
 from tests.conftest import flip_byte
@@ -32,7 +32,7 @@ def test_problems_are_returned_and_raised_by_the_forward(converted, tmp_path) ->
     for f in sc.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     rank0 = bad / rank_file_name(0, 1)
-    flip_byte(rank0, read_layout(rank0).entries[0].offset)
+    flip_byte(rank0, read_file_map(rank0).entries[0].offset)
     result = verify(bad, source=ck)  # a result, not an exception
     assert not result.ok and not result.source_checked  # no re-derivation after a bad checksum
     assert any(p.startswith(rank0.name) for p in result.problems), result.problems

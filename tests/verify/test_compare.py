@@ -16,13 +16,13 @@ from mpack import iokit
 from mpack.iokit import chunk_digests
 from mpack.sidecar import (
     COMMON_NAME,
-    FileLayout,
+    FileMap,
     HashingWriter,
     TensorSpec,
     check_files,
     load_manifest,
     rank_file_name,
-    read_layout,
+    read_file_map,
     write_manifest,
 )
 from mpack.verify import compare, verify
@@ -47,7 +47,7 @@ def _resign(sc: Path, name: str) -> None:
 
 def _flip_in(sc: Path, fname: str, tensor: str, *, resign: bool = True) -> None:
     """Flip a byte in the middle of ``tensor`` of sidecar file ``fname``."""
-    e = read_layout(sc / fname).entry(tensor)
+    e = read_file_map(sc / fname).entry(tensor)
     flip_byte(sc / fname, e.offset + e.nbytes // 2)
     if resign:
         _resign(sc, fname)
@@ -55,9 +55,9 @@ def _flip_in(sc: Path, fname: str, tensor: str, *, resign: bool = True) -> None:
 
 def _header_pad(path: Path) -> int:
     """The offset of the last byte of the header's space padding."""
-    layout = read_layout(path)
-    assert layout.header.endswith(b" "), "the fixture's header is padded"
-    return layout.data_start - 1
+    file_map = read_file_map(path)
+    assert file_map.header.endswith(b" "), "the fixture's header is padded"
+    return file_map.data_start - 1
 
 
 def _damaged(converted, tmp_path: Path) -> dict[str, Path]:
@@ -75,11 +75,13 @@ def _damaged(converted, tmp_path: Path) -> dict[str, Path]:
     return cases
 
 
-def _problems(converted, tmp_path: Path, device: str) -> dict[str, list[str]]:
+def _problems(
+    converted, tmp_path: Path, device: str, backend: str = "auto"
+) -> dict[str, list[str]]:
     ck, _ = converted
     out = {}
     for case, sc in _damaged(converted, tmp_path).items():
-        r = verify(sc, source=ck, rederive_device=device)
+        r = verify(sc, source=ck, rederive_device=device, rederive_backend=backend)
         assert not r.ok, case
         out[case] = r.problems
         if case in ("header", "chunk"):  # a digest that differs: reported as check 1 reports it
@@ -160,22 +162,22 @@ def test_a_source_that_changed_is_named(converted, tmp_path) -> None:
 # --- the comparer on its own: chunks smaller than a tensor, any order ---------------------------
 
 
-def _file(tmp_path: Path, chunk: int) -> tuple[Path, FileLayout, dict]:
+def _file(tmp_path: Path, chunk: int) -> tuple[Path, FileMap, dict]:
     """A safetensors file of three tensors, its layout and its files record (``chunk`` bytes)."""
     specs = [
         TensorSpec("a", "U8", (3000,)),
         TensorSpec("b", "U8", (1280,)),
         TensorSpec("c", "U8", (77,)),
     ]
-    layout = FileLayout.plan(specs)
+    file_map = FileMap.plan(specs)
     path = tmp_path / "f.safetensors"
-    w = HashingWriter(path, layout, chunk_bytes=chunk)
-    for e in layout.entries:
+    w = HashingWriter(path, file_map, chunk_bytes=chunk)
+    for e in file_map.entries:
         w.write_at(e.offset, _bytes_of(e.name, e.nbytes))
     size, _ = w.finish()
     return (
         path,
-        layout,
+        file_map,
         {"name": path.name, "size": size, "chunks": {"bytes": chunk, "sha256": w.chunks}},
     )
 
@@ -196,23 +198,23 @@ def _run(path, planned, found, record, writes) -> SidecarComparer:
 @pytest.mark.parametrize("piece", [64, 1000, 1 << 20])
 def test_the_comparer_hashes_every_byte_once_whatever_the_pieces(tmp_path, monkeypatch, piece):
     monkeypatch.setattr(compare, "READ_BYTES", piece)
-    path, layout, record = _file(tmp_path, chunk=1000)
-    c = _run(path, layout, layout, record, layout.entries)
+    path, file_map, record = _file(tmp_path, chunk=1000)
+    c = _run(path, file_map, file_map, record, file_map.entries)
     assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
     # writes out of order (a sidecar laid out otherwise): still every byte compared and hashed
-    c = _run(path, layout, layout, record, list(reversed(layout.entries)))
+    c = _run(path, file_map, file_map, record, list(reversed(file_map.entries)))
     assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
     # a tensor left unwritten is read and hashed all the same
-    c = _run(path, layout, layout, record, layout.entries[:1])
+    c = _run(path, file_map, file_map, record, file_map.entries[:1])
     assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
 
 
 def test_the_comparer_names_the_tensor_and_the_chunk(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(compare, "READ_BYTES", 512)
-    path, layout, record = _file(tmp_path, chunk=1000)
-    b = layout.entry("b")
+    path, file_map, record = _file(tmp_path, chunk=1000)
+    b = file_map.entry("b")
     flip_byte(path, b.offset + 5)
-    c = _run(path, layout, layout, record, layout.entries)
+    c = _run(path, file_map, file_map, record, file_map.entries)
     assert list(c.differs) == ["b"]
     (p,) = c.problems  # type: ignore[attr-defined]
     lo = (b.offset + 5) // 1000 * 1000
@@ -221,15 +223,15 @@ def test_the_comparer_names_the_tensor_and_the_chunk(tmp_path, monkeypatch) -> N
 
 
 def test_the_comparer_reports_a_planned_tensor_the_file_holds_otherwise(tmp_path) -> None:
-    path, layout, record = _file(tmp_path, chunk=1 << 20)
-    planned = FileLayout.plan(
+    path, file_map, record = _file(tmp_path, chunk=1 << 20)
+    planned = FileMap.plan(
         [
             TensorSpec("a", "U8", (3000,)),
             TensorSpec("b", "U8", (640, 2)),
             TensorSpec("d", "U8", (8,)),
         ]
     )
-    c = _run(path, planned, layout, record, planned.entries)
+    c = _run(path, planned, file_map, record, planned.entries)
     assert c.unmatched == ["b", "d"] and c.unplanned == ["b", "c"]
     assert c.problems == [] and not c.differs  # type: ignore[attr-defined]
 
@@ -292,12 +294,11 @@ def test_a_cpu_verify_never_imports_torch(converted) -> None:
     assert json.loads(out.strip().splitlines()[-1]) is False, out
 
 
-def test_the_torch_path_finds_the_same_problems(converted, tmp_path, monkeypatch) -> None:
-    """Without the native repack, verify re-derives through torch as before: the same words for
-    every damage, and the torch import shows in the phases."""
+def test_the_torch_backend_finds_the_same_problems(converted, tmp_path) -> None:
+    """Re-derived on the torch backend, verify finds the same words for every damage, and the
+    torch import shows in the phases."""
     ck, sc = converted
     on_host = _problems(converted, tmp_path / "host", "cpu")
-    monkeypatch.setenv("MPACK_NO_HOST_REPACK", "1")
-    r = verify(sc, source=ck, rederive_device="cpu")
+    r = verify(sc, source=ck, rederive_device="cpu", rederive_backend="torch")
     assert r.ok and "import_torch" in r.seconds
-    assert _problems(converted, tmp_path / "torch", "cpu") == on_host
+    assert _problems(converted, tmp_path / "torch", "cpu", "torch") == on_host

@@ -390,11 +390,11 @@ def assert_same_tensors(got: dict[str, Any], want: dict[str, Any], what: str) ->
 
 
 def rank_file_tensors(sidecar: Path, rank: int) -> set[str]:
-    from mpack.sidecar import rank_file_name, read_layout
+    from mpack.sidecar import rank_file_name, read_file_map
 
     from_manifest = json.loads((sidecar / "mpack.json").read_text())
     tp = from_manifest["target"]["tp_size"]
-    return {t.name for t in read_layout(sidecar / rank_file_name(rank, tp)).entries}
+    return {t.name for t in read_file_map(sidecar / rank_file_name(rank, tp)).entries}
 
 
 # --- equal to DefaultModelLoader ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The conversion's CPU path without torch: numpy and the native repack.
+"""The host backend: one rank's layers with numpy and the native repack, without torch.
 
 Note [host path]: on a CPU-only runner, a conversion spent a large share of its time importing
 torch (figures: docs/BENCHMARKS.md, sections 6 and 9), which it needed for nothing but tensor
@@ -6,19 +6,22 @@ arithmetic on bytes it already had in memory. This module does one rank's layer 
 numpy: the weight through the native repack (:mod:`mpack.convert.host_repack`) straight from
 the checkpoint rows, and the scales and bias, a few KB, with numpy's IEEE casts. The rounding
 is torch's, spelled out: float16 by numpy's own round-to-nearest-even cast, bfloat16 by the
-rule torch's CPU cast uses (:func:`bf16_bits`), NaN included. The bytes are those of
-:mod:`mpack.convert.transform`; tests/convert/test_host.py checks them against it and the
-golden cases.
+rule torch's CPU cast uses (:func:`bf16_bits`), NaN included. The bytes are those of the torch
+backend (:mod:`mpack.convert.backends.torch`); tests/convert/test_host.py checks them against it
+and the golden cases.
 
-What it does not do, and leaves to the torch path (:func:`supported` says which plans it
-takes): requantization (``w8a8-marlin`` with per-tensor shards), a bias stored in another dtype
-than BF16, F16 or F32, and a machine where the native repack was not built.
+What it does not do, and leaves to the torch backend (:func:`unsupported` says why):
+requantization (``w8a8-marlin`` with per-tensor shards) and a bias stored in another dtype than
+BF16, F16 or F32. The driver backend (:mod:`mpack.convert.backends.driver`) is this one with the
+weight repack on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
@@ -26,49 +29,69 @@ import numpy as np
 
 from mpack import target
 from mpack.convert import host_repack
+from mpack.convert.backends import Piece, Refused
 from mpack.convert.checkpoint import Checkpoint, float32_values, read_scale_array
 from mpack.convert.plan import OutLayer, Plan
 from mpack.target import BIAS, SCALE, WEIGHT
 
 if TYPE_CHECKING:
-    from mpack.convert.driver import GpuRepack
+    from mpack.convert.timeline import Timeline
 
 __all__ = [
     "Buffers",
+    "HostBackend",
     "act_bits",
     "backwards",
     "bf16_bits",
     "bias_vector",
     "f16_bits",
+    "open_host",
     "pack_bias",
     "pack_scales",
     "read_unit",
     "scale_vector",
-    "supported",
     "transform",
     "unpack_bias",
     "unpack_scales",
+    "unsupported",
     "weight_rows",
 ]
+
+#: Results that may wait for the writer: each holds its arrays until written.
+WRITE_QUEUE = 16
+
+#: The weight repack of a layer: ``(pieces, k, Np, Kp, out) -> int32 [Kp/16, 4*Np]``, each piece
+#: ``(rows [R, >= K] uint8, (r0, r1), (c0, c1))`` (the driver backend's GPU).
+PackPieces = Callable[..., np.ndarray]
 
 _BIAS_DTYPES = ("BF16", "F16", "F32")
 _PERM = np.array(target.SCALE_PERM, dtype=np.intp)
 
 
-def supported(plan: Plan) -> bool:
-    """Whether this path converts every layer of ``plan`` (see the module docstring)."""
-    if not host_repack.available():
-        return False
+def unsupported(plan: Plan) -> str | None:
+    """Why this backend does not convert every layer of ``plan`` (None: it does)."""
     ck = plan.ckpt
     for unit in plan.units:
         for layer in unit:
             if layer.requant:
-                return False
-            if layer.has_bias and any(
-                ck.tensors[f"{p.module}.{BIAS}"].dtype not in _BIAS_DTYPES for p in layer.pieces
-            ):
-                return False
-    return True
+                return f"{layer.name}: requantizing per-tensor shards ({plan.profile}) is torch's"
+            for p in layer.pieces if layer.has_bias else ():
+                dt = ck.tensors[f"{p.module}.{BIAS}"].dtype
+                if dt not in _BIAS_DTYPES:
+                    return f"{p.module}.{BIAS}: a {dt} bias is cast by torch"
+    return None
+
+
+def open_host(plan: Plan, off: frozenset[str]) -> HostBackend:
+    """The host backend for ``plan``, or :class:`Refused` and why (Note [choosing a backend])."""
+    if "native-repack" in off:
+        raise Refused("turned off (MPACK_NO_HOST_REPACK)")
+    if not host_repack.available():
+        raise Refused("the native repack is not built here")
+    why = unsupported(plan)
+    if why is not None:
+        raise Refused(why)
+    return HostBackend()
 
 
 # --- buffers ----------------------------------------------------------------------------------
@@ -88,9 +111,9 @@ class Buffers:
 
     ``alloc``: makes the arrays of :data:`MIN_BYTES` or more instead of ``np.empty``, returning
     ``(array, handle)``; ``free(handle)`` releases one that the cache has no room for, and
-    :meth:`close` all the others (the driver path's page-locked memory, Note [driver path] in
-    :mod:`mpack.convert.driver`). Nothing may read an array after it was given back, or after
-    :meth:`close`.
+    :meth:`close` all the others (the driver backend's page-locked memory, Note [driver path] in
+    :mod:`mpack.convert.backends.driver`). Nothing may read an array after it was given back, or
+    after :meth:`close`.
     """
 
     MIN_BYTES = 1 << 20  # smaller arrays are cheap to make: not cached
@@ -242,20 +265,20 @@ def transform(
     act_dtype: str,
     pool: Executor | None = None,
     buffers: Buffers | None = None,
-    gpu: GpuRepack | None = None,
+    pack: PackPieces | None = None,
 ) -> list[np.ndarray]:
     """One rank's Marlin tensors for ``layer`` from :func:`read_unit`'s arrays, in the order
     of its tensor specs: ``[weight int32 [Kp/16, 4Np], weight_scale [1, Np], (bias [Np])]``
     (the last two as the uint16 bits of the activation dtype). The weight goes into an array
-    from ``buffers`` when given, repacked on ``gpu`` when given (Note [driver path] in
-    :mod:`mpack.convert.driver`), else by the native repack on ``pool``'s threads."""
+    from ``buffers`` when given, repacked by ``pack`` when given (the driver backend's GPU), else
+    by the native repack on ``pool``'s threads."""
     shape = target.packed_weight_shape(layer.np_, layer.kp)
     dst = None
     if buffers is not None:
         dst = buffers.take(4 * shape[0] * shape[1]).view(np.int32).reshape(shape)
-    if gpu is not None:
+    if pack is not None:
         pieces = [(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols) for p in layer.pieces]
-        out = [gpu.pack(pieces, layer.k, layer.np_, layer.kp, dst)]
+        out = [pack(pieces, layer.k, layer.np_, layer.kp, dst)]
     else:
         rows = weight_rows(layer, src)
         out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
@@ -343,3 +366,89 @@ def backwards(
             )
         )
     return out
+
+
+# --- the backend ------------------------------------------------------------------------------
+
+
+class HostBackend:
+    """The host backend (the module docstring; :class:`mpack.convert.backends.Backend`): numpy
+    arrays handed round again by :class:`Buffers` (Note [recycled buffers]), the weight repacked
+    by ``pack`` (default: the native repack on a pool of threads, made on first use).
+
+    ``buffers``/``pack``/``where``/``detail``: the driver backend's page-locked arrays and GPU.
+    """
+
+    name = "host"
+    write_queue = WRITE_QUEUE
+
+    def __init__(
+        self,
+        buffers: Buffers | None = None,
+        pack: PackPieces | None = None,
+        where: str = "cpu",
+        detail: str = f"weights repacked by the native repack ({host_repack.KERNEL} kernel)",
+    ) -> None:
+        self.buffers = buffers if buffers is not None else Buffers()
+        self.where, self.detail, self._pack = where, detail, pack
+        self.refused: dict[str, str] = {}
+        self._stack = contextlib.ExitStack()
+        self._pool: Executor | None = None
+
+    def pool(self) -> Executor:
+        """Threads for the native repack's (and unpack's) blocks, made on first use."""
+        if self._pool is None:
+            self._pool = self._stack.enter_context(host_repack.block_pool())
+        return self._pool
+
+    def takes(self, plan: Plan) -> str | None:
+        return unsupported(plan)
+
+    def streaming(self, abort: threading.Event, tl: Timeline) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def read_unit(
+        self, ck: Checkpoint, unit: list[OutLayer], act: str
+    ) -> tuple[dict[str, np.ndarray], None]:
+        return read_unit(ck, unit, act, self.buffers), None
+
+    def from_raw(self, raw: dict[str, Any], ck: Checkpoint, act: str) -> dict[str, np.ndarray]:
+        """What :meth:`read_unit` gives, from a unit read once for several targets (weights and
+        scales as arrays, biases as ``(bytes, dtype)``): the biases cast to ``act``."""
+        st = target.act_dtype(act).st
+        out = {}
+        for name, x in raw.items():
+            if isinstance(x, tuple):
+                b, dt = x
+                x = b.view("<u2") if dt == st else act_bits(float32_values(b, dt), act)
+            out[name] = x
+        return out
+
+    def on_unit(self, src: dict[str, Any], ready: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def transform(self, layer: OutLayer, src: dict[str, np.ndarray], act: str) -> list[np.ndarray]:
+        pool = None if self._pack is not None else self.pool()
+        return transform(layer, src, act, pool, self.buffers, self._pack)
+
+    def read_back(
+        self, layer: OutLayer, src: dict[str, np.ndarray], outs: list[np.ndarray], act: str
+    ) -> list[tuple[str, bool]]:
+        return backwards(layer, src, outs, act, self.pool())
+
+    def settle(self) -> None:
+        """Nothing is queued: :meth:`read_back` answers as it runs."""
+
+    def pieces(self, result: np.ndarray) -> Iterator[Piece]:
+        flat = np.ascontiguousarray(result).view(np.uint8).reshape(-1)
+        yield 0, flat, None, functools.partial(self.buffers.give, result)
+
+    def done_with(self, src: dict[str, Any]) -> None:
+        for x in src.values():
+            if isinstance(x, np.ndarray):
+                self.buffers.give(x)
+
+    def close(self) -> None:
+        """Stop the threads, then release the arrays (nothing reads them any more)."""
+        self._stack.close()
+        self.buffers.close()

@@ -1,17 +1,17 @@
-"""The CUDA conversion without torch: the host path, with the weight repack on the GPU.
+"""The driver backend: the host backend with the weight repack on a GPU, through cuda-bindings.
 
 Note [driver path]: the CUDA path of ``convert`` spent half its time importing torch, more of
 it from a cold disk (figures: docs/BENCHMARKS.md, section 9), and used it for three things:
 pinned host memory, copies between host and device, and a stream to order them. The repack
 itself is our own kernel (``cuda/marlin_repack.cu``), built with NVRTC and launched through the
 driver already (:mod:`mpack.convert.cuda_repack`), and the scales and bias are numpy on the host
-path (:mod:`mpack.convert.host`). So ``--device cuda`` runs the host path's stream (read,
-transform, write on their threads, numpy arrays throughout) and only the weight repack goes to
-the GPU, through cuda-bindings:
+backend (:mod:`mpack.convert.backends.host`). So this backend is the host backend (read,
+transform, write on their threads, numpy arrays throughout) with only the weight repack on the
+GPU, through cuda-bindings:
 
 * the checkpoint weights are read into page-locked arrays (``cuMemHostAlloc``), handed round
-  again by :class:`mpack.convert.host.Buffers` (Note [recycled buffers]), so a unit's bytes go
-  from the file to the device with one DMA and no staging copy;
+  again by :class:`mpack.convert.backends.host.Buffers` (Note [recycled buffers]), so a unit's
+  bytes go from the file to the device with one DMA and no staging copy;
 * per layer, each fused or sliced piece is one ``cuMemcpy2DAsync`` (its rows and columns,
   pitched) into a device buffer ``[N, K]``, the kernel writes the Marlin tiles into a second
   one, and ``cuMemcpyDtoHAsync`` brings them back into a page-locked array for the writer;
@@ -19,12 +19,10 @@ the GPU, through cuda-bindings:
   thread is not what bounds the run);
 * the device buffers grow to the largest layer and are reused.
 
-The bytes are the host path's and the torch path's: :func:`open_gpu` checks the kernel
+The bytes are the host backend's and the torch backend's: :func:`open_driver` checks the kernel
 against the native repack on fused and column-sliced pieces before it is used, and the tests
-compare whole sidecars. Where this path does not apply, :func:`open_gpu` says so (None) and the
-torch CUDA path runs as before: cuda-bindings, a driver or the kernel missing, a plan the host
-path does not take (:func:`mpack.convert.host.supported`), ``MPACK_NO_DRIVER_PATH=1`` or
-``MPACK_NO_CUDA_KERNEL=1``.
+compare whole sidecars. Where this backend cannot run, :func:`open_driver` refuses and says why
+(Note [choosing a backend] in :mod:`mpack.convert.backends`).
 """
 
 from __future__ import annotations
@@ -35,67 +33,72 @@ from typing import Any
 
 import numpy as np
 
-from mpack import cudadrv, env_flag, target
-from mpack.convert import cuda_repack, host, host_repack
+from mpack import cudadrv, target
+from mpack.convert import cuda_repack, host_repack
+from mpack.convert.backends import Refused, check_cuda_here
+from mpack.convert.backends.host import Buffers, HostBackend, unsupported
 from mpack.convert.plan import Plan
-from mpack.device import CONVERT, DeviceSpec
+from mpack.device import DeviceSpec, no_cuda_here
 from mpack.errors import UsageError
 
-__all__ = ["ENV_OFF", "GpuRepack", "Piece", "check_cuda_here", "open_gpu"]
-
-#: Set to 1 to convert on CUDA through torch instead (same bytes).
-ENV_OFF = "MPACK_NO_DRIVER_PATH"
+__all__ = ["DriverBackend", "GpuRepack", "Piece", "open_driver"]
 
 #: One piece of a layer's weight: a 2-D uint8 array (rows contiguous), its rows and its columns.
 Piece = tuple[np.ndarray, tuple[int, int], tuple[int, int]]
 
 
-def ordinal_of(device: str) -> int:
-    """Kept for tests/convert/test_driver.py: the CUDA ordinal ``device`` names
-    (:attr:`mpack.device.DeviceSpec.ordinal`). Use that instead."""
-    return DeviceSpec.parse(device, CONVERT).ordinal
-
-
-def check_cuda_here(device: str, count: int, option: str = "--device") -> None:
-    """Raise ``UsageError`` where ``device`` (``cuda`` or ``cuda:i``) names a CUDA device that
-    is not among the ``count`` here; ``option``: the flag named (the torch path says the same)."""
-    if count == 0:
-        raise UsageError(
-            f"{option} {device}: no CUDA device here", hint=f"use {option} cpu (identical bytes)"
-        )
-    if DeviceSpec.parse(device, CONVERT, option).ordinal >= count:
-        raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
-
-
-def open_gpu(device: str, plan: Plan, option: str = "--device") -> GpuRepack | None:
-    """The GPU repack for a conversion of ``plan`` on ``device`` (``auto``, ``cuda`` or
-    ``cuda:i``), or None where the driver path does not apply (Note [driver path]; the torch
-    CUDA path decides then).
+def open_driver(
+    spec: DeviceSpec, plan: Plan, off: frozenset[str], option: str = "--device"
+) -> DriverBackend:
+    """The driver backend for ``plan`` on ``spec``'s GPU (``auto``: ``cuda:0``), or
+    :class:`Refused` and why.
 
     Raises:
-        UsageError: ``device`` names a CUDA device that is not here (the torch path's words).
+        UsageError: ``spec`` names a CUDA device that is not here (the torch backend's words).
     """
-    if env_flag("MPACK_NO_DRIVER_PATH") or cuda_repack.turned_off() or not host.supported(plan):
-        return None
+    if "driver" in off:
+        raise Refused("turned off (MPACK_NO_DRIVER_PATH)")
+    if "cuda-kernel" in off:
+        raise Refused("the CUDA kernel is turned off (MPACK_NO_CUDA_KERNEL)")
+    if spec.kind == "auto" and no_cuda_here():
+        raise Refused("no CUDA device here")
+    why = unsupported(plan)
+    if why is not None:
+        raise Refused(why)
     try:
         cudadrv.driver()
         cudadrv.nvrtc()
-    except UsageError:
-        return None
+    except UsageError as e:
+        raise Refused(e.message) from None
     count = cudadrv.device_count()
-    if device != "auto":
-        check_cuda_here(device, count, option)
+    if spec.kind == "cuda":
+        check_cuda_here(str(spec), count, option)
     elif count == 0:
-        return None
-    ordinal = DeviceSpec.parse(device, CONVERT, option).ordinal
+        raise Refused("no CUDA device here")
     try:
-        gpu = GpuRepack(ordinal)
-    except Exception:  # the kernel does not build or load here: the torch path decides
-        return None
+        gpu = GpuRepack(spec.ordinal)
+    except Exception as e:
+        raise Refused(f"the repack kernel does not load here: {type(e).__name__}: {e}") from None
     if not gpu.self_check():
         gpu.close()
-        return None
-    return gpu
+        raise Refused("the repack kernel failed its self-check against the native repack")
+    return DriverBackend(gpu)
+
+
+class DriverBackend(HostBackend):
+    """The host backend with page-locked arrays and the weight repacked on ``gpu`` (Note [driver
+    path]); closing it frees the GPU's buffers after the arrays."""
+
+    name = "driver"
+
+    def __init__(self, gpu: GpuRepack) -> None:
+        what = "weights repacked by the fused repack kernel"
+        super().__init__(gpu.buffers(), gpu.pack, f"cuda:{gpu.ordinal}", what)
+        self.gpu = gpu
+
+    def close(self) -> None:
+        super().close()
+        self.gpu.close()
 
 
 class GpuRepack:
@@ -124,9 +127,9 @@ class GpuRepack:
         with cudadrv.on_device(self.ordinal) as d:
             cudadrv.check(d.cuMemFreeHost(ptr), "cuMemFreeHost")
 
-    def buffers(self) -> host.Buffers:
-        """:class:`mpack.convert.host.Buffers` of page-locked arrays from this device."""
-        return host.Buffers(alloc=self.pinned, free=self.free_pinned)
+    def buffers(self) -> Buffers:
+        """:class:`mpack.convert.backends.host.Buffers` of page-locked arrays from this device."""
+        return Buffers(alloc=self.pinned, free=self.free_pinned)
 
     # --- the repack ------------------------------------------------------------------------
 

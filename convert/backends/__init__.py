@@ -1,0 +1,341 @@
+"""Which code reads a unit and transforms a layer: the conversion's backends, and the one place
+that picks one (:func:`open_backend`).
+
+A backend does one rank's layers of a conversion (SPEC §3) and of a re-derivation (``mpack verify
+--source``) for :class:`mpack.convert.stream.Streamer`:
+
+- ``host`` (:mod:`.host`): numpy and the native repack, on the CPU, without torch (Note [host
+  path]);
+- ``driver`` (:mod:`.driver`): the host backend with page-locked arrays and the weight repack on a
+  GPU through cuda-bindings, without torch (Note [driver path]);
+- ``torch`` (:mod:`.torch`): torch tensors on the CPU or a GPU, the one that requantizes
+  (``w8a8-marlin`` on per-tensor shards); its weight repack is the fused CUDA kernel, the native
+  repack or torch's ops, chosen when it opens.
+
+Every backend gives the same bytes (tests/convert/test_backends.py runs each one that is usable
+here on the golden cases). A new path, such as ROCm, is one module here and one entry in
+:func:`_candidates`.
+
+Note [choosing a backend]: as vLLM's kernel chooser does, :func:`open_backend` keeps a priority
+list of candidates for the device asked for, asks each in turn whether it can convert this plan
+here, honours one disable list (:data:`SWITCHES`, from the environment or given), and records each
+refusal's reason (``-v`` and ``--json`` print them). The list: ``cpu`` -> host, torch on the CPU;
+``cuda``/``cuda:i`` -> driver, torch on that GPU; ``auto`` -> the same as ``cpu`` followed by the
+GPU's, where there is surely no GPU or on :data:`AUTO_HOST_CORES` usable cores or more (Note [auto
+device]), else the GPU's first. A GPU named outright that is not here is the user's error
+(``UsageError``), not a refusal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mpack import env_flag, iokit
+from mpack.device import CONVERT, DeviceSpec, no_cuda_here
+from mpack.errors import UsageError
+
+if TYPE_CHECKING:
+    import threading
+
+    from mpack.convert.checkpoint import Checkpoint
+    from mpack.convert.plan import OutLayer, Plan
+    from mpack.convert.timeline import Timeline
+
+__all__ = [
+    "AUTO_HOST_CORES",
+    "BACKENDS",
+    "SWITCHES",
+    "Backend",
+    "Piece",
+    "Refused",
+    "disabled_by_env",
+    "open_backend",
+    "prefetch_files",
+]
+
+_log = logging.getLogger(__name__)
+
+#: The backends, by name (Note [choosing a backend]).
+BACKENDS = ("host", "driver", "torch")
+
+#: What can be turned off -> the environment variable that turns it off. ``native-repack``: the
+#: host backend, and the native repack under the torch backend on the CPU; ``cuda-kernel``: the
+#: driver backend, and the fused kernel under the torch backend on a GPU; ``driver``: the driver
+#: backend. The same bytes come out whatever is off.
+SWITCHES = {
+    "native-repack": "MPACK_NO_HOST_REPACK",
+    "driver": "MPACK_NO_DRIVER_PATH",
+    "cuda-kernel": "MPACK_NO_CUDA_KERNEL",
+}
+
+#: ``--device auto`` puts the host backend first on this many usable cores even where a GPU is
+#: (Note [auto device]).
+AUTO_HOST_CORES = 8
+
+# Note [auto device]: the bytes are the same on every backend, so ``auto`` takes the fastest one
+# here. On a many-core machine with a GPU (the 16-core H200 host), the host backend converted the
+# 8B checkpoint as fast as the driver backend, and faster than torch on the GPU: a tie, so the
+# host backend, which starts no GPU and pins no memory. On few cores the host backend is CPU-bound,
+# most of its CPU time the repack, and the driver backend needs far fewer CPU-seconds, so below 8
+# cores ``auto`` tries the GPU first when there may be one. Figures: docs/BENCHMARKS.md, sections
+# 6.1, 6.2 and 9.
+
+#: One piece of a result for the writer: ``(offset in the tensor, bytes, ready, done)``; the
+#: writer waits for ``ready`` (``.synchronize()``) before it reads the bytes and calls ``done``
+#: once it wrote them. Either may be None.
+Piece = tuple[int, Any, Any, Callable[[], None] | None]
+
+
+class Refused(Exception):
+    """A candidate backend cannot convert this plan here; the message says why, for people."""
+
+
+class Backend(Protocol):
+    """One rank's layers of a conversion, from the checkpoint's bytes to the Marlin tensors'.
+
+    ``name``: one of :data:`BACKENDS`; ``where``: ``cpu`` or ``cuda:<i>``; ``detail``: what it
+    runs, for people (e.g. the torch backend's weight repack); ``refused``: the candidates tried
+    before it, ``"<name> (<where>)" -> reason``; ``write_queue``: results that may wait for the
+    writer (0: unbounded, the backend bounds them itself).
+    """
+
+    name: str
+    where: str
+    detail: str
+    refused: dict[str, str]
+    write_queue: int
+
+    def takes(self, plan: Plan) -> str | None:
+        """Why this open backend cannot convert ``plan`` (None: it can); for reuse across the
+        targets of one run."""
+        ...
+
+    def streaming(self, abort: threading.Event, tl: Timeline) -> AbstractContextManager[None]:
+        """Around one stream: what it holds for the stream's length (pinned rings, streams);
+        ``abort`` stops a wait inside, ``tl`` gets its waits."""
+        ...
+
+    def read_unit(
+        self, ck: Checkpoint, unit: list[OutLayer], act: str
+    ) -> tuple[dict[str, Any], Any]:
+        """A unit's checkpoint arrays, as :meth:`transform` takes them for activation dtype
+        ``act``, and what the transform waits for before it reads them (None: nothing)."""
+        ...
+
+    def from_raw(self, raw: dict[str, Any], ck: Checkpoint, act: str) -> dict[str, Any]:
+        """What :meth:`read_unit` gives, from a unit read once for several targets
+        (:func:`mpack.convert.multi.read_raw`)."""
+        ...
+
+    def on_unit(self, src: dict[str, Any], ready: Any) -> AbstractContextManager[None]:
+        """Around the transforms of one unit read by :meth:`read_unit`."""
+        ...
+
+    def transform(self, layer: OutLayer, src: dict[str, Any], act: str) -> list[Any]:
+        """One rank's Marlin tensors for ``layer``, in the order of its tensor specs."""
+        ...
+
+    def read_back(
+        self, layer: OutLayer, src: dict[str, Any], outs: list[Any], act: str
+    ) -> list[tuple[str, Any]]:
+        """The layout read backwards on :meth:`transform`'s results: ``(what, differs)`` per
+        tensor; ``differs`` may be a value that is read only after :meth:`settle`."""
+        ...
+
+    def settle(self) -> None:
+        """Wait until every queued :meth:`read_back` comparison can be read."""
+        ...
+
+    def pieces(self, result: Any) -> Iterator[Piece]:
+        """A result of :meth:`transform` as pieces for the writer (Piece)."""
+        ...
+
+    def done_with(self, src: dict[str, Any]) -> None:
+        """Nothing reads a unit's arrays any more: they may be handed round again."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds (GPU, threads, page-locked memory)."""
+        ...
+
+
+def disabled_by_env() -> frozenset[str]:
+    """What the environment turns off (:data:`SWITCHES`)."""
+    return frozenset(what for what, var in SWITCHES.items() if env_flag(var))
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    name: str
+    gpu: bool  # on the GPU the device names (``auto``: ``cuda``)
+
+    def label(self, spec: DeviceSpec) -> str:
+        return f"{self.name} ({_where(spec) if self.gpu else 'cpu'})"
+
+
+_CPU = DeviceSpec("cpu", None, None)
+
+
+def _where(spec: DeviceSpec) -> str:
+    return f"cuda:{spec.ordinal}"
+
+
+def _candidates(spec: DeviceSpec) -> list[_Candidate]:
+    """The priority list for a device (Note [choosing a backend])."""
+    cpu = [_Candidate("host", False), _Candidate("torch", False)]
+    gpu = [_Candidate("driver", True), _Candidate("torch", True)]
+    if spec.kind == "cpu":
+        return cpu
+    if spec.kind == "cuda":
+        return gpu
+    if no_cuda_here() or iokit.usable_cores() >= AUTO_HOST_CORES:
+        return cpu[:1] + gpu + cpu[1:]
+    return gpu + cpu
+
+
+def open_backend(
+    device: str,
+    plan: Plan,
+    *,
+    backend: str = "auto",
+    disabled: frozenset[str] | None = None,
+    option: str = "--device",
+    tl: Timeline | None = None,
+    spans: tuple[str, str] = ("driver", "torch"),
+    opened: list[Backend] | None = None,
+) -> Backend:
+    """The backend that converts ``plan``'s layers for ``device`` here (Note [choosing a
+    backend]); close it after use.
+
+    Args:
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:i``.
+        backend: ``auto`` (the first that can), or one of :data:`BACKENDS` (that one or an error).
+        disabled: what is turned off (default: :func:`disabled_by_env`).
+        option: the flag an error names (``--device``; verify's ``--rederive-device``).
+        tl: gets ``main`` spans named ``spans``: opening the GPU for the driver backend, and
+            importing torch (and checking its device) for the torch backend.
+        opened: backends this run already opened (several targets): a candidate among them
+            that takes ``plan`` is used again rather than opened twice (the caller closes it).
+
+    Raises:
+        UsageError: a bad device name, a GPU named that is not here, an unknown ``backend``, or
+            a ``backend`` asked for that cannot convert this plan here (its reason said).
+    """
+    spec = DeviceSpec.parse(device, CONVERT, option)
+    if backend != "auto" and backend not in BACKENDS:
+        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+    off = disabled_by_env() if disabled is None else frozenset(disabled)
+    unknown = off - set(SWITCHES)
+    if unknown:
+        raise UsageError(f"cannot turn off {', '.join(sorted(unknown))}: not one of {SWITCHES}")
+    from mpack.convert.timeline import Timeline
+
+    tl = tl or Timeline()
+    refused: dict[str, str] = {}
+    for cand in _candidates(spec):
+        if backend not in ("auto", cand.name):
+            continue
+        where = _where(spec) if cand.gpu else "cpu"
+        again = [b for b in opened or () if (b.name, b.where) == (cand.name, where)]
+        if again and again[0].takes(plan) is None:
+            return again[0]
+        try:
+            chosen = _open(cand, spec, plan, off, option, tl, spans)
+        except Refused as r:
+            refused[cand.label(spec)] = str(r)
+            continue
+        chosen.refused = refused
+        _log.debug("%s", describe(chosen))
+        return chosen
+    if not refused:
+        raise UsageError(
+            f"--backend {backend} does not run on {option} {device}",
+            hint=f"the {backend} backend runs on "
+            + ("a GPU: use --device cuda" if backend == "driver" else "the CPU: use --device cpu"),
+        )
+    why = "; ".join(f"{k}: {v}" for k, v in refused.items())
+    raise UsageError(
+        f"--backend {backend} cannot convert this checkpoint with {option} {device}: {why}",
+        hint="leave --backend at auto (every backend writes the same bytes)",
+    )
+
+
+def _open(
+    cand: _Candidate,
+    spec: DeviceSpec,
+    plan: Plan,
+    off: frozenset[str],
+    option: str,
+    tl: Timeline,
+    spans: tuple[str, str],
+) -> Backend:
+    if cand.name == "host":
+        from mpack.convert.backends import host
+
+        return host.open_host(plan, off)
+    if cand.name == "driver":
+        from mpack.convert.backends import driver
+
+        with tl.span("main", spans[0]):
+            return driver.open_driver(spec, plan, off, option)
+    from mpack.convert.backends import torch
+
+    with tl.span("main", spans[1]):
+        return torch.open_torch(spec if cand.gpu else _CPU, plan, off, option)
+
+
+def check_device_here(device: str, option: str = "--device") -> None:
+    """Refuse a ``device`` that is not one of convert's names (:data:`mpack.device.CONVERT`), or
+    a CUDA one on a machine surely without CUDA (:func:`mpack.device.no_cuda_here`), before any
+    work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked once
+    a backend opens (the same ``UsageError``). ``option``: the flag named in the error."""
+    if DeviceSpec.parse(device, CONVERT, option).kind == "cuda" and no_cuda_here():
+        check_cuda_here(device, 0, option)
+
+
+def check_cuda_here(device: str, count: int, option: str = "--device") -> None:
+    """Raise ``UsageError`` where ``device`` (``cuda`` or ``cuda:i``) names a CUDA device that
+    is not among the ``count`` here; ``option``: the flag named."""
+    if count == 0:
+        raise UsageError(
+            f"{option} {device}: no CUDA device here", hint=f"use {option} cpu (identical bytes)"
+        )
+    if DeviceSpec.parse(device, CONVERT, option).ordinal >= count:
+        raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
+
+
+def prefetch_files(device: str) -> list[Path]:
+    """The libraries a conversion on ``device`` will load, for the kernel to read ahead while the
+    process starts (Note [prefetch] in mpack/iokit.py): the CUDA driver's and NVRTC's for a GPU
+    named outright (the driver backend's first step), else none (``auto`` on a many-core machine
+    converts on the host). A bad name: none (refused later, in the conversion's own words)."""
+    try:
+        kind = DeviceSpec.parse(device, CONVERT).kind
+    except UsageError:
+        return []
+    if kind != "cuda":
+        return []
+    from mpack import cudadrv
+
+    with contextlib.suppress(Exception):  # a hint: nothing to read ahead is no error
+        return cudadrv.library_files()
+    return []
+
+
+def report(b: Backend) -> dict[str, Any]:
+    """What ``--json`` says of the backend: ``{name, device, detail, refused}``."""
+    return {"name": b.name, "device": b.where, "detail": b.detail, "refused": dict(b.refused)}
+
+
+def describe(b: Backend) -> str:
+    """One line for people (``-v``): the backend, where, what it runs, and each refusal."""
+    line = f"backend {b.name} on {b.where}: {b.detail}"
+    if b.refused:
+        line += "; not " + "; not ".join(f"{k}: {v}" for k, v in b.refused.items())
+    return line
