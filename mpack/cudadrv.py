@@ -40,6 +40,7 @@ __all__ = [
     "library_files",
     "nvrtc",
     "on_device",
+    "preload",
 ]
 
 #: How to get cuda-bindings (the ``cuda`` extra).
@@ -48,6 +49,7 @@ INSTALL_HINT = "pip install 'mpack-marlin[cuda]' (in a checkout: pip install -e 
 _lock = threading.Lock()
 _contexts: dict[int, Any] = {}  # device ordinal -> its retained primary context
 _initialised = [False]
+_preloaded = [False]
 
 
 def driver(needed_by: str = "--device cuda") -> ModuleType:
@@ -189,6 +191,34 @@ def init() -> ModuleType:
     if not _initialised[0]:
         check(d.cuInit(0), "cuInit")
         _initialised[0] = True
+    return d
+
+
+def preload() -> ModuleType | None:
+    """Load the driver library and look up cuda-bindings' driver entry points now, without
+    ``cuInit``: what the first driver call of a process pays otherwise (cuda-bindings resolves
+    every entry point on the first call of any of them). No context is created and no device is
+    touched, so a process may still fork and use CUDA in the child (Note [warm attach] in
+    runtime/__init__.py). The driver module where it worked; None where cuda-bindings is
+    missing, this process surely sees no GPU (:func:`mpack.device.no_cuda_here`) or the driver
+    does not load. Never raises; cheap after the first call that worked."""
+    from mpack.device import no_cuda_here
+
+    try:
+        d = driver()
+    except UsageError:  # the first real call says so, with its hint
+        return None
+    if _preloaded[0]:
+        return d
+    if no_cuda_here():  # nothing to load: leave no failed load behind for later calls
+        return None
+    try:
+        err, _ = d.cuDriverGetVersion()  # answers before cuInit and initialises nothing
+    except Exception:  # no libcuda: the first real call says so
+        return None
+    if err != d.CUresult.CUDA_SUCCESS:
+        return None
+    _preloaded[0] = True
     return d
 
 

@@ -75,12 +75,17 @@ def serve(
 # be paid before anyone waits: warm() does it, and the vLLM plugin calls it when vLLM loads its
 # plugins, long before the model is built. It initialises no device (a process may still fork
 # after it) and loads no torch. Figures: docs/BENCHMARKS.md, section 10.
+# For CUDA, the first driver call of a process also loads libcuda and has cuda-bindings look up
+# every driver entry point; cuDriverGetVersion does both without cuInit, so warm() makes that
+# call (cuda_vmm.prepare, cudadrv.preload), where a GPU may be present. What stays with the first
+# attach needs the device: cuInit (after it a forked child cannot use CUDA), the primary context
+# (torch's, created by torch.cuda.init() in a process whose torch has not used CUDA yet), and
+# the import, map and access calls themselves.
 def warm(device: str = "cpu") -> None:
     """Import what :func:`attach` and :func:`load` use for ``device`` (``cpu``: the host
     backend; ``cuda``/``cuda:N``: the CUDA one, cuda-bindings included when installed), so that
     the first call in this process does not pay for it (Note [warm attach]). Touches no device;
     cheap after the first call."""
-    import contextlib
     import importlib
 
     from mpack.device import SERVE, DeviceSpec
@@ -90,9 +95,9 @@ def warm(device: str = "cpu") -> None:
     if DeviceSpec.parse(device, SERVE).kind == "cpu":
         importlib.import_module("mpack.runtime.memfd")
         return
-    importlib.import_module("mpack.runtime.cuda_vmm")
-    with contextlib.suppress(ImportError):  # absent: attach says so, with its hint
-        importlib.import_module("cuda.bindings.driver")
+    # cuda-bindings imported, the driver loaded and its entry points looked up, no cuInit;
+    # where cuda-bindings is absent, attach says so with its hint.
+    importlib.import_module("mpack.runtime.cuda_vmm").prepare()
 
 
 def __getattr__(name: str) -> Any:

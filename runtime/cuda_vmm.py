@@ -16,16 +16,31 @@ other process sees the fault) and copies into it are rejected. The torch tensor 
 driver, not the flag, enforces read-only. Imported memory stays valid after the exporting
 daemon dies; it is freed when the last handle and mapping anywhere are gone
 (Note [lifetime of a mapping] in weights.py).
+
+Note [torch-free daemon fill]: ``mpack serve --device cuda:N`` needs torch for nothing: it
+allocates, maps and exports through the driver, and the fill only copies bytes from page-locked
+host memory to a device pointer. Importing torch was most of the daemon's time to READY, so the
+fill goes through the driver as well (:class:`DriverDest`, a ``loader.Destination``): one
+``cuMemHostAlloc`` block cut into ``depth`` pieces (the ring of Note [pinned rings] in
+mpack/iokit.py, without torch tensors), ``cuMemcpyHtoDAsync`` of a piece into the read-write
+mapping on a stream of its own, and an event per piece recorded after its copy: the loader hands
+piece ``i`` out again only after ``wait(i)``, which waits for that event. Every call runs in
+device ``N``'s primary context (``cudadrv.on_device``), the one the mapping lives in, pushed on
+the calling thread: the loader's workers submit copies from several threads. Allocation, fill
+and export import no torch (tests/runtime/test_cuda_vmm.py checks it with a stand-in driver);
+the client side (:func:`map_readonly`) still hands out torch tensors, and
+``mpack.runtime.load`` to a CUDA device still fills a torch tensor (``loader.CudaDest``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from mpack.cudadrv import check, device, init, on_device
-from mpack.runtime.loader import CudaDest, FillStats, fill
+from mpack.cudadrv import check, device, init, on_device, preload
+from mpack.runtime.loader import CHUNK, DEPTH, FillStats, fill
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +130,89 @@ def _map(d: Any, handle: Any, size: int, ordinal: int, *, writable: bool) -> Dev
     return DeviceMapping(int(ptr), size, ordinal)
 
 
+class DriverDest:
+    """Device memory at ``ptr`` on device ``ordinal`` (a raw pointer: the daemon's read-write
+    mapping) as a ``loader.Destination``, filled by the driver alone through a ring of ``depth``
+    page-locked pieces of ``piece`` bytes (Note [torch-free daemon fill]).
+
+    ``slot(i, offset, n)`` is piece ``i``'s first ``n`` bytes (``n <= piece``), writable host
+    memory; ``submit`` queues their copy to ``ptr + offset`` on the ring's stream; ``wait(i)``
+    returns once piece ``i``'s last copy is done; ``finish`` waits for every copy and frees the
+    pieces, events and stream (also after a failed fill; a second call does nothing). The views
+    ``slot`` returned must not be used after ``finish``.
+
+    Raises:
+        CudaError: a failed driver call (the constructor frees what it made before raising).
+        ValueError: ``slot`` asked for more than ``piece`` bytes.
+    """
+
+    def __init__(self, ptr: int, ordinal: int, *, depth: int = DEPTH, piece: int = CHUNK) -> None:
+        self.ptr, self.ordinal, self.depth, self.piece = int(ptr), ordinal, depth, piece
+        self._host = 0  # the pieces' page-locked block; 0 once freed
+        self._stream: Any = None
+        self._events: list[Any] = []
+        self._recorded = [False] * depth  # piece i has a copy whose event was not waited on
+        try:
+            with on_device(ordinal) as d:
+                self._host = int(check(d.cuMemHostAlloc(depth * piece, 0), "cuMemHostAlloc"))
+                flags = int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
+                self._stream = check(d.cuStreamCreate(flags), "cuStreamCreate")
+                no_timing = int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                for _ in range(depth):
+                    self._events.append(check(d.cuEventCreate(no_timing), "cuEventCreate"))
+        except BaseException:
+            self._free()
+            raise
+        block = memoryview((ctypes.c_char * (depth * piece)).from_address(self._host)).cast("B")
+        self._slots = [block[i * piece : (i + 1) * piece] for i in range(depth)]
+
+    def slot(self, i: int, offset: int, n: int) -> memoryview:
+        if n > self.piece:
+            raise ValueError(f"a read of {n} bytes does not fit a ring piece of {self.piece}")
+        return self._slots[i][:n]
+
+    def submit(self, i: int, offset: int, n: int) -> None:
+        with on_device(self.ordinal) as d:
+            check(
+                d.cuMemcpyHtoDAsync(
+                    self.ptr + offset, self._host + i * self.piece, n, self._stream
+                ),
+                f"cuMemcpyHtoDAsync({n} bytes)",
+            )
+            check(d.cuEventRecord(self._events[i], self._stream), "cuEventRecord")
+        self._recorded[i] = True
+
+    def wait(self, i: int) -> None:
+        if self._recorded[i]:
+            with on_device(self.ordinal) as d:
+                check(d.cuEventSynchronize(self._events[i]), "cuEventSynchronize")
+            self._recorded[i] = False
+
+    def finish(self) -> None:
+        try:
+            if self._stream is not None:
+                with on_device(self.ordinal) as d:
+                    check(d.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        """Destroy the events and the stream, free the pieces; each at most once."""
+        self._slots = []
+        self._recorded = [False] * self.depth
+        events, stream, host = self._events, self._stream, self._host
+        self._events, self._stream, self._host = [], None, 0
+        if not (events or stream is not None or host):
+            return
+        with on_device(self.ordinal) as d:
+            for ev in events:
+                d.cuEventDestroy(ev)
+            if stream is not None:
+                d.cuStreamDestroy(stream)
+            if host:
+                d.cuMemFreeHost(host)
+
+
 class DeviceExport:
     """The daemon's side: a filled VMM allocation on device ``ordinal`` and its exported fd."""
 
@@ -156,8 +254,9 @@ class DeviceExport:
                     os.close(fd)
                 d.cuMemRelease(handle)
                 raise
-        try:  # torch drives the copies, on the same primary context
-            stats = fill(plan, CudaDest(rw.tensor()))
+        try:  # the driver alone copies (Note [torch-free daemon fill])
+            piece = max(1, min(CHUNK, plan.size))  # no read is longer than a file
+            stats = fill(plan, DriverDest(rw.ptr, ordinal, depth=DEPTH, piece=piece))
         except BaseException:
             rw.unmap()
             os.close(fd)
@@ -175,6 +274,17 @@ class DeviceExport:
                 d.cuMemRelease(self.handle)
 
 
+def prepare() -> None:
+    """Pay now what the first :func:`map_readonly` of a process would pay that needs no device
+    (Note [warm attach] in runtime/__init__.py): cuda-bindings imported, the driver library
+    loaded and its entry points looked up (:func:`mpack.cudadrv.preload`: no ``cuInit``, no
+    context), the enum members and structs of the mapping made once. Never raises."""
+    d = preload()
+    if d is not None:
+        _posix_fd(d)
+        _location(d, 0)  # a struct filled on the host: no device is asked
+
+
 def map_readonly(fd: int, size: int, ordinal: int) -> torch.Tensor:
     """Import an exported allocation and map it read-only: uint8 [size] on ``cuda:<ordinal>``.
 
@@ -182,6 +292,9 @@ def map_readonly(fd: int, size: int, ordinal: int) -> torch.Tensor:
     """
     import torch
 
+    # torch's CUDA state first (a no-op once torch used the device): the tensor below lives in
+    # torch's context, the primary one the driver calls use. Creating it touches the device, so
+    # prepare() cannot do it for a process that has not used CUDA yet.
     torch.cuda.init()
     with on_device(ordinal) as d:
         handle = check(

@@ -39,6 +39,24 @@ kernel into its cache: no warm row pays a first-run cost. Rows (``--only`` takes
   wait at a barrier, then time ``attach(...)`` + the first touch of one tensor (``data_ptr()`` and
   its first element read back; Note [first touch] in bench_vt/workers.py): max and median; attach
   only and first touch only in the notes.
+- **first-attach**: issue 28's first ``attach()`` of a process. One ``mpack serve OUT --device D``
+  on its default socket; for each ``--clients`` N, ``--reps`` rounds each way of N fresh
+  processes that import torch and ``mpack.runtime``, call ``mpack.runtime.warm(D)`` (as the
+  vLLM plugin does at registration) or not, initialise CUDA, wait at a barrier, then time their
+  first ``attach(...)`` and a second one. Two rows per N, after ``warm`` and without: the first
+  attach, max and median over the N processes of every round; peer: the second attach of the
+  same processes (what any later attach costs: the first pays imports and first calls, Note
+  [warm attach]); the targets are on the first attach itself, ``warm`` or not (cuda:0: 10 ms
+  alone, 15 ms each at 8; host: 5 ms alone). scripts/bench_first_attach.py runs the same
+  clients against any sidecar.
+- **serve**: ``mpack serve OUT --device D`` (``mpack.runtime.spawn``, default socket) from
+  the start of the process to its READY line, as ``spawn`` counts it (``ready_s``), page cache
+  warm; ``--reps`` runs after an untimed one. Peer: the same rank loaded privately,
+  ``mpack.runtime.load(OUT, rank=0, device=D)`` in a fresh process, timed the same way from its
+  start to the line it prints once loaded (and synchronised on CUDA): what each engine process
+  would do without the daemon, with its own interpreter, imports and device start-up, for the
+  same verified bytes. The notes give the floor, ``python -c "import mpack"`` plus the daemon's
+  own fill (READY's ``load_s``), and what READY spends above it. Target (cuda:0): 2.5 s.
 - **rss**: peak RSS of the convert CLI of the full model against one of ``--rss-layers`` layers.
 - **imports**: the compressed-tensors check of SRC in a fresh process, as convert's child runs
   it (lean import) against the full import, and ``import torch`` alone: what each choice costs.
@@ -73,7 +91,7 @@ from bench_vt.rows import (  # noqa: E402
     row_verify,
     warm_up,
 )
-from bench_vt.runtime_rows import row_load, rows_attach  # noqa: E402
+from bench_vt.runtime_rows import row_load, row_serve, rows_attach, rows_first_attach  # noqa: E402
 from bench_vt.workers import WORKERS  # noqa: E402
 from benchutil import (  # noqa: E402
     LLAMA_8B_LAYERS,
@@ -89,6 +107,8 @@ GROUPS = (
     "convert-hub",
     "load",
     "attach",
+    "first-attach",
+    "serve",
     "convert-cold",
     "load-cold",
     "verify",
@@ -110,7 +130,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cores", default="16,4", help="CPU counts of the CPU convert rows (taskset)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cold", choices=["drop", "none"], default="drop")
-    ap.add_argument("--clients", default="1,8", help="client counts of the attach rows")
+    ap.add_argument(
+        "--clients", default="1,8", help="client counts of the attach and first-attach rows"
+    )
     ap.add_argument("--rss-layers", type=int, default=4, help="the smaller model (0: no rss row)")
     ap.add_argument("--only", help="rows, comma-separated: " + ",".join(GROUPS))
     ap.add_argument("--json", dest="json_out")
@@ -198,6 +220,8 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
     out += [
         ("load", f"load {rt}", partial(row_load, b, rt, first, "warm")),
         ("attach", f"attach {rt}", partial(rows_attach, b, rt, first)),
+        ("first-attach", f"first attach {rt}", partial(rows_first_attach, b, rt, first)),
+        ("serve", f"serve {rt} to READY", partial(row_serve, b, rt, first)),
         ("convert-cold", f"convert {first} cold", partial(row_convert, b, first, None, "cold")),
         (
             "convert-cold",

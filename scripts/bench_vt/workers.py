@@ -4,7 +4,11 @@ fresh process, reporting JSON lines on stdout (``emit``) and taking commands on 
 - ``load``: ``mpack.runtime.load`` of one rank, timed after the imports and CUDA init;
 - ``attach``: one client: imports, CUDA init (bench_rt's ``client_start``), says ready, waits
   for ``go`` (the barrier), then times ``attach`` and the first touch of one tensor; holds the
-  mapping until stdin closes.
+  mapping until stdin closes;
+- ``first-attach``: one client as an engine's worker is when it first attaches (torch imported,
+  ``mpack.runtime.warm`` called or not, CUDA initialised), the same barrier, then the first
+  ``attach`` of the process and a second one timed apart (scripts/bench_first_attach.py runs it
+  too).
 
 Note [first touch]: the first touch of a tensor is ``w[name].data_ptr()`` and its first element
 read back with ``.item()`` (a device-to-host copy, which waits for the device): proof that the
@@ -111,4 +115,58 @@ def w_attach(a: dict[str, Any]) -> None:
     w.close()
 
 
-WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {"load": w_load, "attach": w_attach}
+def w_first_attach(a: dict[str, Any]) -> None:
+    """Import torch and ``mpack.runtime`` (the package alone: no client module), call
+    ``warm(dev)`` when ``a["warm"]`` (the vLLM plugin calls it at registration, Note [warm
+    attach]), initialise CUDA on a GPU; say ready (with those start-up seconds), wait for
+    ``go``; then time the process's first ``attach`` and a second one (the peer: what any later
+    attach costs). Both mappings are held until stdin closes. ``a["socket"]`` None: the
+    default socket, found from the manifest as an engine finds it."""
+    dev = a["device"]
+    t0 = time.perf_counter()
+    import torch
+
+    from mpack.runtime import attach, warm
+
+    t1 = time.perf_counter()
+    if a["warm"]:
+        warm(dev)
+    t2 = time.perf_counter()
+    if dev != "cpu":
+        _cuda_init(torch, dev)
+    t3 = time.perf_counter()
+    emit(
+        {
+            "ready": os.getpid(),
+            "warm": a["warm"],
+            "import_s": t1 - t0,
+            "warm_s": t2 - t1,
+            "cuda_s": t3 - t2,
+        }
+    )
+    if sys.stdin.readline().strip() != "go":
+        return
+    where = {"rank": a["rank"], "device": dev, "socket": a["socket"]}
+    t0 = time.perf_counter()
+    first = attach(a["sidecar"], **where)
+    t1 = time.perf_counter()
+    second = attach(a["sidecar"], **where)
+    t2 = time.perf_counter()
+    emit(
+        {
+            "first_ms": (t1 - t0) * 1e3,
+            "second_ms": (t2 - t1) * 1e3,
+            "tensors": len(first),
+            "same": first.digest == second.digest and len(first) == len(second),
+        }
+    )
+    sys.stdin.read()  # hold the mappings until the round ends (stdin closed)
+    second.close()
+    first.close()
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "load": w_load,
+    "attach": w_attach,
+    "first-attach": w_first_attach,
+}

@@ -47,3 +47,45 @@ def test_warm_refuses_a_bad_device_like_attach() -> None:
 
     with pytest.raises(UsageError, match="--device"):
         warm("gpu0")
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """A stand-in driver (tests/runtime/fake_driver.py) on a machine that may have a GPU."""
+    import mpack.device
+    from tests.runtime.fake_driver import FakeDriver, install
+
+    fake = FakeDriver()
+    install(fake, monkeypatch)
+    monkeypatch.setattr(mpack.device, "no_cuda_here", lambda: False)
+    return fake
+
+
+def test_warm_for_cuda_loads_the_driver_without_initialising_it(fake_driver) -> None:
+    """The driver's entry points are looked up ahead (Note [warm attach]) by the one call that
+    needs no cuInit; no context, no device, once per process."""
+    from mpack.runtime import warm
+
+    warm("cuda:0")
+    assert fake_driver.calls == ["cuDriverGetVersion"]
+    assert not fake_driver.initialised
+    warm("cuda:1")
+    assert fake_driver.calls == ["cuDriverGetVersion"]
+
+
+def test_warm_for_cuda_calls_no_driver_where_no_gpu_is_visible(fake_driver, monkeypatch) -> None:
+    import mpack.device
+    from mpack.runtime import warm
+
+    monkeypatch.setattr(mpack.device, "no_cuda_here", lambda: True)
+    warm("cuda")
+    assert fake_driver.calls == []
+
+
+def test_warm_for_cuda_does_not_raise_when_the_driver_does_not_load(fake_driver) -> None:
+    from mpack.runtime import warm
+
+    fake_driver.fail["cuDriverGetVersion"] = 1
+    warm("cuda:0")  # the first attach will say what is wrong
+    warm("cuda:0")  # and a later warm tries again
+    assert fake_driver.calls == ["cuDriverGetVersion", "cuDriverGetVersion"]
