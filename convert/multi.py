@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from mpack import target as tgt
-from mpack.convert.backends import Backend, check_device_here, report
+from mpack.convert.backends import Backend, check_backend_name, check_device_here, report
 from mpack.convert.backends.host import Buffers
 from mpack.convert.checkpoint import (
     Checkpoint,
@@ -65,7 +65,7 @@ from mpack.convert.pipeline import (
     _finish,
     _manifest,
     _open_writers,
-    _seconds,
+    _result,
     _watched,
 )
 from mpack.convert.plan import OutLayer, Plan, check_fusion_tp, make_plan
@@ -160,7 +160,7 @@ def run_convert_many(
     specs = options.targets()
     revision, fuse, device = options.revision, options.fuse, options.device
     passthrough, force, skip_invalid = options.passthrough, options.force, options.skip_invalid
-    _check_options(specs, fuse, device)
+    _check_options(specs, fuse, device, options.backend)
     out = output_path(out)
     if (out / MANIFEST_NAME).exists():
         raise OutputExistsError(
@@ -225,30 +225,14 @@ def run_convert_many(
     results = []
     for plan, stage in zip(plans, stages, strict=True):
         if stage.up_to_date:
-            m, digest = stage.current
-            results.append(
-                ConvertResult(
-                    stage.out, m, digest, up_to_date=True, seconds=_seconds(tl, done=False)
-                )
-            )
+            results.append(_result(stage.out, *stage.current, tl))
         else:
             m, digest, used_by = made[id(stage)]
-            results.append(
-                ConvertResult(
-                    stage.out,
-                    m,
-                    digest,
-                    up_to_date=False,
-                    seconds=_seconds(tl, done=True),
-                    bytes_written=plan.total_bytes,
-                    timeline=tl.spans(),
-                    backend=used_by,
-                )
-            )
+            results.append(_result(stage.out, m, digest, tl, plan, used_by))
     return MultiConvertResult(out, results, skipped)
 
 
-def _check_options(specs: Sequence[TargetSpec], fuse: str, device: str) -> None:
+def _check_options(specs: Sequence[TargetSpec], fuse: str, device: str, backend: str) -> None:
     """Misspelt values refuse the run whatever ``skip_invalid`` says: they are typos, not
     targets this checkpoint cannot have."""
     for s in specs:
@@ -261,6 +245,7 @@ def _check_options(specs: Sequence[TargetSpec], fuse: str, device: str) -> None:
     if fuse not in FUSIONS:
         raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
     check_device_here(device)
+    check_backend_name(backend)
 
 
 def _open_and_plan_all(
@@ -474,7 +459,9 @@ class MultiStreamer(Streamer):
         own = by_name.get("driver") or by_name.get("host")
         self.buffers: Buffers = own.buffers if own is not None else Buffers()  # type: ignore[attr-defined]
         self._owned = own is None
-        self._writes = queue.Queue(min(b.write_queue for b in self.backends))
+        # bounded by the backends that bound it (0: one that bounds its results itself, its ring)
+        bounds = [b.write_queue for b in self.backends if b.write_queue]
+        self._writes = queue.Queue(min(bounds, default=0))
 
     def _streaming(self) -> contextlib.AbstractContextManager[None]:
         stack = contextlib.ExitStack()

@@ -87,13 +87,3 @@ class ConvertOptions:
                 hint="use mpack.convert.convert, which makes each of them",
             )
         return self.profile, self.act_dtype, self.tp  # type: ignore[return-value]
-
-    def names_cuda(self) -> bool:
-        """Whether ``device`` names a CUDA device; False for a bad name (refused later, in the
-        conversion's own words)."""
-        from mpack.device import CONVERT, DeviceSpec
-
-        try:
-            return DeviceSpec.parse(self.device, CONVERT).kind == "cuda"
-        except UsageError:
-            return False

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpack.convert.backends import BACKENDS, Backend, check_device_here, report
+from mpack.convert.backends import Backend, check_backend_name, check_device_here, report
 from mpack.convert.checkpoint import (
     Checkpoint,
     check_scale_values,
@@ -196,9 +196,7 @@ def run_convert(
             if stage.up_to_date:
                 watch.check_unchanged()  # the digests compared are of these files
                 m, digest = stage.current
-                return ConvertResult(
-                    out, m, digest, up_to_date=True, seconds=_seconds(tl, done=False)
-                )
+                return _result(out, m, digest, tl)
             written, used = _write_all(plan, stage.work, options, watch.check, progress, tl)
             with tl.span("main", "copy-files"):
                 copied = [
@@ -215,6 +213,23 @@ def run_convert(
                 # and hashed are those stamped
                 manifest = _manifest(plan, src, files_src, written, copied)
                 digest = stage.write_manifest(manifest)
+    return _result(out, manifest, digest, tl, plan, used)
+
+
+def _result(
+    out: Path,
+    manifest: dict[str, Any],
+    digest: str,
+    tl: Timeline,
+    plan: Plan | None = None,
+    backend: dict[str, Any] | None = None,
+) -> ConvertResult:
+    """A run's result for one target: up to date (no ``plan``: nothing done), or written from
+    ``plan`` on ``backend`` (its :func:`~mpack.convert.backends.report`)."""
+    if plan is None:
+        return ConvertResult(
+            out, manifest, digest, up_to_date=True, seconds=_seconds(tl, done=False)
+        )
     return ConvertResult(
         out,
         manifest,
@@ -223,7 +238,7 @@ def run_convert(
         seconds=_seconds(tl, done=True),
         bytes_written=plan.total_bytes,
         timeline=tl.spans(),
-        backend=used,
+        backend=backend or {},
     )
 
 
@@ -243,8 +258,7 @@ def _check_options(
         raise UsageError(f"--tp must be at least 1, got {tp}")
     check_fusion_tp(fuse, tp)
     check_device_here(device)  # a GPU asked for where there is none: before the source is read
-    if backend not in ("auto", *BACKENDS):
-        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend_name(backend)
 
 
 def _act_dtype(ck: Checkpoint, requested: str | None) -> str:

@@ -151,12 +151,6 @@ def _entry(module: str, name: str, *args: Any) -> Callable[[str], Any]:
     return call
 
 
-def _convert_names_cuda(text: str) -> bool:
-    from mpack.convert.options import ConvertOptions
-
-    return ConvertOptions(device=text).names_cuda()
-
-
 @pytest.mark.parametrize(
     "call",
     [
@@ -165,7 +159,6 @@ def _convert_names_cuda(text: str) -> bool:
         _entry("mpack.convert.backends", "check_device_here"),
         _entry("mpack.convert.backends", "check_cuda_here", 1),
         _entry("mpack.convert.backends", "prefetch_files"),
-        _convert_names_cuda,
         _verify_forward,
         _verify_rederive,
         _load,

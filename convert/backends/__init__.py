@@ -228,8 +228,7 @@ def open_backend(
             a ``backend`` asked for that cannot convert this plan here (its reason said).
     """
     spec = DeviceSpec.parse(device, CONVERT, option)
-    if backend != "auto" and backend not in BACKENDS:
-        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend_name(backend)
     off = disabled_by_env() if disabled is None else frozenset(disabled)
     unknown = off - set(SWITCHES)
     if unknown:
@@ -288,6 +287,12 @@ def _open(
 
     with tl.span("main", spans[1]):
         return torch.open_torch(spec if cand.gpu else _CPU, plan, off, option)
+
+
+def check_backend_name(backend: str) -> None:
+    """Refuse a ``--backend`` that is neither ``auto`` nor one of :data:`BACKENDS`."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def check_device_here(device: str, option: str = "--device") -> None:

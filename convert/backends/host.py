@@ -43,6 +43,7 @@ __all__ = [
     "act_bits",
     "backwards",
     "bf16_bits",
+    "bias_bits",
     "bias_vector",
     "f16_bits",
     "open_host",
@@ -238,6 +239,14 @@ def pack_bias(bias_bits: np.ndarray, np_: int) -> np.ndarray:
 # --- one unit ---------------------------------------------------------------------------------
 
 
+def bias_bits(raw: np.ndarray, dtype: str, act: str) -> np.ndarray:
+    """A bias's stored bytes (safetensors ``dtype``) as the bits of activation dtype ``act``
+    (uint16): as they are when already in it, else cast (rounded to nearest even)."""
+    if dtype == target.act_dtype(act).st:
+        return raw.view("<u2")
+    return act_bits(float32_values(raw, dtype), act)
+
+
 def read_unit(
     ck: Checkpoint, unit: list[OutLayer], act: str, buffers: Buffers | None = None
 ) -> dict[str, np.ndarray]:
@@ -245,7 +254,6 @@ def read_unit(
     from ``buffers`` when given), scales as float32, biases already cast to ``act`` (uint16 bits;
     the cast is elementwise, so it commutes with fusing and slicing)."""
     src: dict[str, np.ndarray] = {}
-    st = target.act_dtype(act).st
     for module in dict.fromkeys(p.module for p in unit[0].pieces):
         wname = f"{module}.{WEIGHT}"
         t = ck.tensors[wname]
@@ -254,8 +262,7 @@ def read_unit(
         src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
         if unit[0].has_bias:
             bname = f"{module}.{BIAS}"
-            raw, dt = ck.read_bytes(bname), ck.tensors[bname].dtype
-            src[bname] = raw.view("<u2") if dt == st else act_bits(float32_values(raw, dt), act)
+            src[bname] = bias_bits(ck.read_bytes(bname), ck.tensors[bname].dtype, act)
     return src
 
 
@@ -415,14 +422,7 @@ class HostBackend:
     def from_raw(self, raw: dict[str, Any], ck: Checkpoint, act: str) -> dict[str, np.ndarray]:
         """What :meth:`read_unit` gives, from a unit read once for several targets (weights and
         scales as arrays, biases as ``(bytes, dtype)``): the biases cast to ``act``."""
-        st = target.act_dtype(act).st
-        out = {}
-        for name, x in raw.items():
-            if isinstance(x, tuple):
-                b, dt = x
-                x = b.view("<u2") if dt == st else act_bits(float32_values(b, dt), act)
-            out[name] = x
-        return out
+        return {n: bias_bits(*x, act) if isinstance(x, tuple) else x for n, x in raw.items()}
 
     def on_unit(self, src: dict[str, Any], ready: Any) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()

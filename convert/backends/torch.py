@@ -33,12 +33,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from mpack import target
 from mpack.convert import cuda_repack, host_repack, marlin
-from mpack.convert.backends import Piece, check_cuda_here
+from mpack.convert.backends import Piece, Refused, check_cuda_here
 from mpack.convert.checkpoint import Checkpoint, read_scale
 from mpack.convert.plan import OutLayer, Plan
 from mpack.convert.timeline import Timeline
@@ -249,8 +248,6 @@ def open_torch(spec: DeviceSpec, plan: Plan, off: frozenset[str], option: str) -
     Raises:
         UsageError: ``spec`` names a CUDA device that is not here.
     """
-    from mpack.convert.backends import Refused
-
     if spec.kind == "cpu":
         on = "native-repack" not in off and host_repack.available()
         return TorchBackend(torch.device("cpu"), "native" if on else "ops")
@@ -421,10 +418,3 @@ class TorchBackend:
 
     def close(self) -> None:
         self._stack.close()
-
-
-def host_bytes(x: Any) -> np.ndarray:
-    """A result's bytes on the host, flat (a GPU tensor is copied back)."""
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x).view(np.uint8).reshape(-1)
-    return x.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
