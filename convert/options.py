@@ -71,6 +71,13 @@ class ConvertOptions:
             self.device, plan, backend=self.backend, disabled=self.disable, tl=tl, opened=opened
         )
 
+    def turned_off(self, what: str) -> bool:
+        """Whether ``what`` (one of :data:`mpack.convert.backends.SWITCHES`) is off: in
+        ``disable`` when given, else in the environment."""
+        from mpack.convert.backends import disabled_by_env
+
+        return what in (self.disable if self.disable is not None else disabled_by_env())
+
     def targets(self) -> list[TargetSpec]:
         """The targets, in the order given, repeats dropped
         (:func:`mpack.convert.multi.target_specs`)."""

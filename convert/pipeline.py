@@ -67,15 +67,17 @@ from mpack.convert.source import (
 from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
 from mpack.convert.timeline import Timeline
 from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
-from mpack.iokit import Aborted, copy_file, copy_tensors, pool
+from mpack.iokit import Aborted, copy_file, copy_tensors, pool, usable_cores
 from mpack.sidecar import (
     CHUNK_BYTES,
     COMMON_NAME,
     CONFIG_NAME,
     COPIED_FILES,
     MODEL_CONFIG_KEYS,
+    DirectHashingWriter,
     HashingWriter,
     new_manifest,
+    open_writer,
 )
 from mpack.target import ACT_DTYPES, FUSIONS, PROFILES
 
@@ -407,7 +409,7 @@ def _write_all(
     backend's :func:`~mpack.convert.backends.report` (Note [torch off the critical path])."""
     with contextlib.ExitStack() as stack:
         with tl.span("main", "setup"):
-            writers = _open_writers(plan, work, stack)
+            writers = _open_writers(plan, work, stack, direct=direct_writes(options))
             count = _Counter(progress, plan)
             for w in writers.values():
                 count.add_bytes(w.position)
@@ -451,18 +453,38 @@ def _stream_layers(
     Streamer(plan, writers, backend, count.add_bytes, count.unit_done, tl).run()
 
 
-def _open_writers(plan: Plan, work: Path, stack: contextlib.ExitStack) -> dict[str, HashingWriter]:
-    """A writer per planned file; ``stack`` closes them all, in order."""
+#: Files of one conversion written O_DIRECT, at most (each holds two chunks of staging memory).
+DIRECT_FILES = 2
+#: Below this many usable cores a conversion writes O_DIRECT (Note [direct writes]).
+DIRECT_BELOW_CORES = 8
+
+
+def direct_writes(options: ConvertOptions) -> bool:
+    """Whether this conversion writes its sidecar O_DIRECT: on fewer than
+    :data:`DIRECT_BELOW_CORES` usable cores, unless ``direct-write`` is turned off (Note [direct
+    writes] in mpack/iokit.py)."""
+    return usable_cores() < DIRECT_BELOW_CORES and not options.turned_off("direct-write")
+
+
+def _open_writers(
+    plan: Plan, work: Path, stack: contextlib.ExitStack, *, direct: bool = False
+) -> dict[str, HashingWriter]:
+    """A writer per planned file; ``stack`` closes them all, in order. Where ``direct``, the
+    pass-through file and the first rank file write O_DIRECT where the file system allows
+    (Note [direct writes] in mpack/iokit.py; a multi-target run, whose targets' files are all
+    open at once, writes through the page cache)."""
     writers: dict[str, HashingWriter] = {}
+    direct_left = DIRECT_FILES if direct else 0
 
     def close_all() -> None:
         for w in writers.values():
             w.close()
 
     stack.callback(close_all)
-    for name, file_map in plan.files.items():
-        writers[name] = HashingWriter(work / name, file_map, whole_file=False)
-    return writers
+    for name in sorted(plan.files, key=lambda n: n != COMMON_NAME):  # the pass-through first
+        writers[name] = open_writer(work / name, plan.files[name], direct=direct_left > 0)
+        direct_left -= isinstance(writers[name], DirectHashingWriter)
+    return {name: writers[name] for name in plan.files}
 
 
 class _Counter:

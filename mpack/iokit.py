@@ -20,6 +20,7 @@ torch and numpy are imported only by the ring, when one is made.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import queue
@@ -513,6 +514,201 @@ class FileWriter:
             self._f.close()
 
 
+# --- direct writes -------------------------------------------------------------------------
+#
+# Note [direct writes]: on a machine of few cores the page cache is not free. On the 2-core
+# runner, writing 3 GB through it cost about 2 CPU-seconds of kernel time (the copy into the
+# cache, then the writeback), where O_DIRECT writes of the same bytes cost 0.13, and the chunk
+# digests then read every byte back. So on fewer than ``DIRECT_BELOW_CORES`` (8) usable cores
+# (convert/pipeline.py) the pass-through file (``common.safetensors``: embeddings, norms and
+# lm_head, most of a small model's bytes) and the first rank file are written by
+# :class:`DirectWriter`: bytes go into a page-aligned staging piece of one chunk (the
+# pass-through copy reads the source straight into it; the rank file's writer copies each
+# transformed piece in), the chunk's digest is computed from the piece, and the disk takes the
+# piece by DMA. The data is on the disk when each write returns, so the final fsync has nothing
+# left to wait for. On more cores the CPU is not what a conversion waits for, and the page cache
+# wins: it takes the writes at memory speed while the disk catches up (behind, Note
+# [write-behind]), where each direct write waits for the disk (on the H200's disk, the 8B
+# checkpoint converted 0.35-0.5 s faster through the page cache on 8 and 16 cores, and 0.45-0.6
+# s slower on 4). Figures: docs/BENCHMARKS.md, section 12.
+# Pieces are whole chunks at chunk offsets (a chunk is a multiple of the block size), so every
+# write but the last is aligned; the last is padded to a block and the file then truncated to
+# its size. A file system that refuses O_DIRECT at open (tmpfs on older kernels, some network
+# file systems) gets the page-cache writer (:class:`FileWriter`); one that takes the flag but
+# refuses a write has the flag turned off for that file and the write redone. The costs: two
+# chunks of staging memory per file (so at most ``DIRECT_FILES`` files of a conversion: a
+# tensor-parallel plan's other rank files, and every file of a multi-target run, go through the
+# page cache), and the files are not in the page cache after a conversion (a ``serve`` right
+# after reads them from the disk). ``MPACK_NO_DIRECT_WRITE=1`` turns it off (``direct-write``
+# in :data:`mpack.convert.backends.SWITCHES`); the bytes are the same either way.
+
+#: What O_DIRECT writes are aligned to: a multiple of every logical block size in use.
+BLOCK = 4096
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``; where O_DIRECT refuses a write (EINVAL: a file system
+    that takes the flag at open but not this write, or a short write that left the rest
+    unaligned), the flag is turned off for ``fd`` and the write redone through the page cache."""
+    import fcntl
+
+    done = 0
+    while done < len(view):
+        try:
+            n = os.pwrite(fd, view[done:], offset + done)
+        except OSError as e:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            continue
+        if n <= 0:
+            raise OSError(errno.EIO, f"write returned {n}")
+        done += n
+
+
+class DirectWriter:
+    """Writes a new file of ``size`` bytes front to back with O_DIRECT, computing its
+    ``chunk_bytes`` digests from the staging pieces (Note [direct writes]).
+
+    The bytes go into ``depth`` page-aligned pieces of one chunk each: either filled in place
+    (:meth:`space`, then :meth:`advance`: a read lands where the disk will take it from) or
+    copied in by :meth:`write_at`. A full piece is hashed and written on the shared ``bg`` pool
+    while the next fills. ``finish()`` checks that all ``size`` bytes came, waits for the
+    writes, fsyncs and returns ``(size, None)``; ``chunks`` then holds the digests. The
+    interface is :class:`FileWriter`'s (no whole-file sha256).
+
+    Raises ``OSError`` (EINVAL, or EOPNOTSUPP) from the constructor where the file system
+    refuses O_DIRECT: use :class:`FileWriter` there.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, size: int, chunk_bytes: int, *, depth: int = 2
+    ) -> None:
+        import mmap
+
+        if chunk_bytes <= 0 or chunk_bytes % BLOCK or depth < 1:
+            raise ValueError(f"DirectWriter: chunk_bytes {chunk_bytes}, depth {depth}")
+        self.path, self.size, self.chunk_bytes = Path(path), size, chunk_bytes
+        self.chunks: list[str] = []
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT
+        self._fd = os.open(self.path, flags, 0o666)
+        self._maps = [mmap.mmap(-1, chunk_bytes) for _ in range(depth)]  # page-aligned
+        self._views = [memoryview(m) for m in self._maps]
+        self._busy: list[list[Future[Any]]] = [[] for _ in range(depth)]
+        self._k = 0  # the chunk being filled, in piece k % depth
+        self._fill = 0  # bytes of it so far
+        self._pos = 0
+        self._digests: list[Future[str]] = []
+        self._writes: list[Future[None]] = []
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    def _piece(self) -> memoryview:
+        """The piece chunk ``k`` fills, once the hash and write of the chunk it held are done."""
+        i = self._k % len(self._views)
+        if self._fill == 0 and self._busy[i]:
+            done, self._busy[i] = self._busy[i], []
+            with naming(self.path):
+                for fut in done:
+                    fut.result()
+        return self._views[i]
+
+    def space(self) -> memoryview:
+        """Where the next bytes go: the rest of the chunk being filled (empty once ``size``
+        bytes came). Fill a prefix of it, then :meth:`advance` by that many bytes."""
+        end = min(self.chunk_bytes, self.size - self._k * self.chunk_bytes)
+        if self._fill >= end:
+            return memoryview(b"")
+        return self._piece()[self._fill : end]
+
+    def advance(self, n: int) -> None:
+        """``n`` more bytes are in place at the start of :meth:`space`."""
+        end = min(self.chunk_bytes, self.size - self._k * self.chunk_bytes)
+        if n < 0 or self._fill + n > end:
+            raise AssertionError(f"{self.path.name}: {n} bytes past the space given")
+        self._fill += n
+        self._pos += n
+        if self._fill == self.chunk_bytes:
+            self._submit()
+
+    def write_at(self, offset: int, data: Any) -> None:
+        """Append ``data`` at ``offset``, which must be the end (copied: it may be reused)."""
+        if offset != self._pos:
+            raise AssertionError(
+                f"{self.path.name}: write at {offset}, but the file is at {self._pos}"
+            )
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            room = self.space()
+            if not len(room):
+                raise AssertionError(f"{self.path.name}: write past its {self.size} bytes")
+            n = min(len(room), len(mv))
+            room[:n] = mv[:n]
+            mv = mv[n:]
+            self.advance(n)
+
+    def fence(self) -> threading.Event:
+        """Set: :meth:`write_at` copies what it is given before it returns."""
+        ev = threading.Event()
+        ev.set()
+        return ev
+
+    def _submit(self) -> None:
+        """Hash and write the chunk being filled (its last block padded), on the ``bg`` pool."""
+        i, n = self._k % len(self._views), self._fill
+        piece, offset = self._views[i], self._k * self.chunk_bytes
+        bg = shared_pool("bg")
+        digest = bg.submit(_sha256_hex, piece[:n])
+        self._digests.append(digest)
+        self._busy[i] = [digest]
+        if n:
+            write = bg.submit(_pwrite_all, self._fd, piece[: _round_up(n, BLOCK)], offset)
+            self._writes.append(write)
+            self._busy[i].append(write)
+        self._k += 1
+        self._fill = 0
+
+    def finish(self) -> tuple[int, None]:
+        if self._pos != self.size:
+            raise AssertionError(f"{self.path.name}: wrote {self._pos} of {self.size} bytes")
+        if self._fill or not self._digests:
+            self._submit()  # the last, shorter chunk (or the one digest of an empty file)
+        with naming(self.path):
+            for fut in self._writes:
+                fut.result()
+            if self.size % BLOCK:
+                os.ftruncate(self._fd, self.size)  # the last write's padding
+            os.fsync(self._fd)
+        self.chunks = [d.result() for d in self._digests]
+        self.close()
+        return self._pos, None
+
+    def close(self) -> None:
+        """Wait for the pieces' hashes and writes (they read the staging memory), then close
+        the file and free the pieces. Errors were the caller's to see in :meth:`finish`."""
+        for futs in self._busy:
+            for fut in futs:
+                with contextlib.suppress(BaseException):
+                    fut.result()
+        self._busy = [[] for _ in self._busy]
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for v in self._views:
+            v.release()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # a view still held: freed with it
+                m.close()
+        self._views, self._maps = [], []
+
+
 def copy_file(a: Path, b: Path, chunk_bytes: int) -> dict[str, Any]:
     """Copy ``a`` to ``b`` (fsynced), hashing the bytes on the way: its ``files`` record
     (docs/FORMAT.md) with the whole-file sha256 and the ``chunk_bytes`` digests, from one read
@@ -542,12 +738,15 @@ def copy_tensors(
     tl: Any,
 ) -> None:
     """Copy the tensors ``w`` plans byte for byte, in file order, through one reused buffer of
-    ``COPY_BYTES``.
+    ``COPY_BYTES`` (into a :class:`DirectWriter`: straight into its staging pieces).
 
     ``read_into(name, buffer, skip)`` fills a buffer with tensor ``name``'s bytes from ``skip``
     on (``Checkpoint.read_into``); ``bump(n)`` follows every piece written; ``tl`` (a
     ``Timeline``) gets a ``copy`` span for each read and each write.
     """
+    if isinstance(w, DirectWriter):
+        _copy_in_place(read_into, w, bump, tl)
+        return
     piece = COPY_BYTES
     buf = memoryview(bytearray(piece))
     for entry in w.file_map.entries:
@@ -558,6 +757,31 @@ def copy_tensors(
             t = tl.add("copy", "read", t, time.perf_counter())
             w.write_at(entry.offset + pos, view)
             tl.add("copy", w.path.name, t, time.perf_counter())
+            bump(len(view))
+
+
+def _copy_in_place(
+    read_into: Callable[[str, memoryview, int], None],
+    w: Any,
+    bump: Callable[[int], None],
+    tl: Any,
+) -> None:
+    """:func:`copy_tensors` into a :class:`DirectWriter`: each read lands in the writer's
+    staging piece (Note [direct writes]), so the bytes are copied once, by the read."""
+    for entry in w.file_map.entries:
+        pos = 0
+        while pos < entry.nbytes:
+            t = time.perf_counter()
+            room = w.space()
+            if not len(room):
+                raise AssertionError(f"{w.path.name}: no room left for {entry.name}")
+            view = room[: min(len(room), entry.nbytes - pos)]
+            t = tl.add("copy", w.path.name, t, time.perf_counter())  # waiting for a piece
+            read_into(entry.name, view, pos)
+            t = tl.add("copy", "read", t, time.perf_counter())
+            w.advance(len(view))
+            tl.add("copy", w.path.name, t, time.perf_counter())
+            pos += len(view)
             bump(len(view))
 
 

@@ -18,6 +18,7 @@ first, so each of those starts 64-byte aligned (Note [alignment]).
 from __future__ import annotations
 
 import codecs
+import errno
 import functools
 import hashlib
 import json
@@ -40,7 +41,7 @@ from mpack.errors import (
     shown,
 )
 from mpack.fsutil import kind_of, open_regular, open_regular_file, os_error, read_capped
-from mpack.iokit import FileWriter, fd_chunk_digests, hash_fd_range
+from mpack.iokit import DirectWriter, FileWriter, fd_chunk_digests, hash_fd_range
 
 FORMAT = "mpack-sidecar"
 FORMAT_VERSION = 2
@@ -375,6 +376,37 @@ class HashingWriter(FileWriter):
         super().__init__(path, file_map.size, chunk_bytes, whole_file)
         self.file_map = file_map
         self.write_at(0, file_map.header)
+
+
+class DirectHashingWriter(DirectWriter):
+    """:class:`HashingWriter` through O_DIRECT (:class:`mpack.iokit.DirectWriter`, Note [direct
+    writes] in mpack/iokit.py): the header first, then the tensors' bytes, read into place
+    (:func:`mpack.iokit.copy_tensors`) or copied in (:meth:`write_at`). Chunk digests only."""
+
+    def __init__(
+        self, path: str | os.PathLike, file_map: FileMap, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        super().__init__(path, file_map.size, chunk_bytes)
+        self.file_map = file_map
+        try:
+            self.write_at(0, file_map.header)
+        except BaseException:
+            self.close()
+            raise
+
+
+def open_writer(
+    path: str | os.PathLike, file_map: FileMap, *, direct: bool = True
+) -> HashingWriter | DirectHashingWriter:
+    """The writer of a planned file (chunk digests only): a :class:`DirectHashingWriter` where
+    ``direct`` and the file system takes O_DIRECT, else a :class:`HashingWriter`."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return DirectHashingWriter(path, file_map)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return HashingWriter(path, file_map, whole_file=False)
 
 
 # --- manifest ----------------------------------------------------------------------------

@@ -67,11 +67,14 @@ BACKENDS = ("host", "driver", "torch")
 #: What can be turned off -> the environment variable that turns it off. ``native-repack``: the
 #: host backend, and the native repack under the torch backend on the CPU; ``cuda-kernel``: the
 #: driver backend, and the fused kernel under the torch backend on a GPU; ``driver``: the driver
-#: backend. The same bytes come out whatever is off.
+#: backend; ``direct-write``: O_DIRECT writes of the sidecar (Note [direct writes] in
+#: mpack/iokit.py; the pipeline asks :meth:`mpack.convert.options.ConvertOptions.turned_off`).
+#: The same bytes come out whatever is off.
 SWITCHES = {
     "native-repack": "MPACK_NO_HOST_REPACK",
     "driver": "MPACK_NO_DRIVER_PATH",
     "cuda-kernel": "MPACK_NO_CUDA_KERNEL",
+    "direct-write": "MPACK_NO_DIRECT_WRITE",
 }
 
 #: ``--device auto`` puts the host backend first on this many usable cores even where a GPU is

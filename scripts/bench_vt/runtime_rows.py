@@ -209,6 +209,15 @@ def first_attach_rows(n: int, dev: str, docs: list[dict[str, Any]]) -> list[Row]
             f"s, of which import torch + mpack.runtime {_mm(mine, 'import_s', '.2f')} s{how}"
             f"{init}"
         ]
+        for which in ("first", "second"):
+            got = [d[f"{which}_steps_ms"] for d in mine if f"{which}_steps_ms" in d]
+            if got:  # medians over the clients; the rest is checks and building the result
+                keys = sorted({k for g in got for k in g})
+                parts = ", ".join(
+                    f"{k.lstrip('_')} {statistics.median(g.get(k, 0.0) for g in got):.2f}"
+                    for k in keys
+                )
+                notes.append(f"where the {which} attach's time goes, median ms: {parts}")
         if not all(d["same"] for d in mine):
             notes.append("WARNING: a second attach did not see the first one's sidecar")
         rows.append(

@@ -64,24 +64,44 @@ def w_load(a: dict[str, Any]) -> None:
 
 #: The steps of ``attach`` (module-level functions of mpack.runtime.client), timed apart.
 ATTACH_PHASES = ("load_manifest", "_connect", "_request", "_map")
+#: Inside ``_map`` on a GPU (mpack.runtime.cuda_vmm): the whole import-and-map, the VMM
+#: reserve/map/access part of it and the torch view; the rest of ``map_readonly`` is
+#: ``torch.cuda.init``, the context push and ``cuMemImportFromShareableHandle``.
+CUDA_PHASES = ("map_readonly", "_map", "DeviceMapping.tensor")
 
 
-def _time_phases(phases: dict[str, float]) -> None:
-    """Wrap each of ``ATTACH_PHASES`` in mpack.runtime.client so that its milliseconds add up in
-    ``phases``: where an attach's time goes (the rest is checks and building the result)."""
+def _wrap(owner: Any, attr: str, label: str, phases: Any) -> None:
+    """Replace ``owner.attr`` with a wrapper adding its milliseconds to ``phases()[label]``
+    (``phases`` returns the dict of the attach being timed)."""
+    real = getattr(owner, attr)
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real(*args, **kw)
+        finally:
+            got = phases()
+            got[label] = got.get(label, 0.0) + (time.perf_counter() - t) * 1e3
+
+    setattr(owner, attr, timed)
+
+
+def _time_phases(phases: dict[str, float] | Any, cuda: bool = False) -> None:
+    """Wrap each of ``ATTACH_PHASES`` in mpack.runtime.client (and, with ``cuda``, each of
+    ``CUDA_PHASES`` in mpack.runtime.cuda_vmm, as ``vmm.<name>``) so that its milliseconds add
+    up in ``phases`` (a dict, or a callable returning the dict of the attach being timed):
+    where an attach's time goes (the rest is checks and building the result)."""
     from mpack.runtime import client
 
+    get = phases if callable(phases) else (lambda: phases)
     for fn in ATTACH_PHASES:
-        real = getattr(client, fn)
+        _wrap(client, fn, fn, get)
+    if cuda:
+        from mpack.runtime import cuda_vmm
 
-        def timed(*args: Any, _real: Any = real, _fn: str = fn, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return _real(*args, **kw)
-            finally:
-                phases[_fn] = phases.get(_fn, 0.0) + (time.perf_counter() - t) * 1e3
-
-        setattr(client, fn, timed)
+        for fn in CUDA_PHASES:
+            owner, _, attr = fn.rpartition(".")
+            _wrap(getattr(cuda_vmm, owner) if owner else cuda_vmm, attr, f"vmm.{fn}", get)
 
 
 def w_attach(a: dict[str, Any]) -> None:
@@ -147,9 +167,14 @@ def w_first_attach(a: dict[str, Any]) -> None:
     if sys.stdin.readline().strip() != "go":
         return
     where = {"rank": a["rank"], "device": dev, "socket": a["socket"]}
+    steps: list[dict[str, float]] = [{}, {}]  # the first attach's steps, then the second's
+    if a.get("steps"):
+        _time_phases(lambda: steps[-1] if done else steps[0], cuda=dev != "cpu")
+    done = False
     t0 = time.perf_counter()
     first = attach(a["sidecar"], **where)
     t1 = time.perf_counter()
+    done = True
     second = attach(a["sidecar"], **where)
     t2 = time.perf_counter()
     emit(
@@ -158,6 +183,7 @@ def w_first_attach(a: dict[str, Any]) -> None:
             "second_ms": (t2 - t1) * 1e3,
             "tensors": len(first),
             "same": first.digest == second.digest and len(first) == len(second),
+            **({"first_steps_ms": steps[0], "second_steps_ms": steps[1]} if a.get("steps") else {}),
         }
     )
     sys.stdin.read()  # hold the mappings until the round ends (stdin closed)
