@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -66,6 +67,83 @@ def fresh(path: Path) -> None:
     os.sync()
 
 
+#: The peer's name in :func:`convert_commands` (the first command of every round's rotation).
+PEER = "cp -r && sync"
+
+
+def convert_commands(
+    src: Path,
+    tmp: Path,
+    env: dict[str, str],
+    *,
+    device: str,
+    cores: int | None,
+    var: str,
+    hub: str | None = None,
+    hf_cache: Path | None = None,
+) -> dict[str, tuple[list[str], dict[str, str], Path]]:
+    """name -> (command, environment, the output it writes): the peer, the convert as shipped,
+    the convert with ``var`` set; under ``taskset -c 0-(cores-1)`` unless ``cores`` is None;
+    ``hub``: the converts read that repo from ``hf_cache``, offline."""
+    pin = ["taskset", "-c", f"0-{cores - 1}"] if cores else []
+    out, dst = tmp / "out", tmp / "cp-dst"
+    convert = [*pin, sys.executable, "-m", "mpack", "convert", hub or str(src), "-o", str(out)]
+    convert += ["--device", device, "--force"]
+    plain = {k: v for k, v in env.items() if k != var}
+    if hub:
+        assert hf_cache is not None
+        plain.update(HF_HUB_CACHE=str(hf_cache.resolve()), HF_HUB_OFFLINE="1")
+    return {
+        PEER: ([*pin, "sh", "-c", f'cp -r "{src}" "{dst}" && sync'], plain, dst),
+        "mpack convert": (convert, plain, out),
+        f"mpack convert, {var}=1": (convert, {**plain, var: "1"}, out),
+    }
+
+
+def run_rounds(
+    commands: dict[str, tuple[list[str], dict[str, str], Path]],
+    files: list[Path],
+    rounds: int,
+    cwd: Path,
+) -> list[dict[str, dict[str, float]]]:
+    """``rounds`` rounds of every command, in an order rotated each round, each into a fresh
+    output from a warm source; every command's :func:`timed` figures, per round."""
+    names = list(commands)
+    got_all = []
+    for i in range(rounds):
+        got = {}
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            cmd, cmd_env, target = commands[name]
+            fresh(target)
+            read_files(files)  # warm: the source in the page cache
+            got[name] = timed(cmd, cmd_env, cwd)
+            fresh(target)
+        got_all.append(got)
+        print(
+            f"round {i + 1}: " + ", ".join(f"{n} {g['wall']:.2f} s" for n, g in got.items()),
+            flush=True,
+        )
+    return got_all
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """Per command: median and min wall, median user and system CPU seconds, and each round's
+    ratio to the peer of the same round (and their median)."""
+    table = {}
+    for name in rounds[0]:
+        walls = [r[name]["wall"] for r in rounds]
+        ratios = [r[name]["wall"] / r[PEER]["wall"] for r in rounds]
+        table[name] = {
+            "wall_median": statistics.median(walls),
+            "wall_min": min(walls),
+            "user_median": statistics.median(r[name]["user"] for r in rounds),
+            "sys_median": statistics.median(r[name]["sys"] for r in rounds),
+            "ratio_median": statistics.median(ratios),
+            "ratios": ratios,
+        }
+    return table
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path)
@@ -84,65 +162,29 @@ def main() -> int:
     tmp, env = scratch_dir("bil-")
     src = a.src.resolve()
     files = sorted(src.glob("*.safetensors"))
-    pin = ["taskset", "-c", f"0-{a.cores - 1}"]
-    out, dst = tmp / "out", tmp / "cp-dst"
-    source = a.hub or str(src)
-    convert = [*pin, sys.executable, "-m", "mpack", "convert", source, "-o", str(out)]
-    convert += ["--device", a.device, "--force"]
-    plain = {k: v for k, v in env.items() if k != var}
-    if a.hub:
-        plain.update(HF_HUB_CACHE=str(a.hf_cache.resolve()), HF_HUB_OFFLINE="1")
-    commands = {
-        "cp -r && sync": ([*pin, "sh", "-c", f'cp -r "{src}" "{dst}" && sync'], plain, dst),
-        "mpack convert": (convert, plain, out),
-        f"mpack convert, {var}=1": (convert, {**plain, var: "1"}, out),
-    }
-    names = list(commands)
-    rounds: list[dict[str, dict[str, float]]] = []
+    commands = convert_commands(
+        src, tmp, env, device=a.device, cores=a.cores, var=var, hub=a.hub, hf_cache=a.hf_cache
+    )
     try:
-        for i in range(a.rounds):
-            got = {}
-            for name in names[i % 3 :] + names[: i % 3]:  # rotated: no command always first
-                cmd, cmd_env, target = commands[name]
-                fresh(target)
-                read_files(files)  # warm: the source in the page cache
-                got[name] = timed(cmd, cmd_env, tmp)
-                fresh(target)
-            rounds.append(got)
-            print(
-                f"round {i + 1}: " + ", ".join(f"{n} {g['wall']:.2f} s" for n, g in got.items()),
-                flush=True,
-            )
+        rounds = run_rounds(commands, files, a.rounds, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    peer = names[0]
     print(
         f"\n{a.rounds} rounds, {a.cores} core(s), SRC {src}"
         + (f" (the converts read {a.hub})" if a.hub else "")
         + f" ({sum(f.stat().st_size for f in files) / 1e9:.2f} GB)"
     )
     print(f"{'command':44s} {'wall, median':>13s} {'min':>7s} {'user':>6s} {'sys':>6s}  x peer")
-    table = {}
-    for name in names:
-        walls = [r[name]["wall"] for r in rounds]
-        ratios = [r[name]["wall"] / r[peer]["wall"] for r in rounds]
-        row = {
-            "wall_median": statistics.median(walls),
-            "wall_min": min(walls),
-            "user_median": statistics.median(r[name]["user"] for r in rounds),
-            "sys_median": statistics.median(r[name]["sys"] for r in rounds),
-            "ratio_median": statistics.median(ratios),
-            "ratios": ratios,
-        }
-        table[name] = row
+    table = summarize(rounds)
+    for name, row in table.items():
         print(
             f"{name:44s} {row['wall_median']:11.2f} s {row['wall_min']:5.2f} s "
             f"{row['user_median']:6.2f} {row['sys_median']:6.2f}  {row['ratio_median']:.2f} x "
-            f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
+            f"(rounds: {', '.join(f'{x:.2f}' for x in row['ratios'])})"
         )
     if a.json_out:
         doc = {"args": {**vars(a), "src": str(src)}, "rounds": rounds, "table": table}
-        Path(a.json_out).write_text(json.dumps(doc, indent=2))
+        Path(a.json_out).write_text(json.dumps(doc, indent=2, default=str))
     return 0
 
 

@@ -26,6 +26,11 @@ kernel into its cache: no warm row pays a first-run cost. Rows (``--only`` takes
   converting ``mpack-bench/llama-8b-shaped-fp8`` from an HF cache under the workdir (SRC's
   files hard-linked as a finished download leaves them, ``HF_HUB_OFFLINE=1``): the CI pre-bake
   job's case, where the shards' sha256 are their blob names and nothing hashes the source.
+- **convert-rounds**: issue 28's measure on a machine whose disk drifts: per convert row (and
+  the convert-hub case on the fewest ``--cores``), ``--reps`` rounds each running ``cp -r SRC
+  DST && sync``, the convert as shipped and the convert with ``MPACK_NO_DIRECT_WRITE=1`` (the
+  page-cache writer: Note [direct writes]) in a rotated order (scripts/bench_interleaved.py);
+  medians against the median of the peer, each round's own ratio in the notes.
 - **convert-cold**: the same for the first of ``--devices``, page cache dropped, with the kept
   verdict and without it; peer: ``cp -r`` after the same drop.
 - **verify**: ``python -m mpack verify OUT --source SRC --json``, warm; peer: ``cp -r``.
@@ -86,6 +91,7 @@ from bench_vt.report import Row, append_markdown, machine, markdown, print_table
 from bench_vt.rows import (  # noqa: E402
     Bench,
     row_convert,
+    row_convert_rounds,
     row_imports,
     row_rss,
     row_verify,
@@ -105,6 +111,7 @@ from benchutil import (  # noqa: E402
 GROUPS = (
     "convert",
     "convert-hub",
+    "convert-rounds",
     "load",
     "attach",
     "first-attach",
@@ -217,6 +224,14 @@ def steps(b: Bench, devices: list[str]) -> list[Step]:
             )
             for k in (True, False)
         ]
+    for dev in devices if "convert-rounds" in b.args.only else []:
+        for n in [None] if dev == "cuda" else cpu_counts(b):
+            name = f"convert {dev} {n or ''} against cp -r && sync, round by round"
+            out.append(("convert-rounds", name, partial(row_convert_rounds, b, dev, n)))
+    if "cpu" in devices:  # the CI pre-bake job's case: the source from the HF cache
+        n = min(cpu_counts(b))
+        name = f"convert cpu {n} from the HF cache against cp -r && sync, round by round"
+        out.append(("convert-rounds", name, partial(row_convert_rounds, b, "cpu", n, True)))
     out += [
         ("load", f"load {rt}", partial(row_load, b, rt, first, "warm")),
         ("attach", f"attach {rt}", partial(rows_attach, b, rt, first)),

@@ -116,10 +116,44 @@ def test_first_attach_and_serve_rows_end_to_end(
 @pytest.mark.slow
 def test_bench_first_attach_uses_the_same_clients(converted: tuple[Path, Path]) -> None:
     _, sidecar = converted
-    r = _run([str(SCRIPTS / "bench_first_attach.py"), str(sidecar), "--runs", "1"])
+    r = _run([str(SCRIPTS / "bench_first_attach.py"), str(sidecar), "--runs", "1", "--steps"])
     docs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert sorted(d["warm"] for d in docs) == [False, True]  # one round each way
     n = _tensors(sidecar)
     assert all(d["tensors"] == n and d["first_ms"] > 0 and d["second_ms"] > 0 for d in docs)
+    for d in docs:  # --steps: each attach's parts, within its own time
+        for which in ("first", "second"):
+            steps = d[f"{which}_steps_ms"]
+            assert set(steps) == {"load_manifest", "_connect", "_request", "_map"}
+            assert 0 < sum(steps.values()) <= d[f"{which}_ms"]
+    assert "where the first attach's time goes, median ms: " in r.stdout
     assert "first `attach`, fresh process, alone, after `warm`" in r.stdout
     assert "first `attach`, fresh process, alone, no `warm`" in r.stdout
+
+
+@pytest.mark.slow
+def test_convert_rounds_rows_end_to_end(converted: tuple[Path, Path], tmp_path: Path) -> None:
+    """``convert-rounds``: every round runs the peer and both converts (the local source and the
+    HF-cache one); the value and peer are the medians of the walls, each round's ratio is kept."""
+    ck, _ = converted
+    out = tmp_path / "bvt.json"
+    cmd = [
+        str(SCRIPTS / "bench_vs_tools.py"),
+        *("--workdir", str(tmp_path / "work"), "--src", str(ck), "--devices", "cpu"),
+        *("--cores", "1", "--only", "convert-rounds", "--reps", "2", "--json", str(out)),
+    ]
+    _run(cmd)
+    rows = {row["key"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["convert-cpu-1c-rounds", "convert-cpu-1c-hub-rounds"]
+    for row in rows.values():
+        assert row["error"] is None
+        rounds = row["runs"]["rounds"]
+        assert len(rounds) == 2
+        names = ["cp -r && sync", "mpack convert", "mpack convert, MPACK_NO_DIRECT_WRITE=1"]
+        assert [sorted(r) for r in rounds] == [sorted(names)] * 2
+        assert list(rounds[1]) == names[1:] + names[:1]  # the order rotates
+        mine = sorted(r["mpack convert"]["wall"] for r in rounds)
+        assert row["value"] == pytest.approx(sum(mine) / 2)  # the median of two
+        assert row["peer"] == pytest.approx(sum(r["cp -r && sync"]["wall"] for r in rounds) / 2)
+        assert row["target"] is None  # the 1.5x target is for 2 cores
+    assert (tmp_path / "work" / "hf-cache").is_dir()

@@ -47,6 +47,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "first-attach-cpu-1": (5.0, "ms"),
     "first-attach-cpu-1-nowarm": (5.0, "ms"),
     "serve-cuda": (2.5, "s"),
+    "convert-cpu-2c-rounds": (1.5, "x cp -r && sync"),
+    "convert-cpu-2c-hub-rounds": (1.5, "x cp -r && sync"),
     "rss": (1.25, "x (size-independent)"),
 }
 

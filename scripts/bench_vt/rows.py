@@ -281,6 +281,58 @@ def row_convert(
     return cp_row(b, key, what, runs, temp)
 
 
+def row_convert_rounds(b: Bench, dev: str, cores: int | None, hub: bool = False) -> Row:
+    """The CLI convert against ``cp -r && sync`` round by round (scripts/bench_interleaved.py):
+    ``--reps`` rounds, each running the peer, the convert as shipped and the convert with
+    direct writes off (``MPACK_NO_DIRECT_WRITE=1``: the page-cache writer, the before of Note
+    [direct writes]) in a rotated order. The value and the peer are the medians of the walls;
+    the notes give each round's ratio, the switch-off figures and each command's CPU seconds.
+    On a machine whose disk drifts, a ratio within one round compares like with like."""
+    from bench_interleaved import PEER, convert_commands, run_rounds, summarize, switch_var
+
+    var = switch_var("direct-write")
+    work = b.tmp / "rounds"
+    work.mkdir(exist_ok=True)
+    cmds = convert_commands(
+        b.src,
+        work,
+        b.env,
+        device=dev,
+        cores=cores,
+        var=var,
+        hub=HUB_REPO if hub else None,
+        hf_cache=hub_cache(b) if hub else None,
+    )
+    rounds = run_rounds(cmds, b.src_files(), b.args.reps, work)
+    t = summarize(rounds)
+    me, off, peer = t["mpack convert"], t[f"mpack convert, {var}=1"], t[PEER]
+
+    def cpu(r: dict[str, Any]) -> str:
+        return f"user {r['user_median']:.2f} s, sys {r['sys_median']:.2f} s"
+
+    key = f"convert-{dev}" + (f"-{cores}c" if cores else "") + ("-hub" if hub else "") + "-rounds"
+    how = f"`taskset -c 0-{cores - 1}` " if cores else ""
+    source = f"{HUB_REPO} " if hub else ""
+    return Row(
+        key,
+        f"{how}`mpack convert {source}--device {dev}`, CLI, warm, against `cp -r && sync` "
+        "round by round",
+        me["wall_median"],
+        now=f"{secs(me['wall_median'])} median",
+        peer=peer["wall_median"],
+        peer_text=f"cp -r && sync {secs(peer['wall_median'])} median",
+        notes=[
+            f"{len(rounds)} rounds; each round's ratio: "
+            + ", ".join(f"{x:.2f}" for x in me["ratios"])
+            + f" (median {me['ratio_median']:.2f})",
+            f"with {var}=1 (the page-cache writer): {secs(off['wall_median'])} median, "
+            f"{off['ratio_median']:.2f}x cp -r && sync; CPU medians: this {cpu(me)}; "
+            f"{var}=1 {cpu(off)}; cp -r && sync {cpu(peer)}",
+        ],
+        runs={"rounds": rounds, "table": t},
+    )
+
+
 #: The Hub id the source gets in the bench's own HF cache (``row_convert(..., hub=True)``).
 HUB_REPO = "mpack-bench/llama-8b-shaped-fp8"
 
