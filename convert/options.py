@@ -74,9 +74,9 @@ class ConvertOptions:
     def turned_off(self, what: str) -> bool:
         """Whether ``what`` (one of :data:`mpack.convert.backends.SWITCHES`) is off: in
         ``disable`` when given, else in the environment."""
-        from mpack.convert.backends import disabled_by_env
+        from mpack.convert.backends import turned_off
 
-        return what in (self.disable if self.disable is not None else disabled_by_env())
+        return what in turned_off(self.disable)
 
     def targets(self) -> list[TargetSpec]:
         """The targets, in the order given, repeats dropped

@@ -74,7 +74,6 @@ from mpack.sidecar import (
     CONFIG_NAME,
     COPIED_FILES,
     MODEL_CONFIG_KEYS,
-    DirectHashingWriter,
     HashingWriter,
     new_manifest,
     open_writer,
@@ -474,17 +473,16 @@ def _open_writers(
     (Note [direct writes] in mpack/iokit.py; a multi-target run, whose targets' files are all
     open at once, writes through the page cache)."""
     writers: dict[str, HashingWriter] = {}
-    direct_left = DIRECT_FILES if direct else 0
+    first = sorted(plan.files, key=lambda n: n != COMMON_NAME)[:DIRECT_FILES] if direct else []
 
     def close_all() -> None:
         for w in writers.values():
             w.close()
 
     stack.callback(close_all)
-    for name in sorted(plan.files, key=lambda n: n != COMMON_NAME):  # the pass-through first
-        writers[name] = open_writer(work / name, plan.files[name], direct=direct_left > 0)
-        direct_left -= isinstance(writers[name], DirectHashingWriter)
-    return {name: writers[name] for name in plan.files}
+    for name, file_map in plan.files.items():
+        writers[name] = open_writer(work / name, file_map, direct=name in first)
+    return writers
 
 
 class _Counter:

@@ -604,7 +604,6 @@ class DirectWriter:
         self._fill = 0  # bytes of it so far
         self._pos = 0
         self._digests: list[Future[str]] = []
-        self._writes: list[Future[None]] = []
 
     @property
     def position(self) -> int:
@@ -620,18 +619,20 @@ class DirectWriter:
                     fut.result()
         return self._views[i]
 
+    def _end(self) -> int:
+        """Bytes the chunk being filled holds: a whole chunk, or what is left of the file."""
+        return min(self.chunk_bytes, self.size - self._k * self.chunk_bytes)
+
     def space(self) -> memoryview:
         """Where the next bytes go: the rest of the chunk being filled (empty once ``size``
         bytes came). Fill a prefix of it, then :meth:`advance` by that many bytes."""
-        end = min(self.chunk_bytes, self.size - self._k * self.chunk_bytes)
-        if self._fill >= end:
+        if self._fill >= self._end():
             return memoryview(b"")
-        return self._piece()[self._fill : end]
+        return self._piece()[self._fill : self._end()]
 
     def advance(self, n: int) -> None:
         """``n`` more bytes are in place at the start of :meth:`space`."""
-        end = min(self.chunk_bytes, self.size - self._k * self.chunk_bytes)
-        if n < 0 or self._fill + n > end:
+        if n < 0 or self._fill + n > self._end():
             raise AssertionError(f"{self.path.name}: {n} bytes past the space given")
         self._fill += n
         self._pos += n
@@ -670,7 +671,6 @@ class DirectWriter:
         self._busy[i] = [digest]
         if n:
             write = bg.submit(_pwrite_all, self._fd, piece[: _round_up(n, BLOCK)], offset)
-            self._writes.append(write)
             self._busy[i].append(write)
         self._k += 1
         self._fill = 0
@@ -680,8 +680,8 @@ class DirectWriter:
             raise AssertionError(f"{self.path.name}: wrote {self._pos} of {self.size} bytes")
         if self._fill or not self._digests:
             self._submit()  # the last, shorter chunk (or the one digest of an empty file)
-        with naming(self.path):
-            for fut in self._writes:
+        with naming(self.path):  # earlier writes were waited for when their piece came back
+            for fut in (f for futs in self._busy for f in futs):
                 fut.result()
             if self.size % BLOCK:
                 os.ftruncate(self._fd, self.size)  # the last write's padding
@@ -737,49 +737,32 @@ def copy_tensors(
     bump: Callable[[int], None],
     tl: Any,
 ) -> None:
-    """Copy the tensors ``w`` plans byte for byte, in file order, through one reused buffer of
-    ``COPY_BYTES`` (into a :class:`DirectWriter`: straight into its staging pieces).
+    """Copy the tensors ``w`` plans byte for byte, in file order: through one reused buffer of
+    ``COPY_BYTES`` handed to ``w.write_at``, or, for a :class:`DirectWriter`, read straight
+    into its staging pieces (:meth:`DirectWriter.space`: the bytes are copied once, by the
+    read).
 
     ``read_into(name, buffer, skip)`` fills a buffer with tensor ``name``'s bytes from ``skip``
     on (``Checkpoint.read_into``); ``bump(n)`` follows every piece written; ``tl`` (a
-    ``Timeline``) gets a ``copy`` span for each read and each write.
+    ``Timeline``) gets a ``copy`` span for each read and each write (for a direct writer, the
+    wait for a free piece too).
     """
     if isinstance(w, DirectWriter):
-        _copy_in_place(read_into, w, bump, tl)
-        return
-    piece = COPY_BYTES
-    buf = memoryview(bytearray(piece))
-    for entry in w.file_map.entries:
-        for pos in range(0, entry.nbytes, piece):
-            view = buf[: min(piece, entry.nbytes - pos)]
-            t = time.perf_counter()
-            read_into(entry.name, view, pos)
-            t = tl.add("copy", "read", t, time.perf_counter())
-            w.write_at(entry.offset + pos, view)
-            tl.add("copy", w.path.name, t, time.perf_counter())
-            bump(len(view))
-
-
-def _copy_in_place(
-    read_into: Callable[[str, memoryview, int], None],
-    w: Any,
-    bump: Callable[[int], None],
-    tl: Any,
-) -> None:
-    """:func:`copy_tensors` into a :class:`DirectWriter`: each read lands in the writer's
-    staging piece (Note [direct writes]), so the bytes are copied once, by the read."""
+        room, put = w.space, lambda _at, view: w.advance(len(view))
+    else:
+        buf = memoryview(bytearray(COPY_BYTES))
+        room, put = (lambda: buf), w.write_at
     for entry in w.file_map.entries:
         pos = 0
         while pos < entry.nbytes:
             t = time.perf_counter()
-            room = w.space()
-            if not len(room):
+            view = room()[: entry.nbytes - pos]
+            if not len(view):
                 raise AssertionError(f"{w.path.name}: no room left for {entry.name}")
-            view = room[: min(len(room), entry.nbytes - pos)]
-            t = tl.add("copy", w.path.name, t, time.perf_counter())  # waiting for a piece
+            t = tl.add("copy", w.path.name, t, time.perf_counter())
             read_into(entry.name, view, pos)
             t = tl.add("copy", "read", t, time.perf_counter())
-            w.advance(len(view))
+            put(entry.offset + pos, view)
             tl.add("copy", w.path.name, t, time.perf_counter())
             pos += len(view)
             bump(len(view))

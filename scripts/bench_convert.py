@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,32 +23,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchutil import drop_caches, proc_status_bytes, read_files  # noqa: E402
+from benchutil import drop_caches, proc_status_bytes, read_files, write_bytes  # noqa: E402
 from synth_checkpoint import LLAMA_8B, write_checkpoint  # noqa: E402
-
-CHUNK = 16 * 1024 * 1024
-
-
-def write_bytes(path: Path, nbytes: int, behind: bool = False) -> float:
-    """Seconds to write ``nbytes`` sequentially and fsync them. ``behind``: also ask the kernel
-    to start writing every 32 MiB as soon as it is written (as mpack's writer does), so that
-    the disk works during the writes instead of in the final fsync."""
-    from mpack.iokit import start_writeback
-
-    buf = memoryview(os.urandom(CHUNK))  # slices of a memoryview copy nothing
-    t = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left, pos, flushed = nbytes, 0, 0
-        while left > 0:
-            n = f.write(buf[: min(CHUNK, left)])
-            left, pos = left - n, pos + n
-            if behind and pos - flushed >= 2 * CHUNK:
-                start_writeback(f.fileno(), flushed, pos - flushed)
-                flushed = pos
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t
-    path.unlink()
-    return dt
 
 
 def peak_rss_run(src: Path, out: Path, device: str) -> tuple[dict, int]:

@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchutil import drop_caches  # noqa: E402
+from benchutil import drop_caches, write_bytes  # noqa: E402
 
 PIECE = 16 << 20
 
@@ -71,27 +71,6 @@ def read_all(
     return dt
 
 
-def write_all(path: Path, nbytes: int, behind: bool = True) -> float:
-    """Seconds to write ``nbytes`` in PIECE writes and fsync them (``behind``: start writeback
-    every 32 MiB, as mpack's page-cache writer does)."""
-    from mpack.iokit import start_writeback
-
-    buf = memoryview(os.urandom(PIECE))
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    pos = flushed = 0
-    while pos < nbytes:
-        n = min(PIECE, nbytes - pos)
-        os.write(fd, buf[:n])
-        pos += n
-        if behind and pos - flushed >= 32 << 20:
-            start_writeback(fd, flushed, pos - flushed)
-            flushed = pos
-    os.fsync(fd)
-    os.close(fd)
-    return time.perf_counter() - t
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path)
@@ -113,7 +92,9 @@ def main() -> int:
 
     def both(threads: int, direct: bool) -> float:
         got: dict[str, float] = {}
-        writer = threading.Thread(target=lambda: got.setdefault("w", write_all(a.scratch, total)))
+        writer = threading.Thread(
+            target=lambda: got.setdefault("w", write_bytes(a.scratch, total, behind=True))
+        )
         t = time.perf_counter()
         writer.start()
         got["r"] = read_all(files, threads, direct)
@@ -129,8 +110,8 @@ def main() -> int:
     cold("read, 8 threads", lambda: read_all(files, 8))
     cold("read, 16 threads", lambda: read_all(files, 16))
     cold("read, 8 threads, O_DIRECT", lambda: read_all(files, 8, direct=True))
-    cold("write the same size (write-behind), fsync", lambda: write_all(a.scratch, total))
-    cold("write the same size (no write-behind), fsync", lambda: write_all(a.scratch, total, False))
+    cold("write the same size (write-behind), fsync", lambda: write_bytes(a.scratch, total, True))
+    cold("write the same size (no write-behind), fsync", lambda: write_bytes(a.scratch, total))
     cold("read (8 threads) and write at once", lambda: both(8, False))
     cold("read (8 threads, O_DIRECT) and write at once", lambda: both(8, True))
     return 0

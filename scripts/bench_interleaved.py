@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import statistics
@@ -34,7 +33,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchutil import exit_on_signals, read_files, scratch_dir  # noqa: E402
+from benchutil import exit_on_signals, fresh, read_files, scratch_dir  # noqa: E402
 
 
 def switch_var(name: str) -> str:
@@ -60,11 +59,6 @@ def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> dict[str, float]:
         "user": after.ru_utime - before.ru_utime,
         "sys": after.ru_stime - before.ru_stime,
     }
-
-
-def fresh(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.sync()
 
 
 #: The peer's name in :func:`convert_commands` (the first command of every round's rotation).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,37 @@ def read_files(files: list[Path], chunk: int = 16 * 1024 * 1024) -> float:
             while f.readinto(buf):
                 pass
     return time.perf_counter() - t
+
+
+def write_bytes(path: Path, nbytes: int, behind: bool = False) -> float:
+    """Seconds to write ``nbytes`` to ``path`` sequentially, in 16 MiB writes, and fsync them
+    (the file is removed afterwards). ``behind``: also ask the kernel to start writing every
+    32 MiB as soon as it is written (as mpack's page-cache writer does), so that the disk works
+    during the writes instead of in the final fsync."""
+    from mpack.iokit import start_writeback
+
+    chunk = 16 * 1024 * 1024
+    buf = memoryview(os.urandom(chunk))  # slices of a memoryview copy nothing
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left, pos, flushed = nbytes, 0, 0
+        while left > 0:
+            n = f.write(buf[: min(chunk, left)])
+            left, pos = left - n, pos + n
+            if behind and pos - flushed >= 2 * chunk:
+                start_writeback(f.fileno(), flushed, pos - flushed)
+                flushed = pos
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return dt
+
+
+def fresh(path: Path) -> None:
+    """Remove ``path`` and write every dirty page back: no measurement inherits the previous
+    one's writeback."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
 
 
 def proc_status_bytes(pid: int, keys: tuple[str, ...]) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +55,7 @@ __all__ = [
     "Piece",
     "Refused",
     "disabled_by_env",
+    "turned_off",
     "open_backend",
     "prefetch_files",
 ]
@@ -173,6 +174,16 @@ def disabled_by_env() -> frozenset[str]:
     return frozenset(what for what, var in SWITCHES.items() if env_flag(var))
 
 
+def turned_off(disabled: Iterable[str] | None) -> frozenset[str]:
+    """What is off: ``disabled`` when given (each one of :data:`SWITCHES`, else a
+    ``UsageError``), else what the environment turns off."""
+    off = disabled_by_env() if disabled is None else frozenset(disabled)
+    unknown = off - set(SWITCHES)
+    if unknown:
+        raise UsageError(f"cannot turn off {', '.join(sorted(unknown))}: not one of {SWITCHES}")
+    return off
+
+
 @dataclass(frozen=True)
 class _Candidate:
     name: str
@@ -232,10 +243,7 @@ def open_backend(
     """
     spec = DeviceSpec.parse(device, CONVERT, option)
     check_backend_name(backend)
-    off = disabled_by_env() if disabled is None else frozenset(disabled)
-    unknown = off - set(SWITCHES)
-    if unknown:
-        raise UsageError(f"cannot turn off {', '.join(sorted(unknown))}: not one of {SWITCHES}")
+    off = turned_off(disabled)
     from mpack.convert.timeline import Timeline
 
     tl = tl or Timeline()

@@ -23,7 +23,7 @@ from typing import Any
 from bench_rt.procs import BenchError, Child, run_worker, worker
 from bench_rt.report import gib
 from bench_rt.system import ensure_warm, evict
-from benchutil import run_timed
+from benchutil import fresh, run_timed
 
 from .report import Row, secs
 
@@ -107,13 +107,6 @@ def cache_state(b: Bench, files: list[Path], temp: str) -> dict[str, Any]:
             + ("unknown" if frac is None else f"{frac:.0%} still cached")
         )
     return state
-
-
-def fresh(path: Path) -> None:
-    """Remove ``path`` and write every dirty page back: no measurement inherits the previous
-    one's writeback."""
-    shutil.rmtree(path, ignore_errors=True)
-    os.sync()
 
 
 def timed_cli(

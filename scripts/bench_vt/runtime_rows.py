@@ -140,6 +140,18 @@ def _mm(docs: list[dict[str, Any]], key: str, fmt: str = ".1f") -> str:
     return f"max {max(xs):{fmt}} / median {statistics.median(xs):{fmt}}"
 
 
+def steps_note(steps: list[dict[str, float]], what: str, digits: int) -> str:
+    """ "where WHAT time goes": each step's median milliseconds over the clients (a client's
+    ``{step: ms}``, bench_vt/workers.py ``_time_phases``); the rest of an attach is checks and
+    building the result."""
+    keys = dict.fromkeys(k for got in steps for k in got)  # in the order the steps ran
+    parts = ", ".join(
+        f"{k.lstrip('_')} {statistics.median(got.get(k, 0.0) for got in steps):.{digits}f}"
+        for k in keys
+    )
+    return f"where {what} time goes, median ms: {parts}"
+
+
 def attach_row(n: int, docs: list[dict[str, Any]], name: str, cuda: bool) -> Row:
     """attach + first touch (Note [first touch] in bench_vt/workers.py): max and median over
     every client of every round; attach only, first touch only and start-up in the notes."""
@@ -153,11 +165,8 @@ def attach_row(n: int, docs: list[dict[str, Any]], name: str, cuda: bool) -> Row
         f"{_mm(docs, 'start_s', fmt='.2f')} s, of which import torch + mpack "
         f"{_mm(docs, 'import_s', fmt='.2f')} s{init}",
     ]
-    steps = docs[0].get("phases_ms") or {}
-    if steps:  # medians over the clients; the rest is checks and building the result
-        med = {k: statistics.median(d["phases_ms"].get(k, 0.0) for d in docs) for k in steps}
-        parts = ", ".join(f"{k.lstrip('_')} {v:.1f}" for k, v in med.items())
-        notes.append(f"where attach's time goes, median ms: {parts}")
+    if docs[0].get("phases_ms"):
+        notes.append(steps_note([d["phases_ms"] for d in docs], "attach's", 1))
     if len({d["seen"] for d in docs}) > 1:
         notes.append(
             f"WARNING: the clients read different values: {sorted({d['seen'] for d in docs})}"
@@ -211,13 +220,8 @@ def first_attach_rows(n: int, dev: str, docs: list[dict[str, Any]]) -> list[Row]
         ]
         for which in ("first", "second"):
             got = [d[f"{which}_steps_ms"] for d in mine if f"{which}_steps_ms" in d]
-            if got:  # medians over the clients; the rest is checks and building the result
-                keys = sorted({k for g in got for k in g})
-                parts = ", ".join(
-                    f"{k.lstrip('_')} {statistics.median(g.get(k, 0.0) for g in got):.2f}"
-                    for k in keys
-                )
-                notes.append(f"where the {which} attach's time goes, median ms: {parts}")
+            if got:
+                notes.append(steps_note(got, f"the {which} attach's", 2))
         if not all(d["same"] for d in mine):
             notes.append("WARNING: a second attach did not see the first one's sidecar")
         rows.append(

@@ -167,14 +167,15 @@ def w_first_attach(a: dict[str, Any]) -> None:
     if sys.stdin.readline().strip() != "go":
         return
     where = {"rank": a["rank"], "device": dev, "socket": a["socket"]}
-    steps: list[dict[str, float]] = [{}, {}]  # the first attach's steps, then the second's
+    first_steps: dict[str, float] = {}
+    second_steps: dict[str, float] = {}
+    timing = [first_steps]  # the steps of the attach being timed
     if a.get("steps"):
-        _time_phases(lambda: steps[-1] if done else steps[0], cuda=dev != "cpu")
-    done = False
+        _time_phases(lambda: timing[0], cuda=dev != "cpu")
     t0 = time.perf_counter()
     first = attach(a["sidecar"], **where)
     t1 = time.perf_counter()
-    done = True
+    timing[0] = second_steps
     second = attach(a["sidecar"], **where)
     t2 = time.perf_counter()
     emit(
@@ -183,7 +184,11 @@ def w_first_attach(a: dict[str, Any]) -> None:
             "second_ms": (t2 - t1) * 1e3,
             "tensors": len(first),
             "same": first.digest == second.digest and len(first) == len(second),
-            **({"first_steps_ms": steps[0], "second_steps_ms": steps[1]} if a.get("steps") else {}),
+            **(
+                {"first_steps_ms": first_steps, "second_steps_ms": second_steps}
+                if a.get("steps")
+                else {}
+            ),
         }
     )
     sys.stdin.read()  # hold the mappings until the round ends (stdin closed)
