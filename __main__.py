@@ -2,7 +2,7 @@
 
 Python takes the clone's root for a namespace package ``mpack`` (it has no ``__init__.py``) and
 runs this file. It runs the clone's ``mpack/__main__.py``, which puts the real package in place
-(Note [checkout on sys.path] in mpack/__init__.py). Not part of the installed package.
+(Note [checkout on sys.path] in mpack/_checkout.py). Not part of the installed package.
 """
 
 import os

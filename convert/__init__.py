@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -16,21 +15,17 @@ from typing import TYPE_CHECKING, Any
 from mpack.convert.options import ConvertOptions
 
 if TYPE_CHECKING:
-    from mpack.convert.multi import MultiConvertResult
-    from mpack.convert.pipeline import ConvertResult, Progress
+    from mpack.convert.pipeline import ConvertResult, MultiConvertResult, Progress
 
 __all__ = ["ConvertOptions", "ConvertResult", "MultiConvertResult", "convert", "start", "verify"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ConvertResult":  # without importing torch at ``import mpack.convert``
-        from mpack.convert.pipeline import ConvertResult
+    if name in ("ConvertResult", "MultiConvertResult"):  # without the pipeline's imports at
+        # ``import mpack.convert``
+        from mpack.convert import pipeline
 
-        return ConvertResult
-    if name == "MultiConvertResult":
-        from mpack.convert.multi import MultiConvertResult
-
-        return MultiConvertResult
+        return getattr(pipeline, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -88,6 +83,9 @@ def convert(
     Raises:
         MpackError: bad input (a subclass with ``exit_code`` 2), with nothing written at ``out``;
             e.g. ``OutputExistsError`` when ``out`` holds another sidecar and ``force`` is off.
+
+    Long for its docstring, the library's reference for every option; the body only builds the
+    options and calls :func:`start`.
     """
     return start(
         source,
@@ -114,9 +112,8 @@ def start(
     *,
     progress: Callable[[], AbstractContextManager[Progress | None]] | None = None,
 ) -> ConvertResult | MultiConvertResult:
-    """Convert ``source`` into ``out`` as ``options`` ask: one target through
-    :func:`mpack.convert.pipeline.run_convert`, several through
-    :func:`mpack.convert.multi.run_convert_many`. What :func:`convert` and ``mpack convert`` run.
+    """Convert ``source`` into ``out`` as ``options`` ask, one target or several
+    (:func:`mpack.convert.pipeline.run_convert`). What :func:`convert` and ``mpack convert`` run.
 
     For a local source, two things start before this process imports torch, so that they overlap
     its imports: the compressed-tensors check, in a forked child (Note [scheme check in a
@@ -131,27 +128,18 @@ def start(
     from mpack.iokit import prefetch
     from mpack.sidecar import CONFIG_NAME
 
-    specs = options.targets()  # a bad list is refused before anything starts
     early = None
     if (Path(source) / CONFIG_NAME).is_file():
         early = SchemeCheck(source)  # forked first: no thread may run in the parent yet
         from mpack.convert.backends import prefetch_files
 
-        libs = prefetch_files(options.device)  # before the shards: Note [prefetch]
+        libs = prefetch_files(options.device_spec)  # before the shards: Note [prefetch]
         prefetch(libs + sorted(Path(source).glob("*.safetensors")))
     try:
-        run: Callable[..., Any]
-        if len(specs) > 1:
-            from mpack.convert.multi import run_convert_many as run
-        else:
-            from mpack.convert.pipeline import run_convert as run
+        from mpack.convert.pipeline import run_convert
 
-            one = specs[0]
-            options = dataclasses.replace(
-                options, tp=one.tp, profile=one.profile, act_dtype=one.act_dtype
-            )
         with (progress or contextlib.nullcontext)() as callback:
-            return run(source, out, options, progress=callback, scheme_check=early)
+            return run_convert(source, out, options, progress=callback, scheme_check=early)
     finally:
         if early is not None:
             early.cancel()

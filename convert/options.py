@@ -1,25 +1,51 @@
-"""What a conversion is asked to do, held once: :class:`ConvertOptions`.
+"""What a conversion is asked to do, checked once: :class:`ConvertOptions`.
 
-``mpack convert``, :func:`mpack.convert.convert`, :func:`mpack.convert.start`,
-:func:`mpack.convert.pipeline.run_convert` and :func:`mpack.convert.multi.run_convert_many` all
-take this one object rather than each spelling out the options. Importing this module is cheap
-(no torch, no compressed-tensors, no pipeline): the CLI builds one before it forks the scheme
-check (Note [scheme check in a child] in mpack/convert/scheme_check.py).
+``mpack convert``, :func:`mpack.convert.convert`, :func:`mpack.convert.start` and
+:func:`mpack.convert.pipeline.run_convert` all take this one object rather than each spelling
+out the options. Building one checks every value that needs no checkpoint (a misspelt profile,
+activation dtype, fusion, backend or device, a TP below 1) and parses the device once, so the
+run never checks them again. This module is a leaf: it imports :mod:`mpack.errors`,
+:mod:`mpack.device` and :mod:`mpack.target` only, so the CLI builds one before it forks the
+scheme check (Note [scheme check in a child] in mpack/convert/scheme_check.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
+from mpack.device import CONVERT, DeviceSpec
 from mpack.errors import UsageError
+from mpack.target import ACT_DTYPES, FUSIONS, PROFILES
 
-if TYPE_CHECKING:
-    from mpack.convert.backends import Backend
-    from mpack.convert.multi import TargetSpec
-    from mpack.convert.plan import Plan
-    from mpack.convert.timeline import Timeline
+#: The backends, by name (Note [choosing a backend] in mpack/convert/backends/__init__.py).
+BACKENDS = ("host", "driver", "torch")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One target asked for: a TP size, a profile and an activation dtype (None: the
+    checkpoint's)."""
+
+    tp: int
+    profile: str
+    act_dtype: str | None
+
+
+def check_fusion_tp(fusion: str, tp: int) -> None:
+    """``--fuse none`` packs layers under their checkpoint names, which only TP 1 can."""
+    if fusion == "none" and tp != 1:
+        raise UsageError(
+            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
+        )
+
+
+def check_backend_name(backend: str) -> None:
+    """Refuse a ``--backend`` that is neither ``auto`` nor one of :data:`BACKENDS`."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def _one_or_many(value: Any) -> Any:
@@ -30,13 +56,43 @@ def _one_or_many(value: Any) -> Any:
     return values[0] if len(values) == 1 else values
 
 
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, tuple) else [value]
+
+
+def _specs(tp: Any, profile: Any, act_dtype: Any) -> tuple[TargetSpec, ...]:
+    """The cross product of the lists, in the order given, repeats dropped; each value checked.
+    A misspelt value refuses the run whatever ``skip_invalid`` says: it is a typo, not a target
+    this checkpoint cannot have."""
+    tps, profiles, acts = _listed(tp), _listed(profile), _listed(act_dtype)
+    for what, values in (("--tp", tps), ("--profile", profiles), ("--act-dtype", acts)):
+        if not values:
+            raise UsageError(f"{what} is empty; give at least one value")
+    for p in profiles:
+        if p not in PROFILES:
+            raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {p!r}")
+    for a in acts:
+        if a is not None and a not in ACT_DTYPES:
+            raise UsageError(f"--act-dtype must be {' or '.join(ACT_DTYPES)}, got {a!r}")
+    for t in tps:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise UsageError(f"--tp must be at least 1, got {t}")
+    specs = [TargetSpec(*t) for t in itertools.product(tps, profiles, acts)]
+    return tuple(dict.fromkeys(specs))
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
-    """The options of one conversion (their meaning: :func:`mpack.convert.convert`).
+    """The options of one conversion (their meaning: :func:`mpack.convert.convert`), checked.
 
     ``tp``, ``profile`` and ``act_dtype`` take one value or several; their cross product is the
-    set of targets (:meth:`targets`). A list is kept as a tuple and a list of one as its value,
+    set of targets (:attr:`specs`). A list is kept as a tuple and a list of one as its value,
     so ``ConvertOptions(tp=[2]) == ConvertOptions(tp=2)``: both name the same single target.
+    ``device_spec`` is ``device`` parsed (:class:`mpack.device.DeviceSpec`).
+
+    Raises:
+        UsageError: a misspelt profile, activation dtype, fusion, backend or device, an empty
+            list, a TP below 1, or ``--fuse none`` where no target has TP 1.
     """
 
     revision: str | None = None
@@ -48,49 +104,34 @@ class ConvertOptions:
     passthrough: bool = True
     force: bool = False
     skip_invalid: bool = False
-    #: ``auto`` or a backend's name (:data:`mpack.convert.backends.BACKENDS`): the one to use.
+    #: ``auto`` or a backend's name (:data:`BACKENDS`): the one to use.
     backend: str = "auto"
     #: What is turned off (:data:`mpack.convert.backends.SWITCHES`); None: what the environment
     #: turns off.
     disable: frozenset[str] | None = None
+    #: The targets, in the order given, repeats dropped.
+    specs: tuple[TargetSpec, ...] = field(init=False, compare=False, repr=False)
+    device_spec: DeviceSpec = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("profile", "act_dtype", "tp"):
             object.__setattr__(self, name, _one_or_many(getattr(self, name)))
         if self.disable is not None:
             object.__setattr__(self, "disable", frozenset(self.disable))
+        specs = _specs(self.tp, self.profile, self.act_dtype)
+        if self.fuse not in FUSIONS:
+            raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {self.fuse!r}")
+        if all(s.tp != 1 for s in specs):
+            check_fusion_tp(self.fuse, specs[0].tp)  # no target can be made: the options' error
+        check_backend_name(self.backend)
+        object.__setattr__(self, "specs", specs)
+        object.__setattr__(self, "device_spec", DeviceSpec.of(self.device, CONVERT))
 
-    def open_backend(
-        self, plan: Plan, tl: Timeline | None = None, opened: list[Backend] | None = None
-    ) -> Backend:
-        """The backend these options ask for, for ``plan``
-        (:func:`mpack.convert.backends.open_backend`; ``opened``: those this run opened)."""
-        from mpack.convert.backends import open_backend
-
-        return open_backend(
-            self.device, plan, backend=self.backend, disabled=self.disable, tl=tl, opened=opened
-        )
-
-    def turned_off(self, what: str) -> bool:
-        """Whether ``what`` (one of :data:`mpack.convert.backends.SWITCHES`) is off: in
-        ``disable`` when given, else in the environment."""
-        from mpack.convert.backends import turned_off
-
-        return what in turned_off(self.disable)
+    @property
+    def many(self) -> bool:
+        """More than one target: ``-o`` is then a directory of sidecars, ``OUT/<target>/``."""
+        return len(self.specs) > 1
 
     def targets(self) -> list[TargetSpec]:
-        """The targets, in the order given, repeats dropped
-        (:func:`mpack.convert.multi.target_specs`)."""
-        from mpack.convert.multi import target_specs
-
-        return target_specs(self.tp, self.profile, self.act_dtype)
-
-    def target(self) -> tuple[str, str | None, int]:
-        """``(profile, act_dtype, tp)`` of the one target these options name (not checked
-        further: :func:`mpack.convert.pipeline.run_convert` does that)."""
-        if any(isinstance(v, tuple) for v in (self.profile, self.act_dtype, self.tp)):
-            raise UsageError(
-                "these options name several targets; run_convert makes one",
-                hint="use mpack.convert.convert, which makes each of them",
-            )
-        return self.profile, self.act_dtype, self.tp  # type: ignore[return-value]
+        """The targets, in the order given, repeats dropped (:attr:`specs`)."""
+        return list(self.specs)

@@ -1,27 +1,42 @@
-"""The streaming convert pipeline: validate, plan, then read -> transform -> write, atomically.
+"""The conversion run, for one target or many: validate, plan, then read -> transform -> write,
+atomically.
 
 Order of work (ARCHITECTURE.md "Data flow"), as :func:`run_convert` reads:
 
 1. resolve the source, take ``-o``'s lock and stamp the source files; hashing them starts on a
    thread, and with compressed-tensors not yet imported, its check of the config starts in a
    forked child (Note [scheme check in a child] in :mod:`mpack.convert.scheme_check`);
-2. parse every header, validate every layer's structure and plan every output tensor
-   (:mod:`mpack.convert.plan`), from the headers alone: no torch yet;
-3. if OUT already holds this sidecar (same source files, same target), stop: up to date
-   (:func:`mpack.convert.staging.staged_sidecar`, which owns the output directory);
+2. parse every header, validate every layer's structure and plan every output tensor of every
+   target (:func:`mpack.convert.plan.open_and_plan`), from the headers alone: no torch yet;
+3. take each target's lock; a target whose directory already holds its sidecar (same source
+   files, same target) is up to date and left alone (:func:`mpack.convert.output.staged_sidecar`,
+   which owns the output directory); when all are, stop;
 4. in a hidden work directory: start copying the pass-through tensors on a thread, then open the
    backend that converts the layers (:func:`mpack.convert.backends.open_backend`: the host
    backend imports no torch at all; the torch backend imports it here, Note [torch off the
    critical path]: the copy and the source hashing run while the interpreter imports), check
    every layer's scale values, and stream the fused layers through three stages on their own
-   threads — read (from the shards), transform (the backend's), write (at the planned offset,
-   chunk digests and disk writeback behind it) — with a few units in flight
-   (:mod:`mpack.convert.stream`), so memory is bounded whatever the model; the config and
-   tokenizer files are copied after;
+   threads — read (from the shards, once for every target), transform (each target's backend),
+   write (at the planned offset, chunk digests and disk writeback behind it) — with a few units
+   in flight (:mod:`mpack.convert.stream`), so memory is bounded whatever the model; the config
+   and tokenizer files are copied after;
 5. wait for the source hashes and the scheme check's verdict, check that no source file changed
-   under the run (Note [stable source] in :mod:`mpack.convert.source`), write the manifest last,
-   and swap the work directory into place (Note [atomic output] in
-   :mod:`mpack.convert.staging`).
+   under the run (Note [stable source] in :mod:`mpack.convert.source`), write each target's
+   manifest, and swap the work directories into place last (Note [atomic output] in
+   :mod:`mpack.convert.output.swap`).
+
+Note [many targets]: a CI job that pre-bakes a checkpoint for several engines (TP sizes,
+profiles, activation dtypes) would otherwise read the source once per target; on an 8B model the
+read is most of a conversion. One run makes them all from one read: the source is resolved,
+stamped, hashed and its scheme checked once, every target is planned before any output is
+touched (an invalid one refuses the run, naming it, unless ``skip_invalid``), the fused layers
+stream once (Note [one read for every target] in :mod:`mpack.convert.stream`), the pass-through
+tensors are read once and written into every target's ``common.safetensors``, and the config and
+tokenizer files are copied once and from that copy to the others. Each target is its own sidecar
+with its own lock, up-to-date check, work directory and swap; the swaps come last, so an
+interrupted run leaves no target (or, interrupted between two swaps, only finished ones). One
+target is the same run over a list of one; the only difference is where it goes: ``-o`` itself
+is the sidecar, where several go to ``OUT/<name>`` (:func:`mpack.target.dir_name`).
 
 Every phase is timed on one :class:`~mpack.convert.timeline.Timeline`; ``ConvertResult.seconds``
 is read from it (:data:`SECONDS`).
@@ -33,22 +48,17 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpack.convert.backends import Backend, check_backend_name, check_device_here, report
-from mpack.convert.checkpoint import (
-    Checkpoint,
-    check_scale_values,
-    find_layers,
-    open_checkpoint,
-    read_scale_array,
-)
+from mpack.convert.backends import Backend, check_device_here, open_backend, report, turned_off
+from mpack.convert.checkpoint import Checkpoint, check_scale_values, read_scale_array
 from mpack.convert.options import ConvertOptions
-from mpack.convert.plan import Plan, check_fusion_tp, make_plan
+from mpack.convert.output import check_apart, output_lock, output_path, staged_sidecar
+from mpack.convert.plan import Plan, open_and_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
@@ -64,21 +74,21 @@ from mpack.convert.source import (
     source_files,
     stamp_sources,
 )
-from mpack.convert.staging import check_apart, output_lock, output_path, staged_sidecar
+from mpack.convert.stream import Sink, Streamer
 from mpack.convert.timeline import Timeline
-from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
+from mpack.errors import MpackError, OutputExistsError
 from mpack.iokit import Aborted, copy_file, copy_tensors, pool, usable_cores
 from mpack.sidecar import (
     CHUNK_BYTES,
     COMMON_NAME,
-    CONFIG_NAME,
     COPIED_FILES,
+    MANIFEST_NAME,
     MODEL_CONFIG_KEYS,
     HashingWriter,
     new_manifest,
     open_writer,
 )
-from mpack.target import ACT_DTYPES, FUSIONS, PROFILES
+from mpack.target import dir_name
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
 
@@ -126,6 +136,21 @@ class ConvertResult:
     backend: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class MultiConvertResult:
+    """What a run of several targets did: ``out`` (the directory of sidecars), ``results`` (one
+    :class:`ConvertResult` per target written or up to date, ``out`` being ``OUT/<name>``),
+    ``skipped`` (``(name, why)`` of each invalid target left out with ``skip_invalid``)."""
+
+    out: Path
+    results: list[ConvertResult]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def up_to_date(self) -> bool:
+        return all(r.up_to_date for r in self.results)
+
+
 def _seconds(tl: Timeline, *, done: bool) -> dict[str, float]:
     """``ConvertResult.seconds`` from the run's timeline; ``done``: the work was done, with a
     ``total``."""
@@ -146,75 +171,118 @@ def run_convert(
     *,
     progress: Progress | None = None,
     scheme_check: SchemeCheck | None = None,
-) -> ConvertResult:
-    """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar at ``out``.
+) -> ConvertResult | MultiConvertResult:
+    """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar per target of
+    ``options`` (:attr:`ConvertOptions.specs`), reading the source once (Note [many targets]).
 
-    ``options`` name one target (several: :func:`mpack.convert.multi.run_convert_many`); see
-    :func:`mpack.convert.convert` for their meaning. Raises an ``MpackError`` (exit code 2)
-    for bad input, with nothing written at ``out`` (some checks finish while the work
-    directory fills; it is removed then). ``scheme_check``: the check of this source,
-    already started by the caller (the CLI forks it before importing torch); it is used when its
-    directory is the resolved source, and cancelled otherwise.
+    One target: the sidecar is ``out``, and a :class:`ConvertResult` comes back. Several: each
+    is ``out/<name>`` (:func:`mpack.target.dir_name`), and a :class:`MultiConvertResult`. The
+    options' meaning: :func:`mpack.convert.convert`. Raises an ``MpackError`` (exit code 2) for
+    bad input, with nothing written (some checks finish while the work directories fill; they
+    are removed then). ``scheme_check``: the check of this source, already started by the
+    caller (the CLI forks it before importing torch); it is used when its directory is the
+    resolved source, and cancelled otherwise.
 
     ``out`` is resolved through symbolic links and the sidecar written at the target, keeping
     the link (Note [output path]); an empty ``out``, the current directory, a mount point, an
     output inside the source or a source inside the output are refused up front. The run holds
-    ``out``'s lock throughout (Note [output lock]): ``BusyError`` if another run writes ``out``.
+    each target's lock throughout (Note [output lock]): ``BusyError`` if another run writes it.
     A source file that changes while it is converted stops the run with ``SourceChangedError``,
     nothing written (Note [stable source] in :mod:`mpack.convert.source`).
+
+    Long on purpose: its body is the order of work of the module docstring, step by step, in
+    one place, each step a call.
+
+    Raises:
+        UnsupportedSchemeError: a target that cannot be planned (named, with why), unless
+            ``skip_invalid`` and another target can; every target when none can.
+        OutputExistsError: ``out`` holds another sidecar (``force`` off), or, with several
+            targets, ``out`` is itself a sidecar.
     """
     tl = Timeline()
-    profile, act_dtype, tp = options.target()
-    revision, fuse, device = options.revision, options.fuse, options.device
-    passthrough, force = options.passthrough, options.force
-    _check_options(profile, act_dtype, tp, fuse, device, options.backend)
     out = output_path(out)
-    src = resolve_source(str(source), revision, show_progress=progress is not None)
+    if options.many and (out / MANIFEST_NAME).exists():
+        raise OutputExistsError(
+            f"{out} is a sidecar; several targets go into a directory of sidecars (OUT/<target>/)",
+            hint="choose another -o directory for the targets",
+        )
+    check_device_here(options.device_spec)  # a GPU asked for where there is none: before the read
+    src = resolve_source(str(source), options.revision, show_progress=progress is not None)
     check_apart(out, src.path)
-    with output_lock(out) as parent, _watched(src, scheme_check, tl) as watch:
+    with _watched(src, scheme_check, tl) as watch:
         with tl.span("main", "validate", start=tl.t0):
-            ck, plan = _open_and_plan(
-                src,
+            ck, plans, skipped = open_and_plan(
+                src.path,
                 watch.check,
-                profile=profile,
-                act_dtype=act_dtype,
-                tp=tp,
-                fuse=fuse,
-                passthrough=passthrough,
+                options.specs,
+                fuse=options.fuse,
+                passthrough=options.passthrough,
+                skip_invalid=options.skip_invalid,
             )
         names = source_files(src, ck.files)
         records = functools.partial(watch.records, names)
-        with staged_sidecar(
-            out,
+        made: dict[int, tuple[dict[str, Any], str, dict[str, Any]]] = {}  # target -> manifest,
+        # digest, backend
+        with contextlib.ExitStack() as stack:
+            stages = _stage_all(stack, out, plans, options, src, records, tl)
+            todo = [i for i, s in enumerate(stages) if not s.up_to_date]
+            if not todo:
+                watch.check_unchanged()  # the digests compared are of these files
+            else:
+                works = [stages[i].work for i in todo]
+                todo_plans = [plans[i] for i in todo]
+                written, used = _write_all(todo_plans, works, options, watch.check, progress, tl)
+                with tl.span("main", "copy-files"):
+                    copied = _copy_files(src, names, works)
+                with tl.span("main", "wait-source-hashes"):
+                    files_src = records()
+                with tl.span("main", "wait-scheme-check"):
+                    watch.check.agree(ck)
+                with tl.span("main", "manifest"):
+                    watch.check_unchanged()  # every read of the source is done: the bytes
+                    # converted and hashed are those stamped
+                    for i, w, b in zip(todo, written, used, strict=True):
+                        manifest = _manifest(plans[i], src, files_src, w, copied)
+                        made[i] = (manifest, stages[i].write_manifest(manifest), b)
+        # every stage swapped into place (in reverse order) when the stack closed
+    results = []
+    for i, (plan, stage) in enumerate(zip(plans, stages, strict=True)):
+        if i in made:
+            m, digest, used_by = made[i]
+            results.append(_result(stage.out, m, digest, tl, plan, used_by))
+        else:
+            results.append(_result(stage.out, *stage.current, tl))
+    return MultiConvertResult(out, results, skipped) if options.many else results[0]
+
+
+def _stage_all(
+    stack: contextlib.ExitStack,
+    out: Path,
+    plans: list[Plan],
+    options: ConvertOptions,
+    src: ResolvedSource,
+    records: Callable[..., list[dict[str, Any]]],
+    tl: Timeline,
+) -> list[Any]:
+    """Each target's lock and stage (:func:`mpack.convert.output.staged_sidecar`), entered on
+    ``stack``: at ``out`` itself for one target, at ``out/<name>`` for several (Note [many
+    targets]). Closing ``stack`` swaps them into place, in reverse order."""
+    stages = []
+    for plan in plans:
+        out_t = output_path(out / dir_name(plan.target)) if options.many else out
+        parent = stack.enter_context(output_lock(out_t))
+        stage = staged_sidecar(
+            out_t,
             plan.target,
             common=COMMON_NAME in plan.files,
             src=src,
             files=records,
-            force=force,
+            force=options.force,
             timeline=tl,
             parent=parent,
-        ) as stage:
-            if stage.up_to_date:
-                watch.check_unchanged()  # the digests compared are of these files
-                m, digest = stage.current
-                return _result(out, m, digest, tl)
-            written, used = _write_all(plan, stage.work, options, watch.check, progress, tl)
-            with tl.span("main", "copy-files"):
-                copied = [
-                    copy_file(src.path / n, stage.work / n, CHUNK_BYTES)
-                    for n in names
-                    if n in COPIED_FILES
-                ]
-            with tl.span("main", "wait-source-hashes"):
-                files_src = records()
-            with tl.span("main", "wait-scheme-check"):
-                watch.check.agree(ck)
-            with tl.span("main", "manifest"):
-                watch.check_unchanged()  # every read of the source is done: the bytes converted
-                # and hashed are those stamped
-                manifest = _manifest(plan, src, files_src, written, copied)
-                digest = stage.write_manifest(manifest)
-    return _result(out, manifest, digest, tl, plan, used)
+        )
+        stages.append(stack.enter_context(stage))
+    return stages
 
 
 def _result(
@@ -240,37 +308,6 @@ def _result(
         bytes_written=plan.total_bytes,
         timeline=tl.spans(),
         backend=backend or {},
-    )
-
-
-# --- options ------------------------------------------------------------------------------
-
-
-def _check_options(
-    profile: str, act_dtype: str | None, tp: int, fuse: str, device: str, backend: str
-) -> None:
-    if profile not in PROFILES:
-        raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
-    if act_dtype is not None and act_dtype not in ACT_DTYPES:
-        raise UsageError(f"--act-dtype must be {' or '.join(ACT_DTYPES)}, got {act_dtype!r}")
-    if fuse not in FUSIONS:
-        raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
-    if tp < 1:
-        raise UsageError(f"--tp must be at least 1, got {tp}")
-    check_fusion_tp(fuse, tp)
-    check_device_here(device)  # a GPU asked for where there is none: before the source is read
-    check_backend_name(backend)
-
-
-def _act_dtype(ck: Checkpoint, requested: str | None) -> str:
-    if requested:
-        return requested
-    dt = ck.dtype
-    if dt in ACT_DTYPES:
-        return dt
-    raise UnsupportedSchemeError(
-        f"{ck.root / CONFIG_NAME}: model dtype {dt!r} is not an activation dtype Marlin supports",
-        hint="pass --act-dtype bfloat16 or --act-dtype float16",
     )
 
 
@@ -347,40 +384,13 @@ def _started(
         check.cancel()
 
 
-# --- open, validate, plan -----------------------------------------------------------------
-
-
-def _open_and_plan(
-    src: ResolvedSource,
-    check: SchemeCheck,
-    *,
-    profile: str,
-    act_dtype: str | None,
-    tp: int,
-    fuse: str,
-    passthrough: bool,
-) -> tuple[Checkpoint, Plan]:
-    """Parse every header, find and validate every layer (SPEC §1), plan every output tensor.
-    With the scheme check in a child, its error comes first: the same order as inline. The scale
-    values are checked later, once torch is imported (:func:`_write_all`)."""
-    with check.errors_first():
-        ck = open_checkpoint(src.path, scheme=not check.deferred)
-        find_layers(ck)
-        plan = make_plan(
-            ck,
-            profile=profile,
-            act_dtype=_act_dtype(ck, act_dtype),
-            tp=tp,
-            fusion=fuse,
-            passthrough=passthrough,
-        )
-    return ck, plan
-
-
-def validate_values(ck: Checkpoint, plan: Plan) -> None:
-    """Scale values of every layer (SPEC §1), read before any heavy work."""
+def validate_values(ck: Checkpoint, acts: set[str]) -> None:
+    """Every layer's scale values (SPEC §1), read once, for each activation dtype; before any
+    heavy work."""
     for module in ck.layers:
-        check_scale_values(ck, module, read_scale_array(ck, module), plan.act_dtype)
+        scale = read_scale_array(ck, module)
+        for act in sorted(acts):
+            check_scale_values(ck, module, scale, act)
 
 
 # --- stream into the stage ----------------------------------------------------------------
@@ -397,43 +407,54 @@ def validate_values(ck: Checkpoint, plan: Plan) -> None:
 # Marlin layers go through :class:`mpack.convert.stream.Streamer` (read, transform and write on
 # their own threads). Each file hashes as it is written (:class:`mpack.sidecar.HashingWriter`).
 def _write_all(
-    plan: Plan,
-    work: Path,
+    plans: list[Plan],
+    works: list[Path],
     options: ConvertOptions,
     check: SchemeCheck,
     progress: Progress | None,
     tl: Timeline,
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Stream every output file into ``work``; return ``{file: {size, chunks}}`` and the
-    backend's :func:`~mpack.convert.backends.report` (Note [torch off the critical path])."""
+) -> tuple[list[dict[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """Stream every target's files into its work directory; return ``{file: {size, chunks}}``
+    and the backend's :func:`~mpack.convert.backends.report`, per target (Note [torch off the
+    critical path])."""
+    ck = plans[0].ckpt
     with contextlib.ExitStack() as stack:
         with tl.span("main", "setup"):
-            writers = _open_writers(plan, work, stack, direct=direct_writes(options))
-            count = _Counter(progress, plan)
-            for w in writers.values():
-                count.add_bytes(w.position)
+            direct = direct_files(plans, options)
+            writers = [
+                _open_writers(p, w, stack, direct.get(i, ()))
+                for i, (p, w) in enumerate(zip(plans, works, strict=True))
+            ]
+            count = _Counter(progress, plans)
+            for ws in writers:
+                for w in ws.values():
+                    count.add_bytes(w.position)
         stop = threading.Event()
         with pool("copy", 1) as copier:
             copied = None
-            if COMMON_NAME in writers:
+            commons = [_entries(ws[COMMON_NAME]) for ws in writers if COMMON_NAME in ws]
+            if commons:
                 bump = functools.partial(_bump_unless, stop, count.add_bytes)
-                copied = copier.submit(
-                    copy_tensors, plan.ckpt.read_into, writers[COMMON_NAME], bump, tl
-                )
+                copied = copier.submit(copy_tensors, ck.read_into, commons, bump, tl)
             try:
-                backend = options.open_backend(plan, tl)
-                stack.callback(backend.close)
+                sinks = _sinks(plans, writers, options, tl, stack)
                 with tl.span("main", "validate-values"), check.errors_first():
-                    validate_values(plan.ckpt, plan)
+                    validate_values(ck, {p.act_dtype for p in plans})
                 with tl.span("main", "stream"):
-                    _stream_layers(plan, writers, backend, count, tl)
+                    Streamer(sinks, count.add_bytes, count.unit_done, tl).run()
             except BaseException:
                 stop.set()  # the copy stops at its next piece
                 raise
             if copied is not None:
                 copied.result()
         with tl.span("main", "finish"):
-            return {name: _finish(w) for name, w in writers.items()}, report(backend)
+            files = [{name: _finish(w) for name, w in ws.items()} for ws in writers]
+            return files, [report(s.backend) for s in sinks]
+
+
+def _entries(w: HashingWriter) -> tuple[HashingWriter, list[Any]]:
+    """``(writer, its file's entries)``: what :func:`mpack.iokit.copy_tensors` copies into."""
+    return w, w.file_map.entries
 
 
 def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> None:
@@ -443,13 +464,31 @@ def _bump_unless(stop: threading.Event, bump: Callable[[int], None], n: int) -> 
     bump(n)
 
 
-def _stream_layers(
-    plan: Plan, writers: dict[str, HashingWriter], backend: Backend, count: _Counter, tl: Timeline
-) -> None:
-    """The Marlin layers of every rank through the streamer, on ``backend``."""
-    from mpack.convert.stream import Streamer
-
-    Streamer(plan, writers, backend, count.add_bytes, count.unit_done, tl).run()
+def _sinks(
+    plans: list[Plan],
+    writers: list[dict[str, HashingWriter]],
+    options: ConvertOptions,
+    tl: Timeline,
+    stack: contextlib.ExitStack,
+) -> list[Sink]:
+    """Each target's backend, the one a run of it alone opens; each backend opened once for all
+    the targets it takes, and closed with ``stack``."""
+    opened: list[Backend] = []
+    sinks = []
+    for plan, ws in zip(plans, writers, strict=True):
+        b = open_backend(
+            options.device_spec,
+            plan,
+            backend=options.backend,
+            disabled=options.disable,
+            tl=tl,
+            opened=opened,
+        )
+        if all(b is not o for o in opened):
+            opened.append(b)
+            stack.callback(b.close)
+        sinks.append(Sink(plan, ws, b))
+    return sinks
 
 
 #: Files of one conversion written O_DIRECT, at most (each holds two chunks of staging memory).
@@ -458,22 +497,33 @@ DIRECT_FILES = 2
 DIRECT_BELOW_CORES = 8
 
 
-def direct_writes(options: ConvertOptions) -> bool:
-    """Whether this conversion writes its sidecar O_DIRECT: on fewer than
-    :data:`DIRECT_BELOW_CORES` usable cores, unless ``direct-write`` is turned off (Note [direct
-    writes] in mpack/iokit.py)."""
-    return usable_cores() < DIRECT_BELOW_CORES and not options.turned_off("direct-write")
+def direct_files(plans: list[Plan], options: ConvertOptions) -> dict[int, list[str]]:
+    """The writer policy, for any number of targets: which files a run writes O_DIRECT, by
+    target index (Note [direct writes] in mpack/iokit.py). On fewer than
+    :data:`DIRECT_BELOW_CORES` usable cores, unless ``direct-write`` is turned off, the first
+    :data:`DIRECT_FILES` files in write order: the first target's pass-through file (which the
+    pass-through copy then reads straight into) and its first rank file; else none."""
+    if usable_cores() >= DIRECT_BELOW_CORES or "direct-write" in turned_off(options.disable):
+        return {}
+    order = [(i, n) for i, p in enumerate(plans) for n in sorted(p.files, key=_write_order)]
+    chosen: dict[int, list[str]] = {}
+    for i, name in order[:DIRECT_FILES]:
+        chosen.setdefault(i, []).append(name)
+    return chosen
+
+
+def _write_order(name: str) -> tuple[bool, str]:
+    """A target's files in the order a policy takes them: the pass-through file first."""
+    return name != COMMON_NAME, name
 
 
 def _open_writers(
-    plan: Plan, work: Path, stack: contextlib.ExitStack, *, direct: bool = False
+    plan: Plan, work: Path, stack: contextlib.ExitStack, direct: Iterable[str] = ()
 ) -> dict[str, HashingWriter]:
-    """A writer per planned file; ``stack`` closes them all, in order. Where ``direct``, the
-    pass-through file and the first rank file write O_DIRECT where the file system allows
-    (Note [direct writes] in mpack/iokit.py; a multi-target run, whose targets' files are all
-    open at once, writes through the page cache)."""
+    """A writer per planned file; ``stack`` closes them all, in order. The files named in
+    ``direct`` write O_DIRECT where the file system allows (:func:`direct_files`)."""
     writers: dict[str, HashingWriter] = {}
-    first = sorted(plan.files, key=lambda n: n != COMMON_NAME)[:DIRECT_FILES] if direct else []
+    direct = set(direct)
 
     def close_all() -> None:
         for w in writers.values():
@@ -481,15 +531,16 @@ def _open_writers(
 
     stack.callback(close_all)
     for name, file_map in plan.files.items():
-        writers[name] = open_writer(work / name, file_map, direct=name in first)
+        writers[name] = open_writer(work / name, file_map, direct=name in direct)
     return writers
 
 
 class _Counter:
     """Feeds ``progress``: bytes written (from any thread), layers done."""
 
-    def __init__(self, progress: Progress | None, plan: Plan) -> None:
-        self.progress, self.total, self.units = progress, plan.total_bytes, len(plan.units)
+    def __init__(self, progress: Progress | None, plans: list[Plan]) -> None:
+        self.progress, self.units = progress, len(plans[0].units)
+        self.total = sum(p.total_bytes for p in plans)
         self.done = 0
         self._lock = threading.Lock()
 
@@ -535,3 +586,18 @@ def _manifest(
 def _model_summary(ck: Checkpoint) -> dict[str, Any]:
     c = ck.text_config
     return {k: c[k] for k in MODEL_CONFIG_KEYS if k in c} | {"dtype": ck.dtype}
+
+
+def _copy_files(src: ResolvedSource, names: list[str], works: list[Path]) -> list[dict[str, Any]]:
+    """The config and tokenizer files: from the source into the first work directory, from
+    there into the others (the same bytes, so the same records)."""
+    records = []
+    for n in names:
+        if n not in COPIED_FILES:
+            continue
+        rec = copy_file(src.path / n, works[0] / n, CHUNK_BYTES)
+        for w in works[1:]:
+            if copy_file(works[0] / n, w / n, CHUNK_BYTES) != rec:
+                raise AssertionError(f"{n}: copied twice, two records")
+        records.append(rec)
+    return records

@@ -6,13 +6,16 @@ returns, every file of the sidecar is mapped and every rejection has already hap
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mpack import arch, target
 from mpack.arch import Dims
-from mpack.convert.checkpoint import Checkpoint, passthrough_names
-from mpack.errors import UnsupportedSchemeError, UsageError
+from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint, passthrough_names
+from mpack.convert.options import TargetSpec, check_fusion_tp
+from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
 from mpack.sidecar import (
     COMMON_NAME,
     CONFIG_NAME,
@@ -23,6 +26,10 @@ from mpack.sidecar import (
     rank_file_name,
     target_of,
 )
+from mpack.target import ACT_DTYPES, dir_name
+
+if TYPE_CHECKING:
+    from mpack.convert.scheme_check import SchemeCheck
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,10 @@ class OutLayer:
     @property
     def widths(self) -> list[int]:
         return [p.width for p in self.pieces]
+
+    def modules(self) -> list[str]:
+        """The checkpoint modules the layer is made of, each once, in row order."""
+        return list(dict.fromkeys(p.module for p in self.pieces))
 
     def tensor_specs(self, act_dtype: str) -> list[TensorSpec]:
         return [
@@ -206,14 +217,6 @@ def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> 
             )
 
 
-def check_fusion_tp(fusion: str, tp: int) -> None:
-    """``--fuse none`` packs layers under their checkpoint names, which only TP 1 can."""
-    if fusion == "none" and tp != 1:
-        raise UsageError(
-            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
-        )
-
-
 def _groups(
     ck: Checkpoint, fusion: str, tp: int
 ) -> tuple[list[tuple[str, list[str]]], Dims | None]:
@@ -299,3 +302,74 @@ def make_plan(
         specs = [TensorSpec(n, ck.tensors[n].dtype, ck.tensors[n].shape) for n in plan.passthrough]
         plan.files[COMMON_NAME] = FileMap.plan(specs, {**meta, "content": "pass-through"})
     return plan
+
+
+# --- open and plan every target -----------------------------------------------------------
+
+
+def act_dtype_of(ck: Checkpoint, requested: str | None) -> str:
+    """The activation dtype of a target: ``requested``, else the checkpoint's own dtype."""
+    if requested:
+        return requested
+    dt = ck.dtype
+    if dt in ACT_DTYPES:
+        return dt
+    raise UnsupportedSchemeError(
+        f"{ck.root / CONFIG_NAME}: model dtype {dt!r} is not an activation dtype Marlin supports",
+        hint="pass --act-dtype bfloat16 or --act-dtype float16",
+    )
+
+
+def open_and_plan(
+    root: Path,
+    check: SchemeCheck,
+    specs: Sequence[TargetSpec],
+    *,
+    fuse: str,
+    passthrough: bool,
+    skip_invalid: bool = False,
+) -> tuple[Checkpoint, list[Plan], list[tuple[str, str]]]:
+    """Parse every header and find and validate every layer once (SPEC §1), then plan every
+    target: what a conversion (:func:`mpack.convert.pipeline.run_convert`) and a re-derivation
+    (:mod:`mpack.verify.rederive`) both start with. Returns the checkpoint, a plan per target
+    (named by :func:`mpack.target.dir_name`, repeats dropped) and the ``(name, why)`` of each
+    target left out (only with ``skip_invalid``).
+
+    With the scheme check in a child (``check``), its error comes first: the same order as
+    inline. Errors of the checkpoint itself (every target hits them) are raised as they are;
+    a target that cannot be planned refuses the run, naming it, unless ``skip_invalid`` and
+    another can. The scale values are checked later, once a backend is open.
+    """
+    with check.errors_first():
+        ck = open_checkpoint(root, scheme=not check.deferred)
+        find_layers(ck)
+        plans: dict[str, Plan] = {}
+        bad: list[tuple[str, MpackError]] = []
+        for s in specs:
+            act = act_dtype_of(ck, s.act_dtype)
+            name = dir_name(target_of(profile=s.profile, act_dtype=act, tp=s.tp, fusion=fuse))
+            if name in plans or any(n == name for n, _ in bad):
+                continue  # the checkpoint's dtype named both ways
+            try:
+                plans[name] = make_plan(
+                    ck,
+                    profile=s.profile,
+                    act_dtype=act,
+                    tp=s.tp,
+                    fusion=fuse,
+                    passthrough=passthrough,
+                )
+            except (UnsupportedSchemeError, UsageError) as e:
+                bad.append((name, e))
+    if bad and not plans and len({str(e) for _, e in bad}) == 1:
+        raise bad[0][1]  # one error for every target: the checkpoint's own
+    if bad and (not skip_invalid or not plans):
+        listed = "; ".join(f"{n}: {e}" for n, e in bad)
+        raise UnsupportedSchemeError(
+            f"{len(bad)} of {len(bad) + len(plans)} targets cannot be made: {listed}",
+            hint="drop them from --tp / --profile / --act-dtype, or pass --skip-invalid to "
+            "convert the others",
+        )
+    units = [[(u[0].name, u[0].modules()) for u in p.units] for p in plans.values()]
+    assert all(u == units[0] for u in units), "targets of one fusion share their units"
+    return ck, list(plans.values()), [(n, str(e)) for n, e in bad]

@@ -166,19 +166,7 @@ def _snapshot(
     repo: str, revision: str | None, show_progress: bool, *, local_only: bool = False
 ) -> ResolvedSource:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
-    try:
-        from huggingface_hub.errors import IncompleteSnapshotError
-    except ImportError:  # older huggingface_hub: reported as LocalEntryNotFoundError below
-        IncompleteSnapshotError = ()  # noqa: N806
-
-    rev = f"@{revision}" if revision else ""
     try:
         from mpack.hub import hub_progress  # the one owner of that switch
 
@@ -191,46 +179,73 @@ def _snapshot(
                     local_files_only=local_only,
                 )
             )
-    except IncompleteSnapshotError as e:
-        raise SourceNotFoundError(
+    except (*_hub_errors(), OSError) as e:  # network errors surface as requests/httpx OSErrors
+        raise _snapshot_error(e, repo, revision, local_only) from None
+    commit = path.name if _COMMIT.match(path.name) else None
+    return ResolvedSource(path=path, kind="hub", repo=repo, revision=commit, requested=revision)
+
+
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub's errors that :func:`_snapshot_error` words, most particular first:
+    incomplete snapshot (newer huggingface_hub only), gated repo, no repo, no revision, not in
+    the cache."""
+    from huggingface_hub import errors
+
+    incomplete = getattr(errors, "IncompleteSnapshotError", None)  # else LocalEntryNotFoundError
+    return (
+        *((incomplete,) if incomplete is not None else ()),
+        errors.GatedRepoError,
+        errors.RepositoryNotFoundError,
+        errors.RevisionNotFoundError,
+        errors.LocalEntryNotFoundError,
+    )
+
+
+def _snapshot_error(
+    e: BaseException, repo: str, revision: str | None, local_only: bool
+) -> SourceNotFoundError:
+    """What a failed download of ``repo`` at ``revision`` means, in mpack's words."""
+    from huggingface_hub import errors
+
+    rev = f"@{revision}" if revision else ""
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())
+    if isinstance(e, incomplete):
+        return SourceNotFoundError(
             f"{repo}{rev}: the cached snapshot is incomplete ({e})",
             hint=(
                 "download it again with network access (unset HF_HUB_OFFLINE), "
                 "or pass a local directory"
             ),
-        ) from None
-    except GatedRepoError:
-        raise SourceNotFoundError(
+        )
+    if isinstance(e, errors.GatedRepoError):
+        return SourceNotFoundError(
             f"{repo}: the repo is gated",
             hint="accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)",
-        ) from None
-    except RepositoryNotFoundError:
-        raise SourceNotFoundError(
+        )
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return SourceNotFoundError(
             f"{repo}: no such repo on the Hub (or it is private)",
             hint="check the id, or log in with `hf auth login`",
-        ) from None
-    except RevisionNotFoundError:
-        raise SourceNotFoundError(
+        )
+    if isinstance(e, errors.RevisionNotFoundError):
+        return SourceNotFoundError(
             f"{repo}{rev}: no such revision", hint="give a branch, tag or commit sha"
-        ) from None
-    except LocalEntryNotFoundError:
-        if local_only:
-            raise SourceNotFoundError(
-                f"{repo}{rev}: not in the local Hugging Face cache",
-                hint=f"download it with network access (hf download {repo}"
-                f"{f' --revision {revision}' if revision else ''}), or pass a local directory",
-            ) from None
-        raise SourceNotFoundError(
+        )
+    if isinstance(e, errors.LocalEntryNotFoundError) and local_only:
+        return SourceNotFoundError(
+            f"{repo}{rev}: not in the local Hugging Face cache",
+            hint=f"download it with network access (hf download {repo}"
+            f"{f' --revision {revision}' if revision else ''}), or pass a local directory",
+        )
+    if isinstance(e, errors.LocalEntryNotFoundError):
+        return SourceNotFoundError(
             f"{repo}{rev}: not in the local Hugging Face cache and the Hub cannot be reached",
             hint=(
                 "download it once with network access (unset HF_HUB_OFFLINE), "
                 "or pass a local directory"
             ),
-        ) from None
-    except OSError as e:  # network errors surface as requests/httpx OSErrors
-        raise SourceNotFoundError(f"{repo}{rev}: cannot download ({e})") from None
-    commit = path.name if _COMMIT.match(path.name) else None
-    return ResolvedSource(path=path, kind="hub", repo=repo, revision=commit, requested=revision)
+        )
+    return SourceNotFoundError(f"{repo}{rev}: cannot download ({e})")
 
 
 def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ clone named ``mpack``, when mpack is run from the directory above it) is a names
 Python, and ``mpack`` is then that directory: ``from mpack import __version__`` fails. This file
 is found all the same (an editable install maps it; the clone's root ``__main__.py`` runs it), so
 it puts this package back under the name before the command imports it (Note [checkout on
-sys.path] in mpack/__init__.py).
+sys.path] in mpack/_checkout.py).
 """
 
 import importlib.util

@@ -39,9 +39,11 @@ ENVIRONMENT = {
     "MPACK_DEBUG=1": "show the traceback of an error",
     "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal (5)",
     "MPACK_SCHEME_CHECK=inline": "parse the quantization config in-process, not in a child",
+    "MPACK_CT_IMPORT=full": "the scheme check's child imports all of compressed-tensors",
     "MPACK_NO_HOST_REPACK=1": "no native repack: convert on the CPU with torch's ops",
     "MPACK_NO_CUDA_KERNEL=1": "no fused kernel: convert on CUDA with torch's ops",
     "MPACK_NO_DRIVER_PATH=1": "convert on CUDA through torch, not cuda-bindings alone",
+    "MPACK_NO_DIRECT_WRITE=1": "on fewer than 8 cores, write through the page cache, not O_DIRECT",
     "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
     "MPACK_NO_VERDICT_CACHE=1": "check the quantization config every time (no cached verdict)",
     "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels and scheme verdicts (~/.cache/mpack)",
@@ -327,12 +329,18 @@ def convert(
         force=force,
         skip_invalid=skip_invalid,
     )
-    specs = options.targets()
     _at_stake.append(_output_note(out))  # what an interrupt did to OUT, said if one comes
     result = _run_convert(source, out, options, show_progress=not (json_out or quiet))
+    _report_convert(result, many=options.many, push_to=push_to, json_out=json_out, quiet=quiet)
+
+
+def _report_convert(
+    result: Any, *, many: bool, push_to: str | None, json_out: bool, quiet: bool
+) -> None:
+    """Print a finished conversion (one target or ``many``), then push it to ``push_to``."""
     from mpack import ui
 
-    if len(specs) > 1:
+    if many:
         ui.emit_convert_many(result, as_json=json_out, quiet=quiet)
     else:
         ui.emit_convert(result, as_json=json_out, quiet=quiet)
@@ -392,48 +400,57 @@ def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
     ui.emit_inspect(sidecar, manifest, digest, as_json=json_out)
 
 
+# --- mpack verify's options ----------------------------------------------------------------
+
+VerifySourceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--source",
+        metavar="SOURCE",
+        help="Re-derive every tensor from this checkpoint (directory or Hub repo id). "
+        "[default: the recorded local path, or the recorded Hub repo and commit if it is in "
+        "the local cache]",
+    ),
+]
+ForwardOpt = Annotated[
+    bool,
+    typer.Option(
+        "--forward",
+        help="Also run token ids through the model from the sidecar and from the source "
+        "(transformers) and compare greedy tokens and logits.",
+    ),
+]
+ForwardDeviceOpt = Annotated[
+    str,
+    typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where --forward runs."),
+]
+RederiveDeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--rederive-device",
+        metavar="[auto|cpu|cuda|cuda:N]",
+        help="Where the tensors are re-derived from the source (the same result on each); "
+        "auto: as convert's --device auto.",
+    ),
+]
+RequireSourceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--require-source",
+        help="Fail (exit 2) when the source cannot be found, instead of passing on the "
+        "checksums alone: for CI.",
+    ),
+]
+
+
 @command
 def verify(
     sidecar: Sidecar,
-    source: Annotated[
-        str | None,
-        typer.Option(
-            "--source",
-            metavar="SOURCE",
-            help="Re-derive every tensor from this checkpoint (directory or Hub repo id). "
-            "[default: the recorded local path, or the recorded Hub repo and commit if it is in "
-            "the local cache]",
-        ),
-    ] = None,
-    forward: Annotated[
-        bool,
-        typer.Option(
-            "--forward",
-            help="Also run token ids through the model from the sidecar and from the source "
-            "(transformers) and compare greedy tokens and logits.",
-        ),
-    ] = False,
-    device: Annotated[
-        str,
-        typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where --forward runs."),
-    ] = "cpu",
-    rederive_device: Annotated[
-        str,
-        typer.Option(
-            "--rederive-device",
-            metavar="[auto|cpu|cuda|cuda:N]",
-            help="Where the tensors are re-derived from the source (the same result on each); "
-            "auto: as convert's --device auto.",
-        ),
-    ] = "auto",
-    require_source: Annotated[
-        bool,
-        typer.Option(
-            "--require-source",
-            help="Fail (exit 2) when the source cannot be found, instead of passing on the "
-            "checksums alone: for CI.",
-        ),
-    ] = False,
+    source: VerifySourceOpt = None,
+    forward: ForwardOpt = False,
+    device: ForwardDeviceOpt = "cpu",
+    rederive_device: RederiveDeviceOpt = "auto",
+    require_source: RequireSourceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Check every file's sha256, and re-derive every tensor from the source checkpoint.
@@ -742,7 +759,7 @@ def _usage_error(e: Any) -> UsageError:
 # Note [interrupts]: SIGTERM (systemd, Kubernetes, `timeout`, a CI job cancelled) is handled as
 # SIGINT is: the handler raises KeyboardInterrupt in the main thread, so the cleanup written for
 # Ctrl-C runs for both (convert removes its work directory and its lock: Note [atomic output]
-# in convert/staging.py; the scheme check's child is stopped). Python's default for SIGTERM is
+# in convert/output/swap.py; the scheme check's child is stopped). Python's default for SIGTERM is
 # to die at once, leaving both behind. The first signal is remembered and main() reports it:
 # one line on stderr (and one JSON document under --json), exit 128 + its number (130, 143),
 # as a shell reports a process the signal killed. The handlers are put back as soon as one

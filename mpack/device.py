@@ -4,7 +4,7 @@ The forms, and the options that take each (a :class:`Grammar`):
 
 ================  ==========================================================================
 ``auto``          convert's ``--device`` and verify's ``--rederive-device`` only: the fastest
-                  path here (Note [auto device] in convert/pipeline.py)
+                  path here (Note [auto device] in convert/backends/__init__.py)
 ``cpu``           every option
 ``cuda``          the CUDA device torch takes first (ordinal 0)
 ``cuda:N``        CUDA device ordinal N as this process numbers them (CUDA_VISIBLE_DEVICES
@@ -18,6 +18,9 @@ A value outside its option's forms is a :class:`mpack.errors.UsageError` (exit c
 the runtime asks torch (:func:`mpack.runtime.protocol.checked_device`), a conversion the driver
 or torch (:func:`mpack.convert.backends.check_cuda_here`); :func:`no_cuda_here` answers the one
 question that needs neither. Nothing here imports torch or starts CUDA.
+
+A value is parsed once: functions that take a device take the text or the :class:`DeviceSpec`
+it was parsed into, and read either with :meth:`DeviceSpec.of` (a spec is not parsed again).
 """
 
 from __future__ import annotations
@@ -80,6 +83,22 @@ class DeviceSpec:
             raise UsageError(f"{option} must be {grammar.forms}, got {text!r}")
         return cls(m["kind"], None if m["index"] is None else int(m["index"]), m["uuid"])
 
+    @classmethod
+    def of(
+        cls, device: str | DeviceSpec, grammar: Grammar = SERVE, option: str = "--device"
+    ) -> DeviceSpec:
+        """``device`` as a spec: text read by :meth:`parse`, a spec already parsed (once, by the
+        caller) taken as it is, if ``grammar`` takes its form (the same error as its text).
+
+        Raises:
+            UsageError: ``device`` is not one of ``grammar``'s forms.
+        """
+        if not isinstance(device, DeviceSpec):
+            return cls.parse(device, grammar, option)
+        if not _takes(grammar, device.kind, device.index, device.uuid):
+            raise UsageError(f"{option} must be {grammar.forms}, got {str(device)!r}")
+        return device
+
     @property
     def ordinal(self) -> int:
         """The CUDA ordinal: N of ``cuda:N``; 0 for ``cuda`` and ``auto``, the device torch
@@ -98,8 +117,8 @@ class DeviceSpec:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
 
 
-def _takes(grammar: Grammar, kind: str, index: str | None, uuid: str | None) -> bool:
-    """Whether ``grammar`` takes the form ``_FORM`` matched."""
+def _takes(grammar: Grammar, kind: str, index: str | int | None, uuid: str | None) -> bool:
+    """Whether ``grammar`` takes the form ``_FORM`` matched (or a :class:`DeviceSpec` holds)."""
     if kind != "cuda":  # auto, cpu: no suffix
         return index is None and uuid is None and (kind == "cpu" or grammar.auto)
     return grammar.uuid if uuid is not None else grammar.ordinal

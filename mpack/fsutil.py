@@ -1,4 +1,5 @@
-"""Opening files that are what they claim, and exclusive lock files that cannot be hijacked.
+"""Opening files that are what they claim, exclusive lock files that cannot be hijacked, and
+swapping two names of a directory in one step (:func:`exchange_at`).
 
 Note [trust model for files]: a sidecar is read by long-lived daemons and by every process that
 attaches, so a sidecar directory's own files must be *regular files directly inside it*: no
@@ -19,12 +20,15 @@ lock file is only ever read back from a file that passed those checks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from mpack.errors import (
     ENVIRONMENT_ERRNOS,
@@ -247,3 +251,32 @@ def _check_lock_file(fd: int, path: Path) -> None:
             f"{stat.filemode(st.st_mode)}; it must be ours with mode 0600. Refusing to use it",
             hint=f"remove {path} if you trust it, or use another directory",
         )
+
+
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def renameat2() -> Any:
+    """libc's ``renameat2``, set up for ``ctypes``; None where this libc has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # no such call in this libc (glibc < 2.28, macOS)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange_at(dir_fd: int, a: str, b: str, error: Callable[[OSError], BaseException]) -> bool:
+    """Swap ``a`` and ``b`` of the directory open at ``dir_fd`` atomically; False where the
+    system or file system cannot. Raises ``error(e)`` for any other failure."""
+    fn = renameat2()
+    if fn is None:
+        return False
+    if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise error(OSError(err, os.strerror(err)))

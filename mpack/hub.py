@@ -332,7 +332,7 @@ def serve_commands(repo_id: str, t: Target, revision: str | None = None) -> list
     """The shell lines that serve target ``t`` of ``repo_id``: one ``mpack serve`` per rank
     (optional daemons), then ``vllm serve``. A target in a folder is named
     ``repo_id/<folder>``; the repo root holds the model's config for vLLM (Note [repo
-    layout]). A branch is ``@branch`` for mpack (its ``verify --revision`` is the source's) and
+    contents]). A branch is ``@branch`` for mpack (its ``verify --revision`` is the source's) and
     ``--revision`` for vLLM."""
     tg = t.manifest["target"]
     tp = tg["tp_size"]
@@ -357,75 +357,11 @@ def model_card(repo_id: str, targets: list[Target], *, revision: str | None = No
     """The repo's ``README.md``: YAML front matter for the Hub, where the weights come from,
     the targets and the commands that serve each (docs/HUB.md, "The model card")."""
     first = targets[0].manifest
-    source = first.get("source") or {}
     base = _hub_source(first)
-    front = [f"base_model: {base}", "base_model_relation: quantized"] if base else []
-    front.append("library_name: vllm")
-    if str((first.get("model") or {}).get("architecture", "")).endswith("ForCausalLM"):
-        front.append("pipeline_tag: text-generation")
-    front.append(f"tags: [{', '.join(TAGS)}]")
-    engine = {
-        f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}"
-        for t in targets
-    }
-    made_by = sorted({str(t.manifest.get("created_by", "mpack ?")) for t in targets})
-    if base:
-        origin = f"`{base}` (Hugging Face Hub)"
-        commit = f"`{source.get('revision')}`"
-        if source.get("requested_revision"):
-            commit += f" (asked for: `{source['requested_revision']}`)"
-    else:
-        origin = f"a local directory, `{source.get('path')}` on the machine that converted it"
-        commit = "none: not a Hub repo (each mpack.json lists the sha256 of every source file)"
-    out = ["---", *front, "---", "", f"# {repo_id}", ""]
-    out += [
-        f"Marlin FP8 weights of {origin}, packed ahead of time by "
-        "[mpack](https://github.com/mpack-marlin/mpack) for "
-        f"{' and '.join(sorted(engine)).replace('vllm', 'vLLM')}. With `--load-format mpack`, "
-        "vLLM takes its FP8 linear layers from here as they are instead of repacking each one "
-        "at start-up; the bytes are those its own repack makes.",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| source | {origin} |",
-        f"| source commit | {commit} |",
-        f"| converted with | {', '.join(made_by)} |",
-        f"| pushed with | mpack {__version__} |",
-        "",
-        "## Targets",
-        "",
-        "| folder | vLLM | profile | TP | act dtype | size | manifest digest |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for t in targets:
-        tg = t.manifest["target"]
-        size = sum(f["size"] for f in t.manifest["files"])
-        out.append(
-            f"| {f'`{t.folder}/`' if t.folder else 'the repo root'} | {tg['engine_version']} | "
-            f"{tg['profile']} | {tg['tp_size']} | {tg['act_dtype']} | {_human(size)} | "
-            f"`{t.digest}` |"
-        )
-    out += [
-        "",
-        "The manifest digest is the sha256 of the target's `mpack.json`, which lists the size "
-        "and sha256 of every file (per 64 MiB chunk): `mpack serve` and the loader check every "
-        "byte against it. vLLM picks the profile itself: `w8a8-marlin` for a W8A8 checkpoint "
-        "on a GPU of compute capability 8.9 or later, `w8a16` otherwise; the loader refuses a "
-        "sidecar of the other profile.",
-        "",
-        "## Serve",
-        "",
-        "The `mpack serve` daemons (one per rank and GPU) are optional: they share the weights "
-        "zero-copy between engines. Without them each vLLM worker loads its rank itself.",
-    ]
-    for t in targets:
-        out += ["", f"### {t.name}", "", "```sh", *serve_commands(repo_id, t, revision), "```"]
-        if t.manifest["target"].get("fusion", "vllm") != "vllm":
-            out += [
-                "",
-                "Checkpoint layer names (`--fuse none`): for `mpack.runtime`; vLLM's "
-                "loader needs vLLM's fused names.",
-            ]
+    out = ["---", *_card_front_matter(first, base), "---", "", f"# {repo_id}", ""]
+    out += _card_origin(targets, base)
+    out += _card_targets(targets)
+    out += _card_serve(repo_id, targets, revision)
     if base:
         at = f"@{revision}" if revision and revision != "main" else ""
         refs = [(f"{repo_id}/{t.folder}" if t.folder else repo_id) + at for t in targets]
@@ -440,6 +376,97 @@ def model_card(repo_id: str, targets: list[Target], *, revision: str | None = No
             "```",
         ]
     return "\n".join(out) + "\n"
+
+
+def _card_front_matter(first: dict[str, Any], base: str | None) -> list[str]:
+    """The card's YAML front matter (less its ``---`` lines), from the first target's manifest
+    and the Hub repo of its source (``base``; None: not from the Hub)."""
+    front = [f"base_model: {base}", "base_model_relation: quantized"] if base else []
+    front.append("library_name: vllm")
+    if str((first.get("model") or {}).get("architecture", "")).endswith("ForCausalLM"):
+        front.append("pipeline_tag: text-generation")
+    front.append(f"tags: [{', '.join(TAGS)}]")
+    return front
+
+
+def _card_origin(targets: list[Target], base: str | None) -> list[str]:
+    """The card's first paragraph and its table: where the weights come from, what made them."""
+    source = targets[0].manifest.get("source") or {}
+    engine = {
+        f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}"
+        for t in targets
+    }
+    made_by = sorted({str(t.manifest.get("created_by", "mpack ?")) for t in targets})
+    if base:
+        origin = f"`{base}` (Hugging Face Hub)"
+        commit = f"`{source.get('revision')}`"
+        if source.get("requested_revision"):
+            commit += f" (asked for: `{source['requested_revision']}`)"
+    else:
+        origin = f"a local directory, `{source.get('path')}` on the machine that converted it"
+        commit = "none: not a Hub repo (each mpack.json lists the sha256 of every source file)"
+    return [
+        f"Marlin FP8 weights of {origin}, packed ahead of time by "
+        "[mpack](https://github.com/mpack-marlin/mpack) for "
+        f"{' and '.join(sorted(engine)).replace('vllm', 'vLLM')}. With `--load-format mpack`, "
+        "vLLM takes its FP8 linear layers from here as they are instead of repacking each one "
+        "at start-up; the bytes are those its own repack makes.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| source | {origin} |",
+        f"| source commit | {commit} |",
+        f"| converted with | {', '.join(made_by)} |",
+        f"| pushed with | mpack {__version__} |",
+    ]
+
+
+def _card_targets(targets: list[Target]) -> list[str]:
+    """The card's ``Targets`` section: a row per target, then what the digest and profile mean."""
+    out = [
+        "",
+        "## Targets",
+        "",
+        "| folder | vLLM | profile | TP | act dtype | size | manifest digest |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in targets:
+        tg = t.manifest["target"]
+        size = sum(f["size"] for f in t.manifest["files"])
+        out.append(
+            f"| {f'`{t.folder}/`' if t.folder else 'the repo root'} | {tg['engine_version']} | "
+            f"{tg['profile']} | {tg['tp_size']} | {tg['act_dtype']} | {_human(size)} | "
+            f"`{t.digest}` |"
+        )
+    return [
+        *out,
+        "",
+        "The manifest digest is the sha256 of the target's `mpack.json`, which lists the size "
+        "and sha256 of every file (per 64 MiB chunk): `mpack serve` and the loader check every "
+        "byte against it. vLLM picks the profile itself: `w8a8-marlin` for a W8A8 checkpoint "
+        "on a GPU of compute capability 8.9 or later, `w8a16` otherwise; the loader refuses a "
+        "sidecar of the other profile.",
+    ]
+
+
+def _card_serve(repo_id: str, targets: list[Target], revision: str | None) -> list[str]:
+    """The card's ``Serve`` section: the shell lines that serve each target."""
+    out = [
+        "",
+        "## Serve",
+        "",
+        "The `mpack serve` daemons (one per rank and GPU) are optional: they share the weights "
+        "zero-copy between engines. Without them each vLLM worker loads its rank itself.",
+    ]
+    for t in targets:
+        out += ["", f"### {t.name}", "", "```sh", *serve_commands(repo_id, t, revision), "```"]
+        if t.manifest["target"].get("fusion", "vllm") != "vllm":
+            out += [
+                "",
+                "Checkpoint layer names (`--fuse none`): for `mpack.runtime`; vLLM's "
+                "loader needs vLLM's fused names.",
+            ]
+    return out
 
 
 # --- the push -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -36,8 +36,6 @@ from mpack.fsutil import open_regular, open_regular_file
 
 if TYPE_CHECKING:
     import torch
-
-    from mpack.sidecar import HashingWriter
 
 #: Read size of one sha256 stream over a file (whole-file digests, ranges read back).
 READ_BYTES = 8 * 1024 * 1024
@@ -733,37 +731,49 @@ def copy_file(a: Path, b: Path, chunk_bytes: int) -> dict[str, Any]:
 
 def copy_tensors(
     read_into: Callable[[str, memoryview, int], None],
-    w: HashingWriter,
+    into: Sequence[tuple[FileWriter | DirectWriter, Sequence[Any]]],
     bump: Callable[[int], None],
     tl: Any,
 ) -> None:
-    """Copy the tensors ``w`` plans byte for byte, in file order: through one reused buffer of
-    ``COPY_BYTES`` handed to ``w.write_at``, or, for a :class:`DirectWriter`, read straight
-    into its staging pieces (:meth:`DirectWriter.space`: the bytes are copied once, by the
-    read).
+    """Copy the same tensors byte for byte into one file or several, in file order: each piece
+    is read once and written to every file. ``into``: ``(writer, entries)`` per file, the
+    entries (each with ``name``, ``offset`` and ``nbytes``: a file map's) naming the same
+    tensors in the same order, each at its own file's offset (their headers differ).
+
+    The read goes into one reused buffer of ``COPY_BYTES``, or, where the first writer is a
+    :class:`DirectWriter`, straight into its staging piece (:meth:`DirectWriter.space`: for
+    that file the bytes are copied once, by the read); the other files take the piece by
+    ``write_at`` before the direct writer moves on.
 
     ``read_into(name, buffer, skip)`` fills a buffer with tensor ``name``'s bytes from ``skip``
-    on (``Checkpoint.read_into``); ``bump(n)`` follows every piece written; ``tl`` (a
-    ``Timeline``) gets a ``copy`` span for each read and each write (for a direct writer, the
-    wait for a free piece too).
+    on (``Checkpoint.read_into``); ``bump(n)`` follows every piece written to each file; ``tl``
+    (a ``Timeline``) gets a ``copy`` span for each read and each write (for a direct writer,
+    the wait for a free piece too).
     """
-    if isinstance(w, DirectWriter):
-        room, put = w.space, lambda _at, view: w.advance(len(view))
+    first, firsts = into[0]
+    others = into[1:]
+    if isinstance(first, DirectWriter):
+        room, put = first.space, lambda _at, view: first.advance(len(view))
     else:
         buf = memoryview(bytearray(COPY_BYTES))
-        room, put = (lambda: buf), w.write_at
-    for entry in w.file_map.entries:
+        room, put = (lambda: buf), first.write_at
+    for i, entry in enumerate(firsts):
+        at = [entries[i].offset for _, entries in others]
         pos = 0
         while pos < entry.nbytes:
             t = time.perf_counter()
             view = room()[: entry.nbytes - pos]
             if not len(view):
-                raise AssertionError(f"{w.path.name}: no room left for {entry.name}")
-            t = tl.add("copy", w.path.name, t, time.perf_counter())
+                raise AssertionError(f"{first.path.name}: no room left for {entry.name}")
+            t = tl.add("copy", first.path.name, t, time.perf_counter())
             read_into(entry.name, view, pos)
             t = tl.add("copy", "read", t, time.perf_counter())
+            for (w, _), off in zip(others, at, strict=True):
+                w.write_at(off + pos, view)
+                t = tl.add("copy", w.path.name, t, time.perf_counter())
+                bump(len(view))
             put(entry.offset + pos, view)
-            tl.add("copy", w.path.name, t, time.perf_counter())
+            tl.add("copy", first.path.name, t, time.perf_counter())
             pos += len(view)
             bump(len(view))
 

@@ -369,7 +369,7 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
 
 
 def emit_convert_many(result: Any, *, as_json: bool, quiet: bool) -> None:
-    """A run of several targets (:class:`mpack.convert.multi.MultiConvertResult`): under
+    """A run of several targets (:class:`mpack.convert.pipeline.MultiConvertResult`): under
     ``--json`` one document, ``targets`` holding each target as a single run reports it (plus
     its ``name`` and ``bytes_written``), and ``skipped``; else a line per target."""
     if as_json:

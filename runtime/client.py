@@ -127,20 +127,7 @@ def attach(
     hint = f"start one: mpack serve {sidecar} --rank {rank} --device {dev.label}"
     sock = _connect(path, what, hint, timeout)
     try:
-        hello = {
-            "type": P.ATTACH,
-            "digest": digest,
-            "rank": rank,
-            "device": dev.key,
-            "pid": os.getpid(),
-        }
-        reply, fds = _request(sock, hello, path, timeout)
-        try:
-            size, tensors = _check_attached(reply, fds, path, (digest, rank, dev), what)
-            base = _map(fds[0], size, dev, path)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        size, tensors, base = _request_mapping(sock, path, (digest, rank, dev), what, timeout)
     except BaseException:
         sock.close()
         raise
@@ -156,6 +143,28 @@ def attach(
         nbytes=size,
         lease=sock,
     )
+
+
+def _request_mapping(
+    sock: socket.socket, path: Path, asked: tuple[str, int, P.Device], what: str, timeout: float
+) -> tuple[int, list[Any], Any]:
+    """Say hello on ``sock`` for ``asked`` (digest, rank, device); the mapping the daemon sends:
+    its size, its tensors and the mapping itself. The descriptors it came with are closed."""
+    digest, rank, dev = asked
+    hello = {
+        "type": P.ATTACH,
+        "digest": digest,
+        "rank": rank,
+        "device": dev.key,
+        "pid": os.getpid(),
+    }
+    reply, fds = _request(sock, hello, path, timeout)
+    try:
+        size, tensors = _check_attached(reply, fds, path, asked, what)
+        return size, tensors, _map(fds[0], size, dev, path)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _backend(dev: P.Device) -> str:

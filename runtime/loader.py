@@ -73,7 +73,7 @@ class HostDest:
 
 
 class CudaDest:
-    """A uint8 CUDA tensor, filled through a ring of ``depth`` pinned pieces (Note [staging
+    """A uint8 CUDA tensor, filled through a ring of ``depth`` pinned pieces (Note [pinned
     rings] in mpack/iokit.py) and asynchronous copies on a side stream."""
 
     def __init__(self, dst: torch.Tensor, *, depth: int = DEPTH, chunk: int = CHUNK) -> None:

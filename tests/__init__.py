@@ -5,7 +5,7 @@ pytest runs with ``--import-mode=importlib`` (pyproject.toml): it imports ``test
 subpackages from their files and adds no folder to ``sys.path``. So ``import mpack`` in a test
 finds what it finds outside pytest: under ``python -P -m pytest`` (the GPU box), the installed
 package, not the checkout's ``mpack/``, which alone is not the whole package (Note [checkout on
-sys.path] in mpack/__init__.py). The scripts a test starts as processes
+sys.path] in mpack/_checkout.py). The scripts a test starts as processes
 (``tests/runtime/probe_client.py``, ``tests/vllm/vllm_worker.py``, ...) import mpack and, at
 most, a file beside them.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mpack import cli
-from mpack.convert.staging import work_dirs
+from mpack.convert.output import work_dirs
 from mpack.fixtures import make_checkpoint
 from tests.convert.helpers import cli_env, cli_popen, default_signals
 

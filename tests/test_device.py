@@ -76,6 +76,13 @@ def test_ordinal() -> None:
         _ = DeviceSpec("cuda", uuid=UUID).ordinal
 
 
+def test_of_parses_text_and_keeps_a_spec() -> None:
+    """:meth:`DeviceSpec.of`: text is parsed, a spec already parsed is taken as it is."""
+    assert DeviceSpec.of("cuda:3", CONVERT) == DeviceSpec("cuda", 3)
+    spec = DeviceSpec.parse("cuda:3", CONVERT)
+    assert DeviceSpec.of(spec, CONVERT) is spec
+
+
 # --- what it refuses, and in which words --------------------------------------------------------
 
 SERVE_FORMS = "must be cpu, cuda or cuda:N, got"
@@ -174,6 +181,64 @@ def test_every_caller_parses_with_it(call: Callable[[str], Any], monkeypatch) ->
     monkeypatch.setattr(DeviceSpec, "parse", classmethod(parse))
     with pytest.raises(Sentinel, match="cuda:5"):
         call("cuda:5")
+
+
+@pytest.mark.parametrize(
+    "grammar, spec",
+    [
+        (CONVERT, DeviceSpec("cuda", uuid=UUID)),
+        (SERVE, DeviceSpec("auto")),
+        (KEY, DeviceSpec("cuda", 0)),
+    ],
+)
+def test_of_refuses_a_spec_as_its_text(grammar: Grammar, spec: DeviceSpec) -> None:
+    """A spec outside ``grammar``'s forms: the error its text gets from :meth:`DeviceSpec.parse`."""
+    with pytest.raises(UsageError) as want:
+        DeviceSpec.parse(str(spec), grammar, "--opt")
+    with pytest.raises(UsageError) as got:
+        DeviceSpec.of(spec, grammar, "--opt")
+    assert str(got.value) == str(want.value) and got.value.exit_code == 2
+
+
+def _open_backend(device: Any) -> Any:
+    from mpack.convert.backends import open_backend
+
+    return open_backend(device, None, backend="no-such-backend")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "call, device",
+    [
+        (_entry("mpack.convert.backends", "check_device_here"), DeviceSpec("cuda", 5)),
+        (_entry("mpack.convert.backends", "check_cuda_here", 1), DeviceSpec("cuda", 5)),
+        (_entry("mpack.convert.backends", "check_cuda_here", 0), DeviceSpec("cuda", 5)),
+        (_entry("mpack.convert.backends", "prefetch_files"), DeviceSpec("cpu")),
+        (_open_backend, DeviceSpec("cpu")),
+    ],
+    ids=["check_device_here", "check_cuda_here", "check_cuda_here_none", "prefetch", "open"],
+)
+def test_a_parsed_spec_is_not_parsed_again(
+    call: Callable[[Any], Any], device: DeviceSpec, monkeypatch
+) -> None:
+    """The convert path's functions take the spec parsed once (``ConvertOptions``) as well as
+    text, and say what they say of its text, without parsing it again."""
+    import mpack.convert.backends as backends
+
+    monkeypatch.setattr(backends, "no_cuda_here", lambda: True)
+
+    def outcome(value: Any) -> Any:
+        try:
+            return call(value)
+        except UsageError as e:
+            return (str(e), e.hint)
+
+    want = outcome(str(device))
+
+    def parse(cls: type, text: str, *args: Any) -> DeviceSpec:
+        raise Sentinel(text)
+
+    monkeypatch.setattr(DeviceSpec, "parse", classmethod(parse))
+    assert outcome(device) == want
 
 
 def test_socket_names_read_the_key_with_it() -> None:

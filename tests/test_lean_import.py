@@ -32,7 +32,7 @@ def test_convert_pipeline_imports_torch_only_when_it_streams():
     code = (
         "import sys\n"
         "import mpack.convert.pipeline, mpack.convert.checkpoint, mpack.convert.plan\n"
-        "import mpack.convert.staging, mpack.convert.source, mpack.convert.scheme_check\n"
+        "import mpack.convert.output, mpack.convert.source, mpack.convert.scheme_check\n"
         "print('torch' in sys.modules)\n"
     )
     assert _run(code) == "False"

@@ -228,14 +228,29 @@ def test_without_the_option_gpu_tests_skip_with_a_reason() -> None:
 READS_ENV = re.compile(r"""(?:environ\.get|getenv|environ\[|env_flag)\(?\s*["'](MPACK_\w+)["']""")
 
 
-def test_readme_lists_every_mpack_variable_the_code_reads() -> None:
-    code = [p for d in ("mpack", "convert", "runtime") for p in (REPO / d).rglob("*.py")]
+def _variables_the_code_reads() -> set[str]:
+    """Every ``MPACK_*`` variable the library and the test suite's conftest read."""
+    code = [p for d in ("mpack", "convert", "runtime", "verify") for p in (REPO / d).rglob("*.py")]
     code.append(REPO / "tests" / "conftest.py")
     read = {v for p in code for v in READS_ENV.findall(p.read_text())}
     from mpack.convert.backends import SWITCHES  # read through env_flag(var), by name there
 
     read |= set(SWITCHES.values())
     assert {"MPACK_DEBUG", "MPACK_GOLDEN"} <= read, read  # the scan itself works
+    return read
+
+
+def test_help_lists_every_mpack_variable_the_code_reads() -> None:
+    """``mpack --help`` ends with ``cli.ENVIRONMENT``: the same variables as the README."""
+    from mpack.cli import ENVIRONMENT
+
+    listed = [k.split("=", 1)[0] for k in ENVIRONMENT]
+    read = _variables_the_code_reads()
+    assert set(listed) == read, f"--help lists {sorted(listed)}, the code reads {sorted(read)}"
+
+
+def test_readme_lists_every_mpack_variable_the_code_reads() -> None:
+    read = _variables_the_code_reads()
     readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\| `(MPACK_\w+)", section, re.M)

@@ -1,5 +1,5 @@
 """`python -m mpack` from any directory, with any install (Note [checkout on sys.path] in
-mpack/__init__.py).
+mpack/_checkout.py).
 
 A copy of the checkout, named ``mpack`` as a clone of it is, is installed into fresh venvs: once
 as a regular install, once editable, once not at all (its dependencies only). Each runs

@@ -165,14 +165,7 @@ def verify(
     """
     if revision is not None and source is None:
         raise UsageError(f"revision {revision} applies to a given source; pass source too")
-    if forward:
-        from mpack.runtime.protocol import checked_device
-
-        checked_device(device)  # a device that is not there fails now, not after the re-derivation
-    from mpack.convert.backends import check_device_here
-
-    # a typo, or a GPU where there is none, fails before any work
-    check_device_here(rederive_device, "--rederive-device")
+    _check_devices(device if forward else None, rederive_device)
     from mpack.convert.timeline import Timeline
 
     tl = Timeline()
@@ -181,17 +174,37 @@ def verify(
         m, digest = load_manifest(path)
         problems, file_maps = _check_files(path, m, streamed=True)
     result = Verification(str(path), digest, len(m["files"]), problems=problems)
-    _check_source(
-        result,
-        path,
-        m,
-        file_maps,
-        None if source is None else str(source),
-        revision,
-        rederive_device,
-        tl,
-        rederive_backend,
-    )
+    src = None if source is None else str(source)
+    _check_source(result, path, m, file_maps, src, revision, rederive_device, tl, rederive_backend)
+    _conclude(result, path, m, require_source, device if forward else None, tl)
+    result.seconds = {what.replace("-", "_"): b - a for _, what, a, b in tl.spans()}
+    result.seconds["total"] = tl.elapsed()
+    return result
+
+
+def _check_devices(forward_device: str | None, rederive_device: str) -> None:
+    """Refuse, before any work, a device that is not here (a typo, or a GPU where there is
+    none): the forward check's (None: no forward check), then the re-derivation's."""
+    if forward_device is not None:
+        from mpack.runtime.protocol import checked_device
+
+        checked_device(forward_device)  # fails now, not after the re-derivation
+    from mpack.convert.backends import check_device_here
+
+    check_device_here(rederive_device, "--rederive-device")
+
+
+def _conclude(
+    result: Verification,
+    path: Path,
+    m: dict[str, Any],
+    require_source: bool,
+    forward_device: str | None,
+    tl: Timeline,
+) -> None:
+    """After checks 1 to 3: a sidecar with problems gets its hint; else one whose source was not
+    checked fails ``require_source``; else check 4 runs on ``forward_device`` (None: not asked
+    for)."""
     if result.problems:
         result.hint = regenerate_hint_of(m, path)
     elif require_source and not result.source_checked:
@@ -200,16 +213,19 @@ def verify(
             hint="pass --source DIR (the checkpoint directory or Hub repo id it was converted "
             "from), or leave out --require-source to accept the checksums alone",
         )
-    elif forward:
-        if not result.source_checked:
-            raise UsageError("--forward needs the source checkpoint: pass --source")
-        from mpack.verify.forward import forward_check
+    elif forward_device is not None:
+        _check_forward(result, path, forward_device, tl)
 
-        with tl.span("main", "forward"):
-            result.forward = forward_check(path, result.source_path, device=device)
-    result.seconds = {what.replace("-", "_"): b - a for _, what, a, b in tl.spans()}
-    result.seconds["total"] = tl.elapsed()
-    return result
+
+def _check_forward(result: Verification, path: Path, device: str, tl: Timeline) -> None:
+    """Check 4, the model outputs on ``device``, into ``result.forward``; it needs the source
+    that checks 2 and 3 found."""
+    if not result.source_checked:
+        raise UsageError("--forward needs the source checkpoint: pass --source")
+    from mpack.verify.forward import forward_check
+
+    with tl.span("main", "forward"):
+        result.forward = forward_check(path, result.source_path, device=device)
 
 
 def _check_files(

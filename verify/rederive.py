@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from mpack import iokit
 from mpack.convert.backends import Backend, open_backend
-from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint
-from mpack.convert.plan import OutLayer, Plan, make_plan
+from mpack.convert.checkpoint import Checkpoint
+from mpack.convert.options import TargetSpec
+from mpack.convert.plan import OutLayer, Plan, open_and_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
@@ -49,7 +50,7 @@ from mpack.convert.source import (
     record_forms,
     resolve_source,
 )
-from mpack.convert.stream import Streamer
+from mpack.convert.stream import Sink, Streamer
 from mpack.convert.timeline import Timeline
 from mpack.errors import CorruptFileError, SourceNotFoundError
 from mpack.fsutil import open_regular_file
@@ -153,6 +154,9 @@ def rederive(
             ``wait-scheme-check``, ``tensor-problems``).
         backend: ``auto`` or the backend to re-derive on (:data:`mpack.convert.backends.BACKENDS`).
 
+    Long on purpose: the phases of a re-derivation (plan, open, the pass, the source's digests,
+    the scheme verdict, the tensors) in the order they run, each a call, with their spans.
+
     Raises:
         MpackError: the source cannot be opened or planned, or its config is refused (the
             errors a conversion of it raises).
@@ -161,7 +165,7 @@ def rederive(
     check = SchemeCheck(src.path)  # forked before any thread of this run starts
     try:
         with tl.span("main", "plan"):
-            ck, plan = _open_and_plan(src, check, m["target"], COMMON_NAME in file_maps)
+            ck, plan = _plan(src, check, m["target"], COMMON_NAME in file_maps)
         recorded = m["source"].get("files", [])  # hashed in the forms the manifest records
         names, forms = sorted(f["name"] for f in recorded), record_forms(recorded)
         with hashing(src, names, forms=forms) as hashed, contextlib.ExitStack() as on:
@@ -204,23 +208,14 @@ def rederive(
 # the torch backend runs. Each backend reads the layout backwards itself (``read_back``).
 
 
-def _open_and_plan(
+def _plan(
     src: ResolvedSource, check: SchemeCheck, t: dict[str, Any], passthrough: bool
 ) -> tuple[Checkpoint, Plan]:
-    """The plan from the shard headers, as a conversion with the sidecar's target makes it.
-    With the scheme check in a child, its error comes first: the same order as inline."""
-    with check.errors_first():
-        ck = open_checkpoint(src.path, scheme=not check.deferred)
-        find_layers(ck)
-        plan = make_plan(
-            ck,
-            profile=t["profile"],
-            act_dtype=t["act_dtype"],
-            tp=t["tp_size"],
-            fusion=t["fusion"],
-            passthrough=passthrough,
-        )
-    return ck, plan
+    """The plan from the shard headers, as a conversion to the sidecar's target makes it
+    (:func:`mpack.convert.plan.open_and_plan`, the conversion's own)."""
+    spec = TargetSpec(t["tp_size"], t["profile"], t["act_dtype"])
+    ck, plans, _ = open_and_plan(src.path, check, [spec], fuse=t["fusion"], passthrough=passthrough)
+    return ck, plans[0]
 
 
 def _source_problems(m: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
@@ -279,13 +274,12 @@ def _run(plan: Plan, files: dict[str, SidecarComparer], backend: Backend) -> _Ch
     tensors into ``common.safetensors``'s comparer meanwhile; the checker holds the
     layout-backwards checks."""
     checker = _Checker(backend)
-    streamer = Streamer(plan, files, backend, transform=checker)  # type: ignore[arg-type]
+    streamer = Streamer([Sink(plan, files, backend, transform=checker)])  # type: ignore[arg-type]
     with iokit.pool("copy", 1) as copier:
         copied = None
         if COMMON_NAME in files:
-            copied = copier.submit(
-                copy_tensors, plan.ckpt.read_into, files[COMMON_NAME], _ignore, Timeline()
-            )  # type: ignore[arg-type]
+            into = [(files[COMMON_NAME], files[COMMON_NAME].file_map.entries)]
+            copied = copier.submit(copy_tensors, plan.ckpt.read_into, into, _ignore, Timeline())
         try:
             streamer.run()
         except BaseException:

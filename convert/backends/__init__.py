@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mpack import env_flag, iokit
+from mpack.convert.options import BACKENDS, check_backend_name
 from mpack.device import CONVERT, DeviceSpec, no_cuda_here
 from mpack.errors import UsageError
 
@@ -62,8 +63,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: The backends, by name (Note [choosing a backend]).
-BACKENDS = ("host", "driver", "torch")
 
 #: What can be turned off -> the environment variable that turns it off. ``native-repack``: the
 #: host backend, and the native repack under the torch backend on the CPU; ``cuda-kernel``: the
@@ -134,7 +133,7 @@ class Backend(Protocol):
 
     def from_raw(self, raw: dict[str, Any], ck: Checkpoint, act: str) -> dict[str, Any]:
         """What :meth:`read_unit` gives, from a unit read once for several targets
-        (:func:`mpack.convert.multi.read_raw`)."""
+        (:func:`mpack.convert.stream.read_raw`)."""
         ...
 
     def on_unit(self, src: dict[str, Any], ready: Any) -> AbstractContextManager[None]:
@@ -214,7 +213,7 @@ def _candidates(spec: DeviceSpec) -> list[_Candidate]:
 
 
 def open_backend(
-    device: str,
+    device: str | DeviceSpec,
     plan: Plan,
     *,
     backend: str = "auto",
@@ -228,7 +227,8 @@ def open_backend(
     backend]); close it after use.
 
     Args:
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:i``.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:i``, or the :class:`DeviceSpec` it was
+            parsed into (:data:`mpack.device.CONVERT`), which is not parsed again.
         backend: ``auto`` (the first that can), or one of :data:`BACKENDS` (that one or an error).
         disabled: what is turned off (default: :func:`disabled_by_env`).
         option: the flag an error names (``--device``; verify's ``--rederive-device``).
@@ -237,11 +237,14 @@ def open_backend(
         opened: backends this run already opened (several targets): a candidate among them
             that takes ``plan`` is used again rather than opened twice (the caller closes it).
 
+    One function by design (Note [choosing a backend]): the whole choice, its refusals and its
+    errors read in one place.
+
     Raises:
         UsageError: a bad device name, a GPU named that is not here, an unknown ``backend``, or
             a ``backend`` asked for that cannot convert this plan here (its reason said).
     """
-    spec = DeviceSpec.parse(device, CONVERT, option)
+    spec = DeviceSpec.of(device, CONVERT, option)
     check_backend_name(backend)
     off = turned_off(disabled)
     from mpack.convert.timeline import Timeline
@@ -300,39 +303,36 @@ def _open(
         return torch.open_torch(spec if cand.gpu else _CPU, plan, off, option)
 
 
-def check_backend_name(backend: str) -> None:
-    """Refuse a ``--backend`` that is neither ``auto`` nor one of :data:`BACKENDS`."""
-    if backend != "auto" and backend not in BACKENDS:
-        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
-
-
-def check_device_here(device: str, option: str = "--device") -> None:
+def check_device_here(device: str | DeviceSpec, option: str = "--device") -> None:
     """Refuse a ``device`` that is not one of convert's names (:data:`mpack.device.CONVERT`), or
     a CUDA one on a machine surely without CUDA (:func:`mpack.device.no_cuda_here`), before any
     work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked once
-    a backend opens (the same ``UsageError``). ``option``: the flag named in the error."""
-    if DeviceSpec.parse(device, CONVERT, option).kind == "cuda" and no_cuda_here():
+    a backend opens (the same ``UsageError``). ``option``: the flag named in the error;
+    ``device``: text or a parsed :class:`DeviceSpec` (:meth:`DeviceSpec.of`)."""
+    if DeviceSpec.of(device, CONVERT, option).kind == "cuda" and no_cuda_here():
         check_cuda_here(device, 0, option)
 
 
-def check_cuda_here(device: str, count: int, option: str = "--device") -> None:
-    """Raise ``UsageError`` where ``device`` (``cuda`` or ``cuda:i``) names a CUDA device that
-    is not among the ``count`` here; ``option``: the flag named."""
+def check_cuda_here(device: str | DeviceSpec, count: int, option: str = "--device") -> None:
+    """Raise ``UsageError`` where ``device`` (``cuda`` or ``cuda:i``, as text or a parsed
+    :class:`DeviceSpec`) names a CUDA device that is not among the ``count`` here; ``option``:
+    the flag named."""
     if count == 0:
         raise UsageError(
             f"{option} {device}: no CUDA device here", hint=f"use {option} cpu (identical bytes)"
         )
-    if DeviceSpec.parse(device, CONVERT, option).ordinal >= count:
+    if DeviceSpec.of(device, CONVERT, option).ordinal >= count:
         raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
 
 
-def prefetch_files(device: str) -> list[Path]:
+def prefetch_files(device: str | DeviceSpec) -> list[Path]:
     """The libraries a conversion on ``device`` will load, for the kernel to read ahead while the
     process starts (Note [prefetch] in mpack/iokit.py): the CUDA driver's and NVRTC's for a GPU
     named outright (the driver backend's first step), else none (``auto`` on a many-core machine
-    converts on the host). A bad name: none (refused later, in the conversion's own words)."""
+    converts on the host). A bad name: none (refused later, in the conversion's own words).
+    ``device``: text or a parsed :class:`DeviceSpec`."""
     try:
-        kind = DeviceSpec.parse(device, CONVERT).kind
+        kind = DeviceSpec.of(device, CONVERT).kind
     except UsageError:
         return []
     if kind != "cuda":

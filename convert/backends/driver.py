@@ -72,7 +72,7 @@ def open_driver(
         raise Refused(e.message) from None
     count = cudadrv.device_count()
     if spec.kind == "cuda":
-        check_cuda_here(str(spec), count, option)
+        check_cuda_here(spec, count, option)  # parsed: not parsed again
     elif count == 0:
         raise Refused("no CUDA device here")
     try:

@@ -253,7 +253,7 @@ def open_torch(spec: DeviceSpec, plan: Plan, off: frozenset[str], option: str) -
         return TorchBackend(torch.device("cpu"), "native" if on else "ops")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec.kind == "cuda":
-        check_cuda_here(str(spec), count, option)
+        check_cuda_here(spec, count, option)  # parsed: not parsed again
     elif count == 0:
         raise Refused("no CUDA device here")
     dev = torch.device("cuda", spec.ordinal)

@@ -414,29 +414,7 @@ def _swap_in(
 
     modules = dict(model.named_modules())
     want = PROFILE_SCHEMES[manifest["target"]["profile"]]
-    missing = sorted((n for n in manifest["layers"] if n not in modules), key=arch.natural_key)
-    if missing:
-        raise EngineMismatchError(
-            f"{sidecar}: the model has no layer {first_and_more(missing)}: the sidecar was made "
-            "for another model",
-            hint=OTHER_MODEL_HINT,
-        )
-    # Every layer vLLM built with a quantization scheme runs on Marlin (force_marlin) and must
-    # get the sidecar's weights: vLLM would otherwise repack uninitialised memory.
-    uncovered = sorted(
-        (
-            n
-            for n, m in modules.items()
-            if _scheme_kernel(m)[0] is not None and n not in manifest["layers"]
-        ),
-        key=arch.natural_key,
-    )
-    if uncovered:
-        raise EngineMismatchError(
-            f"{sidecar}: the sidecar has no weights for layer {first_and_more(uncovered)}, which "
-            "this model runs on FP8 Marlin",
-            hint=OTHER_MODEL_HINT,
-        )
+    _check_same_layers(modules, manifest["layers"], sidecar)
     for name, ly in manifest["layers"].items():
         layer = modules[name]
         scheme, kernel = _scheme_kernel(layer)
@@ -471,6 +449,33 @@ def _swap_in(
         layer.processed_weight_dims = (0, 1)
         _as_processed(scheme, ly)
     return {name: modules[name] for name in manifest["layers"]}
+
+
+def _check_same_layers(
+    modules: dict[str, nn.Module], layers: dict[str, Any], sidecar: Path
+) -> None:
+    """Refuse a model (its ``modules`` by name) whose FP8 layers are not the sidecar's
+    ``layers``: one of them missing from the model, or a layer with a quantization scheme that
+    the sidecar has no weights for."""
+    missing = sorted((n for n in layers if n not in modules), key=arch.natural_key)
+    if missing:
+        raise EngineMismatchError(
+            f"{sidecar}: the model has no layer {first_and_more(missing)}: the sidecar was made "
+            "for another model",
+            hint=OTHER_MODEL_HINT,
+        )
+    # Every layer vLLM built with a quantization scheme runs on Marlin (force_marlin) and must
+    # get the sidecar's weights: vLLM would otherwise repack uninitialised memory.
+    uncovered = sorted(
+        (n for n, m in modules.items() if _scheme_kernel(m)[0] is not None and n not in layers),
+        key=arch.natural_key,
+    )
+    if uncovered:
+        raise EngineMismatchError(
+            f"{sidecar}: the sidecar has no weights for layer {first_and_more(uncovered)}, which "
+            "this model runs on FP8 Marlin",
+            hint=OTHER_MODEL_HINT,
+        )
 
 
 def _as_processed(scheme: Any, ly: dict[str, Any]) -> None:

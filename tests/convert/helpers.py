@@ -130,7 +130,7 @@ def explain(r: Proc) -> str:
 
 def tmp_dirs(out: Path) -> list[Path]:
     """Hidden work (and old-sidecar) directories of runs for ``out`` (either naming)."""
-    from mpack.convert.staging import work_dirs
+    from mpack.convert.output import work_dirs
 
     return work_dirs(out)
 

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from mpack.convert.staging import lock_path, work_dirs
+from mpack.convert.output import lock_path, work_dirs
 from mpack.fixtures import make_checkpoint
 from tests.conftest import flip_byte
 from tests.convert.helpers import (

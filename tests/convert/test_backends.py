@@ -215,7 +215,7 @@ def test_prefetch_list_is_the_backends(monkeypatch):
 
 def test_verify_opens_a_backend_not_the_orchestrator():
     """Re-derivation opens its backend through :func:`open_backend` like a conversion, and no
-    module of verify/ imports convert's orchestrator (pipeline, multi) to borrow its logic."""
+    module of verify/ imports convert's orchestrator (pipeline) to borrow its logic."""
     from tests.test_import_rules import imports_of, library_modules
 
     found = [
@@ -223,7 +223,7 @@ def test_verify_opens_a_backend_not_the_orchestrator():
         for name, path in library_modules().items()
         if name.startswith("mpack.verify")
         for line, imported in imports_of(name, path)
-        if imported in ("mpack.convert.pipeline", "mpack.convert.multi")
+        if imported == "mpack.convert.pipeline"
     ]
     assert not found, found
 

@@ -14,6 +14,7 @@ import hashlib
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -174,6 +175,20 @@ def test_a_failed_write_names_the_file(tmp_path: Path, monkeypatch: pytest.Monke
     assert w._fd == -1
 
 
+def _spy_writers(monkeypatch: pytest.MonkeyPatch, pipeline: Any) -> list[dict[str, str]]:
+    """Each ``_open_writers`` call of the run, as ``{file: writer class name}``."""
+    kinds: list[dict[str, str]] = []
+    real = pipeline._open_writers
+
+    def spy(*a: object, **k: object) -> dict:
+        got = real(*a, **k)
+        kinds.append({n: type(w).__name__ for n, w in got.items()})
+        return got
+
+    monkeypatch.setattr(pipeline, "_open_writers", spy)
+    return kinds
+
+
 def test_convert_writes_o_direct_on_few_cores_and_the_same_bytes_otherwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -188,15 +203,7 @@ def test_convert_writes_o_direct_on_few_cores_and_the_same_bytes_otherwise(
 
     src = tmp_path / "ck"
     make_checkpoint(src, layers=3)
-    kinds: list[dict[str, str]] = []
-    real = pipeline._open_writers
-
-    def spy(*a: object, **k: object) -> dict:
-        got = real(*a, **k)
-        kinds.append({n: type(w).__name__ for n, w in got.items()})
-        return got
-
-    monkeypatch.setattr(pipeline, "_open_writers", spy)
+    kinds = _spy_writers(monkeypatch, pipeline)
     runs = (
         ("direct", 2, frozenset()),
         ("off", 2, frozenset({"direct-write"})),
@@ -215,7 +222,7 @@ def test_convert_writes_o_direct_on_few_cores_and_the_same_bytes_otherwise(
         assert (tmp_path / "many-cores" / f).read_bytes() == want, f
 
 
-def test_only_direct_files_go_o_direct(tmp_path: Path) -> None:
+def test_only_direct_files_go_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor-parallel plan: the pass-through file and the first rank file O_DIRECT (two
     chunks of staging memory each), the other rank files through the page cache."""
     pytest.importorskip("torch")
@@ -225,7 +232,10 @@ def test_only_direct_files_go_o_direct(tmp_path: Path) -> None:
 
     import mpack.convert.pipeline as pipeline
     from mpack.convert.checkpoint import open_checkpoint
+    from mpack.convert.options import ConvertOptions
     from mpack.convert.plan import make_plan
+
+    monkeypatch.setattr(pipeline, "usable_cores", lambda: 2)
 
     src = tmp_path / "ck"
     make_checkpoint(src, layers=2)
@@ -235,10 +245,43 @@ def test_only_direct_files_go_o_direct(tmp_path: Path) -> None:
     work = tmp_path / "w"
     work.mkdir()
     with contextlib.ExitStack() as stack:
-        got = pipeline._open_writers(plan, work, stack, direct=True)
+        direct = pipeline.direct_files([plan], ConvertOptions(disable=frozenset()))
+        assert direct == {0: ["common.safetensors", "rank-00-of-04.safetensors"]}
+        got = pipeline._open_writers(plan, work, stack, direct[0])
         kinds = {n: type(w).__name__ for n, w in got.items()}
     assert list(got) == list(plan.files)
     assert sum(k == "DirectHashingWriter" for k in kinds.values()) == pipeline.DIRECT_FILES == 2
     assert kinds["common.safetensors"] == "DirectHashingWriter"
     assert kinds["rank-00-of-04.safetensors"] == "DirectHashingWriter"
     assert kinds["rank-03-of-04.safetensors"] == "HashingWriter"
+
+
+def test_one_writer_policy_for_any_number_of_targets(tmp_path: Path, monkeypatch) -> None:
+    """The policy (Note [direct writes]) is one function of the run's plans: on few cores the
+    first target's pass-through file and first rank file, whatever the number of targets; none
+    on many cores or with ``direct-write`` off. A run of several targets writes them O_DIRECT
+    too, and its sidecars are still byte for byte the single runs'."""
+    pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    _direct_here(tmp_path)
+    import mpack.convert.pipeline as pipeline
+    from mpack.convert.options import ConvertOptions
+
+    src = tmp_path / "ck"
+    make_checkpoint(src, layers=2)
+    kinds = _spy_writers(monkeypatch, pipeline)
+    monkeypatch.setattr(pipeline, "usable_cores", lambda: 2)
+    opts = ConvertOptions(tp=[1, 2], device="cpu", disable=frozenset())
+    pipeline.run_convert(src, tmp_path / "many", opts)
+    assert [sorted(n for n, k in ks.items() if k == "DirectHashingWriter") for ks in kinds] == [
+        ["common.safetensors", "rank-00-of-01.safetensors"],
+        [],
+    ]
+    for tp in (1, 2):
+        one = tmp_path / f"one-{tp}"
+        pipeline.run_convert(src, one, ConvertOptions(tp=tp, device="cpu", disable=frozenset()))
+        many = tmp_path / "many" / f"tp{tp}-w8a16-bfloat16"
+        for f in sorted(p.name for p in one.iterdir()):
+            assert (many / f).read_bytes() == (one / f).read_bytes(), f
+    monkeypatch.setattr(pipeline, "usable_cores", lambda: pipeline.DIRECT_BELOW_CORES)
+    assert pipeline.direct_files([], opts) == {}

@@ -1,4 +1,4 @@
-"""Many targets from one read (Note [many targets] in convert/multi.py): every sidecar byte for
+"""Many targets from one read (Note [many targets] in convert/pipeline.py): every sidecar byte for
 byte the one a single-target run writes, the source read once, invalid targets refused up
 front, and locking, up-to-date checks and atomicity per target."""
 
@@ -17,10 +17,9 @@ pytest.importorskip("torch")
 
 from mpack.convert import convert
 from mpack.convert.checkpoint import Checkpoint
-from mpack.convert.multi import MultiConvertResult
 from mpack.convert.options import ConvertOptions
-from mpack.convert.pipeline import ConvertResult, run_convert
-from mpack.convert.staging import work_dirs
+from mpack.convert.output import work_dirs
+from mpack.convert.pipeline import ConvertResult, MultiConvertResult, run_convert
 from mpack.fixtures import make_checkpoint
 from mpack.hub import plan_push, push_sidecar
 from mpack.sidecar import COMMON_NAME

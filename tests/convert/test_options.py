@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from mpack import cli, cudadrv, iokit
-from mpack.convert import convert, multi, pipeline, scheme_check
+from mpack.convert import convert, pipeline, scheme_check
 from mpack.convert.options import ConvertOptions
 from mpack.errors import UsageError
 from mpack.sidecar import CONFIG_NAME
@@ -25,19 +25,17 @@ class Recorded(UsageError):
 
 @pytest.fixture
 def calls(monkeypatch) -> list[dict[str, Any]]:
-    """Each call of run_convert / run_convert_many: which, source, out, options, scheme_check."""
+    """Each call of run_convert (the one run for any number of targets): how many targets,
+    source, out, options, scheme_check."""
     seen: list[dict[str, Any]] = []
 
-    def recorder(name: str):
-        def run(source, out, options, *, progress=None, scheme_check=None):
-            call = dict(run=name, source=str(source), out=str(out), options=options)
-            seen.append({**call, "check": scheme_check})
-            raise Recorded("recorded")
+    def run(source, out, options, *, progress=None, scheme_check=None):
+        many = "many" if options.many else "one"
+        call = dict(run=many, source=str(source), out=str(out), options=options)
+        seen.append({**call, "check": scheme_check})
+        raise Recorded("recorded")
 
-        return run
-
-    monkeypatch.setattr(pipeline, "run_convert", recorder("one"))
-    monkeypatch.setattr(multi, "run_convert_many", recorder("many"))
+    monkeypatch.setattr(pipeline, "run_convert", run)
     return seen
 
 
@@ -85,8 +83,69 @@ def test_one_value_and_a_list_of_one_are_the_same_options() -> None:
         (1, "w8a16"),
         (2, "w8a16"),
     ]
-    with pytest.raises(UsageError, match="several targets"):
-        ConvertOptions(tp=[1, 2]).target()
+    assert not ConvertOptions(tp=[2]).many and ConvertOptions(tp=[1, 2]).many
+
+
+BAD_OPTIONS = [  # (keywords, what the UsageError says): refused when the options are built
+    (dict(profile="w4a16"), "--profile must be one of"),
+    (dict(profile=["w8a16", "w8a8"]), "--profile must be one of"),
+    (dict(act_dtype="float32"), "--act-dtype must be"),
+    (dict(tp=0), "--tp must be at least 1"),
+    (dict(tp=[1, -2]), "--tp must be at least 1"),
+    (dict(tp=[]), "--tp is empty"),
+    (dict(fuse="all"), "--fuse must be one of"),
+    (dict(fuse="none", tp=2), "--fuse none packs layers"),
+    (dict(backend="rocm"), "--backend must be auto or one of"),
+    (dict(device="gpu"), "--device must be"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_OPTIONS)
+def test_options_are_checked_once_when_built(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        ConvertOptions(**kwargs)
+
+
+def test_the_device_is_parsed_once(monkeypatch, tmp_path: Path) -> None:
+    """One ``DeviceSpec.parse`` for a whole ``mpack.convert.convert``: in the options; the
+    run (start, the run's checks, the backend) reads the parsed spec. A real conversion."""
+    pytest.importorskip("torch")
+    from mpack import device as device_mod
+    from mpack.fixtures import make_checkpoint
+
+    src = tmp_path / "ck"
+    make_checkpoint(src, layers=2)
+    calls: list[str] = []
+    real = device_mod.DeviceSpec.parse.__func__
+
+    def counting(cls, text, *a, **k):
+        calls.append(text)
+        return real(cls, text, *a, **k)
+
+    monkeypatch.setattr(device_mod.DeviceSpec, "parse", classmethod(counting))
+    opts = ConvertOptions(device="cpu", tp=[1, 2])
+    assert (opts.device_spec.kind, calls) == ("cpu", ["cpu"])
+    result = convert(src, tmp_path / "out", device="cpu", tp=[1, 2])
+    assert len(result.results) == 2
+    assert calls == ["cpu", "cpu"]  # the test's own options, then convert()'s: once each
+
+
+def test_fuse_none_with_some_tp_1_is_left_to_the_plan() -> None:
+    """A list where one target can be made is not a typo: the plan refuses the others (or
+    skips them with skip_invalid)."""
+    assert [t.tp for t in ConvertOptions(fuse="none", tp=[1, 2]).specs] == [1, 2]
+
+
+def test_options_module_is_a_leaf() -> None:
+    """convert/options.py imports errors, device and target only (issue 36)."""
+    import ast
+
+    tree = ast.parse((Path(pipeline.__file__).parent / "options.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    ours = {m for m in imported if m.startswith("mpack")}
+    assert ours == {"mpack.errors", "mpack.device", "mpack.target"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

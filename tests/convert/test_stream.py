@@ -25,7 +25,7 @@ from mpack.convert.checkpoint import (  # noqa: E402
 from mpack.convert.options import ConvertOptions  # noqa: E402
 from mpack.convert.plan import make_plan  # noqa: E402
 from mpack.convert.scheme_check import SchemeCheck  # noqa: E402
-from mpack.convert.stream import Streamer  # noqa: E402
+from mpack.convert.stream import Sink, Streamer  # noqa: E402
 from mpack.errors import CorruptFileError, UnsupportedSchemeError  # noqa: E402
 from mpack.fixtures import make_checkpoint  # noqa: E402
 from mpack.iokit import chunk_digests  # noqa: E402
@@ -190,7 +190,7 @@ def test_streamer_transform_error_stops_every_stage(ckpt: Path, tmp_path: Path) 
 
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="on purpose"):
-        Streamer(plan, writers, backend, transform=boom).run()
+        Streamer([Sink(plan, writers, backend, transform=boom)]).run()
     backend.close()
     for w in writers.values():
         w.close()
@@ -214,7 +214,7 @@ def test_streamer_read_error_is_the_one_reported(ckpt: Path, tmp_path: Path) -> 
 
     backend = TorchBackend(torch.device("cpu"), "ops")
     with pytest.raises(CorruptFileError, match="truncated"):
-        Streamer(plan, writers, backend).run()
+        Streamer([Sink(plan, writers, backend)]).run()
     backend.close()
     for w in writers.values():
         w.close()

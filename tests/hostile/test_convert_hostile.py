@@ -24,15 +24,10 @@ pytest.importorskip("compressed_tensors")
 
 
 from mpack.convert.options import ConvertOptions
+from mpack.convert.output import check_apart, lock_path, output_path, work_dirs
+from mpack.convert.output.lock import _work_path
 from mpack.convert.pipeline import run_convert
 from mpack.convert.source import SourceChangedError
-from mpack.convert.staging import (
-    _work_path,
-    check_apart,
-    lock_path,
-    output_path,
-    work_dirs,
-)
 from mpack.errors import BusyError, InputError, UsageError
 from mpack.fixtures import make_checkpoint
 from tests.conftest import flip_byte

@@ -23,10 +23,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 
-from mpack.convert import staging
+from mpack import fsutil
 from mpack.convert.options import ConvertOptions
+from mpack.convert.output import lock_path, swap, work_dirs
+from mpack.convert.output.lock import _work_path
 from mpack.convert.pipeline import run_convert
-from mpack.convert.staging import _work_path, lock_path, work_dirs
 from mpack.errors import BusyError, EnvironmentFailure, OutputExistsError
 from mpack.fixtures import make_checkpoint
 from tests.convert.helpers import cli, cli_env, explain, manifest, snapshot
@@ -170,8 +171,8 @@ def test_force_does_not_replace_a_directory_swapped_in_for_the_sidecar(
 def _exchange(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``renameat2(RENAME_EXCHANGE)`` as here (``on``), or missing, as on a libc without it."""
     if not on:
-        monkeypatch.setattr(staging, "_renameat2", lambda: None)
-    elif staging._renameat2() is None:
+        monkeypatch.setattr(fsutil, "renameat2", lambda: None)
+    elif fsutil.renameat2() is None:
         pytest.skip("no renameat2 in this libc")
 
 
@@ -195,7 +196,7 @@ def test_a_file_added_between_the_check_and_the_exchange_is_swapped_back(
     _exchange(exchange, monkeypatch)
     out = Path(shutil.copytree(sidecar, tmp_path / "out"))
     before = snapshot(out)
-    real = staging._exchange_at
+    real = swap.exchange_at
     planted: list[bool] = []
 
     def late(dir_fd: int, a: str, b: str, error: Callable) -> bool:
@@ -204,7 +205,7 @@ def test_a_file_added_between_the_check_and_the_exchange_is_swapped_back(
             (out / "precious.txt").write_text("data")
         return real(dir_fd, a, b, error)
 
-    monkeypatch.setattr(staging, "_exchange_at", late)
+    monkeypatch.setattr(swap, "exchange_at", late)
     with pytest.raises(OutputExistsError, match="precious.txt, which no sidecar has"):
         run_convert(ckpt, out, ConvertOptions(device="cpu", force=True))
     assert planted
