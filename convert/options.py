@@ -131,7 +131,3 @@ class ConvertOptions:
     def many(self) -> bool:
         """More than one target: ``-o`` is then a directory of sidecars, ``OUT/<target>/``."""
         return len(self.specs) > 1
-
-    def targets(self) -> list[TargetSpec]:
-        """The targets, in the order given, repeats dropped (:attr:`specs`)."""
-        return list(self.specs)

@@ -117,12 +117,14 @@ class Streamer:
         acts = {s.plan.act_dtype for s in sinks}
         # the one backend reads (Note [one read for every target]), or the unit is read raw
         self.reader = self.backends[0] if len(self.backends) == 1 and len(acts) == 1 else None
-        self.buffers: Buffers | None = None
+        self.buffers: Buffers | None = None  # the raw read's arrays (None: the backend reads)
+        self._made: Buffers | None = None  # those this streamer made, and closes
         if self.reader is None:
             by_name = {b.name: b for b in self.backends}
             own = by_name.get("driver") or by_name.get("host")
-            self.buffers = own.buffers if own is not None else Buffers()  # type: ignore[attr-defined]
-            self._owned = own is None
+            if own is None:
+                self._made = Buffers()
+            self.buffers = own.buffers if own is not None else self._made  # type: ignore[attr-defined]
         self._units: queue.Queue = queue.Queue(UNITS_AHEAD)
         # bounded by the backends that bound it (0: one that bounds its results itself, its ring)
         bounds = [b.write_queue for b in self.backends if b.write_queue]
@@ -187,8 +189,8 @@ class Streamer:
         stack = contextlib.ExitStack()
         for b in self.backends:
             stack.enter_context(b.streaming(self.abort, self.timeline))
-        if self.buffers is not None and self._owned:
-            stack.callback(self.buffers.close)
+        if self._made is not None:
+            stack.callback(self._made.close)
         return stack
 
     def run(self) -> None:

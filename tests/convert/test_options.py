@@ -79,7 +79,7 @@ def test_cli_and_library_hand_the_pipeline_the_same_options(
 
 def test_one_value_and_a_list_of_one_are_the_same_options() -> None:
     assert ConvertOptions(tp=[2], profile=["w8a16"]) == ConvertOptions(tp=2, profile="w8a16")
-    assert [(t.tp, t.profile) for t in ConvertOptions(tp=[1, 2, 1]).targets()] == [
+    assert [(t.tp, t.profile) for t in ConvertOptions(tp=[1, 2, 1]).specs] == [
         (1, "w8a16"),
         (2, "w8a16"),
     ]
