@@ -1,7 +1,7 @@
 """`mpack convert` against `cp -r && sync`, interleaved round by round, with a switch on and off.
 
     python scripts/bench_interleaved.py SRC [--cores 2] [--rounds 5] [--device cpu]
-        [--off direct-write] [--hub REPO --hf-cache DIR] [--json out.json]
+        [--off direct-write] [--hub REPO --hf-cache DIR] [--before SITE] [--json out.json]
 
 On a machine whose disk and page cache drift from minute to minute (the 2-core development VM:
 `cp -r && sync` of the same 3 GB took 1.8 s in one run and 4.7 s in another), a peer measured
@@ -14,6 +14,9 @@ with each command's CPU seconds (user, system: the kernel's page-cache work show
 ``--hub REPO --hf-cache DIR``: the converts read ``REPO`` from that HF cache, offline (the CI
 pre-bake job's case: the shards' sha256 are their blob names, so nothing hashes the source;
 bench_vs_tools' ``convert-hub`` row makes such a cache of SRC); `cp -r` still copies SRC.
+``--before SITE``: one more command in every round, the CLI of an older tree installed with
+``pip install --target SITE`` (a refactor's before and after, on the same machine minute by
+minute).
 Figures go to docs/BENCHMARKS.md.
 """
 
@@ -75,10 +78,12 @@ def convert_commands(
     var: str,
     hub: str | None = None,
     hf_cache: Path | None = None,
+    before: Path | None = None,
 ) -> dict[str, tuple[list[str], dict[str, str], Path]]:
     """name -> (command, environment, the output it writes): the peer, the convert as shipped,
     the convert with ``var`` set; under ``taskset -c 0-(cores-1)`` unless ``cores`` is None;
-    ``hub``: the converts read that repo from ``hf_cache``, offline."""
+    ``hub``: the converts read that repo from ``hf_cache``, offline; ``before``: also the
+    convert of the tree installed there (first on PYTHONPATH)."""
     pin = ["taskset", "-c", f"0-{cores - 1}"] if cores else []
     out, dst = tmp / "out", tmp / "cp-dst"
     convert = [*pin, sys.executable, "-m", "mpack", "convert", hub or str(src), "-o", str(out)]
@@ -87,11 +92,19 @@ def convert_commands(
     if hub:
         assert hf_cache is not None
         plain.update(HF_HUB_CACHE=str(hf_cache.resolve()), HF_HUB_OFFLINE="1")
-    return {
+    commands = {
         PEER: ([*pin, "sh", "-c", f'cp -r "{src}" "{dst}" && sync'], plain, dst),
         "mpack convert": (convert, plain, out),
         f"mpack convert, {var}=1": (convert, {**plain, var: "1"}, out),
     }
+    if before:
+        path = ":".join(p for p in (str(before.resolve()), plain.get("PYTHONPATH")) if p)
+        commands[f"mpack convert, before ({before.name})"] = (
+            convert,
+            {**plain, "PYTHONPATH": path},
+            out,
+        )
+    return commands
 
 
 def run_rounds(
@@ -147,6 +160,7 @@ def main() -> int:
     ap.add_argument("--off", default="direct-write", help="the switch the 'before' turns off")
     ap.add_argument("--hub", metavar="REPO", help="convert REPO from --hf-cache instead of SRC")
     ap.add_argument("--hf-cache", type=Path, metavar="DIR")
+    ap.add_argument("--before", type=Path, metavar="SITE", help="an older tree (pip --target)")
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args()
     if (a.hub is None) != (a.hf_cache is None):
@@ -157,7 +171,15 @@ def main() -> int:
     src = a.src.resolve()
     files = sorted(src.glob("*.safetensors"))
     commands = convert_commands(
-        src, tmp, env, device=a.device, cores=a.cores, var=var, hub=a.hub, hf_cache=a.hf_cache
+        src,
+        tmp,
+        env,
+        device=a.device,
+        cores=a.cores,
+        var=var,
+        hub=a.hub,
+        hf_cache=a.hf_cache,
+        before=a.before,
     )
     try:
         rounds = run_rounds(commands, files, a.rounds, tmp)
