@@ -52,7 +52,7 @@ VLLM_PINNED_TESTS := tests/convert/test_ctlean.py tests/convert/test_checkpoint.
 	tests/convert/test_bad_inputs.py tests/test_fixtures.py \
 	tests/convert/test_convert.py::test_golden_case_cli tests/hostile/test_vllm_hostile.py
 
-.PHONY: install install-vllm test test-vllm test-gpu lint format demo bench dist clean
+.PHONY: install install-vllm test test-vllm test-gpu lint format demo bench dist clean device-wheels
 
 install: $(STAMP)
 
@@ -109,6 +109,12 @@ test-vllm: $(DEPS) $(VLLM_DEPS)
 # --require-gpu (tests/conftest.py): no CUDA device is an error here, not a run of skips.
 test-gpu: $(DEPS)
 	$(PY) -m pytest -q -m gpu -rs --require-gpu $(PYTEST_ARGS)
+
+# .device/wheels for the GPU machine's device scripts (scripts/device_env.sh), which reaches no
+# package index: the wheels of scripts/device_wheels.txt for CPython 3.12 on x86-64 Linux. Run
+# here, with network access; DEST=DIR downloads elsewhere.
+device-wheels:
+	DEST=$(or $(DEST),.device/wheels) bash scripts/device_wheels.sh
 
 # The GitHub Actions workflows too: ours and the examples users copy, with actionlint and zizmor
 # (the dev extra; found beside $(PY)). zizmor runs --offline: its online audits ask GitHub's API.

@@ -13,7 +13,6 @@ the config's targets are used to cross-check, not to find layers.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -26,7 +25,10 @@ from mpack.errors import (
     CorruptFileError,
     SourceNotFoundError,
     UnsupportedSchemeError,
+    quote,
+    shown,
 )
+from mpack.fsutil import parse_json
 from mpack.iokit import pread_pieces
 from mpack.sidecar import (
     CONFIG_NAME,
@@ -276,7 +278,8 @@ def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
         raise UnsupportedSchemeError(
-            f"{where}: quantization_config.{loc}: {first['msg']} (got {first.get('input')!r})"
+            f"{where}: quantization_config.{shown(loc)}: {first['msg']} "
+            f"(got {quote(first.get('input'))})"
         ) from None
 
 
@@ -325,10 +328,9 @@ def _read_config(root: Path, scheme: bool) -> tuple[dict[str, Any], Any]:
     cfg_path = root / CONFIG_NAME
     if not cfg_path.is_file():
         raise SourceNotFoundError(f"{root}: no {CONFIG_NAME}: not a Hugging Face model directory")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise CorruptFileError(f"{cfg_path}: malformed JSON ({e})") from None
+    config = parse_json(cfg_path.read_bytes(), cfg_path)
+    if not isinstance(config, dict):
+        raise CorruptFileError(f"{cfg_path}: holds a JSON {type(config).__name__}, not an object")
     qc = find_quant_config(config)
     if not isinstance(qc, dict):
         raise UnsupportedSchemeError(
@@ -345,8 +347,9 @@ def _shard_files(root: Path) -> tuple[list[str], dict[str, str] | None]:
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None
     if index_path.is_file():
+        index = parse_json(index_path.read_bytes(), index_path, "index")
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise ValueError("weight_map is not an object")
         except (ValueError, KeyError, TypeError) as e:

@@ -54,10 +54,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpack.cache import remember_source_dir
 from mpack.convert.backends import Backend, check_device_here, open_backend, report, turned_off
 from mpack.convert.checkpoint import Checkpoint, check_scale_values, read_scale_array
 from mpack.convert.options import ConvertOptions
-from mpack.convert.output import check_apart, output_lock, output_path, staged_sidecar
+from mpack.convert.output import (
+    check_apart,
+    output_lock,
+    output_path,
+    staged_sidecar,
+    target_output,
+)
 from mpack.convert.plan import Plan, open_and_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
@@ -252,6 +259,9 @@ def run_convert(
             results.append(_result(stage.out, m, digest, tl, plan, used_by))
         else:
             results.append(_result(stage.out, *stage.current, tl))
+    if src.kind == "local":  # the manifest records its name only: Note [source path]
+        for r in results:  # one entry per distinct record: the same for every new target
+            remember_source_dir(r.manifest["source"], r.out, src.path)
     return MultiConvertResult(out, results, skipped) if options.many else results[0]
 
 
@@ -266,10 +276,12 @@ def _stage_all(
 ) -> list[Any]:
     """Each target's lock and stage (:func:`mpack.convert.output.staged_sidecar`), entered on
     ``stack``: at ``out`` itself for one target, at ``out/<name>`` for several (Note [many
-    targets]). Closing ``stack`` swaps them into place, in reverse order."""
+    targets]), each place checked apart from the source (:func:`target_output`: ``OUT/<name>``
+    may be a symbolic link into it). Closing ``stack`` swaps them into place, in reverse
+    order."""
     stages = []
     for plan in plans:
-        out_t = output_path(out / dir_name(plan.target)) if options.many else out
+        out_t = target_output(out / dir_name(plan.target) if options.many else out, src.path)
         parent = stack.enter_context(output_lock(out_t))
         stage = staged_sidecar(
             out_t,

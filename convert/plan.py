@@ -15,7 +15,7 @@ from mpack import arch, target
 from mpack.arch import Dims
 from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint, passthrough_names
 from mpack.convert.options import TargetSpec, check_fusion_tp
-from mpack.errors import MpackError, UnsupportedSchemeError, UsageError
+from mpack.errors import MpackError, UnsupportedSchemeError, UsageError, quote
 from mpack.sidecar import (
     COMMON_NAME,
     CONFIG_NAME,
@@ -129,6 +129,67 @@ def model_dims(ck: Checkpoint) -> Dims:
         raise UnsupportedSchemeError(
             f"{ck.root / CONFIG_NAME}: missing or bad model dimension {e}"
         ) from None
+
+
+def check_decoder_layers(ck: Checkpoint) -> None:
+    """The decoder layers the weights hold (``model.layers.<i>.``, every tensor, quantized or
+    not) are exactly ``0 .. num_hidden_layers - 1`` of config.json, for the architectures whose
+    rules mpack knows: vLLM builds ``num_hidden_layers`` layers and refuses the sidecar only
+    after it has allocated them, minutes in.
+
+    Raises:
+        UnsupportedSchemeError: ``num_hidden_layers`` missing or not a positive whole number, or
+            other layers than it says (naming the value, the layers found and a file).
+    """
+    if ck.architecture not in arch.LLAMA_FAMILY:
+        return
+    cfg = ck.root / CONFIG_NAME
+    n = ck.text_config.get("num_hidden_layers")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        what = "has no num_hidden_layers" if n is None else f"num_hidden_layers is {quote(n)}"
+        raise UnsupportedSchemeError(
+            f"{cfg}: {what}, not a positive whole number of decoder layers",
+            hint="use the checkpoint's own config.json",
+        )
+    found: dict[int, str] = {}  # layer -> its first tensor
+    for name in sorted(ck.tensors, key=arch.natural_key):
+        i = arch.decoder_index(name)
+        if i is not None:
+            found.setdefault(i, name)
+    extra = [i for i in found if i >= n]
+    if not extra and len(found) == n:
+        return
+    held = _spans(sorted(found)) or "none"
+    if extra:
+        first = found[extra[0]]
+        why = f"{ck.root / ck.tensors[first].file} holds {first}"
+    else:
+        gap = next(i for i in range(n) if i not in found)
+        why = f"no shard holds {arch.DECODER_PREFIX}.{gap}.*"
+    contiguous = len(found) > 0 and max(found) == len(found) - 1
+    raise UnsupportedSchemeError(
+        f"{cfg}: num_hidden_layers is {n}, but the weights hold decoder layers {held} ({why}): "
+        "the config does not describe these weights, and vLLM would refuse the sidecar",
+        hint=(
+            f"these weights are a model of {len(found)} layers: correct num_hidden_layers, or "
+            "use the config.json that came with them"
+            if contiguous
+            else "a shard is missing or belongs to another model: download the checkpoint again"
+        ),
+    )
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``; the first 8 runs, then how many more."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    shown_runs = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8]]
+    more = f" (and {len(runs) - 8} more runs)" if len(runs) > 8 else ""
+    return ", ".join(shown_runs) + more
 
 
 def check_tp(ck: Checkpoint, dims: Dims, tp: int) -> None:
@@ -343,6 +404,7 @@ def open_and_plan(
     with check.errors_first():
         ck = open_checkpoint(root, scheme=not check.deferred)
         find_layers(ck)
+        check_decoder_layers(ck)
         plans: dict[str, Plan] = {}
         bad: list[tuple[str, MpackError]] = []
         for s in specs:

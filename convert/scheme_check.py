@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpack import __version__, cache, env_flag
 from mpack.errors import MpackError
+from mpack.fsutil import parse_json
 
 if TYPE_CHECKING:
     from mpack.convert.checkpoint import Checkpoint
@@ -121,7 +122,7 @@ def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
     if raw is None:
         return None
     try:
-        entry = json.loads(raw)
+        entry = parse_json(raw, _entry_name(key), "verdict")
         if entry.get("format") != VERDICT_FORMAT or entry.get("key") != key:
             return None
         layers = {}
@@ -134,7 +135,7 @@ def cached_verdict(key: str) -> dict[str, tuple[str, int, int, bool]] | None:
             ):
                 return None
             layers[module] = (strategy, n, k, bias)
-    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+    except (MpackError, ValueError, TypeError, AttributeError, KeyError):
         return None
     return layers
 

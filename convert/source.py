@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
-import json
 import os
 import re
 import stat
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpack.binding import PROBE_KEY, is_shard, probe
+from mpack.cache import recalled_source_dir
 from mpack.convert.timeline import Timeline
 from mpack.errors import (
     ENVIRONMENT_ERRNOS,
@@ -31,7 +32,7 @@ from mpack.errors import (
     environment_failure,
     shown,
 )
-from mpack.fsutil import read_capped
+from mpack.fsutil import parse_json, read_capped
 from mpack.iokit import (
     HashCancelled,
     chunk_spans,
@@ -135,9 +136,10 @@ def recorded_origin(sidecar: Path) -> tuple[str, str | None]:
     """What a sidecar's manifest says it was made from: ``(for people, as mpack convert
     arguments or None)``. Lenient: any readable ``mpack.json`` will do, whatever its version."""
     try:
-        doc = json.loads(read_capped(sidecar / MANIFEST_NAME, MAX_MANIFEST, what="manifest"))
+        path = sidecar / MANIFEST_NAME
+        doc = parse_json(read_capped(path, MAX_MANIFEST, what="manifest"), path)
         rec = doc.get("source") if isinstance(doc, dict) else None
-    except (MpackError, ValueError, RecursionError):
+    except MpackError:
         rec = None
     if not isinstance(rec, dict):
         return "a source its mpack.json does not record", None
@@ -148,6 +150,9 @@ def recorded_origin(sidecar: Path) -> tuple[str, str | None]:
             return f"{shown(repo)}@{shown(rev[:12])}", f"{shown(repo)} --revision {shown(rev[:64])}"
         return shown(repo), shown(repo)
     if isinstance(path, str) and path:
+        if not os.path.isabs(path):  # its name only: where it is, this machine's cache may say
+            kept = recalled_source_dir(rec, sidecar.resolve())  # (Note [source path])
+            path = str(kept) if kept else path
         return shown(path, 4096), shown(path, 4096)
     return "a source its mpack.json does not record", None
 
@@ -181,8 +186,28 @@ def _snapshot(
             )
     except (*_hub_errors(), OSError) as e:  # network errors surface as requests/httpx OSErrors
         raise _snapshot_error(e, repo, revision, local_only) from None
+    check_snapshot_links(path)
     commit = path.name if _COMMIT.match(path.name) else None
     return ResolvedSource(path=path, kind="hub", repo=repo, revision=commit, requested=revision)
+
+
+def check_snapshot_links(snapshot: Path) -> None:
+    """Every file of the HF cache ``snapshot`` that a conversion may read (the top-level files
+    of ``ALLOW_PATTERNS``, which it follows and copies) resolves into the repo's ``blobs/``
+    (Note [links of the snapshot] in mpack/hub_sidecar.py).
+
+    Raises:
+        InputError: a link that points elsewhere (``/etc/passwd``, another repo's or user's file),
+            naming it and its target.
+    """
+    from mpack.hub_sidecar import snapshot_blob
+
+    for name in sorted(os.listdir(snapshot)):
+        path = snapshot / name
+        if not path.is_symlink() and path.is_dir():
+            continue  # a folder of the repo ("tokenizer/"): nothing a conversion reads
+        if any(fnmatch.fnmatchcase(name, p) for p in ALLOW_PATTERNS):
+            snapshot_blob(path, snapshot)
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:
@@ -314,6 +339,8 @@ def hash_sources(
             rec["sha256"] = digest
         else:
             rec.setdefault("chunks", {"bytes": CHUNK_BYTES, "sha256": []})["sha256"].append(digest)
+    for name in filter(is_shard, names):  # Note [a sidecar is bound to its checkpoint]
+        records[name][PROBE_KEY] = probe(src.path / name)
     return [records[n] for n in names]
 
 
@@ -363,12 +390,16 @@ def candidate_files(src: ResolvedSource) -> list[str]:
 
 
 def provenance(src: ResolvedSource, files: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest's ``source`` object."""
+    """The manifest's ``source`` object. A local source is recorded by its directory's name
+    (``ckpt``), not by where it is, which ``mpack push`` would publish (Note [source path] in
+    :mod:`mpack.cache`); ``MPACK_SOURCE_PATH=full`` records its absolute path instead."""
     doc: dict[str, Any] = {"kind": src.kind, "files": files}
     if src.kind == "hub":
         doc.update(repo=src.repo, revision=src.revision, requested_revision=src.requested)
-    else:
+    elif os.environ.get("MPACK_SOURCE_PATH") == "full" or not src.path.name:
         doc.update(path=str(src.path))
+    else:
+        doc.update(path=src.path.name)
     return doc
 
 

@@ -30,6 +30,36 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
 
 
+def env_number(name: str, default: float, *, low: float, high: float) -> float:
+    """The number the environment variable ``name`` holds, checked: ``default`` when it is unset
+    or empty (as for :func:`env_flag`, empty is unset), else a finite number from ``low`` to
+    ``high`` (``0.5``, ``2``, ``1e1``). Every numeric ``MPACK_*`` variable is read through here.
+
+    Raises:
+        UsageError: anything else (``abc``, ``0``, ``-1``, ``nan``, ``inf``, out of range),
+            naming the variable, its value and what it may be (exit 2).
+    """
+    import math
+    import os
+
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not low <= value <= high:  # nan and out of range alike
+        from mpack.errors import UsageError, quote
+
+        raise UsageError(
+            f"{name}={quote(raw)}: must be a number from {low:g} to {high:g}",
+            hint=f"set {name} to such a number (e.g. {default:g}), or unset it for the "
+            f"default, {default:g}",
+        )
+    return value
+
+
 if __name__ == "mpack":  # maybe a checkout's mpack/ alone (Note [checkout on sys.path])
     from mpack import _checkout
 

@@ -26,6 +26,10 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 KV_SHARDS = ("k_proj", "v_proj")
 #: Within a decoder layer, the linears in the order the forward pass uses them.
 LEAF_ORDER = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
+#: Where the Llama family keeps its decoder layers, in checkpoints and in vLLM's models:
+#: ``model.layers.<i>.``, ``i`` from 0 to ``num_hidden_layers - 1``.
+DECODER_PREFIX = "model.layers"
+DECODER_INDEX = re.compile(re.escape(DECODER_PREFIX) + r"\.(\d+)\.")
 
 
 def fused_name(module: str) -> str | None:
@@ -47,6 +51,13 @@ def shard_modules(name: str) -> list[str]:
 def parallel_style(name: str) -> str:
     """``column`` | ``row`` for a vLLM linear of the Llama family."""
     return "row" if name.rpartition(".")[2] in ROW_PARALLEL else "column"
+
+
+def decoder_index(name: str) -> int | None:
+    """The decoder layer a tensor or module name is in (``model.layers.7.mlp.up_proj`` -> 7);
+    None outside the decoder layers."""
+    m = DECODER_INDEX.match(name)
+    return int(m.group(1)) if m else None
 
 
 _NUM = re.compile(r"(\d+)")

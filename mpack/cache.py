@@ -1,11 +1,13 @@
 """mpack's per-user cache: things that cost time to make and are safe to make again.
 
-Two kinds live here, each in its own folder under the cache root, ``$MPACK_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/mpack``, else ``~/.cache/mpack``):
+Three kinds live here, each in its own folder under the cache root, ``$MPACK_CACHE_DIR``
+(default ``$XDG_CACHE_HOME/mpack``, else ``~/.cache/mpack``):
 
 - ``kernels``: the NVRTC builds of the fused repack kernel (:mod:`mpack.convert.cuda_repack`);
 - ``verdicts``: the good verdicts of compressed-tensors' check of a source's quantization
-  config (Note [verdict cache] in :mod:`mpack.convert.scheme_check`).
+  config (Note [verdict cache] in :mod:`mpack.convert.scheme_check`);
+- ``sources``: where the local source of each sidecar converted here is, by its manifest's
+  source record (Note [source path]: the record names the directory only).
 
 Everything here is best effort: an entry is written whole or not at all (a temporary file
 renamed into place), a cache that cannot be read or written is skipped (with ``mpack -v``, a
@@ -45,20 +47,31 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CAPS", "cache_dir", "cache_root", "read_entry", "write_entry"]
+__all__ = [
+    "CAPS",
+    "cache_dir",
+    "cache_root",
+    "read_entry",
+    "recalled_source_dir",
+    "remember_source_dir",
+    "write_entry",
+]
 
 log = logging.getLogger("mpack.cache")
 
 #: The most bytes one entry of each kind may have. A verdict of a 47,000-linear MoE is ~5 MB;
 #: the repack kernel's cubin is well under 1 MB.
-CAPS: dict[str, int] = {"kernels": 16 << 20, "verdicts": 64 << 20}
+CAPS: dict[str, int] = {"kernels": 16 << 20, "verdicts": 64 << 20, "sources": 16 << 10}
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -221,3 +234,65 @@ def write_entry(kind: str, name: str, data: bytes) -> bool:
     except OSError:
         return False
     return True
+
+
+# --- where a sidecar's local source is ----------------------------------------------------
+
+# Note [source path]: a local source's absolute path (``/home/alice/secret-project/ckpt``) is
+# not for a manifest that ``mpack push`` publishes, so by default the manifest's ``source.path``
+# is the directory's name only (:func:`mpack.convert.source.provenance`;
+# ``MPACK_SOURCE_PATH=full`` records the absolute path, as mpack did before). Where it is stays
+# on this machine, in this cache: convert keeps it under the sha256 of the manifest's ``source``
+# record (its kind, name and every file's digests: :func:`source_entry_name`), with the sidecar
+# made from it; ``mpack verify SIDECAR`` without ``--source`` looks it up there to re-derive from
+# it. The entry lists the last ``MAX_SOURCE_PLACES`` (sidecar, source) pairs, newest first: two
+# copies of one checkpoint under one name share the record, and each sidecar finds the copy it
+# was made from; a sidecar copied elsewhere (or whose other files were changed afterwards) finds
+# the newest copy still there. A wrong directory found there is caught as a given ``--source``
+# is: its files are hashed and compared with ``source.files``.
+#: The (sidecar, source) pairs one ``sources`` entry keeps.
+MAX_SOURCE_PLACES = 16
+
+
+def source_entry_name(record: Mapping[str, Any]) -> str:
+    """The ``sources`` entry of a manifest's ``source`` record: the sha256 of its canonical
+    JSON (Note [source path])."""
+    canonical = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _source_places(name: str) -> list[tuple[str, str]]:
+    data = read_entry("sources", name, then="the source is not looked for")
+    try:
+        doc = json.loads(data) if data else []
+    except ValueError:
+        return []
+    ok = isinstance(doc, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in doc
+    )
+    return [(p[0], p[1]) for p in doc] if ok else []
+
+
+def remember_source_dir(
+    record: Mapping[str, Any], sidecar: str | os.PathLike, source: str | os.PathLike
+) -> bool:
+    """Keep ``source`` as the directory that ``sidecar`` was converted from, under the manifest
+    ``source`` record ``record`` (Note [source path]); best effort, False when not kept."""
+    name = source_entry_name(record)
+    new = (os.fspath(sidecar), os.fspath(source))
+    places = [new, *(p for p in _source_places(name) if p != new)][:MAX_SOURCE_PLACES]
+    return write_entry("sources", name, json.dumps(places).encode())
+
+
+def recalled_source_dir(record: Mapping[str, Any], sidecar: str | os.PathLike) -> Path | None:
+    """The directory ``sidecar``, whose manifest's ``source`` record is ``record``, was
+    converted from on this machine; else the newest one of that record still there; else None
+    (Note [source path])."""
+    try:
+        places = _source_places(source_entry_name(record))
+    except (TypeError, ValueError):  # a record JSON cannot hold: never one convert wrote
+        return None
+    here = os.fspath(sidecar)
+    mine = [Path(src) for sc, src in places if sc == here]
+    there = [Path(src) for _, src in places if os.path.isdir(src)]
+    return (mine or there or [None])[0]

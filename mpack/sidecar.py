@@ -40,7 +40,14 @@ from mpack.errors import (
     quote,
     shown,
 )
-from mpack.fsutil import kind_of, open_regular, open_regular_file, os_error, read_capped
+from mpack.fsutil import (
+    kind_of,
+    open_regular,
+    open_regular_file,
+    os_error,
+    parse_json,
+    read_capped,
+)
 from mpack.iokit import DirectWriter, FileWriter, fd_chunk_digests, hash_fd_range
 
 FORMAT = "mpack-sidecar"
@@ -69,8 +76,9 @@ COPIED_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-#: Largest header we accept when reading a safetensors file (the format's own limit is 100 MB).
-MAX_HEADER = 100 * 1024 * 1024
+#: Largest header length (the 8-byte N) a safetensors file may announce: the format's own
+#: limit, 100 MB, which the safetensors library enforces too (a longer one it refuses to load).
+MAX_HEADER = 100_000_000
 #: Largest ``mpack.json`` we read. A 1 TB model's manifest (chunk digests included) is ~2 MB;
 #: the cap keeps a hostile manifest from costing every attaching process gigabytes.
 MAX_MANIFEST = 32 * 1024 * 1024
@@ -165,6 +173,43 @@ def regenerate_hint_of(manifest: Mapping[str, Any], sidecar: str | os.PathLike) 
     src = manifest.get("source") if isinstance(manifest.get("source"), Mapping) else {}
     origin = src.get("repo") or src.get("path")  # the manifest's: escaped, as every message quotes
     return "regenerate it: " + regenerate_hint(shown(origin, 4096) if origin else None, sidecar)
+
+
+# --- the hidden names of a run writing a sidecar ---------------------------------------------
+
+# Note [run names]: a conversion writing the sidecar OUT makes its hidden names beside OUT, in
+# OUT's parent, each tagged with OUT's run key (:func:`run_key`: 12 hex digits of the sha256 of
+# OUT's name, so that every such name has a fixed length and belongs to one OUT): its lock file
+# ``.mpack-<key>.lock`` and its work and old-sidecar directories ``.mpack-<key>.tmp-<8 hex>`` and
+# ``.mpack-<key>.old-<8 hex>`` (older mpacks named those ``.<OUT>.mpack-tmp-<pid>-<8 hex>``). What
+# they do is the convert's (Note [output lock] in convert/output/lock.py); ``mpack push`` reads
+# them too: a directory of sidecars holding one is being written, or was left by a run that did
+# not finish (docs/HUB.md).
+RUN_LOCK, RUN_WORK, RUN_OLD = "lock", "tmp", "old"
+_RUN_NAME = re.compile(r"\.mpack-([0-9a-f]{12})\.(?:(lock)|(tmp|old)-[0-9a-f]{8})")
+_OLDER_RUN_NAME = re.compile(r"\.(.+)\.mpack-(tmp|old)-\d+-[0-9a-f]{8}")
+
+
+def run_key(out_name: str) -> str:
+    """The run key of a sidecar named ``out_name`` (Note [run names])."""
+    return hashlib.sha256(os.fsencode(out_name)).hexdigest()[:12]
+
+
+def run_name(out_name: str, kind: str, tag: str = "") -> str:
+    """The hidden name of ``kind`` (``RUN_LOCK``, ``RUN_WORK``, ``RUN_OLD``; ``tag``: 8 hex
+    digits, for a directory) of a run writing the sidecar ``out_name`` (Note [run names])."""
+    key = run_key(out_name)
+    return f".mpack-{key}.{RUN_LOCK}" if kind == RUN_LOCK else f".mpack-{key}.{kind}-{tag}"
+
+
+def parse_run_name(name: str) -> tuple[str, str] | None:
+    """``(run key, kind)`` of a run's hidden name, new or old naming (Note [run names]); None
+    for any other name."""
+    m = _RUN_NAME.fullmatch(name)
+    if m:
+        return m[1], m[2] or m[3]
+    m = _OLDER_RUN_NAME.fullmatch(name)
+    return (run_key(m[1]), m[2]) if m else None
 
 
 # --- safetensors file maps ------------------------------------------------------------------
@@ -310,7 +355,13 @@ def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[bytes, bytes]:
     if len(prefix) < 8:
         raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file")
     (hlen,) = struct.unpack("<Q", prefix)
-    if hlen > MAX_HEADER or 8 + hlen > size:
+    if hlen > MAX_HEADER:
+        raise CorruptFileError(
+            f"{path}: header length {hlen} is over the {MAX_HEADER} bytes a safetensors header "
+            "may have (docs/FORMAT.md; the safetensors library refuses it too)",
+            hint="not a safetensors file mpack or vLLM can load; regenerate it",
+        )
+    if 8 + hlen > size:
         raise CorruptFileError(
             f"{path}: header length {hlen} does not fit in a file of {size} bytes "
             "(truncated, or not a safetensors file)"
@@ -319,12 +370,11 @@ def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[bytes, bytes]:
 
 
 def _parse_header(raw: bytes, path: Path) -> dict[str, Any]:
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, RecursionError) as e:
-        raise CorruptFileError(f"{path}: malformed safetensors header ({e})") from None
+    header = parse_json(raw, path, "safetensors header")
+    if not isinstance(header, dict):
+        raise CorruptFileError(
+            f"{path}: malformed safetensors header (the header is not a JSON object)"
+        )
     return header
 
 
@@ -649,10 +699,11 @@ def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
         # one form of digest, never both (Note [both digests])
         ok = ok and ("sha256" in f) != ("chunks" in f)
         ok = ok and (_is_digest(f["sha256"]) if "sha256" in f else _chunks_ok(f["chunks"], size))
+        ok = ok and _is_digest(f.get("probe", "0" * 64))  # mpack/binding.py
         if not ok:
             raise CorruptFileError(
                 f"{where}: malformed source files entry {quote(f)} (needs a relative name, a "
-                "size, and sha256 or chunks, not both)",
+                "size, and sha256 or chunks, not both; a probe is a sha256)",
                 hint=regenerate_hint_of({"source": src}, Path(where).parent),
             )
 
@@ -716,13 +767,9 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
         ) from None
     digest = hashlib.sha256(raw).hexdigest()  # Note [manifest digest]
     text = _manifest_text(raw, path)
+    m = parse_json(text, path)
     if digest in _CHECKED:  # these very bytes passed every check below (Note [checked once])
-        return json.loads(text), digest
-    try:
-        m = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise CorruptFileError(f"{path}: malformed JSON ({what})") from None
+        return m, digest
     if _SURROGATE_ESCAPE.search(text):  # rare: the walk runs only where an escape may be one
         where = _lone_surrogate(m)
         if where is not None:

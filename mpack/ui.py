@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mpack import target
+from mpack import env_number, target
 from mpack.errors import shown
 
 #: How much of a sentence that may quote a manifest's strings is shown (:func:`emit_verify`).
@@ -28,6 +28,10 @@ PATH_LIMIT = 4096
 #: Width of output that goes to a pipe or a file: wide enough that no digest or path is broken
 #: across lines (a table still takes only the width its cells need).
 PIPE_WIDTH = 4096
+#: ``$MPACK_PROGRESS_EVERY``: seconds between progress lines in a log; the default, and the
+#: range it may take (a tenth of a second at the least: 0 would flood the log).
+PROGRESS_EVERY_S = 5.0
+PROGRESS_EVERY_RANGE = (0.1, 86400.0)
 
 
 # Note [closed stdout]: ``mpack inspect SC | head -1`` closes the pipe while mpack still
@@ -293,12 +297,20 @@ class _LogProgress:
 @contextlib.contextmanager
 def convert_progress(enabled: bool):
     """Yield a progress callback: a live display on a terminal, plain periodic lines otherwise
-    (every ``$MPACK_PROGRESS_EVERY`` seconds, default 5), or ``None`` when disabled."""
+    (every ``$MPACK_PROGRESS_EVERY`` seconds, :data:`PROGRESS_EVERY_S` unless set), or ``None``
+    when disabled.
+
+    Raises:
+        UsageError: a ``$MPACK_PROGRESS_EVERY`` outside :data:`PROGRESS_EVERY_RANGE`, or not a
+            number (:func:`mpack.env_number`).
+    """
     if not enabled:
         yield None
         return
     if not err_console.is_terminal:
-        with _LogProgress(float(os.environ.get("MPACK_PROGRESS_EVERY", "5"))) as lp:
+        low, high = PROGRESS_EVERY_RANGE
+        every = env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
+        with _LogProgress(every) as lp:
             yield lp
         return
     p = _Progress()
@@ -351,7 +363,8 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
             _styled(
                 "up to date",
                 "green",
-                f": {result.out} already holds this sidecar (use --force to redo it)",
+                f": {shown(str(result.out), PATH_LIMIT)} already holds this sidecar (use --force "
+                "to redo it)",
             )
         )
         return
@@ -360,7 +373,7 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
         _styled(
             "wrote",
             "green",
-            f" {result.out}: {layer_count(m)} x {t['tp_size']} rank(s), "
+            f" {shown(str(result.out), PATH_LIMIT)}: {layer_count(m)} x {t['tp_size']} rank(s), "
             f"{human_bytes(sum(files.values()))} in {result.seconds.get('total', 0):.2f} s "
             f"({t['profile']}, {t['act_dtype']}, fusion {t['fusion']})",
         )
@@ -391,7 +404,7 @@ def emit_convert_many(result: Any, *, as_json: bool, quiet: bool) -> None:
     for r in result.results:
         emit_convert(r, as_json=False, quiet=False)
     for name, why in result.skipped:
-        console.print(_styled("skipped", "yellow", f" {name}: {why}"))
+        console.print(_styled("skipped", "yellow", f" {shown(name)}: {shown(why, NOTE_LIMIT)}"))
 
 
 def file_digest_cells(f: dict[str, Any]) -> tuple[str, str]:
@@ -426,7 +439,7 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
     )
     console.print(
         _styled(
-            str(sidecar),
+            shown(str(sidecar), PATH_LIMIT),  # a path may hold ESC: Note [quoting untrusted text]
             "bold",
             f"  format {m['format']} v{m['format_version']}, {shown(m.get('created_by', ''))}",
         )
@@ -476,7 +489,8 @@ def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
         _styled(
             "ok",
             "green",
-            f": {report['sidecar']}: {report['files_checked']} files match the manifest "
+            f": {shown(str(report['sidecar']), PATH_LIMIT)}: {report['files_checked']} files "
+            "match the manifest "
             f"(digest {report['digest'][:16]}...)",
         )
     )
@@ -613,19 +627,21 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
                 str(d["pid"]),
             )
         console.print(t)
-    for d in stale:
+    for d in stale:  # names from a directory listing and a peer's words: escaped
+        sock = shown(d["socket"], PATH_LIMIT)
         if d.get("state") == "error":  # something answers there, not as a daemon should
             console.print(
-                f"no usable answer at {d['socket']}: {d.get('reason', '?')}",
+                f"no usable answer at {sock}: {shown(d.get('reason', '?'), NOTE_LIMIT)}",
                 markup=False,
                 highlight=False,
             )
         elif d.get("pointer"):  # a daemon started with --socket left a pointer behind
             console.print(
-                f"stale pointer {d['pointer']} to {d['socket']}: {d.get('reason', 'no daemon')}"
+                f"stale pointer {shown(d['pointer'], PATH_LIMIT)} to {sock}: "
+                f"{shown(d.get('reason', 'no daemon'), NOTE_LIMIT)}"
             )
         else:
-            console.print(f"stale socket (its daemon died): {d['socket']}")
+            console.print(f"stale socket (its daemon died): {sock}")
 
 
 def _key_uuid(key: str) -> str | None:

@@ -26,17 +26,37 @@ __all__ = ["SharedWeights", "attach", "load", "serve", "warm"]
 
 
 def load(
-    sidecar: Any, *, rank: int = 0, device: str = "cpu", revision: str | None = None
+    sidecar: Any,
+    *,
+    rank: int = 0,
+    device: str = "cpu",
+    revision: str | None = None,
+    checkpoint: Any = None,
 ) -> SharedWeights:
     """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``).
 
     ``sidecar``: a directory, or a Hub repo id ``org/name[/<target>][@revision]`` (or
-    ``revision=``): only this rank's files are fetched (``mpack.hub_sidecar``, docs/HUB.md)."""
+    ``revision=``): only this rank's files are fetched (``mpack.hub_sidecar``, docs/HUB.md).
+    ``checkpoint``: the checkpoint the weights go with (a directory or a Hub repo id in the
+    local HF cache); refused with ``SourceMismatchError`` unless the sidecar was made from it
+    (Note [a sidecar is bound to its checkpoint] in mpack/binding.py)."""
     from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.loader import load as _load
 
     path = resolve_sidecar(sidecar, revision, rank=rank)
+    _check_bound(path, checkpoint)
     return _load(path, rank=rank, device=device)
+
+
+def _check_bound(path: Any, checkpoint: Any) -> None:
+    """:func:`mpack.binding.check_bound` of the sidecar at ``path``, if a checkpoint is named."""
+    if checkpoint is None:
+        return
+    from mpack.binding import check_bound
+    from mpack.sidecar import load_manifest
+
+    manifest, _ = load_manifest(path)
+    check_bound(manifest, checkpoint, where=path, override="leave checkpoint= out")
 
 
 def attach(
@@ -46,15 +66,18 @@ def attach(
     device: str = "cpu",
     socket: Any = None,
     revision: str | None = None,
+    checkpoint: Any = None,
     **kw: Any,
 ) -> SharedWeights:
     """Zero-copy read-only views of a daemon's memory (see ``mpack.runtime.client.attach``;
     ``timeout`` there). ``sidecar``: a directory or a Hub repo id, as for :func:`load`; only
-    its ``mpack.json`` is fetched (the daemon is found by the manifest's digest)."""
+    its ``mpack.json`` is fetched (the daemon is found by the manifest's digest).
+    ``checkpoint``: as for :func:`load`."""
     from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.client import attach as _attach
 
     path = resolve_sidecar(sidecar, revision, fetch="manifest")
+    _check_bound(path, checkpoint)
     return _attach(path, rank=rank, device=device, socket=socket, **kw)
 
 

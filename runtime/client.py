@@ -19,11 +19,12 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpack import fsutil
-from mpack.errors import CudaError, DaemonError, ProtocolError, quote, shown
+from mpack.errors import CudaError, DaemonError, ProtocolError, UsageError, quote, shown
 from mpack.runtime import protocol as P
 from mpack.runtime.allocation import check_rank, tensors_from_wire
 from mpack.sidecar import load_manifest
@@ -43,6 +44,13 @@ def _connect(path: Path, what: str, start_hint: str, timeout: float) -> socket.s
         sock.connect(str(path))
     except (FileNotFoundError, ConnectionRefusedError) as e:
         sock.close()
+        not_socket = _not_a_socket(path)
+        if not_socket is not None:
+            raise DaemonError(
+                f"{path} is {not_socket}, not a socket: no daemon listens there",
+                hint="pass the socket a daemon listens on (its READY line's socket=, or "
+                "`mpack status` lists them)",
+            ) from None
         stale = (
             " (a stale socket: its daemon died)" if isinstance(e, ConnectionRefusedError) else ""
         )
@@ -60,6 +68,20 @@ def _connect(path: Path, what: str, start_hint: str, timeout: float) -> socket.s
             f"the daemon at {path} runs as uid {uid}, not as uid {os.getuid()}; refusing it"
         )
     return sock
+
+
+def _not_a_socket(path: Path) -> str | None:
+    """What ``path`` is when it is there but is not a socket (``"a FIFO"``, ``"a regular
+    file"``, ``"a directory"``, ``"a symbolic link to a regular file"``), else None."""
+    try:
+        st = os.stat(path)  # as connect() does, through a symlink
+        link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISSOCK(st.st_mode):
+        return None
+    kind = fsutil.kind_of(st.st_mode)
+    return f"a symbolic link to {kind}" if link else kind
 
 
 def _request(
@@ -283,12 +305,17 @@ def probe(path: Path) -> dict[str, Any]:
 
 
 def query_status(
-    sidecar: str | os.PathLike | None = None, socket: str | os.PathLike | None = None
+    sidecar: str | os.PathLike | None = None,
+    socket: str | os.PathLike | None = None,
+    *,
+    devices: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """What ``mpack status`` shows: one document per daemon.
 
     With ``socket``: that daemon. With ``sidecar``: every daemon serving it (any rank, any
-    device) that this user's runtime directory knows of. With neither: every such daemon. A
+    device) that this user's runtime directory knows of, and only once the sidecar is *ready*:
+    every one of its ranks served (Note [ready]), on ``devices`` if given (one device for
+    every rank, or one per rank in rank order). With neither: every such daemon. A
     daemon is known by its socket there (under any name: one started with ``serve --socket``
     in that directory too), or, when it was started with ``serve --socket PATH`` elsewhere, by
     the pointer it wrote there (Note [pointers to --socket daemons] in protocol.py); its
@@ -300,15 +327,22 @@ def query_status(
     With ``sidecar``, those are listed only for sockets named after its digest.
 
     Raises:
-        DaemonError: ``socket`` or ``sidecar`` given and no live daemon found (``ProtocolError``
-            for a peer at ``socket`` that broke the protocol).
+        DaemonError: ``socket`` given and no live daemon found there (``ProtocolError`` for a
+            peer that broke the protocol), or ``sidecar`` given and not ready: the message names
+            each rank no daemon serves (on the device asked for).
+        UsageError: ``devices`` without ``sidecar``, as many as neither 1 nor the ranks, or
+            one that is not a device here.
     """
+    if devices and sidecar is None:
+        raise UsageError("--device needs a SIDECAR: it says where its ranks must be served")
     if socket is not None:
         return [status_of(Path(socket))]
     digest = prefix = ""
+    on: list[P.Device] | None = None  # where each rank must be served (None: anywhere)
     if sidecar is not None:
-        _, digest = load_manifest(sidecar)
+        manifest, digest = load_manifest(sidecar)
         prefix = digest[:16] + "-"
+        on = _wanted_devices(devices, manifest["target"]["tp_size"])
     d = P.runtime_dir()
     paths = sorted(d.glob(f"*{P.SOCKET_SUFFIX}")) if d.is_dir() else []
     pointers = sorted(d.glob(f"{prefix}*{P.POINTER_SUFFIX}")) if d.is_dir() else []
@@ -327,12 +361,64 @@ def query_status(
         if doc["socket"] not in seen or doc["state"] != "serving":
             docs.append(doc)
             seen.add(doc["socket"])
-    if sidecar is not None and not any(doc["state"] == "serving" for doc in docs):
-        raise DaemonError(
-            f"no daemon serves {sidecar} (looked in {d})",
-            hint=f"start one: mpack serve {sidecar} --rank 0 --device cpu",
-        )
+    if sidecar is not None:
+        _check_ready(sidecar, manifest["target"]["tp_size"], docs, on, d)
     return docs
+
+
+# Note [ready]: `mpack status SIDECAR` is a readiness probe (`until mpack status SC; do sleep
+# 0.5; done`, a Kubernetes exec probe), and what waits on it is an engine that attaches every
+# rank. So the sidecar is ready only when every rank 0 .. tp_size-1 of it has a daemon of its
+# manifest digest answering status, on the device asked for (``--device``: one for all ranks
+# or one per rank; without it, any device). Until then status exits 2, naming each rank that
+# is missing and what serves the others; one daemon of a TP-2 sidecar is not "ready".
+
+
+def _wanted_devices(specs: Sequence[str], tp: int) -> list[P.Device] | None:
+    """The device each rank must be served on (``specs``: one for all, or one per rank), as
+    daemons name them (:func:`protocol.resolve_device`); None: any device."""
+    if not specs:
+        return None
+    if len(specs) not in (1, tp):
+        raise UsageError(
+            f"{len(specs)} --device values for a sidecar of {tp} ranks",
+            hint=f"give one --device for every rank, or {tp} of them, in rank order",
+        )
+    devs = [P.resolve_device(spec) for spec in specs]
+    return devs * tp if len(devs) == 1 else devs
+
+
+def _check_ready(
+    sidecar: str | os.PathLike,
+    tp: int,
+    docs: list[dict[str, Any]],
+    wanted: list[P.Device] | None,
+    where: Path,
+) -> None:
+    """Raise unless every rank of ``sidecar`` is served (on ``wanted``): Note [ready]."""
+    serving = [doc for doc in docs if doc["state"] == "serving"]
+    missing: list[str] = []
+    starts: list[str] = []
+    for r in range(tp):
+        mine = [doc for doc in serving if doc["rank"] == r]
+        want = wanted[r] if wanted is not None else None
+        if mine and (want is None or any(doc["device"] == want.key for doc in mine)):
+            continue
+        missing.append(f"rank {r}" + (f" on {want.label}" if want is not None else ""))
+        starts.append(f"mpack serve {sidecar} --rank {r} --device {want.label if want else 'cpu'}")
+    if not missing:
+        return
+    served = [
+        f"rank {doc['rank']} by pid {doc['pid']} on {shown(doc['device_label'])}"
+        for doc in sorted(serving, key=lambda doc: (doc["rank"], doc["pid"]))
+    ]
+    raise DaemonError(
+        f"{sidecar} is not ready: no daemon serves {', '.join(missing)}"
+        + (f" (of ranks 0..{tp - 1})" if tp > 1 else "")
+        + (f"; served: {', '.join(served)}" if served else "")
+        + f" (looked in {where})",
+        hint="start " + ("it" if len(starts) == 1 else "them") + ": " + "; ".join(starts),
+    )
 
 
 def _follow_pointer(ptr: Path) -> dict[str, Any]:

@@ -10,9 +10,14 @@ reply when it breaks a rule; only that connection is closed.
 Note [one daemon per (sidecar, rank, device)]: the daemon holds an exclusive ``flock`` on
 ``<socket>.lock`` for its whole life; the kernel drops it when the process dies, however it
 dies. So while the lock is held any socket file is live, and when it can be taken any socket
-file left at the path is stale (a daemon killed with SIGKILL) and is replaced. A daemon that
-stops cleanly removes the socket and the lock file (after checking the path still names the
-file it locked, so a racing starter never ends up holding an unlinked lock).
+file left at the path is stale (a daemon killed with SIGKILL) and is replaced. The lock is
+taken for what is served, not only for the path: every daemon, ``--socket PATH`` or not, holds
+the lock of the *default* socket of its (manifest digest, rank, device key) in the per-user
+runtime directory (a ``--socket`` daemon holds ``PATH.lock`` as well), so a second daemon of
+the same rank at another path is refused too, naming the first one's pid and socket, instead
+of mapping the sidecar a second time. A daemon that stops cleanly removes the socket and the
+lock files (after checking the path still names the file it locked, so a racing starter never
+ends up holding an unlinked lock).
 
 Note [trust model for the socket directory]: the default directory is private (0700, ours:
 protocol.check_private_dir). A ``--socket`` directory must be one that other users cannot write,
@@ -515,20 +520,53 @@ def _unlink_if_ours(path: Path, ino: int) -> None:
             os.unlink(path)
 
 
+def _lock_of(path: Path) -> Path:
+    return path.with_name(path.name + P.LOCK_SUFFIX)
+
+
 @contextlib.contextmanager
-def _locked(path: Path, what: str) -> Iterator[None]:
-    """The exclusive lock ``<socket>.lock`` (Note [one daemon per (sidecar, rank, device)]),
-    taken through ``fsutil.LockFile``: no symlink followed, ours and 0600 or refused, and the pid
-    it reports read only from such a file."""
+def _locked(
+    path: Path, served: tuple[str, int, str], what: str, on_event: Callback | None
+) -> Iterator[None]:
+    """The exclusive locks of Note [one daemon per (sidecar, rank, device)]: the one of what is
+    served (``served``: digest, rank, device key), the lock of the default socket in the
+    runtime directory, and for a ``--socket`` daemon also ``<socket>.lock``; each taken through
+    ``fsutil.LockFile``: no symlink followed, ours and 0600 or refused, and the pid it reports
+    read only from such a file. A ``--socket`` daemon serves where the runtime directory cannot
+    be used (as it does without its pointer), with its own lock alone: ``on_event`` gets a
+    ``no-rank-lock`` event saying why."""
     try:
-        with fsutil.LockFile(path.with_name(path.name + P.LOCK_SUFFIX)):
-            yield
-    except fsutil.LockHeld as held:
-        kill = f"kill {held.pid}" if held.pid != "?" else "kill it"
-        raise DaemonError(
-            f"another daemon (pid {held.pid}) already serves {what}",
-            hint=f"attach to it, check it with `mpack status`, or stop it ({kill})",
-        ) from None
+        default: Path | None = P.socket_path(*served, create=True)
+    except (OSError, DaemonError) as e:  # the default socket's daemon failed on it already
+        if on_event is not None:
+            on_event({"event": "no-rank-lock", "error": str(e)[:300]})
+        default = None
+    with contextlib.ExitStack() as stack:
+        for sock in dict.fromkeys(p for p in (default, path) if p is not None):
+            try:
+                stack.enter_context(fsutil.LockFile(_lock_of(sock)))
+            except fsutil.LockHeld as held:
+                at = _socket_of(held.pid, served, sock) if sock == default else path
+                kill = f"kill {held.pid}" if held.pid != "?" else "kill it"
+                raise DaemonError(
+                    f"another daemon (pid {held.pid}{f', at {at}' if at else ''}) already serves "
+                    f"{what}",
+                    hint=f"attach to it, check it with `mpack status`, or stop it ({kill})",
+                ) from None
+        yield
+
+
+def _socket_of(pid: str, served: tuple[str, int, str], default: Path) -> Path | None:
+    """Where the daemon ``pid`` holding the lock of ``served`` listens: the socket its pointer
+    names (a ``--socket`` daemon: Note [pointers to --socket daemons] in protocol.py), else the
+    default socket if there is one; None if neither says."""
+    stem = default.name[: -len(P.SOCKET_SUFFIX)]
+    for ptr in sorted(default.parent.glob(f"{stem}-at-*{P.POINTER_SUFFIX}")):
+        with contextlib.suppress(ValueError):
+            doc = P.read_pointer(ptr)
+            if str(doc["pid"]) == pid:
+                return Path(doc["socket"])
+    return default if os.path.lexists(default) else None
 
 
 # --- entry point -------------------------------------------------------------------------------
@@ -573,8 +611,8 @@ def serve(
         fsutil.check_safe_dir(path.parent, purpose=f"the daemon's socket {path.name}")
     P.check_socket_path(path)
     _raise_fd_limit()
-    what = f"{sidecar} rank {rank} on {dev.label} ({path})"
-    with _locked(path, what):
+    what = f"{sidecar} rank {rank} on {dev.label}"
+    with _locked(path, (plan.digest, rank, dev.key), what, on_event):
         if dev.kind == "cpu":
             from mpack.runtime.memfd import HostExport
 

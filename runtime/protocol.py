@@ -472,8 +472,8 @@ def read_pointer(pointer: Path) -> dict[str, Any]:
     if len(data) > MAX_POINTER_BYTES:
         raise ValueError(f"larger than {MAX_POINTER_BYTES} bytes")
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
+        doc = fsutil.parse_json(data, pointer, "pointer")
+    except MpackError:
         raise ValueError("not JSON") from None
     if not (
         isinstance(doc, dict)

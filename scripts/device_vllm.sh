@@ -17,7 +17,8 @@
 #      tokens: scripts/vllm_engine.py tokens (engines generate: ordinary, private, attached);
 #      restart: scripts/vllm_engine.py restart (8B-shaped: two engines, SIGKILL, time to ready).
 # Prepare .vllmdev/ here with: bash scripts/device_vllm.sh --pack  (downloads the vllm wheel into
-# /tmp/vllmwhl if it is not there; needs .device/wheels; prints each call's size, refuses > 60 MiB)
+# /tmp/vllmwhl if it is not there; needs .device/wheels (make device-wheels); prints each call's
+# size, refuses > 60 MiB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --pack ]; then
@@ -25,7 +26,7 @@ if [ "${1:-}" = --pack ]; then
 fi
 OUT=${OUT:-/tmp/mpack-out}; mkdir -p "$OUT"
 VSITE=/tmp/vllm-site; MSITE=/tmp/mpack-site
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+source scripts/device_python_env.sh  # the Python environment of every step
 run_step() {
   case "${RUN:-gpu}" in
   gpu) timeout "${RUN_S:-480}" python3 scripts/vllm_gpu.py run --out "$OUT" --mpack-env "$MSITE" \

@@ -46,6 +46,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+# benchutil is beside this file, and the device scripts run Python with PYTHONSAFEPATH=1, which
+# keeps a script's own folder off sys.path (tests/test_device_scripts.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import drop_caches, marlin_8b, mpack_spawn  # noqa: E402
+
 ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
 DTYPES = ("bfloat16", "float16")
@@ -404,8 +409,6 @@ def gpu_memory() -> dict[str, Any]:
 
 
 def tokens(a: argparse.Namespace) -> int:
-    from benchutil import mpack_spawn  # scripts/, beside this file
-
     me = [sys.executable, str(Path(__file__).resolve())]
     menv, venv = _env(a.mpack_env), _env(a.vllm_env)
     work = a.work
@@ -555,8 +558,6 @@ class Engine:
 
 
 def restart(a: argparse.Namespace) -> int:
-    from benchutil import drop_caches, marlin_8b, mpack_spawn  # scripts/, beside this file
-
     me = [sys.executable, str(Path(__file__).resolve())]
     menv, venv = _env(a.mpack_env), _env(a.vllm_env)
     work, out = a.work, a.out

@@ -43,7 +43,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "vllm")]
+# This folder (benchutil) and tests/vllm: the device scripts run Python with PYTHONSAFEPATH=1,
+# which keeps a script's own folder off sys.path (tests/test_device_scripts.py).
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests" / "vllm")]
 
 import cpu_standins  # noqa: E402
 import vllm_worker as vw  # noqa: E402  (installs no stand-ins: its main() does)

@@ -229,8 +229,10 @@ def test_serve_status_attach_load_by_repo_id(hub: dict[str, Any], monkeypatch) -
         ready = d.wait_ready()
         assert ready.digest == load_manifest(hub["sc"])[1]
         p = cli(hub, "status", f"{REPO}@v1", "--json")
-        assert p.returncode == 0, p.stderr
-        assert any(doc.get("digest") == ready.digest for doc in json.loads(p.stdout))
+        # found by the repo's digest, but rank 1 has no daemon: not ready (Note [ready])
+        assert p.returncode == 2, p.stderr
+        said = json.loads(p.stdout)["error"]["message"]
+        assert "no daemon serves rank 1" in said and f"rank 0 by pid {ready.pid}" in said, said
         local = rt.load(hub["sc"], rank=0)
         with rt.attach(REPO, rank=0, revision="v1") as w, rt.load(f"{REPO}@v1", rank=0) as mine:
             assert set(w) == set(local) == set(mine)

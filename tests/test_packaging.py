@@ -225,7 +225,9 @@ def test_without_the_option_gpu_tests_skip_with_a_reason() -> None:
 
 # --- README: the environment variables --------------------------------------------------------
 
-READS_ENV = re.compile(r"""(?:environ\.get|getenv|environ\[|env_flag)\(?\s*["'](MPACK_\w+)["']""")
+READS_ENV = re.compile(
+    r"""(?:environ\.get|getenv|environ\[|env_flag|env_number)\(?\s*["'](MPACK_\w+)["']"""
+)
 
 
 def _variables_the_code_reads() -> set[str]:

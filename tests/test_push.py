@@ -183,11 +183,11 @@ def test_several_targets_go_to_one_folder_each(converted) -> None:
 
 def test_hidden_entries_and_plain_files_beside_targets_are_left_out(converted, tmp_path) -> None:
     multi = _copy(converted.multi, tmp_path / "multi")
-    (multi / ".mpack-0123456789ab.tmp-deadbeef").mkdir()  # an unfinished conversion
-    (multi / "notes.txt").write_text("x")
+    (multi / ".cache").mkdir()  # hidden, and not a conversion's (those refuse the push:
+    (multi / "notes.txt").write_text("x")  # tests/hostile/test_push_hostile.py)
     plan = plan_push(multi, REPO)
     assert plan.skipped == ["notes.txt"]
-    assert not any(".mpack" in u.path_in_repo or "notes" in u.path_in_repo for u in plan.uploads)
+    assert not any(".cache" in u.path_in_repo or "notes" in u.path_in_repo for u in plan.uploads)
 
 
 # --- the card -----------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_card_of_a_hub_sourced_sidecar(converted) -> None:
         "vllm",
     ]
     assert "`org/src-FP8` (Hugging Face Hub)" in card
-    assert f"| source commit | `{HUB_COMMIT}` (asked for: `main`) |" in card
+    assert f"| source commit | `{HUB_COMMIT}` (asked for: main) |" in card
     assert f"| converted with | mpack {__version__} |" in card
     assert "| the repo root | 0.33.0 | w8a16 | 2 | bfloat16 |" in card
     assert f"`{digest}`" in card
@@ -230,7 +230,8 @@ def test_card_of_a_local_source_has_no_base_model(converted) -> None:
     plan = plan_push(converted.single, REPO)
     front = _front_matter(plan.card)
     assert "base_model" not in front and front["library_name"] == "vllm"
-    assert str(converted.src) in plan.card and "not a Hub repo" in plan.card
+    assert "a local directory, src, on the machine" in plan.card and "not a Hub repo" in plan.card
+    assert str(converted.src.parent) not in plan.card  # its name only: Note [source path]
 
 
 def test_card_commands_name_the_branch_and_the_dtype(converted) -> None:

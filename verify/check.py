@@ -253,7 +253,7 @@ def _check_source(
     whole (``result.problems`` from :func:`_check_files` without the safetensors digests)."""
     from mpack.verify.rederive import find_source, rederive
 
-    src, result.source_note = find_source(source, revision, m)
+    src, result.source_note = find_source(source, revision, m, sidecar=sidecar)
     if src is None or result.problems:
         result.problems = _check_files(sidecar, m)[0]
         return

@@ -26,11 +26,11 @@ a near-tie).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from mpack.fsutil import parse_json
 from mpack.sidecar import CONFIG_NAME, torch_dtype
 from mpack.target import act_dtype
 
@@ -189,7 +189,9 @@ def forward_check(
     manifest, _ = load_manifest(sidecar)
     tp = manifest["target"]["tp_size"]
     ranks = [load(sidecar, rank=r, device=device) for r in range(tp)]
-    vocab = int(json.loads((Path(sidecar) / CONFIG_NAME).read_text()).get("vocab_size", 1000))
+    cfg_path = Path(sidecar) / CONFIG_NAME
+    cfg = parse_json(cfg_path.read_bytes(), cfg_path)  # not an object: build_model says so
+    vocab = int(cfg.get("vocab_size", 1000)) if isinstance(cfg, dict) else 1000
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (prompts, prompt_len), generator=g).to(device)
     act = manifest["target"]["act_dtype"]

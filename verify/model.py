@@ -22,7 +22,6 @@ vLLM's fusion rules (``fusion: vllm``, :mod:`mpack.arch`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mpack.arch import FUSED, LLAMA_FAMILY, ROW_PARALLEL, Dims, dims_of, distinct_ranks
-from mpack.errors import UnsupportedSchemeError, UsageError
+from mpack.errors import CorruptFileError, UnsupportedSchemeError, UsageError
+from mpack.fsutil import parse_json
 from mpack.sidecar import CONFIG_NAME, torch_dtype
 from mpack.target import BIAS, SCALE, WEIGHT, act_dtype
 from mpack.verify.reference import marlin_linear
@@ -112,7 +112,9 @@ def _config(sidecar: Path, manifest: dict[str, Any]) -> tuple[str, dict[str, Any
         raise UsageError(
             f"{sidecar}: no {CONFIG_NAME} in the sidecar; it is needed to build the model"
         )
-    raw = json.loads(cfg_path.read_text())
+    raw = parse_json(cfg_path.read_bytes(), cfg_path)
+    if not isinstance(raw, dict):
+        raise CorruptFileError(f"{cfg_path}: holds a JSON {type(raw).__name__}, not an object")
     for key in ("quantization_config", "compression_config"):
         raw.pop(key, None)
     arch = (raw.get("architectures") or [None])[0]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from mpack import iokit
+from mpack.cache import recalled_source_dir
 from mpack.convert.backends import Backend, open_backend
 from mpack.convert.checkpoint import Checkpoint
 from mpack.convert.options import TargetSpec
@@ -52,7 +53,7 @@ from mpack.convert.source import (
 )
 from mpack.convert.stream import Sink, Streamer
 from mpack.convert.timeline import Timeline
-from mpack.errors import CorruptFileError, SourceNotFoundError
+from mpack.errors import CorruptFileError, SourceNotFoundError, shown
 from mpack.fsutil import open_regular_file
 from mpack.iokit import copy_tensors, pread_pieces
 from mpack.sidecar import COMMON_NAME, FileMap, rank_file_name, torch_dtype
@@ -65,7 +66,11 @@ __all__ = ["Rederived", "find_source", "rederive"]
 
 
 def find_source(
-    source: str | None, revision: str | None, m: dict[str, Any]
+    source: str | None,
+    revision: str | None,
+    m: dict[str, Any],
+    *,
+    sidecar: Path | None = None,
 ) -> tuple[ResolvedSource | None, str | None]:
     """The source to re-derive from, or None and why not (for people).
 
@@ -73,24 +78,40 @@ def find_source(
         source: a directory as it is, or a Hub repo id at ``revision``, else at the commit the
             manifest records (for a Hub-sourced sidecar), else at ``main``. None: the source the
             manifest records, if it is here (:func:`_recorded_source`).
+        sidecar: the sidecar's directory: where mpack's cache says the local source of this
+            very sidecar is, when the manifest records its name only (Note [source path] in
+            :mod:`mpack.cache`).
 
     Raises:
         SourceNotFoundError, UsageError: ``source`` cannot be resolved.
     """
     if source is None:
-        return _recorded_source(m)
+        return _recorded_source(m, sidecar)
     rec = m["source"]
     hub_rev = rec.get("revision") if rec.get("kind") == "hub" else None
     local = Path(source).expanduser().exists()
     return resolve_source(source, revision or (None if local else hub_rev)), None
 
 
-def _recorded_source(m: dict[str, Any]) -> tuple[ResolvedSource | None, str | None]:
-    """The source the manifest records, if it is here: a local directory that still exists, or
-    a Hub repo at its recorded commit in the local HF cache (never downloaded: verify makes no
-    network call without a given source). Else None, and why, for people."""
+def _recorded_source(
+    m: dict[str, Any], sidecar: Path | None = None
+) -> tuple[ResolvedSource | None, str | None]:
+    """The source the manifest records, if it is here: a local directory that still exists (an
+    absolute ``source.path``, or where convert kept the directory of that record: Note [source
+    path] in :mod:`mpack.cache`), or a Hub repo at its recorded commit in the local HF cache (never
+    downloaded: verify makes no network call without a given source). Else None, and why, for
+    people."""
     rec = m["source"]
     kind, path = rec.get("kind"), rec.get("path")
+    if kind == "local" and isinstance(path, str) and not Path(path).is_absolute():
+        kept = recalled_source_dir(rec, Path(sidecar or ".").resolve())
+        if kept is None:
+            return None, (
+                f"the manifest records the source directory's name ({shown(path, 4096)}), not "
+                "where it is, and it was not converted here; only the files were checked. Pass "
+                "--source DIR to re-derive every tensor"
+            )
+        path = str(kept)
     repo, rev = rec.get("repo"), rec.get("revision")
     if kind == "hub" and isinstance(repo, str) and isinstance(rev, str) and repo and rev:
         try:
@@ -221,10 +242,11 @@ def _plan(
 def _source_problems(m: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
     """The source's files against the digests the manifest records of them."""
     recorded = {f["name"]: f for f in m["source"].get("files", [])}
+    # what the manifest records is compared: an older one has no probes (mpack/binding.py)
     return [
         f"source {rec['name']}: differs from the file the sidecar was made from"
         for rec in records
-        if rec != recorded[rec["name"]]
+        if {k: rec.get(k) for k in recorded[rec["name"]]} != recorded[rec["name"]]
     ]
 
 

@@ -16,7 +16,7 @@ a hidden work directory filled and swapped into place at the end. One module eac
 from __future__ import annotations
 
 from mpack.convert.output.lock import lock_path, output_lock, work_dirs
-from mpack.convert.output.path import check_apart, output_path
+from mpack.convert.output.path import check_apart, output_path, target_output
 from mpack.convert.output.swap import staged_sidecar
 
 __all__ = [
@@ -25,5 +25,6 @@ __all__ = [
     "output_lock",
     "output_path",
     "staged_sidecar",
+    "target_output",
     "work_dirs",
 ]

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import os
 import re
 import stat
@@ -48,33 +47,35 @@ from pathlib import Path
 
 from mpack.errors import BusyError, EnvironmentFailure, SourceNotFoundError, shown
 from mpack.fsutil import LockFile, LockHeld, os_error
-from mpack.sidecar import COMMON_NAME, COPIED_FILES, MANIFEST_NAME
-
-
-def _key(out: Path) -> str:
-    """12 hex digits naming ``out``'s lock and work directories (Note [atomic output] in
-    swap.py)."""
-    return hashlib.sha256(os.fsencode(out.name)).hexdigest()[:12]
+from mpack.sidecar import (
+    COMMON_NAME,
+    COPIED_FILES,
+    MANIFEST_NAME,
+    RUN_LOCK,
+    RUN_OLD,
+    RUN_WORK,
+    parse_run_name,
+    run_key,
+    run_name,
+)
 
 
 def lock_path(out: Path) -> Path:
-    """The lock file of a run writing ``out`` (Note [output lock])."""
-    return out.parent / f".mpack-{_key(out)}.lock"
+    """The lock file of a run writing ``out`` (Note [output lock]; its name: Note [run names] in
+    mpack/sidecar.py)."""
+    return out.parent / run_name(out.name, RUN_LOCK)
 
 
 def _work_path(out: Path, kind: str) -> Path:
     """A new work (``tmp``) or old-sidecar (``old``) directory name for ``out``."""
-    return out.parent / f".mpack-{_key(out)}.{kind}-{uuid.uuid4().hex[:8]}"
+    return out.parent / run_name(out.name, kind, uuid.uuid4().hex[:8])
 
 
 def _work_names(out: Path, names: list[str]) -> list[str]:
     """Those of ``names`` that name a work or old-sidecar directory of ``out``, new and old
     naming, sorted."""
-    ours = re.compile(
-        rf"\.mpack-{_key(out)}\.(tmp|old)-[0-9a-f]{{8}}"  # this mpack's names
-        rf"|\.{re.escape(out.name)}\.mpack-(tmp|old)-\d+-[0-9a-f]{{8}}"  # older mpacks'
-    )
-    return sorted(n for n in names if ours.fullmatch(n))
+    ours = {(run_key(out.name), RUN_WORK), (run_key(out.name), RUN_OLD)}
+    return sorted(n for n in names if parse_run_name(n) in ours)
 
 
 def work_dirs(out: Path) -> list[Path]:

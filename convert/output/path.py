@@ -1,5 +1,6 @@
 """Where OUT is: ``-o`` made absolute and checked before any work (:func:`output_path`), and
-kept apart from the source (:func:`check_apart`)."""
+kept apart from the source (:func:`check_apart`); both, for the place of each target's sidecar
+(:func:`target_output`)."""
 
 from __future__ import annotations
 
@@ -133,15 +134,32 @@ def _mount_points() -> set[bytes]:
     return points
 
 
-def check_apart(out: Path, source: Path) -> None:
-    """Refuse an output inside the source, or a source inside the output (both resolved)."""
+def check_apart(out: Path, source: Path, given: str | os.PathLike | None = None) -> None:
+    """Refuse an output inside the source, or a source inside the output (both resolved;
+    ``given``: the path as it was named, shown beside ``out`` where the two differ)."""
     src = Path(os.path.realpath(source))
+    named = f"-o {out}" if given is None or Path(given) == out else f"{given} ({out})"
     if out == src or src in out.parents:
         raise UsageError(
-            f"-o {out} lies inside the source checkpoint {src}; choose another output directory"
+            f"{named} lies inside the source checkpoint {src}; choose another output directory",
+            hint="a symbolic link counts where it leads: the sidecar would be written there",
         )
     if out in src.parents:
         raise UsageError(
-            f"the source checkpoint {src} lies inside -o {out}, which the sidecar would replace",
+            f"the source checkpoint {src} lies inside {named}, which the sidecar would replace",
             hint="choose an output directory outside the checkpoint",
         )
+
+
+def target_output(out: str | os.PathLike, source: Path) -> Path:
+    """Where one target's sidecar goes: ``out`` resolved and checked (:func:`output_path`), and
+    apart from ``source`` (:func:`check_apart`). The one check of the place of every sidecar a
+    run writes: ``-o`` of one target, and each ``OUT/<target>`` of several, which may itself be
+    a symbolic link into the source.
+
+    Raises:
+        UsageError: as :func:`output_path` and :func:`check_apart`.
+    """
+    p = output_path(out)
+    check_apart(p, source, out)
+    return p

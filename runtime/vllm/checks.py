@@ -25,7 +25,6 @@ gets sidecar weights, every other parameter is loaded). This module imports neit
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,11 @@ from mpack.sidecar import MANIFEST_NAME, MODEL_DIMS
 
 ATTACH_MODES = ("auto", "require", "never")
 #: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
-EXTRA_KEYS = ("sidecar", "attach", "socket")
+EXTRA_KEYS = ("sidecar", "attach", "socket", "check_source")
 #: The compressed-tensors scheme class vLLM runs each profile's layers with.
 PROFILE_SCHEMES = {"w8a16": "CompressedTensorsW8A16Fp8", "w8a8-marlin": "CompressedTensorsW8A8Fp8"}
-#: Where vLLM's Llama-family models keep their decoder layers.
-DECODER_PREFIX = "model.layers"
+#: Where vLLM's Llama-family models keep their decoder layers (mpack.arch owns it).
+DECODER_PREFIX = arch.DECODER_PREFIX
 #: The linears of one decoder layer, as vLLM names them, and vLLM's class for each.
 DECODER_LINEARS = {
     "self_attn.qkv_proj": "QKVParallelLinear",
@@ -48,7 +47,7 @@ DECODER_LINEARS = {
     "mlp.gate_up_proj": "MergedColumnParallelLinear",
     "mlp.down_proj": "RowParallelLinear",
 }
-_DECODER_INDEX = re.compile(re.escape(DECODER_PREFIX) + r"\.(\d+)\.")
+_DECODER_INDEX = arch.DECODER_INDEX
 
 
 class EngineMismatchError(UnsupportedSchemeError):
@@ -73,6 +72,9 @@ class Options:
     sidecar: str | None = None
     attach: str = "auto"
     socket: str | None = None
+    #: Check that ``sidecar`` was made from the model argument's checkpoint (Note [a sidecar
+    #: is bound to its checkpoint] in mpack/binding.py); false: load them together anyway.
+    check_source: bool = True
 
     @classmethod
     def parse(cls, extra: Any) -> Options:
@@ -100,6 +102,11 @@ class Options:
                     f"{where}: {key} is {quote(value)}, not a path",
                     hint=f'pass {key} as a JSON string, e.g. \'{{"{key}": "/path"}}\'',
                 )
+        if not isinstance(extra.get("check_source", True), bool):
+            raise UsageError(
+                f"{where}: check_source is {quote(extra['check_source'])}, not true or false",
+                hint='e.g. \'{"sidecar": "PATH", "check_source": false}\' (docs/VLLM.md)',
+            )
         opts = cls(**extra)
         if not isinstance(opts.attach, str) or opts.attach not in ATTACH_MODES:
             raise UsageError(

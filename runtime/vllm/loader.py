@@ -50,6 +50,7 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from mpack import arch
+from mpack.binding import check_bound
 from mpack.errors import (
     CorruptFileError,
     InputError,
@@ -181,6 +182,9 @@ def _device_label(target: torch.device) -> str:
 
 # --- the loader ----------------------------------------------------------------------------------
 
+#: How to load a sidecar beside a checkpoint it was not made from (mpack/binding.py).
+OVERRIDE_BINDING = """--model-loader-extra-config '{"sidecar": ..., "check_source": false}'"""
+
 
 @dataclasses.dataclass(frozen=True)
 class Checked:
@@ -219,6 +223,14 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         target=engine_target(engine),
     )
     manifest, _ = load_manifest(sidecar)
+    if opts.sidecar and opts.check_source:  # the model argument is the checkpoint
+        check_bound(
+            manifest,
+            model_config.model,
+            model_config.revision,
+            where=sidecar,
+            override=OVERRIDE_BINDING,
+        )
     check_target(manifest, engine, sidecar)
     dims = engine["model"]
     check_layers(

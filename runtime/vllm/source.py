@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from mpack.errors import DaemonError, InputError
+from mpack.errors import DaemonError, InputError, shown
 from mpack.runtime.vllm.checks import Options
 from mpack.sidecar import MANIFEST_NAME
 from mpack.target import dir_name
@@ -34,22 +34,66 @@ def sidecar_dir(
     files of TP rank ``rank`` (every rank's for None). ``target``: the engine's target, whose
     folder is taken in a multi-target repo (or directory) named without one. vLLM's
     ``--revision`` is the model's: a ``"sidecar"`` beside another checkpoint takes its own
-    ``@revision``."""
+    ``@revision``.
+
+    Raises:
+        InputError: a directory that is no sidecar and has no folder of the engine's target,
+            naming that folder and the targets it has (:func:`not_a_sidecar`).
+    """
     from mpack.hub_sidecar import resolve_sidecar
 
     if opts.sidecar:
-        return resolve_sidecar(opts.sidecar, rank=rank, target=target)
+        path = resolve_sidecar(opts.sidecar, rank=rank, target=target)
+        if (path / MANIFEST_NAME).is_file() or not path.is_dir():
+            return path  # no such directory: the reader says so
+        raise not_a_sidecar(opts.sidecar, path, target, named=True)
     local = Path(model).exists()
     path = resolve_sidecar(model, None if local else revision, rank=rank, target=target)
     if (path / MANIFEST_NAME).is_file():
         return path
-    raise InputError(
-        f"{model}: not an mpack sidecar (no {MANIFEST_NAME}"
-        + (f", nor a folder {dir_name(target)} holding one" if target else "")
-        + ") and no sidecar named",
-        hint="serve the sidecar (a directory or Hub repo id) as the model, or pass "
-        '--model-loader-extra-config \'{"sidecar": "PATH_OR_REPO_ID"}\'',
-    )
+    raise not_a_sidecar(model, path, target, named=False)
+
+
+#: The most targets a refusal lists.
+_LISTED_TARGETS = 12
+
+
+def not_a_sidecar(
+    given: str, path: Path, target: dict[str, Any] | None, *, named: bool
+) -> InputError:
+    """The error for ``path`` (``given`` by the user: the ``"sidecar"`` key when ``named``, else
+    the model) holding no ``mpack.json``: the folder of the engine's ``target`` it looked for,
+    and the targets' folders the directory has (a multi-target ``mpack convert`` output)."""
+    try:
+        found = sorted(d.name for d in path.iterdir() if (d / MANIFEST_NAME).is_file())
+    except OSError:
+        found = []
+    what = f"{shown(given)}: not an mpack sidecar (no {MANIFEST_NAME}"
+    if target:
+        what += f", nor a folder {dir_name(target)} (the engine's target) holding one"
+    if found:
+        listed = ", ".join(shown(n) for n in found[:_LISTED_TARGETS])
+        more = f" and {len(found) - _LISTED_TARGETS} more" if len(found) > _LISTED_TARGETS else ""
+        what += f"; it holds the targets {listed}{more}"
+    what += ")" + ("" if named else " and no sidecar named")
+    if found:
+        hint = (
+            "run vLLM with the settings of one of its targets (tp<N>-<profile>-<act dtype>: "
+            "--tensor-parallel-size, the checkpoint's scheme, --dtype), or convert this one: "
+            "mpack convert CHECKPOINT -o OUT"
+            + (
+                f" --tp {target['tp_size']} --profile {target['profile']} "
+                f"--act-dtype {target['act_dtype']}"
+                if target
+                else ""
+            )
+        )
+    else:
+        hint = (
+            "serve the sidecar (a directory or Hub repo id) as the model, or pass "
+            '--model-loader-extra-config \'{"sidecar": "PATH_OR_REPO_ID"}\''
+        )
+    return InputError(what, hint=hint)
 
 
 def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
@@ -73,4 +117,4 @@ def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
     return w
 
 
-__all__ = ["rank_weights", "sidecar_dir"]
+__all__ = ["not_a_sidecar", "rank_weights", "sidecar_dir"]

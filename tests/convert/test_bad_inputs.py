@@ -213,6 +213,15 @@ def config_text(text: str) -> Callable[[Path], None]:
     return lambda ck: (ck / "config.json").write_text(text)
 
 
+def set_config(**values: Any) -> Callable[[Path], None]:
+    """Set top-level ``values`` in config.json."""
+
+    def prep(ck: Path) -> None:
+        edit_config(ck, lambda cfg: cfg.update(values))
+
+    return prep
+
+
 def pop_config(*keys: str) -> Callable[[Path], None]:
     """Remove top-level ``keys`` from config.json."""
 
@@ -450,6 +459,42 @@ REFUSED = [
         expect=("--fuse none", "--tp 1 (got --tp 2)"),
     ),
     Case("k-not-multiple-of-4", base="k258", expect=(ANY_WEIGHT, "K=258", "multiple of 4")),
+    # num_hidden_layers against the layers the weights hold (2): refused at plan time, not by
+    # vLLM once it has built the model
+    Case(
+        "layers-config-more",
+        prepare=set_config(num_hidden_layers=1_000_000),
+        expect=(
+            "{ck}/config.json: num_hidden_layers is 1000000, but the weights hold decoder "
+            "layers 0-1 (no shard holds model.layers.2.*)",
+            "a model of 2 layers",
+        ),
+    ),
+    Case(
+        "layers-config-fewer",
+        prepare=set_config(num_hidden_layers=1),
+        expect=(
+            "{ck}/config.json: num_hidden_layers is 1, but the weights hold decoder layers 0-1 "
+            "({ck}/model.safetensors holds model.layers.1.",
+            "a model of 2 layers",
+        ),
+    ),
+    Case(
+        "layers-config-sharded-fewer",
+        base="sharded",
+        prepare=set_config(num_hidden_layers=1),
+        expect=("{ck}/config.json: num_hidden_layers is 1", "holds model.layers.1."),
+    ),
+    Case(
+        "layers-config-missing",
+        prepare=pop_config("num_hidden_layers"),
+        expect=("{ck}/config.json: has no num_hidden_layers",),
+    ),
+    Case(
+        "layers-config-not-a-number",
+        prepare=set_config(num_hidden_layers="2"),
+        expect=("{ck}/config.json: num_hidden_layers is '2', not a positive whole number",),
+    ),
     # damaged files
     Case(
         "truncated-safetensors",

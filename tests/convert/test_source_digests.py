@@ -55,6 +55,8 @@ def test_large_files_recorded_by_chunks_small_by_sha256(converted) -> None:
     for rec in m["source"]["files"]:
         data = (src / rec["name"]).read_bytes()
         assert rec["size"] == len(data)
+        if rec["name"].endswith(".safetensors"):  # and its probe (tests/test_binding.py)
+            rec = {k: v for k, v in rec.items() if k != "probe"}
         if len(data) <= CHUNK:
             kinds.add("sha256")
             assert set(rec) == {"name", "size", "sha256"}

@@ -7,10 +7,12 @@ in-process runs call ``run_convert`` itself, the others ``python -m mpack.cli``.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -300,6 +302,35 @@ def test_symlinked_source_with_output_inside_the_real_source_is_refused(
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
 
 
+@pytest.mark.parametrize("case", ["one-target", "several-out", "several-target-dir"])
+def test_a_symlinked_output_into_the_source_is_refused_for_one_target_or_several(
+    ckpt: Path, tmp_path: Path, case: str
+) -> None:
+    """The same place check for every sidecar a run writes (output.target_output): ``-o link``
+    with ``link -> SRC/sub``, for one target and for several, and ``OUT/<target> -> SRC/sub``
+    for several (written into the source before). Nothing is written in the source."""
+    src = Path(shutil.copytree(ckpt, tmp_path / "src"))
+    before = snapshot(src)
+    tp = [1] if case == "one-target" else [1, 2]
+    if case == "several-target-dir":
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "tp1-w8a16-bfloat16").symlink_to(src / "sub")
+        named = f"{out / 'tp1-w8a16-bfloat16'} ({src / 'sub'})"
+    else:
+        out = tmp_path / "link"
+        out.symlink_to(src / "sub")
+        named = f"-o {src / 'sub'}"
+    with pytest.raises(UsageError) as e:
+        run_convert(src, out, ConvertOptions(device="cpu", tp=tp))
+    assert str(e.value).startswith(f"{named} lies inside the source checkpoint {src}")
+    assert e.value.exit_code == 2 and "symbolic link" in (e.value.hint or "")
+    assert snapshot(src) == before and sorted(os.listdir(src)) == sorted(before)
+    p = cli("convert", src, "-o", out, "--tp", ",".join(map(str, tp)), "--device", "cpu")
+    assert p.returncode == 2 and "lies inside the source checkpoint" in p.stderr, p.stderr
+    assert sorted(os.listdir(src)) == sorted(before)
+
+
 def test_source_inside_the_output_is_refused(ckpt: Path, tmp_path: Path) -> None:
     """A --force run onto a sidecar that holds the checkpoint would remove the checkpoint."""
     sc = tmp_path / "sc"
@@ -449,3 +480,98 @@ def test_full_disk_names_the_file(ckpt: Path, tmp_path: Path) -> None:
     ), r.stderr
     assert "?:" not in r.stderr
     assert r.stderr.splitlines()[-1] == "left: ", r.stderr
+
+
+# --- round 3: the environment, deep JSON, oversized headers ------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "abc", ""])
+def test_a_bad_progress_interval_is_refused_not_a_flood(
+    ckpt: Path, tmp_path: Path, value: str
+) -> None:
+    """``MPACK_PROGRESS_EVERY=0`` (or -1, nan) wrote MBs of progress lines for a 2 s convert, and
+    ``abc`` or empty was an internal error: now exit 2 naming the variable and its value, before
+    anything is written; empty means the default (README, "Environment variables")."""
+    out = tmp_path / "out"
+    r = cli("convert", ckpt, "-o", out, "--device", "cpu", env={"MPACK_PROGRESS_EVERY": value})
+    assert len(r.stderr) < 10_000, f"{len(r.stderr)} bytes on stderr"
+    if value == "":
+        assert r.returncode == 0, explain(r)
+        return
+    assert r.returncode == 2, explain(r)
+    assert r.stderr.startswith(f"error: MPACK_PROGRESS_EVERY='{value}': must be a number from 0.1 ")
+    assert "hint: set MPACK_PROGRESS_EVERY" in r.stderr and "internal error" not in r.stderr
+    assert os.listdir(tmp_path) == [], "output, work dir or lock left behind"
+
+
+@pytest.mark.parametrize(
+    ("value", "expect"),
+    [("", 5.0), ("  ", 5.0), ("0.5", 0.5), (" 2 ", 2.0), ("1e1", 10.0), ("86400", 86400.0)]
+    + [(v, None) for v in ("0", "-0", "-1", "0.09", "nan", "inf", "-inf", "1e400", "86401", "x")],
+)
+def test_numeric_environment_variables_have_one_checked_parse(
+    value: str, expect: float | None, monkeypatch
+) -> None:
+    import mpack
+    from mpack import cli, ui
+
+    monkeypatch.setenv("MPACK_PROGRESS_EVERY", value)
+    low, high = ui.PROGRESS_EVERY_RANGE
+    assert f"{low:g} to {high:g}" in cli.ENVIRONMENT["MPACK_PROGRESS_EVERY=S"]  # the help says it
+    read = functools.partial(mpack.env_number, "MPACK_PROGRESS_EVERY", 5.0, low=low, high=high)
+    if expect is not None:
+        assert read() == expect
+        return
+    with pytest.raises(UsageError, match=r"MPACK_PROGRESS_EVERY=.*: must be a number") as e:
+        read()
+    assert e.value.exit_code == 2 and repr(value) in e.value.message
+
+
+def _deep(n: int = 200_000) -> str:
+    return "[" * n + "]" * n
+
+
+def test_a_config_nested_200000_deep_names_the_file(ckpt: Path, tmp_path: Path) -> None:
+    src = Path(shutil.copytree(ckpt, tmp_path / "src"))
+    cfg = src / "config.json"
+    cfg.write_text(cfg.read_text().rstrip()[:-1] + ', "x": ' + _deep() + "}")
+    r = cli("convert", src, "-o", tmp_path / "out", "--device", "cpu")
+    assert r.returncode == 2, explain(r)
+    assert f"error: {cfg}: malformed JSON (nested too deeply)" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "says"),
+    [
+        ("model.safetensors.index.json", _deep(), "malformed index (nested too deeply)"),
+        ("model.safetensors.index.json", '{"weight_map": ', "malformed index (Expecting value"),
+        ("config.json", "[1, 2]", "holds a JSON list, not an object"),
+    ],
+)
+def test_outside_json_that_does_not_parse_is_bad_input(
+    sharded: Path, tmp_path: Path, name: str, text: str, says: str
+) -> None:
+    src = Path(shutil.copytree(sharded, tmp_path / "src"))
+    (src / name).write_text(text)
+    r = cli("convert", src, "-o", tmp_path / "out", "--device", "cpu")
+    assert r.returncode == 2, explain(r)
+    assert f"error: {src / name}: {says}" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_header_over_100_mb_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """A valid header padded with spaces past 100 000 000 bytes converted; safetensors itself
+    refuses such a file (docs/FORMAT.md), and so does mpack, naming the file and the length."""
+    src = Path(shutil.copytree(ckpt, tmp_path / "src"))
+    shard = src / "model.safetensors"
+    data = shard.read_bytes()
+    (hlen,) = struct.unpack("<Q", data[:8])
+    raw = data[8 : 8 + hlen].rstrip()
+    big = 100_000_008
+    with open(shard, "wb") as f:  # same tensors, same data: only the header's padding grew
+        f.write(struct.pack("<Q", big) + raw + b" " * (big - len(raw)) + data[8 + hlen :])
+    r = cli("convert", src, "-o", tmp_path / "out", "--device", "cpu")
+    assert r.returncode == 2, explain(r)
+    assert f"error: {shard}: header length {big} is over the 100000000 bytes" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -9,6 +9,7 @@ refused to start but printed READY is stopped at once, so a regression fails fas
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import selectors
 import signal
@@ -339,3 +340,137 @@ def test_load_and_attach_on_a_missing_cuda_device_are_usage_errors(sc, env, how,
     assert "--device cpu" in (e.value.hint or "")
     with pytest.raises(UsageError, match="--device cuda: no CUDA device here"):
         (load if how == "load" else attach)(sc, device="cuda")
+
+
+# --- round 3: readiness, one daemon per rank whatever its socket, --socket that is no socket ----
+
+
+@pytest.fixture(scope="module")
+def sc2(tmp_path_factory) -> Path:
+    return make_sidecar(tmp_path_factory.mktemp("hostile-sc2") / "sidecar", tp=2)
+
+
+def _status(env: dict, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mpack.cli", "status", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+def test_a_sidecar_with_a_rank_unserved_is_not_ready(sc2, env, tmp_path):
+    """TP 2, rank 0's daemon alone (rank 1's not started, then killed): `status SIDECAR`, the
+    readiness probe, exits 2 naming rank 1 and what serves rank 0; both served: exit 0."""
+    r0 = DaemonProc(sc2, "cpu", env, tmp_path)  # starts it; rank 1's is started below
+    r1 = None
+    try:
+        r0.wait_ready()
+        r = _status(env, tmp_path, sc2)
+        _assert_clean_refusal(
+            r.returncode, r.stderr, "not ready: no daemon serves rank 1", f"rank 0 by pid {r0.pid}"
+        )
+        assert "hint: start it: mpack serve" in r.stderr and "--rank 1 --device cpu" in r.stderr
+        r = _status(env, tmp_path, sc2, "--json")
+        assert r.returncode == 2 and "rank 1" in json.loads(r.stdout)["error"]["message"]
+
+        r1 = DaemonProc(sc2, "cpu", env, tmp_path, "--rank", "1")
+        r1.wait_ready()
+        for extra in ([], ["--device", "cpu"], ["--device", "cpu", "--device", "cpu"]):
+            r = _status(env, tmp_path, sc2, *extra)
+            assert r.returncode == 0, (extra, r.stderr)
+            assert str(r0.pid) in r.stdout and str(r1.pid) in r.stdout
+        r = _status(env, tmp_path, sc2, "--device", "cpu", "--device", "cpu", "--device", "cpu")
+        _assert_clean_refusal(r.returncode, r.stderr, "3 --device values for a sidecar of 2 ranks")
+
+        r1.stop(signal.SIGKILL)  # its socket file stays behind, stale
+        r = _status(env, tmp_path, sc2)
+        _assert_clean_refusal(r.returncode, r.stderr, "no daemon serves rank 1")
+        assert r0.stop() == 0
+        r = _status(env, tmp_path, sc2)
+        _assert_clean_refusal(r.returncode, r.stderr, "no daemon serves rank 0, rank 1")
+    finally:
+        for d in (r0, r1):
+            if d is not None:
+                d.stop(signal.SIGKILL)
+
+
+def _refused_serve(sc: Path, env: dict, cwd: Path, *extra: str) -> tuple[int, str]:
+    """Run ``serve`` that must refuse; (exit code, stderr). One that serves fails the test."""
+    d = DaemonProc(sc, "cpu", env, cwd, *extra)
+    try:
+        d.wait_ready()
+    except DaemonError:
+        return d.stop(signal.SIGKILL), d.stderr()
+    d.stop(signal.SIGKILL)
+    pytest.fail(f"a second daemon of the same rank started serving ({extra})")
+
+
+def test_a_second_daemon_of_the_same_rank_is_refused_whatever_its_socket(sc, env, tmp_path):
+    """Two daemons of one (sidecar, rank, device) would map it twice: the second is refused,
+    with the first one's pid and socket, at the default socket and at any --socket."""
+    a, b = tmp_path / "a.sock", tmp_path / "b.sock"
+    first = DaemonProc(sc, "cpu", env, tmp_path)  # the default socket
+    try:
+        default = first.wait_ready().socket
+        rc, err = _refused_serve(sc, env, tmp_path, "--socket", str(a))
+        _assert_clean_refusal(rc, err, f"pid {first.pid}, at {default}", "already serves")
+        assert not a.exists() and not _lock_of(a).exists()
+        assert status_of(default)["pid"] == first.pid
+        assert first.stop() == 0
+    finally:
+        first.stop(signal.SIGKILL)
+    first = DaemonProc(sc, "cpu", env, tmp_path, "--socket", str(a))
+    try:
+        first.wait_ready()
+        for extra in ([], ["--socket", str(b)]):  # the default socket, and another path
+            rc, err = _refused_serve(sc, env, tmp_path, *extra)
+            _assert_clean_refusal(rc, err, f"pid {first.pid}, at {a}", "already serves")
+        assert not b.exists() and not default.exists()
+        assert status_of(a)["pid"] == first.pid
+        assert first.stop() == 0
+        assert os.listdir(default.parent) == []  # its locks and pointer went with it
+    finally:
+        first.stop(signal.SIGKILL)
+
+
+def _not_a_socket(path: Path, kind: str) -> str:
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "a FIFO"
+    if kind == "file":
+        path.write_bytes(b"not a socket\n")
+        return "a regular file"
+    path.mkdir()
+    return "a directory"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file", "dir"])
+def test_status_socket_that_is_not_a_socket_says_what_it_is(env, tmp_path, kind):
+    path = tmp_path / "x.sock"
+    what = _not_a_socket(path, kind)
+    r = _status(env, tmp_path, "--socket", path)
+    _assert_clean_refusal(r.returncode, r.stderr, f"{path} is {what}, not a socket")
+    assert "stale" not in r.stderr and "died" not in r.stderr
+    # in the runtime directory, beside the daemons status lists: reported, not "stale"
+    rdir = Path(env["XDG_RUNTIME_DIR"]) / P.RUNTIME_SUBDIR
+    rdir.mkdir(mode=0o700, exist_ok=True)
+    _not_a_socket(rdir / "y.sock", kind)
+    r = _status(env, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"no usable answer at {rdir / 'y.sock'}: {rdir / 'y.sock'} is {what}" in r.stdout
+    assert "stale socket" not in r.stdout
+
+
+def test_status_escapes_a_socket_name_holding_an_escape(env, tmp_path):
+    """A stale socket whose name holds ESC [31m: listed escaped, never raw."""
+    rdir = Path(env["XDG_RUNTIME_DIR"]) / P.RUNTIME_SUBDIR
+    rdir.mkdir(mode=0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(rdir / "red\x1b[31m.sock"))
+    stale.close()
+    r = _status(env, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout + r.stderr and "red\\x1b[31m.sock" in r.stdout, r.stdout

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+import mpack.fsutil
 import mpack.sidecar
 from mpack.errors import (
     CorruptFileError,
@@ -255,7 +256,8 @@ def test_a_device_node_as_manifest_is_refused_by_every_consumer(sc):
 
 
 class ParseSpy:
-    """``mpack.sidecar``'s ``json``, with ``loads`` recording the size of what it parses."""
+    """``mpack.fsutil``'s ``json`` (the one parse of JSON from outside, ``parse_json``), with
+    ``loads`` recording the size of what it parses."""
 
     def __init__(self) -> None:
         self.parsed: list[int] = []
@@ -270,7 +272,7 @@ class ParseSpy:
 
 def test_an_oversized_manifest_is_refused_before_it_is_parsed(sc, monkeypatch):
     spy = ParseSpy()
-    monkeypatch.setattr(mpack.sidecar, "json", spy)
+    monkeypatch.setattr(mpack.fsutil, "json", spy)
     load_manifest(sc)
     assert spy.parsed  # the spy sees a manifest parsed
     spy.parsed.clear()
@@ -648,6 +650,48 @@ def test_markup_in_a_path_is_printed_verbatim(sc, tmp_path, name):
         r = mpack_cli(cmd, odd, env={"COLUMNS": "400"})
         assert r.returncode == 0, (cmd, r.stderr)
         assert name in r.stdout, (cmd, r.stdout)
+
+
+@pytest.mark.parametrize("where", ["inspect", "verify", "error"])
+def test_an_escape_in_a_path_is_never_printed_raw(sc, tmp_path, where):
+    """A directory named with ESC [31m (round 2's finding): inspect, verify and an error message
+    show the path escaped (\\x1b), never the raw escape that would colour the terminal."""
+    odd = tmp_path / "red\x1b[31mdir"
+    shutil.copytree(sc, odd / "sc")
+    target = odd if where == "error" else odd / "sc"  # the directory above: no mpack.json
+    r = mpack_cli("verify" if where == "verify" else "inspect", target, env={"COLUMNS": "400"})
+    assert r.returncode == (2 if where == "error" else 0), r.stderr
+    out = r.stderr if where == "error" else r.stdout
+    assert "\x1b" not in r.stdout + r.stderr, (r.stdout, r.stderr)
+    assert "red\\x1b[31mdir" in out, out
+
+
+def test_a_deeply_nested_header_names_the_file(sc):
+    raw = b"[" * 200_000 + b"]" * 200_000
+    (sc / RANK0).write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(CorruptFileError, match="malformed safetensors header .nested too deeply"):
+        read_file_map(sc / RANK0)
+    r = mpack_cli("serve", sc, "--device", "cpu")
+    assert r.returncode == 2 and f"{sc / RANK0}: malformed" in r.stderr, r.stderr
+
+
+def test_a_header_length_over_100_mb_is_refused_before_it_is_read(sc):
+    """safetensors refuses a header length over 100 000 000 bytes, and so does mpack (FORMAT.md),
+    whatever the file holds: a sparse file whose 8-byte length says one byte more."""
+    for hlen, refused in ((mpack.sidecar.MAX_HEADER + 1, True), (mpack.sidecar.MAX_HEADER, False)):
+        with open(sc / RANK0, "wb") as f:
+            f.write(struct.pack("<Q", hlen))
+            f.truncate(8 + hlen + 64)  # sparse: all zeros
+        assert hlen == 100_000_001 if refused else hlen == 100_000_000
+        with pytest.raises(CorruptFileError) as e:
+            read_file_map(sc / RANK0)
+        over = f"{sc / RANK0}: header length {hlen} is over the 100000000 bytes"
+        assert (over in str(e.value)) is refused, e.value  # at the limit: read, not JSON
+    with open(sc / RANK0, "wb") as f:
+        f.write(struct.pack("<Q", mpack.sidecar.MAX_HEADER + 1))
+        f.truncate(8 + mpack.sidecar.MAX_HEADER + 1 + 64)
+    with pytest.raises(CorruptFileError, match="is over the 100000000 bytes"):
+        load(sc, rank=0)
 
 
 def test_a_manifest_without_layers_is_refused_by_every_consumer(sc):

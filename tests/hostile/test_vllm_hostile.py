@@ -190,6 +190,14 @@ BAD: dict[str, dict[str, Any]] = {
     "common-other-vocab": dict(
         about=r"(embed_tokens|lm_head)\.weight is \[1024, 256\]", needs=(COMMON_NAME, "[1000")
     ),
+    # A multi-target directory without the engine's target (TP 1): the folder looked for, and
+    # the targets it has (it said only "no mpack.json").
+    "targets-without-the-engines": dict(
+        about=r"not an mpack sidecar \(no mpack\.json, nor a folder tp1-w8a16-bfloat16 "
+        r"\(the engine's target\) holding one; it holds the targets tp2-w8a16-bfloat16, "
+        r"tp2-w8a8-marlin-bfloat16\)",
+        needs=("--tp 1 --profile w8a16 --act-dtype bfloat16",),
+    ),
 }
 
 
@@ -217,6 +225,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (ckq, scq, []),
     ):
         run_cli(["mpack", "convert", str(src), "-o", str(out), *CONVERT, *more], work)
+    targets = work / "targets"  # tp2-w8a16-bfloat16/, tp2-w8a8-marlin-bfloat16/: no TP 1
+    more = ["--tp", "2", "--profile", "w8a16,w8a8-marlin", "--act-dtype", "bfloat16", "--quiet"]
+    run_cli(["mpack", "convert", str(ck), "-o", str(targets), *more], work)
 
     full_config = load_manifest(sc)[0]["model"]["config"]
     no_vocab = {k: v for k, v in full_config.items() if k != "vocab_size"}
@@ -260,8 +271,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         load("qwen3-good", scq),
         load("extra-sidecar-int", sc, extra={"sidecar": 5}),
         load("extra-socket-int", sc, extra={"sidecar": str(sc), "socket": 5}),
+        load("targets-without-the-engines", targets),
     ]
-    loads += [load(name, path) for name, path in paths.items()]
+    # A 1-layer model's sidecar beside the 2-layer checkpoint: the binding check (the
+    # other-checkpoint cases of tests/vllm/test_vllm_loader.py) turned off, to reach the
+    # checks of the manifest behind it.
+    unbound = {"check_source": False}
+    loads += [
+        load(name, path)
+        if not name.startswith("1-layer-")
+        else load(name, path, extra={"sidecar": str(path), "attach": "never", **unbound})
+        for name, path in paths.items()
+    ]
     env = {
         **os.environ,
         "XDG_RUNTIME_DIR": str(work),

@@ -367,7 +367,7 @@ def test_a_peer_with_another_uid_is_refused(world):
     exe = _python_for(nobody)
     if exe is None:
         pytest.skip("no interpreter that uid 65534 may run")
-    sc = world.sidecar(0)
+    sc = world.sidecar(17)  # its own: one daemon per sidecar, rank and device, whatever socket
     from mpack.sidecar import load_manifest
 
     _, digest = load_manifest(sc)
@@ -409,7 +409,7 @@ def test_peer_uid_check_seam(world, tmp_path):
     """Any machine: a daemon that admits only another uid refuses us, from SO_PEERCRED."""
     if world.cuda:
         pytest.skip("the check is backend-independent; covered by the cpu run")
-    sc = world.sidecar(0)
+    sc = world.sidecar(19)  # its own, as above
     sock = tmp_path / "seam.sock"
     out = tmp_path / "seam.out"
     with open(out, "w") as o:

@@ -73,22 +73,18 @@ CKPT_OF = {
     ("qwen2", "FP8"): "qwen2-tensor",
     ("qwen2", "FP8_DYNAMIC"): "qwen2-channel",
 }
+LLAMA_TENSOR = ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16"]
 CKPTS = {
-    "llama-tensor": ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16"],
+    "llama-tensor": LLAMA_TENSOR,
     "llama-channel": ["--arch", "llama", "--scheme", "FP8_DYNAMIC", "--dtype", "float16"],
     "qwen2-tensor": ["--arch", "qwen2", "--scheme", "FP8", "--dtype", "float16"],
     "qwen2-channel": ["--arch", "qwen2", "--scheme", "FP8_DYNAMIC", "--dtype", "bfloat16"],
     # One layer fewer than llama-tensor, otherwise the same: a sidecar of another model.
-    "llama-tensor-1layer": [
-        "--arch",
-        "llama",
-        "--scheme",
-        "FP8",
-        "--dtype",
-        "bfloat16",
-        "--layers",
-        "1",
-    ],
+    "llama-tensor-1layer": [*LLAMA_TENSOR, "--layers", "1"],
+    # llama-tensor's config and shapes, other weights (a fine-tune of the same model, as far as
+    # the loader can tell from anything but the bytes): Note [a sidecar is bound to its
+    # checkpoint].
+    "llama-tensor-seed1": [*LLAMA_TENSOR, "--seed", "1"],
 }
 
 # A pairwise covering set over (arch, scales, profile, dtype, TP).
@@ -138,7 +134,23 @@ BAD = {
     "corrupt-rank-file": dict(
         sidecar="corrupt", about="checksum|sha256|digest|corrupt", needs=("rank-00-of-01",)
     ),
-    "other-layers": dict(sidecar="one-layer", about="layer", needs=("1", "2")),
+    # the binding check off, to reach the layer check behind it
+    "other-layers": dict(
+        sidecar="one-layer", about="layer", needs=("1", "2"), extra={"check_source": False}
+    ),
+    # made from another checkpoint of the same shapes, with and without its pass-through
+    "other-checkpoint": dict(
+        sidecar="other-weights", about="another checkpoint", needs=("model.safetensors",)
+    ),
+    "other-checkpoint-no-passthrough": dict(
+        sidecar="other-weights-np", about="another checkpoint", needs=("model.safetensors",)
+    ),
+    "check-source-not-bool": dict(
+        sidecar="sc:" + BASE.name,
+        about="check_source",
+        needs=("yes",),
+        extra={"check_source": "yes"},
+    ),
 }
 
 
@@ -174,6 +186,9 @@ def make_sidecars(work: Path) -> dict[str, Path]:
         ck["llama-tensor-1layer"],
         ["--tp", "1", "--profile", BASE.profile, "--act-dtype", BASE.dtype],
     )
+    base_opts = ["--tp", "1", "--profile", BASE.profile, "--act-dtype", BASE.dtype]
+    converts["other-weights"] = (ck["llama-tensor-seed1"], base_opts)
+    converts["other-weights-np"] = (ck["llama-tensor-seed1"], [*base_opts, "--no-passthrough"])
     out = {key: work / key.replace(":", "-") for key in converts}
 
     def convert(key: str) -> None:
@@ -248,6 +263,18 @@ def jobs(paths: dict[str, Path], no_daemon_dir: Path) -> dict[int, list[dict[str
             sidecar=base_sc,
             extra={"attach": "never"},
         ),
+        # A sidecar of other weights, the binding check turned off: it loads (the override).
+        load(
+            BASE,
+            "other-checkpoint-override",
+            load_format="mpack",
+            sidecar=str(paths["other-weights"]),
+            extra={
+                "sidecar": str(paths["other-weights"]),
+                "attach": "never",
+                "check_source": False,
+            },
+        ),
         # auto with no daemon reachable: a private load.
         load(
             BASE,
@@ -265,7 +292,11 @@ def jobs(paths: dict[str, Path], no_daemon_dir: Path) -> dict[int, list[dict[str
             f"bad/{name}",
             load_format="mpack",
             sidecar=sidecar,
-            extra={"sidecar": sidecar, "attach": bad.get("attach", "never")},
+            extra={
+                "sidecar": sidecar,
+                "attach": bad.get("attach", "never"),
+                **bad.get("extra", {}),
+            },
         )
         d.update({k: bad[k] for k in ("profile", "dtype") if k in bad})
         if bad.get("no_daemon"):
@@ -411,6 +442,41 @@ def test_same_model_as_default_loader(world: dict[str, Any], case: Case, path: s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_same_post_processed_state_as_default_loader(
+    world: dict[str, Any], case: Case, path: str
+) -> None:
+    """Every piece of state other than tensors that vLLM's Marlin processing leaves on a layer
+    (the layer's attributes such as ``processed_weight_dims``, the scheme's weight key, the
+    kernel's input dtype and config, which tensor attributes exist: no ``input_scale``, no
+    workspace on the layer) is the mpack loader's too: carried in the sidecar or rebuilt."""
+    for rank, res in enumerate(ranks(world, case.tp)):
+        default = ok(res[f"{case.name}/default"])["state"]
+        got = ok(res[f"{case.name}/{path}"])["state"]
+        assert sorted(got) == sorted(default), f"{case.name} {path} rank {rank}: layers differ"
+        assert default, "no layer with a quantization scheme in vLLM's own load"
+        differ = {
+            (layer, part, k): (got[layer][part].get(k), v)
+            for layer, parts in default.items()
+            for part, attrs in parts.items()
+            for k, v in attrs.items()
+            if got[layer].get(part, {}).get(k) != v
+        }
+        extra = {
+            (layer, part, k)
+            for layer, parts in got.items()
+            for part, attrs in parts.items()
+            for k in attrs
+            if k not in default[layer].get(part, {})
+        }
+        assert not differ and not extra, (
+            f"{case.name} {path} rank {rank}: post-processed state differs (mpack, vLLM): "
+            f"{differ}; only in mpack's: {sorted(extra)}"
+        )
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_default_loader_took_marlin(world: dict[str, Any], case: Case) -> None:
     """The stand-ins hold: vLLM's own load prepared Marlin layers (int32 tiles, [1, Np] scales,
@@ -500,6 +566,17 @@ def test_vllm_plugin_registers_the_load_format(world: dict[str, Any]) -> None:
             # the plugin paid for the first attach ahead (Note [warm attach])
             warmed = ["mpack.hub_sidecar", "mpack.runtime.client", "mpack.runtime.memfd"]
             assert res["_warmed"] == warmed, f"TP {tp} rank {rank}: {res['_warmed']}"
+
+
+@pytest.mark.slow
+def test_check_source_false_loads_another_checkpoints_sidecar(world: dict[str, Any]) -> None:
+    """The override of Note [a sidecar is bound to its checkpoint] does what it says: the
+    sidecar of other weights loads, and its Marlin weights are those other weights."""
+    res = ranks(world, 1)[0]
+    got = ok(res[f"{BASE.name}/other-checkpoint-override"])["tensors"]
+    mine = ok(res[f"{BASE.name}/mpack-never"])["tensors"]
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    assert got[name] != mine[name], "the other checkpoint's sidecar gave this one's weights"
 
 
 # --- bad inputs -----------------------------------------------------------------------------------

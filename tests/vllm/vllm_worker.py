@@ -80,6 +80,54 @@ def tensors_of(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _value(v: Any) -> str:
+    """A value by its repr where that says what it holds (simple values, lists and tuples of
+    them, dataclasses and enums such as vLLM's quantization keys), else by its class name (a
+    repr with an address would differ between any two loads)."""
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__}({', '.join(_value(x) for x in v)})"
+    r = repr(v)
+    if isinstance(v, _PLAIN) or (type(v).__repr__ is not object.__repr__ and " at 0x" not in r):
+        return r
+    return f"<{type(v).__name__}>"
+
+
+def _plain_state(obj: Any) -> dict[str, str]:
+    """``obj``'s public attributes that are not tensors or modules, by :func:`_value`."""
+    return {
+        k: _value(v)
+        for k, v in sorted(vars(obj).items())
+        if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))
+    }
+
+
+def layer_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """What vLLM's post-load processing leaves on every layer with a quantization scheme, other
+    than its tensors (those are :func:`tensors_of`'s): the layer's, its scheme's, its kernel's
+    and the kernel config's plain attributes, and which tensor attributes it has (a parameter,
+    a plain tensor such as a workspace, or None)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in model.named_modules():
+        scheme = getattr(m, "scheme", None)
+        if scheme is None:
+            continue
+        kernel = getattr(scheme, "linear_kernel", None) or getattr(scheme, "fp8_linear", None)
+        rec: dict[str, Any] = {"layer": _plain_state(m), "scheme": _plain_state(scheme)}
+        if kernel is not None:
+            rec["kernel"] = _plain_state(kernel)
+            rec["kernel.config"] = _plain_state(getattr(kernel, "config", object()))
+        rec["tensors"] = {
+            k: type(v).__name__
+            for k, v in sorted({**vars(m), **m._parameters, **m._buffers}.items())
+            if not k.startswith("_") and (isinstance(v, torch.Tensor) or v is None)
+        }
+        out[name] = rec
+    return out
+
+
 def maps() -> list[tuple[int, int, str, str]]:
     """``/proc/self/maps`` as (start, end, perms, path)."""
     out = []
@@ -213,6 +261,7 @@ def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
                 "ok": True,
                 "seconds": seconds,
                 "tensors": tensors_of(model),
+                "state": layer_state(model),
                 "weights": info,
                 "marlin": views,
             }
