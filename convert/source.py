@@ -47,6 +47,7 @@ from mpack.sidecar import (
     INDEX_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST,
+    is_commit,
 )
 
 #: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
@@ -61,7 +62,6 @@ ALLOW_PATTERNS = [
 ]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def _snapshot(
     except (*_hub_errors(), OSError) as e:  # network errors surface as requests/httpx OSErrors
         raise _snapshot_error(e, repo, revision, local_only) from None
     check_snapshot_links(path)
-    commit = path.name if _COMMIT.match(path.name) else None
+    commit = path.name if is_commit(path.name) else None
     return ResolvedSource(path=path, kind="hub", repo=repo, revision=commit, requested=revision)
 
 

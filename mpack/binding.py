@@ -29,7 +29,7 @@ from typing import Any
 
 from mpack.errors import InputError, shown
 from mpack.iokit import sha256_file
-from mpack.sidecar import INDEX_NAME  # the shard index (its digest is compared whole: small)
+from mpack.sidecar import INDEX_NAME, is_commit  # the index's digest is compared whole
 
 #: Bytes probed at each end of every tensor (Note [a sidecar is bound to its checkpoint]).
 PROBE_BYTES = 4096
@@ -94,9 +94,8 @@ def _checkpoint_shards(root: Path) -> set[str]:
 
 def _snapshot_commit(root: Path) -> str | None:
     """The commit of an HF cache snapshot directory (``.../snapshots/<commit>``), else None."""
-    name = root.resolve().name
-    is_commit = len(name) == 40 and all(c in "0123456789abcdef" for c in name)
-    return name if is_commit and root.resolve().parent.name == "snapshots" else None
+    d = root.resolve()
+    return d.name if is_commit(d.name) and d.parent.name == "snapshots" else None
 
 
 def check_bound(

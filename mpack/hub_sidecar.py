@@ -68,14 +68,13 @@ from mpack.errors import (
     quote,
     shown,
 )
-from mpack.sidecar import MANIFEST_NAME, load_manifest, rank_file_name
+from mpack.sidecar import MANIFEST_NAME, is_commit, load_manifest, rank_file_name
 from mpack.target import dir_name
 
 #: The folder next to ``snapshots/`` that holds the views (Note [a view of the snapshot]).
 VIEW_DIR = "mpack"
 #: Which files a resolve fetches (Note [what a resolve fetches]).
 FETCH = ("manifest", "rank", "all")
-_COMMIT = re.compile(r"[0-9a-f]{40}")
 _FOLDER = re.compile(r"[A-Za-z0-9][\w.-]*")
 
 # Note [what a resolve fetches]: ``fetch="manifest"``: ``mpack.json`` alone (inspect, status
@@ -200,7 +199,7 @@ def _snapshot_of(p: Path) -> tuple[Path, str | None] | None:
     except OSError:
         return None
     for snap, folder in ((d, None), (d.parent, d.name)):  # the commit's folder, or a target's
-        if snap.parent.name == "snapshots" and _COMMIT.fullmatch(snap.name):
+        if snap.parent.name == "snapshots" and is_commit(snap.name):
             return snap, folder
     return None
 

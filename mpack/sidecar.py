@@ -678,7 +678,7 @@ def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
     if src.get("kind") == "hub" and not (
         isinstance(src.get("repo"), str)
         and _is_repo_id(src["repo"])
-        and (src.get("revision") is None or _is_commit(src["revision"]))
+        and (src.get("revision") is None or is_commit(src["revision"]))
     ):
         # verify looks a recorded Hub source up in the local cache by these two
         raise CorruptFileError(
@@ -725,7 +725,8 @@ def _is_repo_id(repo: str) -> bool:
     )
 
 
-def _is_commit(rev: Any) -> bool:
+def is_commit(rev: Any) -> bool:
+    """A git commit id as the Hub and the HF cache name it: 40 lowercase hex digits."""
     return isinstance(rev, str) and len(rev) == 40 and all(c in "0123456789abcdef" for c in rev)
 
 
