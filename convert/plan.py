@@ -141,7 +141,7 @@ def check_decoder_layers(ck: Checkpoint) -> None:
         UnsupportedSchemeError: ``num_hidden_layers`` missing or not a positive whole number, or
             other layers than it says (naming the value, the layers found and a file).
     """
-    if ck.architecture not in arch.LLAMA_FAMILY:
+    if arch.family_of(ck.architecture) is None:
         return
     cfg = ck.root / CONFIG_NAME
     n = ck.text_config.get("num_hidden_layers")
@@ -204,16 +204,24 @@ def check_tp(ck: Checkpoint, dims: Dims, tp: int) -> None:
 # --- planning -----------------------------------------------------------------------------
 
 
-def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
-    """Group quantized modules into vLLM's fused linears: [(out_name, [modules in row order])]."""
-    if ck.architecture not in arch.LLAMA_FAMILY:
+def family(ck: Checkpoint) -> arch.Family:
+    """The family of the checkpoint's architecture (:data:`mpack.arch.FAMILIES`).
+
+    Raises:
+        UnsupportedSchemeError: an architecture mpack has no fusion/TP rules for.
+    """
+    fam = arch.family_of(ck.architecture)
+    if fam is None:
         raise UnsupportedSchemeError(
             f"{ck.root / CONFIG_NAME}: architecture {ck.architecture!r} has no fusion/TP rules in "
-            f"mpack (known: {', '.join(arch.LLAMA_FAMILY)})",
-            hint="use --fuse none --tp 1 to pack every layer under its checkpoint name, for "
-            "mpack.runtime.attach or your own loader; vLLM's --load-format mpack cannot load "
-            "such a sidecar (it needs --fuse vllm)",
+            f"mpack (known: {', '.join(arch.ARCHITECTURES)})",
+            hint=arch.unknown_architecture_hint(),
         )
+    return fam
+
+
+def _group_vllm(ck: Checkpoint, fam: arch.Family) -> list[tuple[str, list[str]]]:
+    """Group quantized modules into vLLM's fused linears: [(out_name, [modules in row order])]."""
     groups: dict[str, list[str]] = {}
     for module in ck.layers:
         name = arch.fused_name(module)
@@ -227,7 +235,7 @@ def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
             )
         groups.setdefault(name, []).append(module)
     for name, members in groups.items():
-        want = arch.shard_modules(name)
+        want = arch.shard_modules(name, fam)
         missing = [m for m in want if m not in members]
         if missing:
             raise UnsupportedSchemeError(
@@ -239,14 +247,17 @@ def _group_vllm(ck: Checkpoint) -> list[tuple[str, list[str]]]:
 
 
 def _slices(
-    ck: Checkpoint, dims: Dims, name: str, members: list[str], tp: int, rank: int
+    ck: Checkpoint, fam: arch.Family, dims: Dims, name: str, members: list[str], tp: int, rank: int
 ) -> tuple[list[Piece], str]:
-    """Rows/cols of each member on ``rank`` (SPEC §6) and the parallel style."""
+    """Rows/cols of each part on ``rank`` (SPEC §6) and the parallel style."""
     L = ck.layers
     style = arch.parallel_style(name)
     rows = arch.shard_rows(dims, name, tp, rank)  # at TP 1: every row (_check_shapes)
     if rows is not None:
-        return [Piece(m, r, (0, L[m].k)) for m, r in zip(members, rows, strict=True)], style
+        parts = zip(
+            arch.part_modules(name, fam), rows, arch.part_offsets(fam, dims, name), strict=True
+        )
+        return [Piece(m, (r0 + at, r1 + at), (0, L[m].k)) for m, (r0, r1), at in parts], style
     (m,) = members
     per = L[m].k // tp
     return [Piece(m, (0, L[m].n), (rank * per, (rank + 1) * per))], style
@@ -280,34 +291,35 @@ def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> 
 
 def _groups(
     ck: Checkpoint, fusion: str, tp: int
-) -> tuple[list[tuple[str, list[str]]], Dims | None]:
-    """The output layers and their checkpoint modules; the model dims when fusing."""
+) -> tuple[list[tuple[str, list[str]]], tuple[arch.Family, Dims] | None]:
+    """The output layers and their checkpoint modules; the family and model dims when fusing."""
     if fusion == "none":
         check_fusion_tp(fusion, tp)
         return sorted(((m, [m]) for m in ck.layers), key=lambda g: arch.natural_key(g[0])), None
-    groups = _group_vllm(ck)
+    fam = family(ck)
+    groups = _group_vllm(ck, fam)
     dims = model_dims(ck)
     check_tp(ck, dims, tp)
     for name, members in groups:
         _check_shapes(ck, dims, name, members)
-    return groups, dims
+    return groups, (fam, dims)
 
 
 def _out_layer(
     ck: Checkpoint,
     name: str,
     members: list[str],
-    dims: Dims | None,
+    fused: tuple[arch.Family, Dims] | None,
     tp: int,
     rank: int,
     profile: str,
 ) -> OutLayer:
     """``name`` on ``rank``: its pieces and padded dims."""
-    if dims is None:
+    if fused is None:
         m = members[0]
         pieces, parallel = [Piece(m, (0, ck.layers[m].n), (0, ck.layers[m].k))], "none"
     else:
-        pieces, parallel = _slices(ck, dims, name, members, tp, rank)
+        pieces, parallel = _slices(ck, *fused, name, members, tp, rank)
     n = sum(p.width for p in pieces)
     k = pieces[0].cols[1] - pieces[0].cols[0]
     if k % 4:
@@ -341,9 +353,9 @@ def make_plan(
         UnsupportedSchemeError: an unknown architecture for fusion, a TP size that does not fit,
             shapes that disagree with config.json.
     """
-    groups, dims = _groups(ck, fusion, tp)
+    groups, fused = _groups(ck, fusion, tp)
     units = [
-        [_out_layer(ck, name, members, dims, tp, rank, profile) for rank in range(tp)]
+        [_out_layer(ck, name, members, fused, tp, rank, profile) for rank in range(tp)]
         for name, members in groups
     ]
     plan = Plan(

@@ -16,36 +16,104 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: Architectures whose fusion and TP rules mpack knows (vLLM's Llama family).
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-#: Column-parallel fused linear -> its checkpoint shards, in row order.
+
+@dataclass(frozen=True)
+class Family:
+    """How vLLM 0.33.0 builds the decoder layers of one family of models: the architectures in
+    it, and what sets it apart from the Llama layout (fused ``qkv_proj`` and ``gate_up_proj``
+    column-parallel, ``o_proj`` and ``down_proj`` row-parallel, under ``model.layers.<i>.``)."""
+
+    architectures: tuple[str, ...]
+    #: The checkpoint stores the fused linears themselves (Phi-3's ``qkv_proj`` and
+    #: ``gate_up_proj``): vLLM cuts each into its parts (q, k, v; gate, up) by the config's sizes
+    #: and slices every part for its rank, as if they had been separate tensors.
+    prefused: bool = False
+    #: config.json's ``head_dim`` is used; False: vLLM takes ``hidden_size // heads`` (Qwen2).
+    reads_head_dim: bool = True
+
+
+#: Every family whose fusion and TP rules mpack knows, by name. A new one is an entry here (and,
+#: where it needs one, a module of its own): its vLLM model class's ``packed_modules_mapping``
+#: must be :data:`FUSED`.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        (
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen3ForCausalLM",
+            "Gemma2ForCausalLM",
+            "GraniteForCausalLM",
+        )
+    ),
+    "qwen2": Family(("Qwen2ForCausalLM",), reads_head_dim=False),
+    # One weight_scale for a fused per-tensor linear: vLLM gives every part that scale.
+    "phi3": Family(("Phi3ForCausalLM",), prefused=True),
+}
+#: Every architecture of :data:`FAMILIES`.
+ARCHITECTURES = tuple(a for f in FAMILIES.values() for a in f.architectures)
+#: Column-parallel fused linear -> its parts (vLLM's shards, checkpoint modules unless the
+#: family is ``prefused``), in row order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 #: Row-parallel linears (input features split across ranks), kept under their own names.
 ROW_PARALLEL = ("o_proj", "down_proj")
-#: Shards of ``qkv_proj`` that hold K/V heads (replicated when TP exceeds the KV heads).
+#: Parts of ``qkv_proj`` that hold K/V heads (replicated when TP exceeds the KV heads).
 KV_SHARDS = ("k_proj", "v_proj")
 #: Within a decoder layer, the linears in the order the forward pass uses them.
 LEAF_ORDER = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
-#: Where the Llama family keeps its decoder layers, in checkpoints and in vLLM's models:
+#: Where these families keep their decoder layers, in checkpoints and in vLLM's models:
 #: ``model.layers.<i>.``, ``i`` from 0 to ``num_hidden_layers - 1``.
 DECODER_PREFIX = "model.layers"
 DECODER_INDEX = re.compile(re.escape(DECODER_PREFIX) + r"\.(\d+)\.")
 
 
+def family_of(architecture: str | None) -> Family | None:
+    """The family of ``architecture`` (config.json's ``architectures[0]``); None: unknown."""
+    return next((f for f in FAMILIES.values() if architecture in f.architectures), None)
+
+
+def unknown_architecture_hint() -> str:
+    """What would make an architecture outside :data:`FAMILIES` convert."""
+    return (
+        "an architecture whose vLLM model class fuses qkv_proj and gate_up_proj as Llama's does "
+        'is one entry of mpack.arch.FAMILIES (docs/VLLM.md, "Families"); until then, '
+        "--fuse none --tp 1 packs every layer under its checkpoint name, for "
+        "mpack.runtime.attach or your own loader (vLLM's --load-format mpack needs --fuse vllm)"
+    )
+
+
 def fused_name(module: str) -> str | None:
     """The vLLM linear a checkpoint module belongs to (``...self_attn.q_proj`` ->
-    ``...self_attn.qkv_proj``; a row-parallel module is its own); None: not a Llama-family one."""
+    ``...self_attn.qkv_proj``; a row-parallel or already fused module is its own); None: not
+    one of these families' linears."""
     parent, _, leaf = module.rpartition(".")
-    if leaf in ROW_PARALLEL:
+    if leaf in ROW_PARALLEL or leaf in FUSED:
         return module
     fused = next((f for f, shards in FUSED.items() if leaf in shards), None)
     return None if fused is None else f"{parent}.{fused}"
 
 
-def shard_modules(name: str) -> list[str]:
-    """The checkpoint modules of vLLM linear ``name``, in row order."""
+def part_modules(name: str, family: Family) -> list[str]:
+    """The checkpoint module of each part of vLLM linear ``name``, in row order: each part's
+    own module, or the fused linear itself once per part (``prefused``)."""
     parent, _, leaf = name.rpartition(".")
-    return [f"{parent}.{s}" for s in FUSED[leaf]] if leaf in FUSED else [name]
+    if leaf not in FUSED:
+        return [name]
+    return [name] * len(FUSED[leaf]) if family.prefused else [f"{parent}.{s}" for s in FUSED[leaf]]
+
+
+def shard_modules(name: str, family: Family) -> list[str]:
+    """The checkpoint modules of vLLM linear ``name``, each once, in row order."""
+    return list(dict.fromkeys(part_modules(name, family)))
+
+
+def part_offsets(family: Family, dims: Dims, name: str) -> list[int]:
+    """Where each part of column-parallel linear ``name`` starts in its checkpoint module's
+    rows: 0 for separate modules; q, k, v (gate, up) one after another when ``prefused``."""
+    leaf = name.rpartition(".")[2]
+    if not family.prefused:
+        return [0] * len(FUSED[leaf])
+    sizes = [expected_rows(dims)[s] for s in FUSED[leaf]]
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def parallel_style(name: str) -> str:
@@ -86,7 +154,8 @@ class Dims:
 
 
 def dims_of(architecture: str | None, config: Mapping[str, Any]) -> Dims:
-    """Read :class:`Dims` from a (text) config. Qwen2 ignores ``head_dim`` (vLLM's rule).
+    """Read :class:`Dims` from a (text) config. Qwen2 ignores ``head_dim`` (vLLM's rule:
+    :attr:`Family.reads_head_dim`).
 
     Raises:
         KeyError, TypeError, ValueError: a dimension is missing or not a number.
@@ -95,7 +164,8 @@ def dims_of(architecture: str | None, config: Mapping[str, Any]) -> Dims:
     kv = int(config.get("num_key_value_heads") or heads)
     inter = int(config["intermediate_size"])
     head_dim = hidden // heads
-    if architecture != "Qwen2ForCausalLM" and config.get("head_dim"):
+    family = family_of(architecture)
+    if (family is None or family.reads_head_dim) and config.get("head_dim"):
         head_dim = int(config["head_dim"])
     return Dims(heads, kv, head_dim, inter)
 
@@ -149,15 +219,16 @@ def distinct_ranks(shard: str, dims: Dims, tp: int) -> list[int]:
 
 
 def expected_rows(dims: Dims) -> dict[str, int]:
-    """Output channels (N) of each shard of the whole (TP 1) model."""
+    """Output channels (N) of each part, and of each fused linear, of the whole (TP 1) model."""
     d = dims.head_dim
-    return {
+    parts = {
         "q_proj": dims.heads * d,
         "k_proj": dims.kv_heads * d,
         "v_proj": dims.kv_heads * d,
         "gate_proj": dims.intermediate,
         "up_proj": dims.intermediate,
     }
+    return parts | {f: sum(parts[s] for s in shards) for f, shards in FUSED.items()}
 
 
 def expected_cols(dims: Dims) -> dict[str, int]:

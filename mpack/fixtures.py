@@ -3,7 +3,8 @@
 A checkpoint is produced the way llm-compressor's ``oneshot`` produces one, without
 llm-compressor and without the Hugging Face Hub:
 
-1. a transformers model (Llama, Mistral, Qwen2 or Qwen3) built from a config, with random
+1. a transformers model (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Granite or Phi-3, whose
+   checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused) built from a config, with random
    weights from a fixed seed: linear weights and embeddings ``N(0, 0.02)``, norm weights
    ``1 + N(0, 0.1)`` (not all ones, so pass-through bytes mean something), biases
    ``N(0, 0.02)`` (non-zero);
@@ -49,7 +50,13 @@ ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
+#: Architectures whose models always tie lm_head to the embeddings (vLLM's Gemma 2 has no
+#: lm_head, and refuses a checkpoint that stores one).
+ALWAYS_TIED = ("gemma2",)
 SCHEMES: tuple[str, ...] = ("FP8", "FP8_DYNAMIC")
 #: integer weight presets :func:`make_int_checkpoint` writes (checkpoints mpack must refuse)
 INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
@@ -84,8 +91,9 @@ def make_checkpoint(
         out_dir: directory to write (created if missing). Gets ``config.json``,
             ``generation_config.json`` and ``model.safetensors`` (or shards
             ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``).
-        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` (q/k/v have a bias) or ``"qwen3"``
-            (q/k norms over ``head_dim``).
+        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` (q/k/v have a bias), ``"qwen3"``
+            (q/k norms over ``head_dim``), ``"gemma2"`` (four norms per layer, always tied),
+            ``"granite"`` or ``"phi3"`` (fused ``qkv_proj`` / ``gate_up_proj``).
         hidden, intermediate, layers, heads, kv_heads, vocab: model dimensions.
         head_dim: per-head dimension; ``None`` means ``hidden // heads``. Qwen2 has no
             ``head_dim`` setting, so there it must be ``None`` or ``hidden // heads``.
@@ -163,9 +171,9 @@ def _check_args(
         raise ValueError(
             f"hidden ({hidden}) must be a multiple of heads ({heads}) when head_dim is not given"
         )
-    if arch == "qwen2" and head_dim not in (None, hidden // heads):
+    if arch in ("qwen2", "phi3") and head_dim not in (None, hidden // heads):
         raise ValueError(
-            f"qwen2 derives head_dim from hidden // heads = {hidden // heads}, "
+            f"{arch} derives head_dim from hidden // heads = {hidden // heads}, "
             f"got head_dim={head_dim}"
         )
     if scale_in_other_shard and max_shard_size is None:
@@ -204,10 +212,16 @@ def _build_config(
         bos_token_id=1,
         eos_token_id=2,
     )
-    if arch != "qwen2":
+    if arch not in ("qwen2", "phi3"):
         kwargs["head_dim"] = head_dim
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch in ALWAYS_TIED:
+        kwargs["tie_word_embeddings"] = True
+    if arch == "gemma2":
+        kwargs.update(query_pre_attn_scalar=head_dim, pad_token_id=0)
+    if arch == "phi3":
+        kwargs.update(pad_token_id=0)
     return getattr(transformers, ARCHS[arch][0])(**kwargs)
 
 

@@ -147,23 +147,51 @@ def test_distinct_ranks_partition_k_and_v_and_the_rest_replicate(dims: Dims, tp:
 # --- names and order ------------------------------------------------------------------------
 
 
+LLAMA = arch.FAMILIES["llama"]
+
+
 def test_fused_name_and_shard_modules_agree() -> None:
     p = "model.layers.7"
     assert arch.fused_name(f"{p}.self_attn.k_proj") == f"{p}.self_attn.qkv_proj"
     assert arch.fused_name(f"{p}.mlp.up_proj") == f"{p}.mlp.gate_up_proj"
     assert arch.fused_name(f"{p}.self_attn.o_proj") == f"{p}.self_attn.o_proj"
-    others = ("lm_head", "model.embed_tokens", f"{p}.mlp.experts.0.w1", f"{p}.self_attn.qkv_proj")
-    for other in others:
+    # a module stored fused is its own linear (the planner then asks the family for its parts)
+    assert arch.fused_name(f"{p}.self_attn.qkv_proj") == f"{p}.self_attn.qkv_proj"
+    for other in ("lm_head", "model.embed_tokens", f"{p}.mlp.experts.0.w1"):
         assert arch.fused_name(other) is None, other
-    assert arch.shard_modules(f"{p}.self_attn.qkv_proj") == [
+    assert arch.shard_modules(f"{p}.self_attn.qkv_proj", LLAMA) == [
         f"{p}.self_attn.q_proj",
         f"{p}.self_attn.k_proj",
         f"{p}.self_attn.v_proj",
     ]
-    assert arch.shard_modules(f"{p}.mlp.gate_up_proj") == [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-    assert arch.shard_modules(f"{p}.mlp.down_proj") == [f"{p}.mlp.down_proj"]
-    for name in (f"{p}.self_attn.qkv_proj", f"{p}.mlp.gate_up_proj", f"{p}.self_attn.o_proj"):
-        assert {arch.fused_name(m) for m in arch.shard_modules(name)} == {name}
+    gate_up = f"{p}.mlp.gate_up_proj"
+    assert arch.shard_modules(gate_up, LLAMA) == [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
+    assert arch.shard_modules(f"{p}.mlp.down_proj", LLAMA) == [f"{p}.mlp.down_proj"]
+    for name in (f"{p}.self_attn.qkv_proj", gate_up, f"{p}.self_attn.o_proj"):
+        assert {arch.fused_name(m) for m in arch.shard_modules(name, LLAMA)} == {name}
+        assert arch.part_modules(name, LLAMA) == arch.shard_modules(name, LLAMA)
+
+
+def test_every_architecture_has_one_family() -> None:
+    assert len(arch.ARCHITECTURES) == len(set(arch.ARCHITECTURES))
+    for a in arch.ARCHITECTURES:
+        fam = arch.family_of(a)
+        assert fam is not None and a in fam.architectures
+    for new in ("Gemma2ForCausalLM", "GraniteForCausalLM"):
+        assert arch.family_of(new) is LLAMA
+    assert arch.family_of("MixtralForCausalLM") is None
+    assert arch.family_of(None) is None
+
+
+def test_parts_of_a_split_family_start_at_row_0_of_their_modules() -> None:
+    assert arch.part_offsets(LLAMA, GOLDEN_DIMS, QKV) == [0, 0, 0]
+    assert arch.part_offsets(LLAMA, GOLDEN_DIMS, GATE_UP) == [0, 0]
+
+
+def test_expected_rows_of_a_fused_linear_are_its_parts_together() -> None:
+    rows = arch.expected_rows(GOLDEN_DIMS)
+    assert rows["qkv_proj"] == 256 + 128 + 128
+    assert rows["gate_up_proj"] == 2 * 512
 
 
 def test_layer_order_is_by_layer_then_forward_pass() -> None:
@@ -201,6 +229,8 @@ def test_dims_of_the_golden_config_and_its_weight_shapes(golden: Path) -> None:
         shape = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 - not a dict
     for i in range(cfg["num_hidden_layers"]):
         for sub, n in arch.expected_rows(dims).items():
+            if sub in arch.FUSED:  # stored in parts in this checkpoint
+                continue
             where = "self_attn" if sub in ("q_proj", "k_proj", "v_proj") else "mlp"
             assert shape[f"model.layers.{i}.{where}.{sub}.weight"][0] == n, sub
         for sub, k in arch.expected_cols(dims).items():

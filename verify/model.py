@@ -16,8 +16,9 @@ replicate the same KV group are taken once, :func:`mpack.arch.distinct_ranks`), 
 layers get their slice of the input features on each rank, the partial products summed in fp32
 with the bias added once. With one rank this is the plain TP-1 model.
 
-Supported: :data:`mpack.arch.LLAMA_FAMILY` (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3) with
-vLLM's fusion rules (``fusion: vllm``, :mod:`mpack.arch`).
+Supported: :data:`mpack.arch.FAMILIES` (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3, Gemma 2,
+Granite) with vLLM's fusion rules (``fusion: vllm``, :mod:`mpack.arch`); where the model keeps
+the fused linear itself (a ``prefused`` family), it gets the parts concatenated.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpack.arch import FUSED, LLAMA_FAMILY, ROW_PARALLEL, Dims, dims_of, distinct_ranks
+from mpack.arch import (
+    ARCHITECTURES,
+    FUSED,
+    ROW_PARALLEL,
+    Dims,
+    dims_of,
+    distinct_ranks,
+    family_of,
+)
 from mpack.errors import CorruptFileError, UnsupportedSchemeError, UsageError
 from mpack.fsutil import parse_json
 from mpack.sidecar import CONFIG_NAME, torch_dtype
@@ -82,6 +91,18 @@ class ShardOutput(torch.nn.Module):
         return self.fused.shards(x)[self.j]
 
 
+class FusedOutput(torch.nn.Module):
+    """What a fused linear the model keeps whole (``qkv_proj``) returns: every part, in row
+    order."""
+
+    def __init__(self, fused: FusedColumn) -> None:
+        super().__init__()
+        object.__setattr__(self, "fused", fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.fused.shards(x), dim=-1)
+
+
 class RowParallel(torch.nn.Module):
     """A row-parallel linear over all ranks: input features split, partial sums added."""
 
@@ -118,7 +139,7 @@ def _config(sidecar: Path, manifest: dict[str, Any]) -> tuple[str, dict[str, Any
     for key in ("quantization_config", "compression_config"):
         raw.pop(key, None)
     arch = (raw.get("architectures") or [None])[0]
-    if manifest["target"]["fusion"] != "vllm" or arch not in LLAMA_FAMILY:
+    if manifest["target"]["fusion"] != "vllm" or arch not in ARCHITECTURES:
         raise UnsupportedSchemeError(
             f"{sidecar}: the model adapter supports vLLM-fused Llama-family sidecars, not {arch}"
         )
@@ -142,6 +163,8 @@ def _replace_linears(
 ) -> None:
     """Every packed layer in place of the model's linears (Note [combining TP ranks])."""
     tp = len(ranks)
+    fam = family_of(ranks[0].manifest["model"].get("architecture"))
+    prefused = fam is not None and fam.prefused
     for name, ly in ranks[0].manifest["layers"].items():
         parent, _, leaf = name.rpartition(".")
         parts: list[Part] = [
@@ -152,7 +175,9 @@ def _replace_linears(
             widths = [s["rows"] for s in ly["shards"]]
             keep = [distinct_ranks(sub, dims, tp) for sub in FUSED[leaf]]
             fused = FusedColumn(parts, widths, keep, dt)
-            for j, sub in enumerate(FUSED[leaf]):
+            if prefused:
+                model.get_submodule(parent)._modules[leaf] = FusedOutput(fused)
+            for j, sub in enumerate(FUSED[leaf] if not prefused else ()):
                 model.get_submodule(parent)._modules[sub] = ShardOutput(fused, j)
         elif leaf in ROW_PARALLEL:
             model.get_submodule(parent)._modules[leaf] = RowParallel(parts, dt)

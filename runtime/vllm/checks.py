@@ -189,10 +189,10 @@ def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) 
                 hint=hint,
             )
     made_from = manifest["model"].get("architecture")
-    if made_from not in arch.LLAMA_FAMILY or made_from != engine["architecture"]:
+    if made_from not in arch.ARCHITECTURES or made_from != engine["architecture"]:
         raise EngineMismatchError(
             f"{where}: the sidecar was made from a {shown(made_from)} model, this model is a "
-            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(arch.LLAMA_FAMILY)}",
+            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(arch.ARCHITECTURES)}",
             hint=OTHER_MODEL_HINT,
         )
     check_model_config(manifest, engine["model"], where)
@@ -268,6 +268,14 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
         )
 
 
+def family(manifest: dict[str, Any]) -> arch.Family:
+    """The family of the model a sidecar was made from (:func:`check_target` checked that it
+    is one of :data:`mpack.arch.FAMILIES`, and this model's)."""
+    fam = arch.family_of(manifest["model"].get("architecture"))
+    assert fam is not None, "check_target first"
+    return fam
+
+
 def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
     """The checkpoint modules the Marlin layers of a ``--no-passthrough`` sidecar stand for (vLLM
     must skip their tensors when it reads the checkpoint), from each layer's ``shards``: a list
@@ -275,6 +283,7 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
     up to ``n`` (docs/FORMAT.md)."""
     manifest_path = Path(where) / MANIFEST_NAME
     skip: set[str] = set()
+    fam = family(manifest)
     for name, ly in manifest["layers"].items():
         shards = ly.get("shards")
         ok = isinstance(shards, list) and all(
@@ -286,11 +295,14 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
         )
         if ok:
             modules = [s["module"] for s in shards]
-            ok = modules == arch.shard_modules(name) and sum(s["rows"] for s in shards) == ly["n"]
+            ok = (
+                modules == arch.part_modules(name, fam)
+                and sum(s["rows"] for s in shards) == ly["n"]
+            )
         if not ok:
             raise InputError(
                 f"{manifest_path}: layer {first_and_more([name])}: shards is {quote(shards)}, not "
-                f"[{{'module', 'rows'}}, ...] for {', '.join(arch.shard_modules(name))} with "
+                f"[{{'module', 'rows'}}, ...] for {', '.join(arch.part_modules(name, fam))} with "
                 f"rows adding up to n={ly['n']}",
                 hint="regenerate the sidecar with mpack convert",
             )
@@ -300,6 +312,7 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
 
 def check_common(
     tensors: Mapping[str, tuple[int, ...]],
+    fam: arch.Family,
     marlin: Iterable[str],
     dims: Mapping[str, int],
     tied: bool,
@@ -315,7 +328,7 @@ def check_common(
     none to a decoder layer the model does not have, and the embeddings, lm_head and norms must
     have the model's vocabulary and hidden size (vLLM asserts the vocabulary deep in its loader,
     after the whole model is built)."""
-    owned = {m for layer in marlin for m in (layer, *arch.shard_modules(layer))}
+    owned = {m for layer in marlin for m in (layer, *arch.shard_modules(layer, fam))}
     vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
     shapes = {
         "model.embed_tokens.weight": (vocab, hidden),
@@ -370,5 +383,6 @@ __all__ = [
     "check_shards",
     "check_target",
     "decoder_linears",
+    "family",
     "expected_profile",
 ]

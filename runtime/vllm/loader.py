@@ -69,6 +69,7 @@ from mpack.runtime.vllm.checks import (
     check_target,
     decoder_linears,
     expected_profile,
+    family,
     first_and_more,
 )
 from mpack.runtime.vllm.source import rank_weights, sidecar_dir
@@ -131,18 +132,19 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
     }
 
 
-def marlin_layer_names(quant_config: Any, num_layers: int) -> set[str]:
+def marlin_layer_names(quant_config: Any, num_layers: int, packed: dict[str, Any]) -> set[str]:
     """The linears vLLM will build with an FP8 scheme (so, under ``--load-format mpack``, on
-    Marlin) in a Llama-family model of ``num_layers`` decoder layers, before it builds them.
+    Marlin) in a model of ``num_layers`` decoder layers, before it builds them.
 
     vLLM decides per linear, from the checkpoint's quantization config: ``ignore``, then the
     config groups' ``targets`` (names, regexes or class names), a fused linear matching only when
     all its shards do. This asks vLLM's own ``CompressedTensorsConfig.get_scheme_dict`` the
     question it asks while building each layer; it reads only the layer's name and its class's
     name, so a stand-in object of the same class name is enough. The copy of the config gets the
-    fused-module mapping that vLLM hands it from the model class at build time."""
+    fused-module mapping ``packed`` that vLLM hands it from the model class at build time (Phi-3's
+    maps ``qkv_proj`` to itself: its checkpoint stores it fused)."""
     qc = copy.copy(quant_config)
-    qc.packed_modules_mapping = {k: list(v) for k, v in arch.FUSED.items()}
+    qc.packed_modules_mapping = {k: list(v) for k, v in packed.items()}
     names = set()
     for name, cls_name in decoder_linears(num_layers).items():
         stand_in = type(cls_name, (), {})()
@@ -153,6 +155,13 @@ def marlin_layer_names(quant_config: Any, num_layers: int) -> set[str]:
         if scheme and scheme.get("weights") is not None:
             names.add(name)
     return names
+
+
+def _packed_modules(model_config: Any) -> dict[str, Any]:
+    """The model class's ``packed_modules_mapping``, as vLLM resolves the class."""
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    return dict(getattr(get_model_architecture(model_config)[0], "packed_modules_mapping", {}))
 
 
 def force_marlin(vllm_config: Any) -> None:
@@ -233,14 +242,16 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         )
     check_target(manifest, engine, sidecar)
     dims = engine["model"]
-    check_layers(
-        manifest, marlin_layer_names(vllm_config.quant_config, dims["num_hidden_layers"]), sidecar
+    expected = marlin_layer_names(
+        vllm_config.quant_config, dims["num_hidden_layers"], _packed_modules(model_config)
     )
+    check_layers(manifest, expected, sidecar)
     skip = None
     if COMMON_NAME in {f["name"] for f in manifest["files"]}:
         common = read_file_map(sidecar / COMMON_NAME, follow=False)
         check_common(
             {e.name: e.shape for e in common.entries},
+            family(manifest),
             manifest["layers"],
             dims,
             engine["tied"],
@@ -308,6 +319,7 @@ class MpackModelLoader(DefaultModelLoader):
             if checked.skip is None:  # the tensors loaded are those whose header was checked
                 check_common(
                     _common_shapes(weights),
+                    family(checked.manifest),
                     checked.manifest["layers"],
                     checked.dims,
                     checked.tied,

@@ -72,6 +72,19 @@ CKPT_OF = {
     ("llama", "FP8_DYNAMIC"): "llama-channel",
     ("qwen2", "FP8"): "qwen2-tensor",
     ("qwen2", "FP8_DYNAMIC"): "qwen2-channel",
+    **{
+        (f, sch): f"{f}-{kind}"
+        for f in ("gemma2", "granite", "phi3")
+        for sch, kind in (("FP8", "tensor"), ("FP8_DYNAMIC", "channel"))
+    },
+}
+#: The families of issue 38, each with its real quirk: Gemma 2 with a head_dim that is not
+#: hidden / heads (as gemma-2-2b's 256) and no lm_head (always tied); Granite plain; Phi-3 with
+#: qkv_proj and gate_up_proj stored fused, and one KV head (K/V replicated at TP 2).
+FAMILY_CKPT = {
+    "gemma2": ["--arch", "gemma2", "--head-dim", "32"],
+    "granite": ["--arch", "granite"],
+    "phi3": ["--arch", "phi3", "--kv-heads", "1"],
 }
 LLAMA_TENSOR = ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16"]
 CKPTS = {
@@ -85,6 +98,14 @@ CKPTS = {
     # the loader can tell from anything but the bytes): Note [a sidecar is bound to its
     # checkpoint].
     "llama-tensor-seed1": [*LLAMA_TENSOR, "--seed", "1"],
+    **{
+        f"{f}-tensor": [*args, "--scheme", "FP8", "--dtype", "bfloat16"]
+        for f, args in FAMILY_CKPT.items()
+    },
+    **{
+        f"{f}-channel": [*args, "--scheme", "FP8_DYNAMIC", "--dtype", "float16"]
+        for f, args in FAMILY_CKPT.items()
+    },
 }
 
 # A pairwise covering set over (arch, scales, profile, dtype, TP).
@@ -96,6 +117,21 @@ CASES = [
     # The checkpoint is bfloat16: the engine and the sidecar run it in float16.
     Case("qwen2-channel-w8a16-fp16-tp2", "qwen2", "FP8_DYNAMIC", "w8a16", "float16", 2),
     Case("qwen2-channel-w8a8-bf16-tp2", "qwen2", "FP8_DYNAMIC", "w8a8-marlin", "bfloat16", 2),
+    # Per family, every pair of (scales, profile), (scales, TP) and (profile, TP). vLLM runs
+    # Gemma 2 in bfloat16 only ("numerical instability" in float16): its float16 checkpoint too.
+    *(
+        Case(f"{f}-{kind}-{short}-{dt}-tp{tp}", f, sch, prof, dtype, tp)
+        for f in FAMILY_CKPT
+        for kind, sch, short, prof, dt, dtype, tp in (
+            ("tensor", "FP8", "w8a16", "w8a16", "bf16", "bfloat16", 1),
+            ("tensor", "FP8", "w8a8", "w8a8-marlin", "bf16", "bfloat16", 2),
+            ("channel", "FP8_DYNAMIC", "w8a8", "w8a8-marlin", "fp16", "float16", 1),
+            ("channel", "FP8_DYNAMIC", "w8a16", "w8a16", "fp16", "float16", 2),
+        )
+        if not (f == "gemma2" and dt == "fp16")
+    ),
+    Case("gemma2-channel-w8a8-bf16-tp1", "gemma2", "FP8_DYNAMIC", "w8a8-marlin", "bfloat16", 1),
+    Case("gemma2-channel-w8a16-bf16-tp2", "gemma2", "FP8_DYNAMIC", "w8a16", "bfloat16", 2),
 ]
 CASE_IDS = [c.name for c in CASES]
 BASE = CASES[0]  # the bad-input loads start from this one: llama-tensor, w8a16, bf16, TP 1
