@@ -75,9 +75,10 @@ def unknown_architecture_hint() -> str:
     """What would make an architecture outside :data:`FAMILIES` convert."""
     return (
         "an architecture whose vLLM model class fuses qkv_proj and gate_up_proj as Llama's does "
-        'is one entry of mpack.arch.FAMILIES (docs/VLLM.md, "Families"); until then, '
-        "--fuse none --tp 1 packs every layer under its checkpoint name, for "
-        "mpack.runtime.attach or your own loader (vLLM's --load-format mpack needs --fuse vllm)"
+        "is one entry of mpack.arch.FAMILIES; until then, "
+        "use --fuse none --tp 1 to pack every layer under its checkpoint name, for "
+        "mpack.runtime.attach or your own loader; vLLM's --load-format mpack cannot load such a "
+        "sidecar (it needs --fuse vllm)"
     )
 
 

@@ -57,6 +57,8 @@ ARCHS: dict[str, tuple[str, str]] = {
 #: Architectures whose models always tie lm_head to the embeddings (vLLM's Gemma 2 has no
 #: lm_head, and refuses a checkpoint that stores one).
 ALWAYS_TIED = ("gemma2",)
+#: Architectures whose transformers config has no ``head_dim`` (it is ``hidden // heads``).
+NO_HEAD_DIM = ("qwen2", "phi3")
 SCHEMES: tuple[str, ...] = ("FP8", "FP8_DYNAMIC")
 #: integer weight presets :func:`make_int_checkpoint` writes (checkpoints mpack must refuse)
 INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
@@ -171,7 +173,7 @@ def _check_args(
         raise ValueError(
             f"hidden ({hidden}) must be a multiple of heads ({heads}) when head_dim is not given"
         )
-    if arch in ("qwen2", "phi3") and head_dim not in (None, hidden // heads):
+    if arch in NO_HEAD_DIM and head_dim not in (None, hidden // heads):
         raise ValueError(
             f"{arch} derives head_dim from hidden // heads = {hidden // heads}, "
             f"got head_dim={head_dim}"
@@ -212,16 +214,16 @@ def _build_config(
         bos_token_id=1,
         eos_token_id=2,
     )
-    if arch not in ("qwen2", "phi3"):
+    if arch not in NO_HEAD_DIM:
         kwargs["head_dim"] = head_dim
     if arch == "mistral":
         kwargs["sliding_window"] = None
     if arch in ALWAYS_TIED:
         kwargs["tie_word_embeddings"] = True
     if arch == "gemma2":
-        kwargs.update(query_pre_attn_scalar=head_dim, pad_token_id=0)
-    if arch == "phi3":
-        kwargs.update(pad_token_id=0)
+        kwargs["query_pre_attn_scalar"] = head_dim
+    if arch in ("gemma2", "phi3"):  # their default pad token lies outside a small vocabulary
+        kwargs["pad_token_id"] = 0
     return getattr(transformers, ARCHS[arch][0])(**kwargs)
 
 

@@ -218,7 +218,7 @@ def pack_fa(z: zipfile.ZipFile, record: dict[str, str]) -> None:
     name = Path(FA3).name + ".xz"
     (fa / name).write_bytes(data)
     (fa / "fa.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
-    print(f"call PHASE=fa: {(tree_bytes() + len(data)) / MIB:6.2f} MiB  carry: .vllmdev/fa")
+    print(f"  {len(data) / MIB:6.2f} MiB  .vllmdev/fa (the call PHASE=fa carries .vllmdev/mw too)")
 
 
 def pins() -> dict[str, str]:
@@ -329,7 +329,7 @@ def main() -> int:
 
     device_wheels = REPO / ".device" / "wheels"
     if not any(device_wheels.glob("*.whl")):
-        fail(f"{device_wheels} holds no wheels: call 2 installs mpack's environment from it", 3)
+        fail(f"{device_wheels} holds no wheels: mpack's environment on the device comes from it", 3)
     whl = get_wheel(args.wheel_dir)
 
     for d in ("p1", "p2", "w", "w-download", "mw"):

@@ -35,6 +35,7 @@ from mpack.arch import (
     FUSED,
     ROW_PARALLEL,
     Dims,
+    Family,
     dims_of,
     distinct_ranks,
     family_of,
@@ -159,12 +160,15 @@ def _ranks(weights: SharedWeights | Sequence[SharedWeights]) -> list[SharedWeigh
 
 
 def _replace_linears(
-    model: Any, ranks: list[SharedWeights], dims: Dims, dt: torch.dtype, sidecar: Path
+    model: Any,
+    ranks: list[SharedWeights],
+    fam: Family,
+    dims: Dims,
+    dt: torch.dtype,
+    sidecar: Path,
 ) -> None:
     """Every packed layer in place of the model's linears (Note [combining TP ranks])."""
     tp = len(ranks)
-    fam = family_of(ranks[0].manifest["model"].get("architecture"))
-    prefused = fam is not None and fam.prefused
     for name, ly in ranks[0].manifest["layers"].items():
         parent, _, leaf = name.rpartition(".")
         parts: list[Part] = [
@@ -175,10 +179,11 @@ def _replace_linears(
             widths = [s["rows"] for s in ly["shards"]]
             keep = [distinct_ranks(sub, dims, tp) for sub in FUSED[leaf]]
             fused = FusedColumn(parts, widths, keep, dt)
-            if prefused:
+            if fam.prefused:
                 model.get_submodule(parent)._modules[leaf] = FusedOutput(fused)
-            for j, sub in enumerate(FUSED[leaf] if not prefused else ()):
-                model.get_submodule(parent)._modules[sub] = ShardOutput(fused, j)
+            else:
+                for j, sub in enumerate(FUSED[leaf]):
+                    model.get_submodule(parent)._modules[sub] = ShardOutput(fused, j)
         elif leaf in ROW_PARALLEL:
             model.get_submodule(parent)._modules[leaf] = RowParallel(parts, dt)
         else:
@@ -247,7 +252,9 @@ def build_model(
     cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
-    _replace_linears(model, ranks, dims, dt, sidecar)
+    fam = family_of(arch)
+    assert fam is not None, "_config refuses other architectures"
+    _replace_linears(model, ranks, fam, dims, dt, sidecar)
     _place_passthrough(model, ranks[0], cfg, dt, sidecar)
     _rebuild_rotary(model, cfg, next(iter(ranks[0].values())).device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

@@ -108,6 +108,7 @@ CKPTS = {
     },
 }
 
+DT_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 # A pairwise covering set over (arch, scales, profile, dtype, TP).
 CASES = [
     Case("llama-tensor-w8a16-bf16-tp1", "llama", "FP8", "w8a16", "bfloat16", 1),
@@ -120,18 +121,16 @@ CASES = [
     # Per family, every pair of (scales, profile), (scales, TP) and (profile, TP). vLLM runs
     # Gemma 2 in bfloat16 only ("numerical instability" in float16): its float16 checkpoint too.
     *(
-        Case(f"{f}-{kind}-{short}-{dt}-tp{tp}", f, sch, prof, dtype, tp)
+        Case(f"{f}-{kind}-{short}-{DT_SHORT[dt]}-tp{tp}", f, sch, prof, dt, tp)
         for f in FAMILY_CKPT
-        for kind, sch, short, prof, dt, dtype, tp in (
-            ("tensor", "FP8", "w8a16", "w8a16", "bf16", "bfloat16", 1),
-            ("tensor", "FP8", "w8a8", "w8a8-marlin", "bf16", "bfloat16", 2),
-            ("channel", "FP8_DYNAMIC", "w8a8", "w8a8-marlin", "fp16", "float16", 1),
-            ("channel", "FP8_DYNAMIC", "w8a16", "w8a16", "fp16", "float16", 2),
+        for kind, sch, short, prof, dtype, tp in (
+            ("tensor", "FP8", "w8a16", "w8a16", "bfloat16", 1),
+            ("tensor", "FP8", "w8a8", "w8a8-marlin", "bfloat16", 2),
+            ("channel", "FP8_DYNAMIC", "w8a8", "w8a8-marlin", "float16", 1),
+            ("channel", "FP8_DYNAMIC", "w8a16", "w8a16", "float16", 2),
         )
-        if not (f == "gemma2" and dt == "fp16")
+        for dt in ["bfloat16" if f == "gemma2" else dtype]
     ),
-    Case("gemma2-channel-w8a8-bf16-tp1", "gemma2", "FP8_DYNAMIC", "w8a8-marlin", "bfloat16", 1),
-    Case("gemma2-channel-w8a16-bf16-tp2", "gemma2", "FP8_DYNAMIC", "w8a16", "bfloat16", 2),
 ]
 CASE_IDS = [c.name for c in CASES]
 BASE = CASES[0]  # the bad-input loads start from this one: llama-tensor, w8a16, bf16, TP 1
