@@ -40,9 +40,17 @@ VLLM_PYTEST_ARGS ?=
 VLLM_REQS := packaging pydantic msgspec pyzmq cachetools blake3 cbor2 pybase64 psutil regex \
 	numpy requests tqdm pyyaml cloudpickle einops safetensors huggingface_hub tokenizers \
 	sentencepiece py-cpuinfo transformers aiohttp openai pillow uvloop prometheus_client fastapi \
-	partial_json_parser loguru llguidance oss-harmony apache-tvm-ffi pytest
+	partial_json_parser loguru llguidance oss-harmony apache-tvm-ffi pytest \
+	jsonschema tiktoken pydantic_extra_types pycountry
 # and installed without its own (xgrammar requires triton on Linux x86-64, a CUDA compiler stack).
 VLLM_REQS_NODEPS := xgrammar
+# vLLM's multimodal wrappers (Llava, Mistral 3, Qwen2.5-VL, Gemma 3) import torchvision, and
+# Llava's and Mistral 3's mistral_common (its deps are in VLLM_REQS above; its numpy<2.4 pin is
+# not vLLM's). They go in beside the venv, not in it: the index's torchvision is a CUDA build,
+# which breaks every `import vllm` of a plain CPU venv. tests/vllm/cpu_standins.py (stand-in 7)
+# puts the folder on the path of the loader tests' workers.
+VLLM_MM_SITE := $(VLLM_VENV)/mm-site
+VLLM_MM_PKGS := torchvision mistral_common
 # The compressed-tensors-facing part of the main suite, run again in .venv-vllm: mpack on vLLM
 # 0.33.0's pins (compressed-tensors 0.17.0, transformers 5.20) where .venv has the newest
 # (0.20.1, 5.24). The config parse, its lean import, the fixtures transformers loads, the bad
@@ -87,6 +95,7 @@ $(VLLM_STAMP): pyproject.toml setup.py convert/_repack.c constraints-vllm.txt sc
 	$(VPIP) install -q -c constraints-vllm.txt $(VLLM_REQS) -e .
 	# Last: pip would list every dependency of theirs it did not install after each later step.
 	$(VPIP) install -q -c constraints-vllm.txt --no-deps vllm==0.33.0 $(VLLM_REQS_NODEPS)
+	$(VPIP) install -q -c constraints-vllm.txt --no-deps --upgrade --target $(VLLM_MM_SITE) $(VLLM_MM_PKGS)
 	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m, vllm; print(*(d + ' ' + \
 		m.version(d) for d in ('vllm', 'torch', 'compressed-tensors', 'transformers', \
 		'mpack-marlin')), sep=', ')"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mpack.convert import autofp8
 from mpack.errors import (
     CorruptFileError,
     SourceNotFoundError,
@@ -38,7 +39,7 @@ from mpack.sidecar import (
     read_file_map,
     torch_dtype,
 )
-from mpack.target import ACT_DTYPES, BIAS, SCALE, WEIGHT
+from mpack.target import ACT_DTYPES, BIAS, BLOCK_FP8, BLOCK_FP8_HINT, QUANT_METHODS, SCALE, WEIGHT
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: planning needs none
     import torch
@@ -77,7 +78,9 @@ class Checkpoint:
 
     root: Path
     config: dict[str, Any]
-    qconfig: Any  # compressed_tensors.quantization.QuantizationConfig
+    #: compressed_tensors.quantization.QuantizationConfig, or autofp8.Fp8Config (quant_method
+    #: fp8); None where the scheme is checked apart (open_checkpoint's ``scheme=False``)
+    qconfig: Any
     files: list[str]  # safetensors shards, relative names
     tensors: dict[str, SourceTensor]
     layers: dict[str, QuantLayer] = field(default_factory=dict)
@@ -86,6 +89,11 @@ class Checkpoint:
     def architecture(self) -> str | None:
         archs = self.config.get("architectures") or self.text_config.get("architectures") or []
         return archs[0] if archs else None
+
+    @property
+    def quant_method(self) -> str:
+        """config.json's ``quant_method`` (a key of :data:`mpack.target.QUANT_METHODS`)."""
+        return find_quant_config(self.config)["quant_method"]
 
     @property
     def text_config(self) -> dict[str, Any]:
@@ -166,7 +174,8 @@ def find_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def check_quant_scheme(qc: dict[str, Any], where: Path) -> None:
-    """Refuse, from the raw config alone, a checkpoint that is not compressed-tensors FP8.
+    """Refuse, from the raw config alone, a checkpoint that is not compressed-tensors or AutoFP8
+    (``quant_method: fp8``) FP8.
 
     Another ``quant_method`` (GPTQ, AWQ, ...) or a config group whose weights are not 8-bit
     floats (W4A16, W8A8, NVFP4, ...) is named as such here, before any tensor is looked at: its
@@ -177,12 +186,16 @@ def check_quant_scheme(qc: dict[str, Any], where: Path) -> None:
     Raises:
         UnsupportedSchemeError: naming ``where`` (config.json) and the scheme, with a hint.
     """
-    if qc.get("quant_method") != "compressed-tensors":
+    method = qc.get("quant_method")
+    if not isinstance(method, str) or method not in QUANT_METHODS:
         raise UnsupportedSchemeError(
-            f"{where}: quant_method is {qc.get('quant_method')!r}, "
-            "mpack reads compressed-tensors checkpoints",
+            f"{where}: quant_method is {quote(method)}, mpack reads "
+            f"{' and '.join(QUANT_METHODS)} FP8 checkpoints",
             hint="convert the model with llm-compressor (compressed-tensors FP8) first",
         )
+    if method == autofp8.QUANT_METHOD:
+        autofp8.parse(qc, where)
+        return
     groups = qc.get("config_groups")
     if not isinstance(groups, dict):
         return  # compressed-tensors' own parse reports it
@@ -251,8 +264,11 @@ def parse_quant_config(qc: dict[str, Any], where: Path) -> Any:
     0.20 writes only the fields it uses; 0.19 also wrote defaults (``observer``,
     ``observer_kwargs``, ``scale_dtype``, ...). Fields the installed models do not know are dropped
     and parsing is retried, so either serialisation parses. The caller runs
-    :func:`check_quant_scheme` first (:func:`open_checkpoint`).
+    :func:`check_quant_scheme` first (:func:`open_checkpoint`). An AutoFP8 config is read by
+    :func:`mpack.convert.autofp8.parse` instead.
     """
+    if qc.get("quant_method") == autofp8.QUANT_METHOD:
+        return autofp8.parse(qc, where)
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
@@ -338,7 +354,9 @@ def _read_config(root: Path, scheme: bool) -> tuple[dict[str, Any], Any]:
             hint="mpack converts compressed-tensors FP8 checkpoints (e.g. RedHatAI/*-FP8)",
         )
     check_quant_scheme(qc, cfg_path)
-    return config, parse_quant_config(qc, cfg_path) if scheme else None
+    # An AutoFP8 config needs no compressed-tensors: it is always read here.
+    full = scheme or qc.get("quant_method") == autofp8.QUANT_METHOD
+    return config, parse_quant_config(qc, cfg_path) if full else None
 
 
 def _shard_files(root: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -432,6 +450,8 @@ def find_layers(ck: Checkpoint) -> dict[str, QuantLayer]:
                 hint="the checkpoint is incomplete; re-export it with llm-compressor",
             )
     if not layers:
+        if ck.quant_method == autofp8.QUANT_METHOD:
+            raise autofp8.not_serialized(ck.root)
         raise UnsupportedSchemeError(
             f"{ck.root}: no FP8 quantized layers (no F8_E4M3 weight with a weight_scale)"
         )
@@ -444,7 +464,9 @@ def _check_layer(ck: Checkpoint, module: str, w: SourceTensor, s: SourceTensor) 
     if len(w.shape) != 2:
         raise UnsupportedSchemeError(f"{where}: weight shape {list(w.shape)} is not 2-D")
     n, k = w.shape
-    if ck.qconfig is None:  # structural check only: the strategy follows from the scale's shape
+    if isinstance(ck.qconfig, autofp8.Fp8Config):
+        strategy = autofp8.check_layer(ck, ck.qconfig, module, s, where)
+    elif ck.qconfig is None:  # structural check only: the strategy follows from the scale's shape
         strategy = "tensor" if math.prod(s.shape) == 1 else "channel"
     else:
         strategy = _check_scheme(ck, module, where)
@@ -489,10 +511,15 @@ def _check_scheme(ck: Checkpoint, module: str, where: str) -> str:
             f"{where}: weight scheme {args.type} {args.num_bits}-bit; "
             "mpack packs 8-bit float (FP8) only"
         )
+    if strategy == "block":
+        raise UnsupportedSchemeError(
+            f"{where}: weight strategy 'block': block FP8; {BLOCK_FP8}",
+            hint=BLOCK_FP8_HINT,
+        )
     if strategy not in ("tensor", "channel"):
         raise UnsupportedSchemeError(
-            f"{where}: weight strategy {strategy!r} (group/block/tensor_group) is not supported by "
-            "vLLM's FP8 Marlin path for compressed-tensors",
+            f"{where}: weight strategy {strategy!r}: mpack packs tensor- and channel-scaled FP8 "
+            "only",
             hint="use a checkpoint quantized per tensor (preset FP8) or per channel (FP8_DYNAMIC)",
         )
     return strategy

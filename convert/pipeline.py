@@ -65,7 +65,7 @@ from mpack.convert.output import (
     staged_sidecar,
     target_output,
 )
-from mpack.convert.plan import Plan, open_and_plan
+from mpack.convert.plan import Plan, layout, open_and_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
@@ -589,10 +589,18 @@ def _manifest(
     return new_manifest(
         target=plan.target,
         source=provenance(src, files_src),
-        model={"architecture": ck.architecture, "config": _model_summary(ck)},
+        model=_model(ck),
         layers=plan.layers_manifest(),
         files=sorted(records, key=lambda f: f["name"]),
     )
+
+
+def _model(ck: Checkpoint) -> dict[str, Any]:
+    """The manifest's ``model``: the architecture, a wrapper's ``text_architecture`` (the
+    language model the dimensions are of), and the dimensions."""
+    lay = layout(ck)
+    text = {"text_architecture": lay.text_architecture} if lay.wrapper is not None else {}
+    return {"architecture": ck.architecture, **text, "config": _model_summary(ck)}
 
 
 def _model_summary(ck: Checkpoint) -> dict[str, Any]:

@@ -122,9 +122,16 @@ class Plan:
 # --- model dimensions ---------------------------------------------------------------------
 
 
+def layout(ck: Checkpoint) -> arch.Layout:
+    """Where the checkpoint keeps its language model, and that model's family (None: unknown;
+    :func:`family` refuses it). A wrapper's language model is found from config.json
+    (:func:`mpack.arch.text_architecture`)."""
+    return arch.layout_of(ck.architecture, arch.text_architecture(ck.architecture, ck.config))
+
+
 def model_dims(ck: Checkpoint) -> Dims:
     try:
-        return arch.dims_of(ck.architecture, ck.text_config)
+        return arch.dims_of(layout(ck).text_architecture, ck.text_config)
     except (KeyError, TypeError, ValueError) as e:
         raise UnsupportedSchemeError(
             f"{ck.root / CONFIG_NAME}: missing or bad model dimension {e}"
@@ -132,16 +139,18 @@ def model_dims(ck: Checkpoint) -> Dims:
 
 
 def check_decoder_layers(ck: Checkpoint) -> None:
-    """The decoder layers the weights hold (``model.layers.<i>.``, every tensor, quantized or
-    not) are exactly ``0 .. num_hidden_layers - 1`` of config.json, for the architectures whose
-    rules mpack knows: vLLM builds ``num_hidden_layers`` layers and refuses the sidecar only
-    after it has allocated them, minutes in.
+    """The decoder layers the weights hold (``model.layers.<i>.``; a wrapper's language
+    model's, in vLLM's names; every tensor, quantized or not) are exactly
+    ``0 .. num_hidden_layers - 1`` of config.json, for the architectures whose rules mpack knows:
+    vLLM builds ``num_hidden_layers`` layers and refuses the sidecar only after it has
+    allocated them, minutes in.
 
     Raises:
         UnsupportedSchemeError: ``num_hidden_layers`` missing or not a positive whole number, or
             other layers than it says (naming the value, the layers found and a file).
     """
-    if arch.family_of(ck.architecture) is None:
+    lay = layout(ck)
+    if lay.family is None:
         return
     cfg = ck.root / CONFIG_NAME
     n = ck.text_config.get("num_hidden_layers")
@@ -153,7 +162,7 @@ def check_decoder_layers(ck: Checkpoint) -> None:
         )
     found: dict[int, str] = {}  # layer -> its first tensor
     for name in sorted(ck.tensors, key=arch.natural_key):
-        i = arch.decoder_index(name)
+        i = lay.decoder_index(name)
         if i is not None:
             found.setdefault(i, name)
     extra = [i for i in found if i >= n]
@@ -165,7 +174,8 @@ def check_decoder_layers(ck: Checkpoint) -> None:
         why = f"{ck.root / ck.tensors[first].file} holds {first}"
     else:
         gap = next(i for i in range(n) if i not in found)
-        why = f"no shard holds {arch.DECODER_PREFIX}.{gap}.*"
+        named = " in vLLM's names" if lay.wrapper is not None else ""
+        why = f"no shard holds {lay.decoder_prefix}.{gap}.*{named}"
     contiguous = len(found) > 0 and max(found) == len(found) - 1
     raise UnsupportedSchemeError(
         f"{cfg}: num_hidden_layers is {n}, but the weights hold decoder layers {held} ({why}): "
@@ -205,26 +215,58 @@ def check_tp(ck: Checkpoint, dims: Dims, tp: int) -> None:
 
 
 def family(ck: Checkpoint) -> arch.Family:
-    """The family of the checkpoint's architecture (:data:`mpack.arch.FAMILIES`).
+    """The family of the checkpoint's (language) model (:data:`mpack.arch.FAMILIES`).
 
     Raises:
-        UnsupportedSchemeError: an architecture mpack has no fusion/TP rules for.
+        UnsupportedSchemeError: an architecture mpack has no fusion/TP rules for, or a wrapper
+            (:data:`mpack.arch.WRAPPERS`) whose language model is one.
     """
-    fam = arch.family_of(ck.architecture)
+    why = arch.NOT_IN_VLLM.get(ck.architecture or "")
+    if why:
+        raise UnsupportedSchemeError(
+            f"{ck.root / CONFIG_NAME}: architecture {ck.architecture}: vLLM 0.33.0 cannot run "
+            f"it ({why}), so there is no Marlin layout to pack for",
+            hint="serve it with an engine that supports it, without mpack",
+        )
+    lay = layout(ck)
+    if lay.wrapper is not None and lay.family is None:
+        text = ck.text_config.get("model_type") if lay.text_architecture is None else None
+        what = (
+            f"language model {lay.text_architecture!r}"
+            if lay.text_architecture
+            else f"language model of text_config.model_type {text!r}"
+        )
+        raise UnsupportedSchemeError(
+            f"{ck.root / CONFIG_NAME}: {ck.architecture} wraps a {what}, which has no "
+            f"fusion/TP rules in mpack (known: {', '.join(arch.ARCHITECTURES)})",
+            hint=arch.unknown_architecture_hint(),
+        )
+    fam = lay.family
     if fam is None:
         raise UnsupportedSchemeError(
             f"{ck.root / CONFIG_NAME}: architecture {ck.architecture!r} has no fusion/TP rules in "
-            f"mpack (known: {', '.join(arch.ARCHITECTURES)})",
+            f"mpack (known: {', '.join(arch.ARCHITECTURES + arch.WRAPPER_ARCHITECTURES)})",
             hint=arch.unknown_architecture_hint(),
         )
     return fam
 
 
 def _group_vllm(ck: Checkpoint, fam: arch.Family) -> list[tuple[str, list[str]]]:
-    """Group quantized modules into vLLM's fused linears: [(out_name, [modules in row order])]."""
+    """Group quantized modules into vLLM's fused linears: [(out_name, [modules in row order])],
+    ``out_name`` vLLM's (a wrapper's: :meth:`mpack.arch.Layout.vllm_name`), the modules the
+    checkpoint's."""
+    lay = layout(ck)
     groups: dict[str, list[str]] = {}
     for module in ck.layers:
         name = arch.fused_name(module)
+        part = lay.part_of(lay.vllm_name(module))
+        if part != arch.LANGUAGE_MODEL:
+            raise UnsupportedSchemeError(
+                f"{ck.root}: quantized module {module!r} is in the {part}, not in the language "
+                "model's decoder layers: mpack packs the language model's linears only",
+                hint="use a checkpoint whose quantization ignores the vision tower and the "
+                "projector (llm-compressor's multimodal recipes do)",
+            )
         if name is None:
             leaf = module.rpartition(".")[2]
             what = "a quantized lm_head" if leaf == "lm_head" else f"quantized module {module!r}"
@@ -243,7 +285,8 @@ def _group_vllm(ck: Checkpoint, fam: arch.Family) -> list[tuple[str, list[str]]]
                 f"quantized FP8 {', '.join(missing)} not found"
             )
         groups[name] = want
-    return sorted(groups.items(), key=lambda g: arch.layer_order(g[0]))
+    named = ((lay.vllm_name(name), members) for name, members in groups.items())
+    return sorted(named, key=lambda g: arch.layer_order(g[0]))
 
 
 def _slices(
@@ -254,8 +297,11 @@ def _slices(
     style = arch.parallel_style(name)
     rows = arch.shard_rows(dims, name, tp, rank)  # at TP 1: every row (_check_shapes)
     if rows is not None:
+        # The checkpoint's name of the linear: vLLM's, unless a wrapper maps it (Layout).
+        ck_name = arch.fused_name(members[0])
+        assert ck_name is not None, "_group_vllm grouped it"
         parts = zip(
-            arch.part_modules(name, fam), rows, arch.part_offsets(fam, dims, name), strict=True
+            arch.part_modules(ck_name, fam), rows, arch.part_offsets(fam, dims, name), strict=True
         )
         return [Piece(m, (r0 + at, r1 + at), (0, L[m].k)) for m, (r0, r1), at in parts], style
     (m,) = members
@@ -278,14 +324,27 @@ def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> 
     want_n, want_k = arch.expected_rows(dims), arch.expected_cols(dims)
     for m, ly in zip(members, layers, strict=True):
         sub = m.rpartition(".")[2]
+        where = f"{ck.root / ck.tensors[m + '.weight'].file}: {m}.weight"
         if sub in want_n and ly.n != want_n[sub]:
+            parts = arch.FUSED.get(sub)
+            made_of = (
+                " (" + " + ".join(f"{p.removesuffix('_proj')} {want_n[p]}" for p in parts) + ")"
+                if parts
+                else ""
+            )
             raise UnsupportedSchemeError(
-                f"{ck.root}: {m}.weight has N={ly.n}, {CONFIG_NAME} implies {want_n[sub]} "
-                "(heads/head_dim/intermediate)"
+                f"{where} has N={ly.n} rows, {CONFIG_NAME} implies {want_n[sub]}{made_of} "
+                f"(num_attention_heads {dims.heads}, "
+                f"num_key_value_heads {dims.kv_heads}, head_dim {dims.head_dim}, "
+                f"intermediate_size {dims.intermediate})",
+                hint=f"the weights and {CONFIG_NAME} are of different models: use the "
+                "checkpoint's own config.json",
             )
         if sub in want_k and ly.k != want_k[sub]:
             raise UnsupportedSchemeError(
-                f"{ck.root}: {m}.weight has K={ly.k}, {CONFIG_NAME} implies {want_k[sub]}"
+                f"{where} has K={ly.k}, {CONFIG_NAME} implies {want_k[sub]}",
+                hint=f"the weights and {CONFIG_NAME} are of different models: use the "
+                "checkpoint's own config.json",
             )
 
 
@@ -343,6 +402,23 @@ def _out_layer(
     )
 
 
+def check_profile(ck: Checkpoint, profile: str) -> None:
+    """``profile`` must be one vLLM 0.33.0 runs the checkpoint's format with on Marlin
+    (:data:`mpack.target.QUANT_METHODS`).
+
+    Raises:
+        UnsupportedSchemeError: naming the format, the profile and the profiles it has.
+    """
+    runs = target.QUANT_METHODS[ck.quant_method]
+    if profile not in runs:
+        raise UnsupportedSchemeError(
+            f"{ck.root / CONFIG_NAME}: quant_method {ck.quant_method}: vLLM 0.33.0 runs this "
+            f"checkpoint on Marlin with {', '.join(runs.values())}, the {', '.join(runs)} "
+            f"profile, never as {profile}",
+            hint=f"convert with --profile {next(iter(runs))}",
+        )
+
+
 def make_plan(
     ck: Checkpoint, *, profile: str, act_dtype: str, tp: int, fusion: str, passthrough: bool = True
 ) -> Plan:
@@ -350,9 +426,11 @@ def make_plan(
 
     Raises:
         UsageError: ``--fuse none`` with ``tp > 1``.
-        UnsupportedSchemeError: an unknown architecture for fusion, a TP size that does not fit,
-            shapes that disagree with config.json.
+        UnsupportedSchemeError: a profile vLLM does not run the checkpoint with, an unknown
+            architecture for fusion, a TP size that does not fit, shapes that disagree with
+            config.json.
     """
+    check_profile(ck, profile)
     groups, fused = _groups(ck, fusion, tp)
     units = [
         [_out_layer(ck, name, members, fused, tp, rank, profile) for rank in range(tp)]

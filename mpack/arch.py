@@ -43,6 +43,9 @@ FAMILIES: dict[str, Family] = {
             "Qwen3ForCausalLM",
             "Gemma2ForCausalLM",
             "GraniteForCausalLM",
+            # Gemma 3's language model (gemma3.py: the Llama packed_modules_mapping; its q/k
+            # norms are pass-through tensors, as Qwen3's).
+            "Gemma3ForCausalLM",
         )
     ),
     "qwen2": Family(("Qwen2ForCausalLM",), reads_head_dim=False),
@@ -67,8 +70,178 @@ DECODER_INDEX = re.compile(re.escape(DECODER_PREFIX) + r"\.(\d+)\.")
 
 
 def family_of(architecture: str | None) -> Family | None:
-    """The family of ``architecture`` (config.json's ``architectures[0]``); None: unknown."""
+    """The family of ``architecture`` (a causal LM's ``architectures[0]``, or a wrapper's text
+    model: :func:`text_architecture`); None: unknown."""
     return next((f for f in FAMILIES.values() if architecture in f.architectures), None)
+
+
+# --- multimodal wrappers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A vLLM 0.33.0 vision-language model class around a language model of :data:`FAMILIES`.
+
+    vLLM builds the language model under ``language_model.`` (:data:`TEXT_MODEL_PREFIX`), so its
+    decoder linears are ``language_model.model.layers.<i>...``, and maps every checkpoint name
+    with the class's ``hf_to_vllm_mapper`` before loading it."""
+
+    architectures: tuple[str, ...]
+    #: ``hf_to_vllm_mapper.orig_to_new_prefix``, in order: checkpoint-name prefix -> vLLM-name
+    #: prefix. Every entry is tried in turn on the name the previous ones left (WeightsMapper).
+    prefixes: tuple[tuple[str, str], ...]
+    #: vLLM-name prefix -> the part of the model under it (what ``mpack inspect`` calls it).
+    parts: tuple[tuple[str, str], ...]
+    #: The language model's architecture where the class fixes it
+    #: (``init_vllm_registered_model(architectures=[...])``); None: ``text_config``'s.
+    text_architecture: str | None = None
+
+
+#: Where vLLM builds a wrapper's language model (``maybe_prefix(prefix, "language_model")``).
+TEXT_MODEL_PREFIX = "language_model."
+LANGUAGE_MODEL, VISION_TOWER, PROJECTOR = "language model", "vision tower", "projector"
+#: Llava's mapper (llava.py:505-513); Mistral 3 and Gemma 3 start from it.
+_LLAVA_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
+_LLAVA_PARTS = (
+    (TEXT_MODEL_PREFIX, LANGUAGE_MODEL),
+    ("vision_tower.", VISION_TOWER),
+    ("multi_modal_projector.", PROJECTOR),
+)
+#: Every wrapper mpack knows, by name. A new one is an entry here: its vLLM class's
+#: ``hf_to_vllm_mapper`` prefixes, its parts, and how it picks its language model.
+WRAPPERS: dict[str, Wrapper] = {
+    "llava": Wrapper(("LlavaForConditionalGeneration",), _LLAVA_PREFIXES, _LLAVA_PARTS),
+    # mistral3.py:433-451 (text-only names ``model.*`` last; its suffix entries rename
+    # AutoFP8's weight_scale_inv / activation_scale, names compressed-tensors does not use).
+    "mistral3": Wrapper(
+        ("Mistral3ForConditionalGeneration",),
+        (*_LLAVA_PREFIXES, ("model.", "language_model.model.")),
+        _LLAVA_PARTS,
+    ),
+    # qwen2_5_vl.py:1313-1322, 1440-1448: the original checkpoints keep the language model at
+    # ``model.*`` and the vision tower (with its merger, the projector) at ``visual.*``.
+    "qwen2_5_vl": Wrapper(
+        ("Qwen2_5_VLForConditionalGeneration",),
+        (
+            ("model.language_model.", "language_model.model."),
+            ("model.visual.", "visual."),
+            ("lm_head.", "language_model.lm_head."),
+            ("model.", "language_model.model."),
+        ),
+        (
+            (TEXT_MODEL_PREFIX, LANGUAGE_MODEL),
+            ("visual.merger.", PROJECTOR),
+            ("visual.", VISION_TOWER),
+        ),
+        text_architecture="Qwen2ForCausalLM",
+    ),
+    # gemma3_mm.py:515-523, 565-570.
+    "gemma3": Wrapper(
+        ("Gemma3ForConditionalGeneration",),
+        _LLAVA_PREFIXES,
+        _LLAVA_PARTS,
+        text_architecture="Gemma3ForCausalLM",
+    ),
+}
+#: Every architecture of :data:`WRAPPERS`.
+WRAPPER_ARCHITECTURES = tuple(a for w in WRAPPERS.values() for a in w.architectures)
+#: ``text_config.model_type`` -> the causal LM vLLM builds for it when ``text_config`` names no
+#: architecture (vLLM's ``with_hf_config`` takes transformers' causal-LM mapping), for the
+#: model types of :data:`FAMILIES`.
+TEXT_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
+def wrapper_of(architecture: str | None) -> Wrapper | None:
+    """The wrapper ``architecture`` is (config.json's ``architectures[0]``); None: not one."""
+    return next((w for w in WRAPPERS.values() if architecture in w.architectures), None)
+
+
+def text_architecture(architecture: str | None, config: Mapping[str, Any]) -> str | None:
+    """The architecture of the language model of a model whose config.json is ``config``: the
+    architecture itself for a causal LM; for a wrapper, the one its vLLM class fixes, else
+    ``text_config.architectures[0]``, else the causal LM of ``text_config.model_type``
+    (:data:`TEXT_MODEL_TYPES`; None when it has none there)."""
+    w = wrapper_of(architecture)
+    if w is None:
+        return architecture
+    if w.text_architecture:
+        return w.text_architecture
+    text = config.get("text_config")
+    text = text if isinstance(text, Mapping) else {}
+    archs = text.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    model_type = text.get("model_type")
+    return TEXT_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a model keeps its language model, in checkpoint names and in vLLM's: a causal LM
+    at the top (``model.layers.<i>.``, names equal), a wrapper's under
+    :data:`TEXT_MODEL_PREFIX` in vLLM's names (checkpoint names mapped by its prefixes)."""
+
+    architecture: str | None
+    text_architecture: str | None
+    family: Family | None  # the language model's; None: mpack has no rules for it
+    wrapper: Wrapper | None = None
+
+    @property
+    def decoder_prefix(self) -> str:
+        """vLLM's name of the decoder layers (``model.layers`` or
+        ``language_model.model.layers``)."""
+        return (TEXT_MODEL_PREFIX if self.wrapper else "") + DECODER_PREFIX
+
+    @property
+    def text_prefix(self) -> str:
+        """vLLM's prefix of the language model's ``model.embed_tokens`` / ``lm_head``."""
+        return TEXT_MODEL_PREFIX if self.wrapper else ""
+
+    def vllm_name(self, name: str) -> str:
+        """The name vLLM's wrapper class gives checkpoint tensor or module ``name`` (its
+        ``hf_to_vllm_mapper`` prefixes); a causal LM's names are vLLM's."""
+        for old, new in self.wrapper.prefixes if self.wrapper else ():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        return name
+
+    def decoder_index(self, name: str) -> int | None:
+        """The decoder layer a checkpoint tensor or module name is in; None outside them."""
+        return decoder_index(self.vllm_name(name), self.decoder_prefix)
+
+    def part_of(self, vllm_name: str) -> str:
+        """Which part of the model a vLLM name belongs to: :data:`LANGUAGE_MODEL`,
+        :data:`VISION_TOWER` or :data:`PROJECTOR` (a causal LM is all language model)."""
+        parts = self.wrapper.parts if self.wrapper else ()
+        return next((part for p, part in parts if vllm_name.startswith(p)), LANGUAGE_MODEL)
+
+
+def layout_of(architecture: str | None, text: str | None = None) -> Layout:
+    """The :class:`Layout` of a model of ``architecture`` whose language model is ``text``
+    (:func:`text_architecture`; ignored for a causal LM, which is its own)."""
+    w = wrapper_of(architecture)
+    text = text if w is not None else architecture
+    return Layout(architecture, text, family_of(text), w)
+
+
+#: Architectures vLLM 0.33.0 cannot run at all -> why (an mpack sidecar of one would never load).
+NOT_IN_VLLM = {
+    "MllamaForConditionalGeneration": "vLLM removed Mllama (Llama 3.2 Vision) in 0.10.2",
+}
 
 
 def unknown_architecture_hint() -> str:
@@ -122,11 +295,15 @@ def parallel_style(name: str) -> str:
     return "row" if name.rpartition(".")[2] in ROW_PARALLEL else "column"
 
 
-def decoder_index(name: str) -> int | None:
+def decoder_index(name: str, prefix: str = DECODER_PREFIX) -> int | None:
     """The decoder layer a tensor or module name is in (``model.layers.7.mlp.up_proj`` -> 7);
-    None outside the decoder layers."""
-    m = DECODER_INDEX.match(name)
+    None outside the decoder layers. ``prefix``: where they are (:attr:`Layout.decoder_prefix`)."""
+    m = (DECODER_INDEX if prefix == DECODER_PREFIX else _decoder_index(prefix)).match(name)
     return int(m.group(1)) if m else None
+
+
+def _decoder_index(prefix: str) -> re.Pattern[str]:
+    return re.compile(re.escape(prefix) + r"\.(\d+)\.")
 
 
 _NUM = re.compile(r"(\d+)")

@@ -398,11 +398,15 @@ def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
     """
     from mpack import ui
     from mpack.hub_sidecar import resolve_sidecar
-    from mpack.sidecar import load_manifest
+    from mpack.sidecar import COMMON_NAME, load_manifest, read_file_map
 
     sidecar = resolve_sidecar(sidecar, fetch="manifest")  # a repo id: mpack.json alone
     manifest, digest = load_manifest(sidecar)
-    ui.emit_inspect(sidecar, manifest, digest, as_json=json_out)
+    listed = COMMON_NAME in {f["name"] for f in manifest["files"]}
+    common = None  # its tensor names, where the file is here (a wrapper's parts count them)
+    if listed and (sidecar / COMMON_NAME).is_file() and ui.model_parts(manifest, None):
+        common = [e.name for e in read_file_map(sidecar / COMMON_NAME, follow=False).entries]
+    ui.emit_inspect(sidecar, manifest, digest, as_json=json_out, common=common)
 
 
 # --- mpack verify's options ----------------------------------------------------------------

@@ -42,7 +42,7 @@ from mpack.sidecar import INDEX_NAME
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ARCHS", "SCHEMES", "DTYPES", "make_checkpoint", "main"]
+__all__ = ["ARCHS", "SCHEMES", "DTYPES", "make_autofp8_checkpoint", "make_checkpoint", "main"]
 
 #: arch name -> (transformers config class, causal LM class)
 ARCHS: dict[str, tuple[str, str]] = {
@@ -63,6 +63,8 @@ SCHEMES: tuple[str, ...] = ("FP8", "FP8_DYNAMIC")
 #: integer weight presets :func:`make_int_checkpoint` writes (checkpoints mpack must refuse)
 INT_SCHEMES: tuple[str, ...] = ("W4A16", "W4A16_ASYM", "W8A16")
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+#: AutoFP8's activation schemes (:func:`make_autofp8_checkpoint`).
+AUTOFP8_ACTIVATIONS: tuple[str, ...] = ("static", "dynamic")
 
 _CALIB_BATCH = 2
 _CALIB_SEQ = 32
@@ -228,10 +230,18 @@ def _build_config(
 
 
 def _compressed_model(
-    arch: str, config: Any, dtype: str, scheme: str, vocab: int, seed: int
+    arch: str,
+    config: Any,
+    dtype: str,
+    scheme: str,
+    vocab: int,
+    seed: int,
+    model_class: str | None = None,
+    ignore: tuple[str, ...] = ("lm_head",),
 ) -> tuple[torch.nn.Module, Any]:
-    """The model of ``config`` in ``dtype``, quantized with ``scheme`` and compressed in place,
-    with the ``ModelCompressor`` that compressed it (its ``update_config`` comes after saving)."""
+    """The model of ``config`` in ``dtype`` (class ``model_class``, default ``arch``'s causal
+    LM), quantized with ``scheme`` but for ``ignore`` and compressed in place, with the
+    ``ModelCompressor`` that compressed it (its ``update_config`` comes after saving)."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
 
@@ -240,8 +250,8 @@ def _compressed_model(
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            model = _build_model(arch, config, getattr(torch, dtype), seed)
-            _quantize(model, scheme, vocab, seed)
+            model = _build_model(arch, config, getattr(torch, dtype), seed, model_class)
+            _quantize(model, scheme, vocab, seed, ignore)
             compressor = ModelCompressor.from_pretrained_model(model)
             compressor.compress_model(model)
     finally:
@@ -259,8 +269,11 @@ def _save(model: Any, compressor: Any, out: Path, max_shard_size: str | int | No
     compressor.update_config(str(out))
 
 
-def _build_model(arch: str, config: Any, torch_dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """A causal LM for ``config`` in ``torch_dtype``, every parameter drawn from ``seed``.
+def _build_model(
+    arch: str, config: Any, torch_dtype: torch.dtype, seed: int, model_class: str | None = None
+) -> torch.nn.Module:
+    """A causal LM (or ``model_class``) for ``config`` in ``torch_dtype``, every parameter drawn
+    from ``seed``.
 
     Parameters are drawn in float32 in ``named_parameters`` order and then cast: norm weights
     ``1 + N(0, 0.1)``, biases and all other weights ``N(0, 0.02)``.
@@ -269,7 +282,7 @@ def _build_model(arch: str, config: Any, torch_dtype: torch.dtype, seed: int) ->
     import transformers
 
     torch.manual_seed(seed)
-    model = getattr(transformers, ARCHS[arch][1])(config)
+    model = getattr(transformers, model_class or ARCHS[arch][1])(config)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         values = torch.randn(p.shape, generator=gen, dtype=torch.float32)
@@ -283,8 +296,15 @@ def _build_model(arch: str, config: Any, torch_dtype: torch.dtype, seed: int) ->
     return model
 
 
-def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> None:
-    """Apply preset ``scheme`` to every Linear but ``lm_head``; set weight and input scales.
+def _quantize(
+    model: torch.nn.Module,
+    scheme: str,
+    vocab: int,
+    seed: int,
+    ignore: tuple[str, ...] = ("lm_head",),
+) -> None:
+    """Apply preset ``scheme`` to every Linear but ``ignore`` (``lm_head``); set weight and
+    input scales.
 
     Weight scales are min-max (``calculate_qparams``) per tensor (``[1]``) or per output channel
     (``[N, 1]``), in the model dtype. Static input scales (``FP8``) come from a calibration
@@ -300,7 +320,7 @@ def _quantize(model: torch.nn.Module, scheme: str, vocab: int, seed: int) -> Non
 
     qconfig = QuantizationConfig(
         config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])},
-        ignore=["lm_head"],
+        ignore=list(ignore),
     )
     # show_progress (its progress bar, off here) came after 0.17.0, the version vLLM 0.33.0 pins.
     quiet = "show_progress" in inspect.signature(apply_quantization_config).parameters
@@ -438,6 +458,237 @@ def make_int_checkpoint(out_dir: str | Path, *, scheme: str = "W4A16", **dims: A
     )
 
 
+def make_autofp8_checkpoint(
+    out_dir: str | Path, *, activation: str = "static", **kwargs: Any
+) -> Path:
+    """Write a random AutoFP8 checkpoint (``quant_method: fp8``), as AutoFP8 writes one, and
+    return its path.
+
+    The model and weights of :func:`make_checkpoint` with the ``FP8`` preset (``kwargs``: its
+    other arguments), then in AutoFP8's form: ``quantization_config`` is ``{"quant_method":
+    "fp8", "activation_scheme": activation, "ignored_layers": ["lm_head"]}``, every
+    ``weight_scale`` and ``input_scale`` a float32 scalar (shape ``[]``, the same value), and
+    for ``activation="dynamic"`` no ``input_scale`` at all.
+    """
+    from safetensors.torch import load_file, save_file
+
+    if activation not in AUTOFP8_ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected {AUTOFP8_ACTIVATIONS}")
+    out = make_checkpoint(out_dir, scheme="FP8", **kwargs)
+    drop = ".input_scale" if activation == "dynamic" else None
+    sizes: dict[str, int] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = {}
+        for name, t in load_file(f).items():
+            if drop and name.endswith(drop):
+                continue
+            if name.endswith((".weight_scale", ".input_scale")):
+                t = t.float().reshape(())  # exact: every bf16/fp16 value is a float32
+            tensors[name] = t
+            sizes[name] = t.numel() * t.element_size()
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    index_path = out / INDEX_NAME
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in sizes}
+        index.setdefault("metadata", {})["total_size"] = sum(sizes.values())
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": activation,
+        "ignored_layers": ["lm_head"],
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+#: Multimodal wrapper -> (transformers config class, model class, vision config class, the
+#: ``--arch`` values its language model may have). The language model is quantized; the vision
+#: tower and the projector stay in the model dtype, as llm-compressor's multimodal recipes leave
+#: them (their ``ignore``).
+WRAPPERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "llava": (
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        "CLIPVisionConfig",
+        ("mistral", "llama"),
+    ),
+    "mistral3": (
+        "Mistral3Config",
+        "Mistral3ForConditionalGeneration",
+        "PixtralVisionConfig",
+        ("mistral",),
+    ),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLVisionConfig",
+        ("qwen2",),
+    ),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", "SiglipVisionConfig", ("gemma3",)),
+}
+#: The two name layouts of wrapper checkpoints on the Hub: ``legacy`` as transformers'
+#: ``save_pretrained`` writes them (``language_model.model.layers.*``; Qwen2.5-VL's original
+#: ``model.layers.*`` and ``visual.*``), ``hf`` the module names of transformers >= 4.52
+#: (``model.language_model.layers.*``, ``model.vision_tower.*``, ``lm_head``).
+LAYOUTS: tuple[str, ...] = ("legacy", "hf")
+#: Per wrapper, legacy prefix -> hf prefix.
+_HF_LAYOUT = {
+    "qwen2_5_vl": (("model.", "model.language_model."), ("visual.", "model.visual.")),
+    **{
+        w: (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        )
+        for w in ("llava", "mistral3", "gemma3")
+    },
+}
+
+
+def make_wrapper_checkpoint(
+    out_dir: str | Path,
+    *,
+    wrapper: str = "llava",
+    layout: str = "legacy",
+    arch: str | None = None,
+    scheme: str = "FP8",
+    dtype: str = "bfloat16",
+    layers: int = 2,
+    kv_heads: int = 2,
+    vocab: int = 1000,
+    tie_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a random compressed-tensors FP8 checkpoint of a multimodal ``wrapper`` (transformers'
+    own class, a one-layer vision tower of width 32) around a language model of
+    :func:`make_checkpoint`'s default dimensions (hidden 256, intermediate 512, 4 heads), in
+    name ``layout`` (:data:`LAYOUTS`), and return its path.
+
+    ``arch``: the language model (the first of :data:`WRAPPERS`' choices when None). Only the
+    language model's linears are quantized (``ignore``: lm_head, the vision tower and the
+    projector); Gemma 3 always ties its embeddings.
+    """
+    import transformers
+
+    if wrapper not in WRAPPERS:
+        raise ValueError(f"unknown wrapper {wrapper!r}; expected one of {sorted(WRAPPERS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {list(LAYOUTS)}")
+    cfg_cls, model_cls, vision_cls, texts = WRAPPERS[wrapper]
+    arch = arch or texts[0]
+    if arch not in texts:
+        raise ValueError(f"{wrapper} wraps {', '.join(texts)}, not {arch!r}")
+    scheme = scheme.upper()
+    _check_args("llama", scheme, SCHEMES, dtype, 256, 4, kv_heads, None, False, None)
+    config = getattr(transformers, cfg_cls)(
+        text_config=_wrapper_text_config(
+            wrapper, arch, layers, kv_heads, vocab, tie_embeddings
+        ).to_dict(),
+        vision_config=getattr(transformers, vision_cls)(**_VISION[wrapper]).to_dict(),
+        **_wrapper_tokens(wrapper, vocab),
+    )
+    # The wrapper's own flag, whatever its config class defaults to (Mistral 3's: tied).
+    config.tie_word_embeddings = wrapper == "gemma3" or tie_embeddings
+    skip = "visual" if wrapper == "qwen2_5_vl" else "vision_tower"
+    ignore = ("re:.*lm_head", f"re:.*{skip}.*", "re:.*multi_modal_projector.*")
+    model, compressor = _compressed_model(
+        arch, config, dtype, scheme, vocab, seed, model_cls, ignore
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _save(model, compressor, out, None)
+    if layout == "hf":
+        _rename(out, _HF_LAYOUT[wrapper], set(model.state_dict()))
+    if wrapper in _TOWER_ROOT:  # after the layout: its prefixes are the model's names
+        tower = "model.vision_tower." if layout == "hf" else "vision_tower."
+        root = tower + _TOWER_ROOT[wrapper]
+        _rename(out, ((root, root), (tower, root)), None)  # a transformers that keeps it: as is
+    # The recipe's patterns, as llm-compressor's multimodal examples leave them: the module names
+    # the compressor expanded them into are transformers 5's, not the file's after the renames.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"]["ignore"] = list(ignore)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+#: The CLIP and SigLIP towers' root module on the Hub (llava-1.5, gemma-3: ``vision_tower.
+#: vision_model.embeddings...``), which transformers 5 leaves out of the names it saves.
+_TOWER_ROOT = {"llava": "vision_model.", "gemma3": "vision_model."}
+
+
+#: Each wrapper's tiny vision tower (its config class's arguments).
+_VISION: dict[str, dict[str, Any]] = {
+    "llava": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=16),
+    "mistral3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, image_size=32, patch_size=16, head_dim=16),
+    "qwen2_5_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                       out_hidden_size=256, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
+    "gemma3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=32, patch_size=16),
+}  # fmt: skip
+
+
+def _wrapper_tokens(wrapper: str, vocab: int) -> dict[str, Any]:
+    """Special-token ids inside a small vocabulary (their defaults lie far outside it)."""
+    if wrapper == "qwen2_5_vl":
+        return dict(
+            image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3
+        )
+    if wrapper == "gemma3":
+        return dict(image_token_index=vocab - 1, boi_token_index=vocab - 2,
+                    eoi_token_index=vocab - 3, mm_tokens_per_image=4)  # fmt: skip
+    return dict(image_token_index=vocab - 1)
+
+
+def _wrapper_text_config(
+    wrapper: str, arch: str, layers: int, kv_heads: int, vocab: int, tied: bool
+) -> Any:
+    """The language model's config: :func:`_build_config`'s, or Gemma 3's / Qwen2.5-VL's text
+    config (multimodal rotary sections) with the same dimensions."""
+    import transformers
+
+    if arch in ARCHS and wrapper != "qwen2_5_vl":
+        return _build_config(
+            arch, hidden=256, intermediate=512, layers=layers, heads=4, kv_heads=kv_heads,
+            head_dim=None, vocab=vocab, tie_embeddings=tied,
+        )  # fmt: skip
+    dims = dict(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(**dims, head_dim=64, query_pre_attn_scalar=64)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}
+    return transformers.Qwen2_5_VLTextConfig(**dims, rope_parameters=rope, tie_word_embeddings=tied)
+
+
+def _rename(
+    out: Path, prefixes: tuple[tuple[str, str], ...], names: set[str] | None
+) -> None:
+    """Rename every tensor of ``out``'s one safetensors file by the first of ``prefixes`` it
+    starts with; each new name must be one of the model's ``names`` (its state dict; None: not
+    checked)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    renamed = {}
+    for name, t in load_file(path).items():
+        old, new = next(((o, n) for o, n in prefixes if name.startswith(o)), ("", ""))
+        renamed[new + name[len(old) :]] = t
+    unknown = sorted(set(renamed) - names) if names is not None else []
+    if unknown:
+        raise AssertionError(f"not the model's names: {unknown[:4]}")
+    save_file(dict(sorted(renamed.items())), str(path), metadata={"format": "pt"})
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m mpack.fixtures OUT [options]``: write a checkpoint and print its path."""
     p = argparse.ArgumentParser(
@@ -445,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a tiny random compressed-tensors FP8 checkpoint (offline).",
     )
     p.add_argument("out", type=Path, help="output directory")
-    p.add_argument("--arch", default="llama", choices=sorted(ARCHS))
+    p.add_argument("--arch", default=None, choices=sorted(ARCHS), help="default llama")
     p.add_argument("--scheme", default="FP8", choices=list(SCHEMES))
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--hidden", type=int, default=256)
@@ -459,23 +710,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-in-other-shard", action="store_true")
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--autofp8",
+        choices=list(AUTOFP8_ACTIVATIONS),
+        default=None,
+        help="an AutoFP8 checkpoint (quant_method fp8) with this activation scheme "
+        "(per-tensor weight scales; --scheme is FP8)",
+    )
+    p.add_argument(
+        "--wrapper",
+        choices=sorted(WRAPPERS),
+        default=None,
+        help="a multimodal wrapper around the language model (--arch: its language model; "
+        "only --scheme, --dtype, --layers, --kv-heads, --vocab, --tie-embeddings and --seed apply)",
+    )
+    p.add_argument("--layout", choices=list(LAYOUTS), default="legacy", help="with --wrapper")
     a = p.parse_args(argv)
-    path = make_checkpoint(
-        a.out,
-        arch=a.arch,
-        hidden=a.hidden,
-        intermediate=a.intermediate,
-        layers=a.layers,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        vocab=a.vocab,
-        scheme=a.scheme,
+    # what every kind of checkpoint takes
+    common = dict(
         dtype=a.dtype,
-        max_shard_size=a.max_shard_size,
-        scale_in_other_shard=a.scale_in_other_shard,
+        layers=a.layers,
+        kv_heads=a.kv_heads,
+        vocab=a.vocab,
         tie_embeddings=a.tie_embeddings,
         seed=a.seed,
+    )
+    if a.wrapper:
+        path = make_wrapper_checkpoint(
+            a.out, wrapper=a.wrapper, layout=a.layout, arch=a.arch, scheme=a.scheme, **common
+        )
+        print(path)
+        return 0
+    if a.autofp8 and a.scheme != "FP8":
+        p.error("--autofp8 writes per-tensor weight scales: --scheme must be FP8")
+    path = (make_autofp8_checkpoint if a.autofp8 else make_checkpoint)(
+        a.out,
+        **({"activation": a.autofp8} if a.autofp8 else {"scheme": a.scheme}),
+        **common,
+        arch=a.arch or "llama",
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        heads=a.heads,
+        head_dim=a.head_dim,
+        max_shard_size=a.max_shard_size,
+        scale_in_other_shard=a.scale_in_other_shard,
     )
     print(path)
     return 0

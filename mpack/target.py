@@ -23,6 +23,24 @@ KERNEL = "marlin-fp8"
 #: ``w8a16``: FP8 weights, 16-bit activations; ``w8a8-marlin``: an FP8 W8A8 checkpoint run by
 #: Marlin (tensor-strategy shards requantized to one scale, SPEC §6).
 PROFILES = ("w8a16", "w8a8-marlin")
+#: The checkpoint formats mpack reads (config.json's ``quant_method``) -> the profiles vLLM
+#: 0.33.0 runs them with on Marlin, each with the vLLM class whose layers a sidecar stands in for.
+#: An AutoFP8 checkpoint (``fp8``) is weight-only on Marlin whatever its activation scheme
+#: (mpack/convert/autofp8.py).
+QUANT_METHODS: dict[str, dict[str, str]] = {
+    "compressed-tensors": {
+        "w8a16": "CompressedTensorsW8A16Fp8",
+        "w8a8-marlin": "CompressedTensorsW8A8Fp8",
+    },
+    "fp8": {"w8a16": "Fp8LinearMethod"},
+}
+#: The refusal of a block-quantized FP8 checkpoint, whichever format holds it: mpack's limit,
+#: not vLLM's (vLLM 0.33.0 runs block FP8 itself, CompressedTensorsW8A16Fp8 on Marlin included).
+BLOCK_FP8 = (
+    "mpack packs tensor- and channel-scaled FP8 only; vLLM loads a block FP8 checkpoint itself "
+    "(without mpack)"
+)
+BLOCK_FP8_HINT = "serve this checkpoint with vLLM directly, without --load-format mpack"
 #: ``vllm``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names; ``none``: checkpoint names.
 FUSIONS = ("vllm", "none")
 

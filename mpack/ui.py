@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mpack import env_number, target
+from mpack import arch, env_number, target
 from mpack.errors import shown
 
 #: How much of a sentence that may quote a manifest's strings is shown (:func:`emit_verify`).
@@ -424,12 +424,42 @@ def file_digest_cells(f: dict[str, Any]) -> tuple[str, str]:
     return sha, f"{full} x {human_bytes(ch['bytes'])}{tail}"
 
 
-def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool) -> None:
+def model_parts(m: dict[str, Any], common: list[str] | None) -> dict[str, dict[str, Any]] | None:
+    """A multimodal wrapper's sidecar (:data:`mpack.arch.WRAPPERS`), part by part (language
+    model, vision tower, projector): its Marlin layers and, when ``common`` (the tensor names of
+    ``common.safetensors``) is known, its pass-through tensors; None for any other model."""
+    model = m.get("model") or {}
+    text = model.get("text_architecture")
+    lay = arch.layout_of(model.get("architecture"), text if isinstance(text, str) else None)
+    if lay.wrapper is None:
+        return None
+    names = dict.fromkeys(p for _, p in lay.wrapper.parts)
+    parts: dict[str, dict[str, Any]] = {p: {"marlin_layers": 0} for p in names}
+    for name in m["layers"]:
+        parts[lay.part_of(name)]["marlin_layers"] += 1
+    for name in common if common is not None else ():
+        part = parts[lay.part_of(lay.vllm_name(name))]
+        part["passthrough_tensors"] = part.get("passthrough_tensors", 0) + 1
+    return parts
+
+
+def emit_inspect(
+    sidecar: Any,
+    m: dict[str, Any],
+    digest: str,
+    *,
+    as_json: bool,
+    common: list[str] | None = None,
+) -> None:
     """The manifest for people. Every string the manifest holds is shown through
     :func:`mpack.errors.shown` (Note [quoting untrusted text]): escaped, capped; ``--json``
-    prints it as it is (JSON escapes control characters itself)."""
+    prints it as it is (JSON escapes control characters itself). A multimodal wrapper's
+    sidecar also gets its parts (:func:`model_parts`; ``common``: the tensor names of its
+    ``common.safetensors`` where it is at hand)."""
+    parts = model_parts(m, common)
     if as_json:
-        print_json({"sidecar": str(sidecar), "manifest_digest": digest, **m})
+        extra = {"parts": parts} if parts is not None else {}
+        print_json({"sidecar": str(sidecar), "manifest_digest": digest, **m, **extra})
         return
     t, src = m["target"], m["source"]
     origin = (
@@ -450,6 +480,16 @@ def emit_inspect(sidecar: Any, m: dict[str, Any], digest: str, *, as_json: bool)
     )
     console.print(f"source: {origin} ({len(src.get('files', []))} files)")
     console.print(f"manifest digest: {digest}")
+    if parts is not None:
+        model = m["model"]
+        console.print(
+            f"model: {shown(model.get('architecture'))}, language model "
+            f"{shown(model.get('text_architecture'))}"
+        )
+        for part, n in parts.items():
+            tensors = n.get("passthrough_tensors")
+            kept = "" if common is None else f", {tensors or 0} pass-through tensors"
+            console.print(f"  {part}: {n['marlin_layers']} Marlin linear layers{kept}")
     ft = Table(title="files")
     for col in ("file", "size", "sha256", "chunk digests"):
         ft.add_column(col)

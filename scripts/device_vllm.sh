@@ -6,8 +6,9 @@
 #   PHASE=1 (carry .vllmdev/p1 .vllmdev/w .vllmdev/vllm-py.tar.xz .vllmdev/so.sha256):
 #       unpack vLLM's Python files and the wheels its import needs into /tmp/vllm-site, and
 #       the wheels mpack's environment shares with it (w/msite.txt) into /tmp/mpack-site
-#   PHASE=fa (carry .vllmdev/fa .vllmdev/mw; after 1): vLLM's FlashAttention 3 build, and the
-#       rest of mpack's environment (mw: what .device/wheels holds beyond w/)
+#   PHASE=fa (carry .vllmdev/fa .vllmdev/mw .vllmdev/mm; after 1): vLLM's FlashAttention 3 build,
+#       the rest of mpack's environment (mw: what .device/wheels holds beyond w/), and what vLLM's
+#       multimodal wrappers import into vLLM's (mm: mistral_common and its deps)
 #   PHASE=2 (carry .vllmdev/p2): join the compiled ops, install mpack into both environments,
 #       check which platform vLLM resolves (adding scripts/vllm_platform_standin.py where its
 #       probe fails) and whether its flash attention imports (else scripts/vllm_fa_standin.py),
@@ -53,7 +54,7 @@ case "${PHASE:-}" in
   (cd /tmp/vso && sha256sum -c so.sha256) || exit 1
   xz -dc /tmp/vso/_C_stable_libtorch.abi3.so.xz > "$VSITE/vllm/_C_stable_libtorch.abi3.so" || exit 1
   if ! PYTHONPATH=$MSITE python3 -c "import compressed_tensors" 2>/dev/null; then
-    echo "mpack's environment is incomplete: run PHASE=fa (carry .vllmdev/fa .vllmdev/mw) first"; exit 2
+    echo "mpack's environment is incomplete: run PHASE=fa (carry .vllmdev/fa .vllmdev/mw .vllmdev/mm) first"; exit 2
   fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$MSITE" . || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$VSITE" . || exit 1
@@ -81,6 +82,7 @@ fa)
   mkdir -p /tmp/vfa && cp .vllmdev/fa/* /tmp/vfa/ || exit 1
   (cd /tmp/vfa && sha256sum -c fa.sha256) || exit 1
   pipi "$MSITE" .vllmdev/mw/*.whl || exit 1
+  pipi "$VSITE" .vllmdev/mm/*.whl || exit 1
   xz -dc /tmp/vfa/_vllm_fa3_C.abi3.so.xz > "$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" || exit 1
   PYTHONPATH=$VSITE python3 -c "import torch; torch.ops.load_library('$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'); print('FA3 loads on torch', torch.__version__)" 2>&1 | tail -3 | tee "$OUT/fa3.txt"
   ;;

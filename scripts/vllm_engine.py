@@ -5,14 +5,17 @@ layer-level comparison (scripts/vllm_gpu.py) leaves open is here: whole ``vllm.L
 built by vLLM's own ``EngineArgs`` -> ``LLMEngine`` -> worker -> model runner, serving greedy
 requests. Three steps, each its own mode:
 
-- ``tokens``: for 16 tiny checkpoints (Llama without bias and Qwen2 with q/k/v bias, per-tensor
-  and per-channel scales, bf16 and fp16, the ``w8a16`` and ``w8a8-marlin`` profiles), one
-  engine process builds, one after another, an engine on the checkpoint with vLLM's own Marlin
-  path (``linear_backend="marlin"``), one with ``load_format="mpack"`` loading the sidecar
-  privately and one attached to ``mpack serve``; each generates the same prompts greedily with
-  the top-5 logprobs of every step. The token ids and logprobs must be equal across the three.
-  A control engine takes the sidecar of another checkpoint with the same config, and its
-  logprobs must differ: the comparison can fail.
+- ``tokens``: for 22 tiny checkpoints (``cases``: Llama without bias and Qwen2 with q/k/v bias,
+  each with per-tensor and per-channel scales, bf16 and fp16, the ``w8a16`` and ``w8a8-marlin``
+  profiles; Gemma 2, Granite and Phi-3 with two cases each that cover both scales, both profiles
+  and the dtypes vLLM runs them in), one engine process builds, one after another, an engine
+  on the checkpoint with vLLM's own Marlin path (``linear_backend="marlin"``), one with
+  ``load_format="mpack"`` loading the sidecar privately and one attached to ``mpack serve``;
+  each generates the same prompts greedily with the top-5 logprobs of every step. The token
+  ids and logprobs must be equal across the three. A control engine takes the sidecar of
+  another checkpoint with the same config as the first selected case's, and its logprobs must
+  differ: the comparison can fail. ``--only`` picks cases by name (``--only
+  gemma2,granite,phi3``: the new families alone).
 - ``restart``: the 8B-shaped checkpoint (scripts/synth_checkpoint.py, 9.08 GB). Engines are
   separate processes, timed from their start to ready (and vLLM's own "Model loading took"
   figure): the ordinary path with the page cache dropped and warm; then one ``mpack serve``
@@ -26,7 +29,7 @@ cases use a copy of the compressed-tensors checkpoint without activation quantiz
 device_vllm.sh checks which platform vLLM resolves, and where its NVML probe fails it adds the
 platform plugin of ``platform_standin`` (docs/VLLM.md, "Engine stand-ins").
 
-    python3 scripts/vllm_engine.py tokens  --mpack-env P --vllm-env P --out DIR
+    python3 scripts/vllm_engine.py tokens  --mpack-env P --vllm-env P --out DIR [--only A,B]
     python3 scripts/vllm_engine.py restart --mpack-env P --vllm-env P --out DIR [--layers 32]
 """
 
@@ -51,10 +54,48 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import drop_caches, marlin_8b, mpack_spawn  # noqa: E402
 
-ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
 DTYPES = ("bfloat16", "float16")
 PROFILES = ("w8a16", "w8a8-marlin")
+#: The (scheme, profile) pairs of a family that does not run the full product: both scales and
+#: both profiles, in two engines' worth of cases (the dtypes alternate, ``cases``).
+COVER = (("FP8", "w8a16"), ("FP8_DYNAMIC", "w8a8-marlin"))
+#: One row per family (arch of ``mpack.fixtures.make_checkpoint``): the keyword arguments its
+#: quirk adds to the fixture (as FAMILY_CKPT in tests/vllm/test_vllm_loader.py), the dtypes
+#: vLLM runs it in, and whether it runs every (scheme, dtype, profile) or only ``COVER``.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"fixture": {}, "dtypes": DTYPES, "full": True},  # no bias
+    "qwen2": {"fixture": {}, "dtypes": DTYPES, "full": True},  # q/k/v bias
+    # head_dim 32, not hidden / heads = 64 (as gemma-2-2b's 256); always tied (no lm_head).
+    # vLLM refuses Gemma 2 in float16 ("numerical instability").
+    "gemma2": {"fixture": {"head_dim": 32}, "dtypes": ("bfloat16",), "full": False},
+    "granite": {"fixture": {}, "dtypes": DTYPES, "full": False},
+    # qkv_proj and gate_up_proj stored fused; one KV head (replicated at TP > 1)
+    "phi3": {"fixture": {"kv_heads": 1}, "dtypes": DTYPES, "full": False},
+}
+#: AutoFP8 checkpoints (quant_method fp8, mpack.fixtures.make_autofp8_checkpoint): scheme ->
+#: its activation scheme. vLLM's Fp8LinearMethod runs them weight-only on Marlin (w8a16).
+AUTOFP8 = {"AUTOFP8": "static", "AUTOFP8_DYNAMIC": "dynamic"}
+#: (arch, scheme, dtype, profile) of the AutoFP8 cases: as Mistral-7B-Instruct-v0.3-FP8
+#: (static) and gemma-2-9b-it-FP8 (dynamic) are.
+AUTOFP8_CASES = (
+    ("llama", "AUTOFP8", "float16", "w8a16"),
+    ("gemma2", "AUTOFP8_DYNAMIC", "bfloat16", "w8a16"),
+)
+#: The multimodal wrappers (mpack.fixtures.make_wrapper_checkpoint): (wrapper, its language
+#: model's --arch or None for the wrapper's own, scheme, dtype, profile, name layout). Both
+#: scales, both profiles, both layouts. The engines run them text-only (vLLM's
+#: ``language_model_only``: the vision tower is not built, as for a VLM served for text), since
+#: no tokenizer or image processor takes part here; tests/vllm compares the towers' tensors.
+WRAPPER_CASES = (
+    ("llava", "mistral", "FP8", "bfloat16", "w8a16", "legacy"),
+    ("mistral3", None, "FP8_DYNAMIC", "float16", "w8a8-marlin", "hf"),
+    ("qwen2_5_vl", None, "FP8", "bfloat16", "w8a8-marlin", "legacy"),
+    ("gemma3", None, "FP8_DYNAMIC", "bfloat16", "w8a16", "hf"),
+)
+#: Special tokens of the wrapper fixtures sit at the top of the vocabulary (image, vision start,
+#: ...): prompts stay below them.
+WRAPPER_SPECIAL_TOKENS = 3
 MODES = ("ordinary", "private", "attached")
 N_PROMPTS, MAX_TOKENS, TOP_LOGPROBS = 4, 16, 5
 READY_TIMEOUT_S = 300
@@ -62,26 +103,55 @@ READY_TIMEOUT_S = 300
 LOAD_LINE = re.compile(r"Model loading took ([0-9.]+) GiB memory and ([0-9.]+) seconds")
 
 
+def family_combos(arch: str) -> list[tuple[str, str, str]]:
+    """(scheme, dtype, profile) of each case of ``arch``: the full product, or ``COVER`` with
+    the family's dtypes in turn."""
+    row = FAMILIES[arch]
+    if row["full"]:
+        return [(s, d, p) for s in SCHEMES for d in row["dtypes"] for p in PROFILES]
+    return [(s, row["dtypes"][i % len(row["dtypes"])], p) for i, (s, p) in enumerate(COVER)]
+
+
+def strategy_of(scheme: str) -> str:
+    """The part of a case's name that says how its checkpoint is quantized."""
+    return f"autofp8-{AUTOFP8[scheme]}" if scheme in AUTOFP8 else SCHEMES[scheme]
+
+
 def cases() -> list[dict[str, Any]]:
-    return [
+    combos = [(a, s, d, p) for a in FAMILIES for s, d, p in family_combos(a)]
+    dense = [
         {
             "arch": a,
             "scheme": s,
-            "strategy": st,
+            "strategy": strategy_of(s),
             "dtype": d,
             "profile": p,
-            "name": f"{a}-{st}-{d}-{p}",
+            "name": f"{a}-{strategy_of(s)}-{d}-{p}",
         }
-        for a in ARCHS
-        for s, st in SCHEMES.items()
-        for d in DTYPES
-        for p in PROFILES
+        for a, s, d, p in [*combos, *AUTOFP8_CASES]
     ]
+    wrappers = [
+        {
+            "arch": w,
+            "wrapper": w,
+            "text": text,
+            "layout": lay,
+            "scheme": s,
+            "strategy": strategy_of(s),
+            "dtype": d,
+            "profile": p,
+            "name": f"{w}-{lay}-{strategy_of(s)}-{d}-{p}",
+        }
+        for w, text, s, d, p, lay in WRAPPER_CASES
+    ]
+    return dense + wrappers
 
 
 def selected(only: str) -> list[dict[str, Any]]:
-    """The cases whose name holds ``only`` (all for an empty one)."""
-    return [c for c in cases() if only in c["name"]]
+    """The cases whose name holds ``only``, or one of its comma-separated parts (all for an
+    empty one): ``"gemma2,phi3"`` is every Gemma 2 and Phi-3 case."""
+    parts = [p for p in only.split(",") if p] or [""]
+    return [c for c in cases() if any(p in c["name"] for p in parts)]
 
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -125,28 +195,61 @@ def checkpoint_dir(work: Path, case: dict[str, Any], seed: int = 0) -> Path:
     return work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}{wo}-s{seed}"
 
 
-def tiny_jobs() -> list[tuple[dict[str, Any], int]]:
-    """(case, seed) of every tiny checkpoint and sidecar: each case at seed 0, and the control,
-    the first case again at seed 1 (the same config, other weights)."""
-    return [(c, 0) for c in cases()] + [(cases()[0], 1)]
+def tiny_jobs(only: str = "") -> list[tuple[dict[str, Any], int]]:
+    """(case, seed) of every tiny checkpoint and sidecar of the selected cases: each at seed 0,
+    and the control, the first selected case again at seed 1 (the same config, other
+    weights)."""
+    sel = selected(only)
+    return [(c, 0) for c in sel] + [(sel[0], 1)] if sel else []
 
 
-def prepare_tiny(work: Path) -> None:
+def fixture_args(case: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``make_checkpoint``'s keyword arguments (beyond the folder) for ``case`` at ``seed``
+    (``make_autofp8_checkpoint``'s, with its ``activation``, for an AutoFP8 case)."""
+    scheme = case["scheme"]
+    if "wrapper" in case:
+        return {
+            "wrapper": case["wrapper"],
+            "layout": case["layout"],
+            "arch": case["text"],
+            "scheme": scheme,
+            "dtype": case["dtype"],
+            "layers": 2,
+            "seed": seed,
+        }
+    return {
+        "arch": case["arch"],
+        **({"activation": AUTOFP8[scheme]} if scheme in AUTOFP8 else {"scheme": scheme}),
+        "dtype": case["dtype"],
+        "layers": 2,
+        "seed": seed,
+        **FAMILIES[case["arch"]]["fixture"],
+    }
+
+
+def prepare_tiny(work: Path, only: str = "") -> None:
     from mpack.convert import convert
-    from mpack.fixtures import make_checkpoint
+    from mpack.fixtures import make_autofp8_checkpoint, make_checkpoint, make_wrapper_checkpoint
 
-    for c, seed in tiny_jobs():
+    jobs = tiny_jobs(only)
+    for c, seed in jobs:
         ck = checkpoint_dir(work, c, seed)
         if not (ck / "config.json").is_file():
-            make_checkpoint(
-                ck, arch=c["arch"], scheme=c["scheme"], dtype=c["dtype"], layers=2, seed=seed
-            )
-            if c["profile"] == "w8a16":
-                weight_only(ck)
+            if "wrapper" in c:
+                make_wrapper_checkpoint(ck, **fixture_args(c, seed))
+                if c["profile"] == "w8a16":
+                    weight_only(ck)
+            elif c["scheme"] in AUTOFP8:
+                make_autofp8_checkpoint(ck, **fixture_args(c, seed))
+            else:
+                make_checkpoint(ck, **fixture_args(c, seed))
+                if c["profile"] == "w8a16":
+                    weight_only(ck)
         sc = work / f"sc-{c['name']}-s{seed}"
         if not (sc / "mpack.json").is_file():
             convert(ck, sc, profile=c["profile"], device="auto")
-    print(f"prepared {len(cases())} checkpoints and sidecars (+1 control) in {work}", flush=True)
+    n = len(jobs) - 1 if jobs else 0
+    print(f"prepared {n} checkpoints and sidecars (+1 control) in {work}", flush=True)
 
 
 # --- one engine (vLLM's environment) ---------------------------------------------------------
@@ -173,7 +276,11 @@ def engine_kwargs(run: dict[str, Any]) -> dict[str, Any]:
             "sidecar": run["sidecar"],
             "attach": "never" if run["mode"] == "private" else "require",
         }
+        if "check_source" in run:  # the control: a sidecar of other weights, on purpose
+            extra["check_source"] = run["check_source"]
         kw.update(load_format="mpack", model_loader_extra_config=extra)
+    if run.get("text_only"):
+        kw["language_model_only"] = True
     if os.environ.get("MPACK_ENGINE_ATTN"):
         kw["attention_backend"] = os.environ["MPACK_ENGINE_ATTN"]
     return kw
@@ -208,6 +315,8 @@ def _model_facts(model: Any) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     for name, mod in model.named_modules():
         scheme = getattr(mod, "scheme", None)
+        if scheme is None and hasattr(getattr(mod, "quant_method", None), "fp8_linear"):
+            scheme = mod.quant_method  # an AutoFP8 layer: Fp8LinearMethod
         if scheme is not None and hasattr(mod, "weight"):
             kernel = getattr(scheme, "kernel", None) or getattr(scheme, "fp8_linear", None)
             facts.update(
@@ -343,9 +452,10 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def summarize_tokens(results: dict[str, Any], only: str = "") -> dict[str, Any]:
     """Each selected case's private and attached runs against its ordinary one, and the control
-    (when the first case is selected) against the first case's ordinary run."""
+    against the first selected case's ordinary run."""
     rows: dict[str, Any] = {}
-    for c in selected(only):
+    sel = selected(only)
+    for c in sel:
         base = results.get(f"{c['name']}/ordinary", {"error": "missing"})
         row: dict[str, Any] = {
             "facts": {m: results.get(f"{c['name']}/{m}", {}).get("facts") for m in MODES}
@@ -357,9 +467,9 @@ def summarize_tokens(results: dict[str, Any], only: str = "") -> dict[str, Any]:
         if errors:
             row["errors"] = errors
         rows[c["name"]] = row
-    has_control = cases()[0] in selected(only)
+    has_control = bool(sel)
     ctl = compare(
-        results.get(f"{cases()[0]['name']}/ordinary", {"error": "missing"}),
+        results.get(f"{sel[0]['name']}/ordinary" if sel else "", {"error": "missing"}),
         results.get("control", {"error": "missing"}),
     )
     ok = all(
@@ -408,38 +518,53 @@ def gpu_memory() -> dict[str, Any]:
     return {"used_mib": int(used[0]) if used and used[0].isdigit() else None, "per_pid_mib": per}
 
 
+def _prompt_space(case: dict[str, Any]) -> dict[str, Any]:
+    """A run's prompt vocabulary, and for a wrapper, text-only engines."""
+    if "wrapper" in case:
+        return {"vocab": 1000 - WRAPPER_SPECIAL_TOKENS, "text_only": True}
+    return {"vocab": 1000}
+
+
 def tokens(a: argparse.Namespace) -> int:
     me = [sys.executable, str(Path(__file__).resolve())]
     menv, venv = _env(a.mpack_env), _env(a.vllm_env)
     work = a.work
+    sel = selected(a.only)
+    if not sel:
+        names = ", ".join(c["name"] for c in cases())
+        print(f"--only {a.only!r} selects no case; the cases are: {names}", file=sys.stderr)
+        return 2
     t = time.time()
-    subprocess.run([*me, "prepare-tiny", "--work", str(work)], env=menv, check=True)
+    prep = [*me, "prepare-tiny", "--work", str(work), "--only", a.only]
+    subprocess.run(prep, env=menv, check=True)
     print(f"prepare: {time.time() - t:.0f} s", flush=True)
     runs = []
-    for c in selected(a.only):
+    for c in sel:
         for m in MODES:
             runs.append(
                 {
                     "key": f"{c['name']}/{m}",
                     "mode": m,
                     "dtype": c["dtype"],
-                    "vocab": 1000,
+                    **_prompt_space(c),
                     "model": str(checkpoint_dir(work, c)),
                     "sidecar": str(work / f"sc-{c['name']}-s0"),
                 }
             )
-    c0 = cases()[0]
-    if c0 in selected(a.only):
-        runs.append(
-            {
-                "key": "control",
-                "mode": "private",
-                "dtype": c0["dtype"],
-                "vocab": 1000,
-                "model": str(checkpoint_dir(work, c0)),
-                "sidecar": str(work / f"sc-{c0['name']}-s1"),
-            }
-        )
+    c0 = sel[0]
+    runs.append(
+        {
+            "key": "control",
+            "mode": "private",
+            "dtype": c0["dtype"],
+            **_prompt_space(c0),
+            "model": str(checkpoint_dir(work, c0)),
+            "sidecar": str(work / f"sc-{c0['name']}-s1"),
+            # The seed-1 sidecar is not bound to this checkpoint, and the loader would refuse
+            # it (Note [a sidecar is bound to its checkpoint] in mpack/binding.py).
+            "check_source": False,
+        }
+    )
     plan = work / "plan.json"
     plan.write_text(json.dumps(runs))
     sp = mpack_spawn(a.mpack_env)
@@ -455,7 +580,7 @@ def tokens(a: argparse.Namespace) -> int:
                     timeout=READY_TIMEOUT_S,
                 )
             )
-            for c in selected(a.only)
+            for c in sel
         ]
         for d in daemons:
             d.wait_ready()
@@ -682,14 +807,19 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="restart: layers of the 8B shape")
     ap.add_argument("--timeout", type=float, default=480, help="tokens: the engine process")
     ap.add_argument("--no-private", action="store_true", help="restart: skip the private engine")
-    ap.add_argument("--only", default="", help="tokens: the cases whose name holds this")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="tokens: the cases whose name holds this, or one of its comma-separated parts "
+        "(e.g. gemma2,granite,phi3)",
+    )
     ap.add_argument("--plan", type=Path)
     ap.add_argument("--spec", type=Path)
     ap.add_argument("--res", type=Path)
     ap.add_argument("--ctl", type=Path)
     a = ap.parse_args()
     if a.mode == "prepare-tiny":
-        prepare_tiny(a.work)
+        prepare_tiny(a.work, a.only)
         return 0
     if a.mode == "engine-many":
         engine_many(a.plan, a.res)

@@ -99,6 +99,19 @@ DEVICE_LACKS = (
     "typing-inspection",
     "xgrammar",
 )
+#: What vLLM's multimodal wrapper classes import beyond DEVICE_LACKS (Llava and Mistral 3:
+#: mistral_common and its deps; torchvision and tiktoken are in the device's image), for the
+#: engine runs of the wrappers. In ``.vllmdev/mm``, carried by the call PHASE=fa (call 1 and
+#: call 2 have no room), which installs them into vLLM's environment.
+DEVICE_MM = (
+    "jsonschema",
+    "jsonschema-specifications",
+    "mistral_common",
+    "pycountry",
+    "pydantic-extra-types",
+    "referencing",
+    "rpds-py",
+)
 # llguidance 1.7.6 is built for manylinux_2_31 only. The device's glibc is not listed; its Python
 # 3.12.3 is Ubuntu 24.04's (glibc 2.39), and the earlier run loaded vLLM's manylinux_2_28 ops.
 PLATFORMS = (
@@ -218,7 +231,7 @@ def pack_fa(z: zipfile.ZipFile, record: dict[str, str]) -> None:
     name = Path(FA3).name + ".xz"
     (fa / name).write_bytes(data)
     (fa / "fa.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
-    print(f"  {len(data) / MIB:6.2f} MiB  .vllmdev/fa (the call PHASE=fa carries .vllmdev/mw too)")
+    print(f"  {len(data) / MIB:6.2f} MiB  .vllmdev/fa (the call PHASE=fa carries .vllmdev/mw and .vllmdev/mm too)")
 
 
 def pins() -> dict[str, str]:
@@ -232,13 +245,13 @@ def pins() -> dict[str, str]:
     return out
 
 
-def get_wheels(dest: Path) -> None:
-    """The wheels of DEVICE_LACKS for CPython 3.12 on x86-64 Linux, each stored again with LZMA."""
+def get_wheels(dest: Path, wanted: tuple[str, ...] = DEVICE_LACKS) -> None:
+    """The wheels of ``wanted`` for CPython 3.12 on x86-64 Linux, each stored again with LZMA."""
     pinned = pins()
-    missing = [n for n in DEVICE_LACKS if norm(n) not in pinned]
+    missing = [n for n in wanted if norm(n) not in pinned]
     if missing:
         fail(f"constraints-vllm.txt pins no version of {missing}")
-    reqs = [f"{n}=={pinned[norm(n)]}" for n in DEVICE_LACKS]
+    reqs = [f"{n}=={pinned[norm(n)]}" for n in wanted]
     raw = dest.parent / "w-download"
     shutil.rmtree(raw, ignore_errors=True)
     cmd = [
@@ -262,8 +275,8 @@ def get_wheels(dest: Path) -> None:
     subprocess.run(cmd, check=True)
     got = sorted(raw.glob("*.whl"))
     names = sorted(norm(w.name.split("-")[0]) for w in got)
-    if names != sorted(norm(n) for n in DEVICE_LACKS):
-        fail(f"pip downloaded {[w.name for w in got]}, not one wheel each of {DEVICE_LACKS}")
+    if names != sorted(norm(n) for n in wanted):
+        fail(f"pip downloaded {[w.name for w in got]}, not one wheel each of {wanted}")
     dest.mkdir(parents=True)
     for w in got:
         relzma(w, dest / w.name)
@@ -332,7 +345,7 @@ def main() -> int:
         fail(f"{device_wheels} holds no wheels: mpack's environment on the device comes from it", 3)
     whl = get_wheel(args.wheel_dir)
 
-    for d in ("p1", "p2", "w", "w-download", "mw"):
+    for d in ("p1", "p2", "w", "w-download", "mw", "mm"):
         shutil.rmtree(DEV / d, ignore_errors=True)
     for f in ("vllm-py.tar.xz", "so.sha256"):
         (DEV / f).unlink(missing_ok=True)
@@ -347,6 +360,7 @@ def main() -> int:
         print(f"compressing {SO} (x86 filter + xz -9e, about two minutes)")
         so_xz = pack_so(read_checked(z, record, SO))
     get_wheels(DEV / "w")
+    get_wheels(DEV / "mm", DEVICE_MM)
     split_msite(device_wheels)
 
     digest = hashlib.sha256(so_xz).hexdigest()
@@ -367,7 +381,7 @@ def main() -> int:
     print(f"\ntree (tracked + untracked, not ignored)  {mib(tree)}")
     rows = [
         ("call 1 (PHASE=1)", call1 + [DEV / "p1"]),
-        ("call fa (PHASE=fa)", [DEV / "fa", DEV / "mw"]),
+        ("call fa (PHASE=fa)", [DEV / "fa", DEV / "mw", DEV / "mm"]),
         ("call 2 (PHASE=2)", call2),
     ]
     worst = 0

@@ -90,11 +90,149 @@ def test_summary_passes_only_when_every_mode_of_every_case_matches(script: Any) 
 
 
 def test_cases_cover_both_architectures_profiles_and_dtypes(script: Any) -> None:
-    got = {(c["arch"], c["strategy"], c["dtype"], c["profile"]) for c in script.cases()}
-    assert len(got) == 16
+    got = {
+        (c["arch"], c["strategy"], c["dtype"], c["profile"])
+        for c in script.cases()
+        if c["arch"] in ("llama", "qwen2") and c["scheme"] in script.SCHEMES
+    }
+    assert len(got) == 16  # the full product, as before issue 38
     assert {g[0] for g in got} == {"llama", "qwen2"}
     assert {g[3] for g in got} == {"w8a16", "w8a8-marlin"}
     assert {g[2] for g in got} == {"bfloat16", "float16"}
+
+
+def test_every_family_runs_both_scales_and_profiles_in_a_few_cases(script: Any) -> None:
+    names = [c["name"] for c in script.cases()]
+    assert len(names) == len(set(names)), "case names are the keys of the results"
+    # compressed-tensors, the causal LMs
+    cs = [c for c in script.cases() if c["scheme"] in script.SCHEMES and "wrapper" not in c]
+    assert (
+        {c["arch"] for c in cs}
+        == set(script.FAMILIES)
+        == {
+            "llama",
+            "qwen2",
+            "gemma2",
+            "granite",
+            "phi3",
+        }
+    )
+    from mpack.fixtures import ARCHS
+
+    assert set(script.FAMILIES) <= set(ARCHS)
+    for f in ("gemma2", "granite", "phi3"):
+        mine = [c for c in cs if c["arch"] == f]
+        assert 2 <= len(mine) <= 4, f  # a covering set, not the product: device time
+        assert {c["strategy"] for c in mine} == {"tensor", "channel"}, f
+        assert {c["profile"] for c in mine} == set(script.PROFILES), f
+        assert all(c["name"].startswith(f + "-") for c in mine)
+    # vLLM refuses Gemma 2 in float16; the others run it somewhere
+    assert {c["dtype"] for c in cs if c["arch"] == "gemma2"} == {"bfloat16"}
+    for f in ("granite", "phi3"):
+        assert {c["dtype"] for c in cs if c["arch"] == f} == set(script.DTYPES), f
+
+
+def test_wrappers_run_both_scales_profiles_and_layouts_text_only(script: Any) -> None:
+    from mpack.fixtures import LAYOUTS, WRAPPERS
+
+    ws = [c for c in script.cases() if "wrapper" in c]
+    assert {c["wrapper"] for c in ws} == set(WRAPPERS)
+    assert {c["strategy"] for c in ws} == {"tensor", "channel"}
+    assert {c["profile"] for c in ws} == set(script.PROFILES)
+    assert {c["layout"] for c in ws} == set(LAYOUTS)
+    assert script.selected("llava,mistral3,qwen2_5_vl,gemma3") == ws
+    for c in ws:
+        space = script._prompt_space(c)
+        assert space["text_only"] and space["vocab"] < 1000  # below the special tokens
+        run = {"model": "m", "dtype": c["dtype"], "mode": "private", "sidecar": "s", **space}
+        assert script.engine_kwargs(run)["language_model_only"] is True
+        args = script.fixture_args(c, 1)
+        assert args["wrapper"] == c["wrapper"] and args["seed"] == 1
+        assert (args["layout"], args["scheme"]) == (c["layout"], c["scheme"])
+    dense = next(c for c in script.cases() if "wrapper" not in c)
+    run = {"model": "m", "dtype": "bfloat16", "mode": "ordinary", **script._prompt_space(dense)}
+    assert "language_model_only" not in script.engine_kwargs(run)
+
+
+def test_only_selects_by_name_and_by_family_list(script: Any) -> None:
+    assert script.selected("") == script.cases()
+    gemma = script.selected("gemma2")
+    assert gemma and {c["arch"] for c in gemma} == {"gemma2"}
+    new = script.selected("gemma2,granite,phi3")
+    assert {c["arch"] for c in new} == {"gemma2", "granite", "phi3"}
+    assert new == [c for c in script.cases() if c["arch"] in ("gemma2", "granite", "phi3")]
+    assert {c["arch"] for c in script.selected("autofp8")} == {"llama", "gemma2"}
+    assert script.selected("gemma2,") == gemma  # an empty part selects nothing more
+    one = script.cases()[-1]["name"]
+    assert [c["name"] for c in script.selected(one)] == [one]
+    assert script.selected("no-such-case") == []
+
+
+def test_fixture_args_carry_each_family_quirk(script: Any) -> None:
+    by = {
+        c["arch"]: c for c in script.cases() if c["scheme"] in script.SCHEMES and "wrapper" not in c
+    }
+    for arch, c in by.items():
+        args = script.fixture_args(c, 1)
+        assert args["arch"] == arch and args["seed"] == 1
+        assert (args["scheme"], args["dtype"]) == (c["scheme"], c["dtype"])
+    assert script.fixture_args(by["gemma2"], 0)["head_dim"] == 32
+    assert script.fixture_args(by["phi3"], 0)["kv_heads"] == 1
+    for arch in ("llama", "qwen2", "granite"):
+        assert "head_dim" not in script.fixture_args(by[arch], 0)
+        assert "kv_heads" not in script.fixture_args(by[arch], 0)
+
+
+def test_fixture_args_make_the_families_checkpoints(script: Any, tmp_path: Path) -> None:
+    """The arguments are ones ``make_checkpoint`` takes, and give each family its quirk."""
+    from mpack.fixtures import make_checkpoint
+
+    cs = [c for c in script.selected("gemma2,granite,phi3") if c["scheme"] in script.SCHEMES]
+    for c in cs[::2]:  # one case per family
+        ck = make_checkpoint(tmp_path / c["name"], **{**script.fixture_args(c, 0), "layers": 1})
+        cfg = json.loads((ck / "config.json").read_text())
+        assert cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] == c["dtype"]
+        if c["arch"] == "gemma2":
+            assert cfg["head_dim"] == 32 != cfg["hidden_size"] // cfg["num_attention_heads"]
+            assert cfg["tie_word_embeddings"] is True
+        if c["arch"] == "phi3":
+            assert cfg["num_key_value_heads"] == 1
+
+
+def test_prepare_builds_the_selected_cases_and_their_control(
+    script: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mpack.convert
+    import mpack.fixtures
+
+    made: list[tuple[Path, dict[str, Any]]] = []
+    converted: list[tuple[Path, Path, str]] = []
+
+    def fake_make(out: Path, **kw: Any) -> Path:
+        made.append((out, kw))
+        return out
+
+    monkeypatch.setattr(mpack.fixtures, "make_checkpoint", fake_make)
+    monkeypatch.setattr(
+        mpack.fixtures, "make_autofp8_checkpoint", lambda out, **kw: fake_make(out, autofp8=1, **kw)
+    )
+
+    def fake_convert(ck: Path, sc: Path, *, profile: str, device: str) -> None:
+        converted.append((ck, sc, profile))
+
+    monkeypatch.setattr(mpack.convert, "convert", fake_convert)
+    monkeypatch.setattr(script, "weight_only", lambda ck: None)
+    script.prepare_tiny(tmp_path, "gemma2,phi3")
+    sel = script.selected("gemma2,phi3")
+    assert len(made) == len(converted) == len(sel) + 1
+    for (out, kw), (c, seed) in zip(made, script.tiny_jobs("gemma2,phi3"), strict=True):
+        assert out == script.checkpoint_dir(tmp_path, c, seed)
+        made_as = {"autofp8": 1} if c["scheme"] in script.AUTOFP8 else {}
+        assert kw == {**made_as, **script.fixture_args(c, seed)}
+    # the control: the first selected case's config at seed 1, its own sidecar
+    assert made[-1][1] == {**made[0][1], "seed": 1}
+    assert converted[-1][1] == tmp_path / f"sc-{sel[0]['name']}-s1"
+    assert [p for _, _, p in converted] == [c["profile"] for c in sel] + [sel[0]["profile"]]
 
 
 def test_tiny_jobs_hold_the_control(script: Any) -> None:
@@ -106,3 +244,45 @@ def test_tiny_jobs_hold_the_control(script: Any) -> None:
     assert first[0] == control[0] and (first[1], control[1]) == (0, 1)
     w = Path("/w")
     assert script.checkpoint_dir(w, control[0], 1) != script.checkpoint_dir(w, first[0], 0)
+    # a selection has its own control: the first selected case at seed 1
+    new = script.tiny_jobs("granite")
+    assert new[-1] == (script.selected("granite")[0], 1)
+    assert script.tiny_jobs("no-such-case") == []
+
+
+def test_summary_of_a_family_alone_has_its_control(script: Any) -> None:
+    sel = script.selected("phi3")
+    good = {f"{c['name']}/{m}": _run([[3, 4]]) for c in sel for m in script.MODES}
+    good["control"] = _run([[3, 4]], lp=-1.5)
+    s = script.summarize_tokens(good, only="phi3")
+    assert s["all_equal"] is True and s["control_differs"] is True
+    assert set(s["cases"]) == {c["name"] for c in sel}
+    # the control is compared with the first selected case's ordinary run
+    other = {**good, f"{sel[0]['name']}/ordinary": _run([[3, 4]], lp=-1.5)}
+    assert script.summarize_tokens(other, only="phi3")["control_differs"] is False
+
+
+def test_control_engine_skips_the_binding_check_and_no_other_does(script: Any) -> None:
+    run = {"model": "/ck", "dtype": "bfloat16", "sidecar": "/sc", "vocab": 1000}
+    private = script.engine_kwargs({**run, "mode": "private"})
+    assert "check_source" not in private["model_loader_extra_config"]
+    control = script.engine_kwargs({**run, "mode": "private", "check_source": False})
+    assert control["model_loader_extra_config"]["check_source"] is False
+
+
+def test_autofp8_cases_are_weight_only_autofp8_checkpoints(script: Any, tmp_path: Path) -> None:
+    """The AutoFP8 cases (quant_method fp8, static and dynamic): profile w8a16 (vLLM's
+    Fp8LinearMethod on Marlin), and their fixture arguments make such a checkpoint."""
+    from mpack.fixtures import make_autofp8_checkpoint
+
+    cs = [c for c in script.cases() if c["scheme"] in script.AUTOFP8]
+    assert {script.AUTOFP8[c["scheme"]] for c in cs} == {"static", "dynamic"}
+    assert {c["profile"] for c in cs} == {"w8a16"}
+    for c in cs:
+        assert "autofp8-" in c["name"]
+        ck = make_autofp8_checkpoint(
+            tmp_path / c["name"], **{**script.fixture_args(c, 0), "layers": 1}
+        )
+        qc = json.loads((ck / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == "fp8"
+        assert qc["activation_scheme"] == script.AUTOFP8[c["scheme"]]

@@ -32,12 +32,11 @@ from typing import Any
 from mpack import arch
 from mpack.errors import InputError, UnsupportedSchemeError, UsageError, quote, shown
 from mpack.sidecar import MANIFEST_NAME, MODEL_DIMS
+from mpack.target import BLOCK_FP8, BLOCK_FP8_HINT, QUANT_METHODS
 
 ATTACH_MODES = ("auto", "require", "never")
 #: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
 EXTRA_KEYS = ("sidecar", "attach", "socket", "check_source")
-#: The compressed-tensors scheme class vLLM runs each profile's layers with.
-PROFILE_SCHEMES = {"w8a16": "CompressedTensorsW8A16Fp8", "w8a8-marlin": "CompressedTensorsW8A8Fp8"}
 #: Where vLLM's Llama-family models keep their decoder layers (mpack.arch owns it).
 DECODER_PREFIX = arch.DECODER_PREFIX
 #: The linears of one decoder layer, as vLLM names them, and vLLM's class for each.
@@ -47,7 +46,6 @@ DECODER_LINEARS = {
     "mlp.gate_up_proj": "MergedColumnParallelLinear",
     "mlp.down_proj": "RowParallelLinear",
 }
-_DECODER_INDEX = arch.DECODER_INDEX
 
 
 class EngineMismatchError(UnsupportedSchemeError):
@@ -119,15 +117,46 @@ class Options:
 # --- the target and the model -------------------------------------------------------------------
 
 
-def expected_profile(quant_config: Any, capability: int | None) -> str:
-    """The mpack profile of the scheme vLLM 0.33.0 picks for an FP8 compressed-tensors config:
-    W8A8 (activations quantized too) on sm >= 8.9 -> ``w8a8-marlin``; weight-only, or any FP8 on
-    an older GPU -> ``w8a16``.
+def quant_method_of(quant_config: Any) -> str:
+    """The checkpoint format of a model's quantization config (a key of
+    :data:`mpack.target.QUANT_METHODS`).
 
     Raises:
-        EngineMismatchError: a scheme vLLM does not run through its FP8 Marlin path (block or
-            group FP8, integer weights, ...).
+        EngineMismatchError: a format an mpack sidecar is never made from.
     """
+    method = quant_config.get("quant_method") if isinstance(quant_config, Mapping) else None
+    if not isinstance(method, str) or method not in QUANT_METHODS:
+        raise EngineMismatchError(
+            f"the model's quantization is {shown(method)}: an mpack sidecar is made from "
+            f"{' or '.join(QUANT_METHODS)} FP8 checkpoints",
+            hint="serve this model without --load-format mpack",
+        )
+    return method
+
+
+def scheme_class(quant_method: str, profile: str) -> str:
+    """The vLLM class that runs a ``profile`` layer of a ``quant_method`` checkpoint."""
+    return QUANT_METHODS[quant_method][profile]
+
+
+def expected_profile(quant_config: Any, capability: int | None) -> str:
+    """The mpack profile of the scheme vLLM 0.33.0 picks for an FP8 checkpoint's config: for
+    compressed-tensors, W8A8 (activations quantized too) on sm >= 8.9 -> ``w8a8-marlin``;
+    weight-only, or any FP8 on an older GPU -> ``w8a16``. AutoFP8 (``quant_method: fp8``):
+    ``w8a16`` always (its Marlin path is weight-only, mpack/convert/autofp8.py).
+
+    Raises:
+        EngineMismatchError: a scheme an mpack sidecar never holds (block or group FP8, integer
+            weights, ...).
+    """
+    if quant_method_of(quant_config) == "fp8":
+        if quant_config.get("weight_block_size") is not None:
+            raise EngineMismatchError(
+                f"the model's quantization_config has weight_block_size "
+                f"{shown(quant_config['weight_block_size'])}: block FP8; {BLOCK_FP8}",
+                hint=BLOCK_FP8_HINT,
+            )
+        return "w8a16"
     groups = quant_config.get("config_groups") if isinstance(quant_config, Mapping) else None
     if not isinstance(groups, Mapping) or not groups:
         raise EngineMismatchError("the model's quantization config has no config_groups")
@@ -139,9 +168,9 @@ def expected_profile(quant_config: Any, capability: int | None) -> str:
         if not (kind == "float" and bits == 8 and strategy in ("tensor", "channel")):
             raise EngineMismatchError(
                 f"quantization group {shown(name)}: weights {shown(kind)} {shown(bits)}-bit, "
-                f"strategy {shown(strategy)}: vLLM runs only FP8 weights with tensor or channel "
-                "scales through its FP8 Marlin path, which is what an mpack sidecar holds",
-                hint="convert and serve this model without mpack",
+                f"strategy {shown(strategy)}: an mpack sidecar holds FP8 weights with tensor or "
+                "channel scales only; vLLM loads this checkpoint itself",
+                hint=BLOCK_FP8_HINT,
             )
         acts.add(bool(group.get("input_activations")))
     w8a8 = any(acts)
@@ -189,10 +218,11 @@ def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) 
                 hint=hint,
             )
     made_from = manifest["model"].get("architecture")
-    if made_from not in arch.ARCHITECTURES or made_from != engine["architecture"]:
+    if _layout(manifest).family is None or made_from != engine["architecture"]:
+        known = arch.ARCHITECTURES + arch.WRAPPER_ARCHITECTURES
         raise EngineMismatchError(
             f"{where}: the sidecar was made from a {shown(made_from)} model, this model is a "
-            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(arch.ARCHITECTURES)}",
+            f"{engine['architecture']}; mpack's fusion rules cover {', '.join(known)}",
             hint=OTHER_MODEL_HINT,
         )
     check_model_config(manifest, engine["model"], where)
@@ -230,10 +260,11 @@ def check_model_config(manifest: dict[str, Any], engine_dims: dict[str, Any], wh
             )
 
 
-def decoder_linears(num_layers: int) -> dict[str, str]:
-    """Every linear of a Llama-family model's decoder layers, by vLLM name -> vLLM class name."""
+def decoder_linears(num_layers: int, prefix: str = DECODER_PREFIX) -> dict[str, str]:
+    """Every linear of a Llama-family model's decoder layers, by vLLM name -> vLLM class name;
+    ``prefix``: where the model keeps them (:attr:`mpack.arch.Layout.decoder_prefix`)."""
     return {
-        f"{DECODER_PREFIX}.{i}.{leaf}": cls
+        f"{prefix}.{i}.{leaf}": cls
         for i in range(num_layers)
         for leaf, cls in DECODER_LINEARS.items()
     }
@@ -268,11 +299,25 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
         )
 
 
+def _layout(manifest: dict[str, Any]) -> arch.Layout:
+    model = manifest["model"]
+    text = model.get("text_architecture")
+    return arch.layout_of(model.get("architecture"), text if isinstance(text, str) else None)
+
+
+def layout(manifest: dict[str, Any]) -> arch.Layout:
+    """Where the model a sidecar was made from keeps its language model, and that model's
+    family (:func:`check_target` checked that it is one of :data:`mpack.arch.FAMILIES`, and
+    that the architecture is this model's)."""
+    lay = _layout(manifest)
+    assert lay.family is not None, "check_target first"
+    return lay
+
+
 def family(manifest: dict[str, Any]) -> arch.Family:
-    """The family of the model a sidecar was made from (:func:`check_target` checked that it
-    is one of :data:`mpack.arch.FAMILIES`, and this model's)."""
-    fam = arch.family_of(manifest["model"].get("architecture"))
-    assert fam is not None, "check_target first"
+    """The family of the (language) model a sidecar was made from (:func:`layout`)."""
+    fam = layout(manifest).family
+    assert fam is not None
     return fam
 
 
@@ -283,6 +328,7 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
     up to ``n`` (docs/FORMAT.md)."""
     manifest_path = Path(where) / MANIFEST_NAME
     skip: set[str] = set()
+    lay = layout(manifest)
     fam = family(manifest)
     for name, ly in manifest["layers"].items():
         shards = ly.get("shards")
@@ -295,10 +341,9 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
         )
         if ok:
             modules = [s["module"] for s in shards]
-            ok = (
-                modules == arch.part_modules(name, fam)
-                and sum(s["rows"] for s in shards) == ly["n"]
-            )
+            ok = [lay.vllm_name(m) for m in modules] == arch.part_modules(name, fam) and sum(
+                s["rows"] for s in shards
+            ) == ly["n"]
         if not ok:
             raise InputError(
                 f"{manifest_path}: layer {first_and_more([name])}: shards is {quote(shards)}, not "
@@ -312,7 +357,7 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
 
 def check_common(
     tensors: Mapping[str, tuple[int, ...]],
-    fam: arch.Family,
+    lay: arch.Layout,
     marlin: Iterable[str],
     dims: Mapping[str, int],
     tied: bool,
@@ -327,41 +372,51 @@ def check_common(
     (vLLM would write it into the sidecar's tensors, which an attached engine maps read-only),
     none to a decoder layer the model does not have, and the embeddings, lm_head and norms must
     have the model's vocabulary and hidden size (vLLM asserts the vocabulary deep in its loader,
-    after the whole model is built)."""
+    after the whole model is built).
+
+    The file keeps the checkpoint's names (vLLM's loader maps a wrapper's itself); they are
+    compared here in vLLM's names (``lay``: :meth:`mpack.arch.Layout.vllm_name`), which the
+    Marlin layers ``marlin`` have. A wrapper's vision tower and projector are not checked
+    here: the check of every parameter after the build covers them."""
+    fam = lay.family
+    assert fam is not None, "check_target first"
     owned = {m for layer in marlin for m in (layer, *arch.shard_modules(layer, fam))}
     vocab, hidden, layers = dims["vocab_size"], dims["hidden_size"], dims["num_hidden_layers"]
+    text, decoder = lay.text_prefix, lay.decoder_prefix
     shapes = {
-        "model.embed_tokens.weight": (vocab, hidden),
-        "lm_head.weight": (vocab, hidden),
-        "model.norm.weight": (hidden,),
+        f"{text}model.embed_tokens.weight": (vocab, hidden),
+        f"{text}lm_head.weight": (vocab, hidden),
+        f"{text}model.norm.weight": (hidden,),
     }
     norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
-    required = {"model.embed_tokens.weight", "model.norm.weight"}
-    required |= {f"{DECODER_PREFIX}.{i}.{n}" for i in range(layers) for n in norms}
-    required |= set() if tied else {"lm_head.weight"}
-    missing = sorted(required - set(tensors), key=arch.natural_key)
+    required = {f"{text}model.embed_tokens.weight", f"{text}model.norm.weight"}
+    required |= {f"{decoder}.{i}.{n}" for i in range(layers) for n in norms}
+    required |= set() if tied else {f"{text}lm_head.weight"}
+    mapped = {lay.vllm_name(n): n for n in tensors}  # vLLM's name -> the file's
+    missing = sorted(required - set(mapped), key=arch.natural_key)
     if missing:
+        named = " (vLLM's name)" if lay.wrapper is not None else ""
         raise EngineMismatchError(
-            f"{path}: has no {first_and_more(missing)}, which this model needs: "
+            f"{path}: has no {first_and_more(missing)}{named}, which this model needs: "
             "vLLM would run it from uninitialised memory",
             hint=OTHER_MODEL_HINT,
         )
-    for name in sorted(tensors, key=arch.natural_key):
-        module = name.rpartition(".")[0]
+    for vname, name in sorted(mapped.items(), key=lambda kv: arch.natural_key(kv[1])):
+        module = vname.rpartition(".")[0]
         if module in owned:
             raise InputError(
                 f"{path}: tensor {first_and_more([name])} belongs to the Marlin layer "
                 "the sidecar's rank files hold: vLLM would write it over the sidecar's weights",
                 hint="regenerate the sidecar with mpack convert",
             )
-        m = _DECODER_INDEX.match(name)
-        if m and int(m.group(1)) >= layers:
+        m = arch.decoder_index(vname, decoder)
+        if m is not None and m >= layers:
             raise EngineMismatchError(
-                f"{path}: tensor {first_and_more([name])} is for decoder layer {m.group(1)}, "
+                f"{path}: tensor {first_and_more([name])} is for decoder layer {m}, "
                 f"this model has {layers} decoder layers",
                 hint=OTHER_MODEL_HINT,
             )
-        want = shapes.get(name) or ((hidden,) if m and name.endswith(norms) else None)
+        want = shapes.get(vname) or ((hidden,) if m is not None and name.endswith(norms) else None)
         if want is not None and tuple(tensors[name]) != want:
             what = "vocab_size x hidden_size" if len(want) == 2 else "hidden_size"
             raise EngineMismatchError(
@@ -374,7 +429,8 @@ def check_common(
 __all__ = [
     "ATTACH_MODES",
     "EXTRA_KEYS",
-    "PROFILE_SCHEMES",
+    "quant_method_of",
+    "scheme_class",
     "EngineMismatchError",
     "Options",
     "check_common",
@@ -384,5 +440,6 @@ __all__ = [
     "check_target",
     "decoder_linears",
     "family",
+    "layout",
     "expected_profile",
 ]

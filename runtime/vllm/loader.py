@@ -60,7 +60,6 @@ from mpack.errors import (
 )
 from mpack.runtime.vllm.checks import (
     OTHER_MODEL_HINT,
-    PROFILE_SCHEMES,
     EngineMismatchError,
     Options,
     check_common,
@@ -69,8 +68,10 @@ from mpack.runtime.vllm.checks import (
     check_target,
     decoder_linears,
     expected_profile,
-    family,
     first_and_more,
+    layout,
+    quant_method_of,
+    scheme_class,
 )
 from mpack.runtime.vllm.source import rank_weights, sidecar_dir
 from mpack.sidecar import (
@@ -111,13 +112,12 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
 
     capability = _capability()
     qc = getattr(model_config.hf_config, "quantization_config", None)
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        raise EngineMismatchError(
-            f"{model_config.model}: the model is not a compressed-tensors checkpoint "
-            f"(quantization {getattr(model_config, 'quantization', None)})"
-        )
-    profile = expected_profile(qc, capability)
-    why = f"vLLM runs this checkpoint with {PROFILE_SCHEMES[profile]} on sm {capability}"
+    try:
+        method = quant_method_of(qc)
+        profile = expected_profile(qc, capability)
+    except EngineMismatchError as e:
+        raise EngineMismatchError(f"{model_config.model}: {e.message}", hint=e.hint) from None
+    why = f"vLLM runs this checkpoint with {scheme_class(method, profile)} on sm {capability}"
     text = model_config.hf_config.get_text_config()
     dims = {k: getattr(text, k) for k in MODEL_DIMS if getattr(text, k, None) is not None}
     return {
@@ -126,13 +126,19 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "profile": profile,
         "profile_why": why,
+        "quant_method": method,
         "model": dims,
         "tied": bool(getattr(text, "tie_word_embeddings", False)),
         "architecture": (getattr(model_config.hf_config, "architectures", None) or [None])[0],
     }
 
 
-def marlin_layer_names(quant_config: Any, num_layers: int, packed: dict[str, Any]) -> set[str]:
+def marlin_layer_names(
+    quant_config: Any,
+    num_layers: int,
+    packed: dict[str, Any],
+    prefix: str = arch.DECODER_PREFIX,
+) -> set[str]:
     """The linears vLLM will build with an FP8 scheme (so, under ``--load-format mpack``, on
     Marlin) in a model of ``num_layers`` decoder layers, before it builds them.
 
@@ -142,11 +148,15 @@ def marlin_layer_names(quant_config: Any, num_layers: int, packed: dict[str, Any
     question it asks while building each layer; it reads only the layer's name and its class's
     name, so a stand-in object of the same class name is enough. The copy of the config gets the
     fused-module mapping ``packed`` that vLLM hands it from the model class at build time (Phi-3's
-    maps ``qkv_proj`` to itself: its checkpoint stores it fused)."""
+    maps ``qkv_proj`` to itself: its checkpoint stores it fused). An AutoFP8 config
+    (``Fp8Config``) quantizes every linear but those its ``ignored_layers`` name, which vLLM's
+    ``is_layer_skipped`` decides."""
     qc = copy.copy(quant_config)
     qc.packed_modules_mapping = {k: list(v) for k, v in packed.items()}
+    if not hasattr(qc, "get_scheme_dict"):
+        return _fp8_layer_names(qc, num_layers, prefix)
     names = set()
-    for name, cls_name in decoder_linears(num_layers).items():
+    for name, cls_name in decoder_linears(num_layers, prefix).items():
         stand_in = type(cls_name, (), {})()
         try:
             scheme = qc.get_scheme_dict(stand_in, name)
@@ -157,11 +167,46 @@ def marlin_layer_names(quant_config: Any, num_layers: int, packed: dict[str, Any
     return names
 
 
+def _fp8_layer_names(qc: Any, num_layers: int, prefix: str = arch.DECODER_PREFIX) -> set[str]:
+    """:func:`marlin_layer_names` of an AutoFP8 model (vLLM's ``Fp8Config.get_quant_method``)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    names = set()
+    for name in decoder_linears(num_layers, prefix):
+        try:
+            skipped = is_layer_skipped(
+                prefix=name,
+                ignored_layers=qc.ignored_layers,
+                fused_mapping=qc.packed_modules_mapping,
+                match_mode=qc.ignored_layers_match_mode,
+            )
+        except ValueError as e:  # shards of one fused linear, some ignored and some not
+            raise EngineMismatchError(f"{name}: {e}") from None
+        if not skipped:
+            names.add(name)
+    return names
+
+
 def _packed_modules(model_config: Any) -> dict[str, Any]:
     """The model class's ``packed_modules_mapping``, as vLLM resolves the class."""
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     return dict(getattr(get_model_architecture(model_config)[0], "packed_modules_mapping", {}))
+
+
+def _as_built(quant_config: Any, model_config: Any) -> Any:
+    """A copy of the quantization config with the module names of its ``ignore`` / targets in
+    vLLM's names, as vLLM leaves it when it builds the model (``configure_quant_config`` or
+    ``SupportsQuant`` apply the class's ``hf_to_vllm_mapper.get_rename_mapper()``): a wrapper's
+    checkpoint names (``model.language_model.layers...``) are not its modules' names."""
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    mapper = getattr(get_model_architecture(model_config)[0], "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return quant_config
+    qc = copy.copy(quant_config)
+    qc.apply_vllm_mapper(mapper.get_rename_mapper())
+    return qc
 
 
 def force_marlin(vllm_config: Any) -> None:
@@ -204,6 +249,7 @@ class Checked:
     manifest: dict[str, Any]
     dims: dict[str, int]  # the model's dimensions (MODEL_DIMS), equal to the sidecar's
     tied: bool  # the model's lm_head is its embeddings
+    quant_method: str  # the checkpoint's format (a key of mpack.target.QUANT_METHODS)
     #: For a ``--no-passthrough`` sidecar: the checkpoint modules its Marlin layers stand for,
     #: whose tensors vLLM must skip when it reads the checkpoint; None: the sidecar has its own
     #: ``common.safetensors``.
@@ -243,7 +289,10 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     check_target(manifest, engine, sidecar)
     dims = engine["model"]
     expected = marlin_layer_names(
-        vllm_config.quant_config, dims["num_hidden_layers"], _packed_modules(model_config)
+        _as_built(vllm_config.quant_config, model_config),
+        dims["num_hidden_layers"],
+        _packed_modules(model_config),
+        layout(manifest).decoder_prefix,
     )
     check_layers(manifest, expected, sidecar)
     skip = None
@@ -251,7 +300,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         common = read_file_map(sidecar / COMMON_NAME, follow=False)
         check_common(
             {e.name: e.shape for e in common.entries},
-            family(manifest),
+            layout(manifest),
             manifest["layers"],
             dims,
             engine["tied"],
@@ -267,7 +316,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     else:
         skip = frozenset(check_shards(manifest, sidecar))
     force_marlin(vllm_config)
-    return Checked(sidecar, manifest, dims, engine["tied"], skip)
+    return Checked(sidecar, manifest, dims, engine["tied"], engine["quant_method"], skip)
 
 
 class MpackModelLoader(DefaultModelLoader):
@@ -319,7 +368,7 @@ class MpackModelLoader(DefaultModelLoader):
             if checked.skip is None:  # the tensors loaded are those whose header was checked
                 check_common(
                     _common_shapes(weights),
-                    family(checked.manifest),
+                    layout(checked.manifest),
                     checked.manifest["layers"],
                     checked.dims,
                     checked.tied,
@@ -330,7 +379,9 @@ class MpackModelLoader(DefaultModelLoader):
                     model = self.create_model(vllm_config, model_config, prefix)
                 model._mpack_weights = weights  # the lease and mappings live with the model
                 model._mpack_checked = checked
-                layers = _swap_in(model, checked.manifest, weights, checked.sidecar)
+                layers = _swap_in(
+                    model, checked.manifest, weights, checked.sidecar, checked.quant_method
+                )
                 self._load_rest(model, model_config, checked, weights, layers)
                 _process_others(model, layers, model_config, target, process_weights_after_loading)
         except BaseException:
@@ -419,7 +470,12 @@ def _check_all_loaded(
 
 
 def _scheme_kernel(layer: nn.Module) -> tuple[Any, Any]:
+    """A layer's quantization scheme and its kernel: compressed-tensors' ``layer.scheme``, or an
+    AutoFP8 layer's ``Fp8LinearMethod`` (its quant method, which holds ``fp8_linear``); None for
+    an unquantized layer."""
     scheme = getattr(layer, "scheme", None)
+    if scheme is None and hasattr(getattr(layer, "quant_method", None), "fp8_linear"):
+        scheme = layer.quant_method
     kernel = getattr(scheme, "linear_kernel", None) or getattr(scheme, "fp8_linear", None)
     return scheme, kernel
 
@@ -427,17 +483,16 @@ def _scheme_kernel(layer: nn.Module) -> tuple[Any, Any]:
 # Note [loading from a sidecar]: each parameter keeps its vLLM ``Parameter`` object (and with it
 # its weight loader), and its ``.data`` becomes the sidecar's tensor itself: with an attached
 # sidecar a view of the daemon's read-only mapping, never a copy. ``input_scale`` is removed and
-# ``processed_weight_dims`` set, as Marlin's own processing leaves them; for a per-tensor W8A16
-# layer the scheme's weight key becomes per-channel, as vLLM's does.
+# the rest of the state set as Marlin's own processing leaves it (:func:`_as_processed`).
 def _swap_in(
-    model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: Path
+    model: nn.Module, manifest: dict[str, Any], weights: Any, sidecar: Path, quant_method: str
 ) -> dict[str, nn.Module]:
     """Give every Marlin layer the sidecar's tensors; return the layers by name (Note [loading
     from a sidecar])."""
     from vllm.model_executor.kernels.linear.scaled_mm.marlin import MarlinFP8ScaledMMLinearKernel
 
     modules = dict(model.named_modules())
-    want = PROFILE_SCHEMES[manifest["target"]["profile"]]
+    want = scheme_class(quant_method, manifest["target"]["profile"])
     _check_same_layers(modules, manifest["layers"], sidecar)
     for name, ly in manifest["layers"].items():
         layer = modules[name]
@@ -470,8 +525,7 @@ def _swap_in(
             )
         for leaf, param in params.items():
             param.data = weights[f"{name}.{leaf}"]
-        layer.processed_weight_dims = (0, 1)
-        _as_processed(scheme, ly)
+        _as_processed(layer, scheme, kernel, ly)
     return {name: modules[name] for name in manifest["layers"]}
 
 
@@ -502,10 +556,18 @@ def _check_same_layers(
         )
 
 
-def _as_processed(scheme: Any, ly: dict[str, Any]) -> None:
-    """What vLLM's W8A16 processing changes on the scheme itself: a per-tensor layer's scales
-    become per-channel (schemes/compressed_tensors_w8a16_fp8.py)."""
-    if type(scheme).__name__ != PROFILE_SCHEMES["w8a16"] or ly.get("strategy") != "tensor":
+def _as_processed(layer: nn.Module, scheme: Any, kernel: Any, ly: dict[str, Any]) -> None:
+    """What vLLM's Marlin processing leaves on the layer and its scheme beyond the tensors: an
+    AutoFP8 layer's kernel gets the method's Marlin input dtype (fp8.py); a compressed-tensors
+    layer says its weight keeps the checkpoint's dims (``processed_weight_dims``), and a
+    per-tensor W8A16 one's scales become per-channel (schemes/compressed_tensors_w8a16_fp8.py)."""
+    if type(scheme).__name__ == scheme_class("fp8", "w8a16"):
+        kernel.marlin_input_dtype = scheme.marlin_input_dtype
+        return
+    layer.processed_weight_dims = (0, 1)
+    if type(scheme).__name__ != scheme_class("compressed-tensors", "w8a16"):
+        return
+    if ly.get("strategy") != "tensor":
         return
     from compressed_tensors.quantization import QuantizationStrategy
     from vllm.model_executor.layers.quantization.compressed_tensors.utils import (

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from mpack.fixtures import make_checkpoint  # noqa: E402
+from mpack.fixtures import make_autofp8_checkpoint, make_checkpoint  # noqa: E402
 from tests.convert.helpers import (  # noqa: E402
     INDEX,
     SINGLE,
@@ -51,6 +51,11 @@ BASES: dict[str, dict[str, Any]] = {
     "heads6": {"hidden": 192, "heads": 6, "kv_heads": 3},  # head_dim 32
     "fp16": {"dtype": "float16"},
     "k258": {"hidden": 258, "heads": 1, "kv_heads": 1},  # K = 258, not a multiple of 4
+    # AutoFP8 (quant_method fp8): float32 scalar weight scales, static input scales / none
+    "autofp8s": {"autofp8": "static"},
+    "autofp8d": {"autofp8": "dynamic"},
+    # Phi-3: qkv_proj and gate_up_proj stored fused (q 256 + k 64 + v 64 rows: 1 KV head)
+    "phi3": {"arch": "phi3", "kv_heads": 1},
 }
 L = "model.layers.1.mlp.up_proj"  # the layer most cases break
 LINEARS = (
@@ -168,6 +173,49 @@ def quantized_lm_head(ck: Path) -> None:
     q = (w / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
     set_tensors(ck, {"lm_head.weight": q, "lm_head.weight_scale": scale})
     quant_config(ignore=[])(ck)
+
+
+def per_channel_scale(ck: Path) -> None:
+    """Give layer L one weight scale per output channel, ``[N]`` float32."""
+    n = read_tensor(ck, f"{L}.weight").shape[0]
+    set_tensors(ck, {f"{L}.weight_scale": torch.full((n,), 0.01, dtype=torch.float32)})
+
+
+def extra_input_scale(ck: Path) -> None:
+    """Add an input scale to layer L of a checkpoint without them."""
+    set_tensors(
+        ck,
+        {
+            f"{L}.input_scale": torch.tensor(0.5),
+            f"{L}.weight_scale": read_tensor(ck, f"{L}.weight_scale"),
+        },
+    )
+
+
+def drop_tensor(name: str) -> Callable[[Path], None]:
+    def prep(ck: Path) -> None:
+        set_tensors(ck, {}, drop=[name])
+
+    return prep
+
+
+def not_fp8_serialized(ck: Path) -> None:
+    """Every FP8 weight as bfloat16 (its dequantized values), every scale gone: what a 16-bit
+    checkpoint labelled ``quant_method: fp8`` holds."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = ck / SINGLE
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+    out = {}
+    for k, t in tensors.items():
+        if k.endswith((".weight_scale", ".input_scale")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = (t.float() * tensors[k[: -len("weight")] + "weight_scale"]).bfloat16()
+        out[k] = t
+    save_file(out, str(path), metadata={"format": "pt"})
 
 
 def architecture(name: str) -> Callable[[Path], None]:
@@ -342,7 +390,12 @@ REFUSED = [
     Case(
         "strategy-block",
         prepare=strategy("block", block_structure=[128, 128]),
-        expect=("{ck}/model.safetensors: " + ANY_WEIGHT, "weight strategy 'block'"),
+        expect=(
+            "{ck}/model.safetensors: " + ANY_WEIGHT,
+            "weight strategy 'block'",
+            "mpack packs tensor- and channel-scaled FP8 only; vLLM loads a block FP8 "
+            "checkpoint itself",
+        ),
     ),
     Case(
         "strategy-group",
@@ -461,6 +514,18 @@ REFUSED = [
     Case("k-not-multiple-of-4", base="k258", expect=(ANY_WEIGHT, "K=258", "multiple of 4")),
     # num_hidden_layers against the layers the weights hold (2): refused at plan time, not by
     # vLLM once it has built the model
+    # A fused Phi-3 qkv_proj whose rows are not the parts config.json gives (2 KV heads would be
+    # 256 + 128 + 128): the file, the tensor, both row counts and the parts are named.
+    Case(
+        "phi3-fused-rows-do-not-add-up",
+        base="phi3",
+        prepare=set_config(num_key_value_heads=2),
+        expect=(
+            "{ck}/model.safetensors: model.layers.0.self_attn.qkv_proj.weight has N=384 rows",
+            "config.json implies 512 (q 256 + k 128 + v 128)",
+            "num_key_value_heads 2",
+        ),
+    ),
     Case(
         "layers-config-more",
         prepare=set_config(num_hidden_layers=1_000_000),
@@ -523,8 +588,87 @@ REFUSED = [
     ),
     Case(
         "other-quant-method",
-        prepare=quant_config(quant_method="fp8"),
-        expect=("{ck}/config.json", "quant_method is 'fp8'"),
+        prepare=quant_config(quant_method="gptq"),
+        expect=("{ck}/config.json", "quant_method is 'gptq'", "compressed-tensors and fp8"),
+    ),
+    Case(
+        "mllama",
+        prepare=architecture("MllamaForConditionalGeneration"),
+        expect=(
+            "{ck}/config.json: architecture MllamaForConditionalGeneration: vLLM 0.33.0 cannot "
+            "run it",
+            "removed Mllama",
+        ),
+    ),
+    # AutoFP8 (quant_method fp8): what vLLM's Fp8LinearMethod would refuse or misload
+    Case(
+        "autofp8-block",
+        base="autofp8d",
+        prepare=quant_config(weight_block_size=[128, 128]),
+        expect=(
+            "{ck}/config.json: quantization_config.weight_block_size is [128, 128]: block FP8",
+            "vLLM loads a block FP8 checkpoint itself",
+        ),
+    ),
+    Case(
+        "autofp8-no-activation-scheme",
+        base="autofp8s",
+        prepare=lambda ck: edit_config(
+            ck, lambda cfg: cfg["quantization_config"].pop("activation_scheme")
+        ),
+        expect=("{ck}/config.json", "has no activation_scheme", "vLLM 0.33.0 cannot load"),
+    ),
+    Case(
+        "autofp8-missing-weight-scale",
+        base="autofp8s",
+        prepare=drop_tensor(f"{L}.weight_scale"),
+        expect=(f"{{ck}}/model.safetensors: {L}.weight", "FP8 weight without a weight_scale"),
+    ),
+    Case(
+        "autofp8-static-missing-input-scale",
+        base="autofp8s",
+        prepare=drop_tensor(f"{L}.input_scale"),
+        expect=(
+            f"{{ck}}/model.safetensors: {L}.weight",
+            f"activation_scheme is static, but the checkpoint has no {L}.input_scale",
+        ),
+    ),
+    Case(
+        "autofp8-dynamic-with-input-scale",
+        base="autofp8d",
+        prepare=extra_input_scale,
+        expect=(
+            f"{{ck}}/model.safetensors: {L}.input_scale",
+            "activation_scheme is dynamic",
+            "vLLM 0.33.0 cannot load this checkpoint either",
+        ),
+    ),
+    Case(
+        "autofp8-per-channel-scale",
+        base="autofp8s",
+        prepare=per_channel_scale,
+        expect=(
+            f"{{ck}}/model.safetensors: {L}.weight_scale: per-channel scale shape [512]",
+            "Fp8LinearMethod",
+        ),
+    ),
+    Case(
+        "autofp8-ignored-fp8-layer",
+        base="autofp8s",
+        prepare=quant_config(ignored_layers=["lm_head", L]),
+        expect=(f"{{ck}}/model.safetensors: {L}.weight", f"ignored_layers lists {L}"),
+    ),
+    Case(
+        "autofp8-not-fp8-serialized",
+        base="autofp8s",
+        prepare=not_fp8_serialized,
+        expect=("{ck}: quant_method is fp8", "not FP8-serialized", "fp8_per_tensor"),
+    ),
+    Case(
+        "autofp8-w8a8-profile",
+        base="autofp8s",
+        args=("--profile", "w8a8-marlin"),
+        expect=("{ck}/config.json: quant_method fp8", "Fp8LinearMethod", "never as w8a8-marlin"),
     ),
     Case(
         "no-model-dtype",
@@ -557,6 +701,13 @@ REFUSED = [
 ]
 
 ACCEPTED = [
+    Case("autofp8-static", base="autofp8s", check=expect_target(profile="w8a16")),
+    Case(
+        "autofp8-dynamic-tp2",
+        base="autofp8d",
+        args=("--tp", "2"),
+        check=expect_target(profile="w8a16", tp_size=2),
+    ),
     Case(
         "fuse-none-unknown-architecture",
         prepare=architecture("GPT2LMHeadModel"),
@@ -624,7 +775,12 @@ FOREIGN = ["no-force", "force"]
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One checkpoint per BASES entry; cases copy them before mutating."""
     root = tmp_path_factory.mktemp("bases")
-    return {name: make_checkpoint(root / name, **kw) for name, kw in BASES.items()}
+    return {
+        name: make_autofp8_checkpoint(root / name, activation=kw["autofp8"])
+        if "autofp8" in kw
+        else make_checkpoint(root / name, **kw)
+        for name, kw in BASES.items()
+    }
 
 
 @pytest.fixture(scope="module")

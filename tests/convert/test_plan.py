@@ -345,7 +345,8 @@ BROKEN = {
     ),
     "config-disagrees": (
         lambda ck: ck.config.update(intermediate_size=256),
-        "model.layers.0.mlp.gate_proj.weight has N=512, config.json implies 256",
+        "model.safetensors: model.layers.0.mlp.gate_proj.weight has N=512 rows, config.json "
+        "implies 256",
     ),
     "config-lacks-heads": (
         lambda ck: ck.config.pop("num_attention_heads"),

@@ -32,6 +32,19 @@ W8A8 requantization) runs unchanged. What a CPU lacks is stood in for, each for 
    weights with ``torch.ops._C.convert_weight_packed``, an op of vLLM's CPU build that the CUDA
    wheel does not hold. vLLM then takes the path it takes on CPUs without AMX.
 
+7. torchvision, for vLLM's multimodal wrappers (Llava, Mistral 3, Qwen2.5-VL, Gemma 3), whose
+   modules import transformers' image processors, which import torchvision (and Llava's and
+   Mistral 3's, ``mistral_common``). The package index holds torchvision 0.28 (torch 2.13's) only
+   as a CUDA build, whose ``_C`` needs ``libtorch_cuda`` and does not load on the CPU torch;
+   its import then registers fake kernels for ``nms`` and ``qnms`` all the same, which fails
+   unless the ops exist. ``make install-vllm`` puts both packages in ``.venv-vllm/mm-site``,
+   outside the venv's own path (there, every ``import vllm.config`` would fail on it); this
+   declares the two schemas (no kernel: no image is ever processed) and puts the folder on
+   ``sys.path``. torchvision's Python runs unchanged. Where its ``_C`` loads, nothing is declared.
+   vLLM's model registry inspects a model class in a child process (to keep CUDA uninitialised
+   in the parent), which would lack this; on a CPU there is no CUDA to keep uninitialised, so
+   the inspection runs in this process.
+
 Use: ``install()`` once, before anything imports vLLM; ``set_profile(p)`` before each model build.
 """
 
@@ -47,6 +60,7 @@ CAPABILITY = {"w8a16": (8, 6), "w8a8-marlin": (9, 0)}
 
 _state = {"capability": CAPABILITY["w8a16"], "installed": False}
 _LIB = None  # the torch.library fragment: kept alive, or its definitions go with it
+_TV_LIB = None  # stand-in 7's, likewise
 
 
 def set_profile(profile: str) -> None:
@@ -64,6 +78,8 @@ def install(profile: str = "w8a16") -> None:
     if "vllm.platforms" in sys.modules and os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
         raise RuntimeError("cpu_standins.install() must run before vLLM is imported")
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    # 7. torchvision and mistral_common for the multimodal wrappers (before transformers).
+    _multimodal_site()
 
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability, PlatformEnum
@@ -95,6 +111,11 @@ def install(profile: str = "w8a16") -> None:
     # 6. No AMX: on a CPU with AMX tiles vLLM packs unquantized weights (embeddings, lm_head)
     # with CPU ops of its CPU build (``_C.convert_weight_packed``) that the CUDA wheel lacks.
     torch.cpu._is_amx_tile_supported = lambda: False
+
+    # 7. The registry's inspection in this process, where the multimodal site is on the path.
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = lambda fn: fn()
     _state["installed"] = True
 
 
@@ -166,3 +187,32 @@ def _define_ops() -> None:
             lib.define(_SCHEMAS[name])
         lib.impl(name, fn, "CPU")
     _LIB = lib
+
+
+# --- 7. torchvision and mistral_common, for the multimodal wrappers ----------------------------
+
+#: Where ``make install-vllm`` puts them (beside the venv's site-packages, not in it).
+MM_SITE = "mm-site"
+_TORCHVISION_SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+
+
+def _multimodal_site() -> None:
+    global _TV_LIB
+    from pathlib import Path
+
+    site = Path(sys.prefix) / MM_SITE
+    if not site.is_dir():
+        return  # an interpreter with its own torchvision (the GPU machine's), or none
+    for so in (site / "torchvision").glob("_C*.so"):
+        try:
+            torch.ops.load_library(str(so))
+            break  # its own ops load: nothing to declare
+        except OSError:  # the CUDA build on the CPU torch
+            lib = torch.library.Library("torchvision", "DEF")
+            for schema in _TORCHVISION_SCHEMAS:
+                lib.define(schema)
+            _TV_LIB = lib
+    sys.path.insert(0, str(site))

@@ -56,7 +56,9 @@ def main_python() -> str:
 class Case:
     name: str
     arch: str  # llama: no bias; qwen2: q/k/v bias
-    scheme: str  # FP8: per-tensor weight scales (static W8A8); FP8_DYNAMIC: per-channel
+    scheme: str  # FP8: per-tensor weight scales (static W8A8); FP8_DYNAMIC: per-channel;
+    # AUTOFP8 / AUTOFP8_DYNAMIC: an AutoFP8 checkpoint (quant_method fp8, per-tensor weight
+    # scales), static or dynamic activations
     profile: str
     dtype: str  # the engine's dtype, and the sidecar's act dtype
     tp: int
@@ -66,6 +68,17 @@ class Case:
         return CKPT_OF[(self.arch, self.scheme)]
 
 
+#: The multimodal wrappers of issue 38 (arch: the wrapper), one checkpoint each: its scheme and
+#: the fixture's arguments. Both name layouts are covered (legacy ``language_model.model.*`` /
+#: Qwen2.5-VL's original ``model.*``; transformers 4.52's ``model.language_model.*``), and the
+#: language models of four families: Mistral (pixtral-12b's Llava), Mistral again (Mistral 3),
+#: Qwen2 with q/k/v bias (Qwen2.5-VL), Gemma 3 (tied, q/k norms).
+WRAPPER_CKPT = {
+    "llava": ("FP8", ["--arch", "mistral", "--layout", "legacy", "--dtype", "bfloat16"]),
+    "mistral3": ("FP8_DYNAMIC", ["--layout", "hf", "--dtype", "float16"]),
+    "qwen2_5_vl": ("FP8_DYNAMIC", ["--layout", "legacy", "--dtype", "bfloat16"]),
+    "gemma3": ("FP8", ["--layout", "hf", "--dtype", "bfloat16"]),
+}
 # (arch, scheme) -> checkpoint name; the checkpoint's own dtype is in CKPTS.
 CKPT_OF = {
     ("llama", "FP8"): "llama-tensor",
@@ -77,6 +90,10 @@ CKPT_OF = {
         for f in ("gemma2", "granite", "phi3")
         for sch, kind in (("FP8", "tensor"), ("FP8_DYNAMIC", "channel"))
     },
+    ("llama", "AUTOFP8"): "llama-autofp8-static",
+    ("gemma2", "AUTOFP8_DYNAMIC"): "gemma2-autofp8-dynamic",
+    ("phi3", "AUTOFP8"): "phi3-autofp8-static",
+    **{(w, sch): w for w, (sch, _) in WRAPPER_CKPT.items()},
 }
 #: The families of issue 38, each with its real quirk: Gemma 2 with a head_dim that is not
 #: hidden / heads (as gemma-2-2b's 256) and no lm_head (always tied); Granite plain; Phi-3 with
@@ -106,6 +123,12 @@ CKPTS = {
         f"{f}-channel": [*args, "--scheme", "FP8_DYNAMIC", "--dtype", "float16"]
         for f, args in FAMILY_CKPT.items()
     },
+    # AutoFP8 (quant_method fp8), as Mistral-7B-Instruct-v0.3-FP8 (static) and
+    # gemma-2-9b-it-FP8 (dynamic) are; Phi-3's fused layers with one scale each.
+    "llama-autofp8-static": ["--arch", "llama", "--autofp8", "static", "--dtype", "float16"],
+    "gemma2-autofp8-dynamic": [*FAMILY_CKPT["gemma2"], "--autofp8", "dynamic"],
+    "phi3-autofp8-static": [*FAMILY_CKPT["phi3"], "--autofp8", "static"],
+    **{w: ["--wrapper", w, "--scheme", sch, *args] for w, (sch, args) in WRAPPER_CKPT.items()},
 }
 
 DT_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
@@ -131,6 +154,19 @@ CASES = [
         )
         for dt in ["bfloat16" if f == "gemma2" else dtype]
     ),
+    # AutoFP8: vLLM's Fp8LinearMethod runs it weight-only on Marlin (w8a16), static and dynamic
+    # activations alike, on any GPU (the sm 9.0 stand-in of w8a8-marlin would not change that).
+    Case("llama-autofp8-static-w8a16-fp16-tp1", "llama", "AUTOFP8", "w8a16", "float16", 1),
+    Case(
+        "gemma2-autofp8-dynamic-w8a16-bf16-tp2", "gemma2", "AUTOFP8_DYNAMIC", "w8a16", "bfloat16", 2
+    ),
+    Case("phi3-autofp8-static-w8a16-bf16-tp2", "phi3", "AUTOFP8", "w8a16", "bfloat16", 2),
+    # The wrappers: each profile and each TP twice, the vision tower and projector passed
+    # through (and compared like every other parameter).
+    Case("llava-mistral-tensor-w8a16-bf16-tp1", "llava", "FP8", "w8a16", "bfloat16", 1),
+    Case("mistral3-hf-channel-w8a8-fp16-tp2", "mistral3", "FP8_DYNAMIC", "w8a8-marlin", "float16", 2),
+    Case("qwen2_5_vl-channel-w8a16-bf16-tp2", "qwen2_5_vl", "FP8_DYNAMIC", "w8a16", "bfloat16", 2),
+    Case("gemma3-hf-tensor-w8a8-bf16-tp1", "gemma3", "FP8", "w8a8-marlin", "bfloat16", 1),
 ]
 CASE_IDS = [c.name for c in CASES]
 BASE = CASES[0]  # the bad-input loads start from this one: llama-tensor, w8a16, bf16, TP 1
@@ -529,7 +565,7 @@ def test_default_loader_took_marlin(world: dict[str, Any], case: Case) -> None:
             elif leaf == "weight_scale":
                 assert t["dtype"] == case.dtype and t["shape"][0] == 1, (name, t)
         assert not [n for n in default if n.endswith("input_scale")]
-        if case.arch == "qwen2":
+        if case.arch in ("qwen2", "qwen2_5_vl"):  # q/k/v bias
             assert any(n.endswith("qkv_proj.bias") for n in names)
         else:
             assert not any(n.endswith(".bias") for n in names)

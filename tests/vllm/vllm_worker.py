@@ -108,10 +108,13 @@ def layer_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """What vLLM's post-load processing leaves on every layer with a quantization scheme, other
     than its tensors (those are :func:`tensors_of`'s): the layer's, its scheme's, its kernel's
     and the kernel config's plain attributes, and which tensor attributes it has (a parameter,
-    a plain tensor such as a workspace, or None)."""
+    a plain tensor such as a workspace, or None). The scheme of an AutoFP8 layer is its quant
+    method, ``Fp8LinearMethod`` (which holds the kernel, ``fp8_linear``)."""
     out: dict[str, dict[str, Any]] = {}
     for name, m in model.named_modules():
         scheme = getattr(m, "scheme", None)
+        if scheme is None and hasattr(getattr(m, "quant_method", None), "fp8_linear"):
+            scheme = m.quant_method
         if scheme is None:
             continue
         kernel = getattr(scheme, "linear_kernel", None) or getattr(scheme, "fp8_linear", None)
