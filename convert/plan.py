@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpack import arch, target
 from mpack.arch import Dims
+from mpack.convert import moe
 from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint, passthrough_names
 from mpack.convert.options import TargetSpec, check_fusion_tp
 from mpack.errors import MpackError, UnsupportedSchemeError, UsageError, quote
@@ -45,9 +46,19 @@ class Piece:
         return self.rows[1] - self.rows[0]
 
 
+@dataclass(frozen=True)
+class Stack:
+    """Where one expert's layer sits in its MoE block's stacked tensors: expert ``index`` of
+    ``count`` (mpack/convert/moe.py)."""
+
+    index: int
+    count: int
+
+
 @dataclass
 class OutLayer:
-    """One Marlin linear of one rank: its pieces (fused in row order) and padded dims."""
+    """One Marlin linear of one rank: its pieces (fused in row order) and padded dims; for an
+    expert of a MoE block, its slot in the block's stacked tensors (``stack``)."""
 
     name: str
     rank: int
@@ -60,6 +71,7 @@ class OutLayer:
     parallel: str  # "column" | "row" | "none"
     has_bias: bool
     requant: bool  # w8a8-marlin + tensor strategy: shards requantized to the max scale
+    stack: Stack | None = None
 
     @property
     def widths(self) -> list[int]:
@@ -70,10 +82,23 @@ class OutLayer:
         return list(dict.fromkeys(p.module for p in self.pieces))
 
     def tensor_specs(self, act_dtype: str) -> list[TensorSpec]:
-        return [
-            TensorSpec(*spec)
-            for spec in target.packed_specs(self.name, self.np_, self.kp, act_dtype, self.has_bias)
-        ]
+        """The tensors the layer is written into (a stacked one whole: :meth:`slot`)."""
+        experts = self.stack.count if self.stack else None
+        specs = target.packed_specs(self.name, self.np_, self.kp, act_dtype, self.has_bias, experts)
+        return [TensorSpec(*spec) for spec in specs]
+
+    def file_specs(self, act_dtype: str) -> list[TensorSpec]:
+        """The tensors the layer adds to its rank file's plan: all of them, or for an expert,
+        the stacked tensors once (with expert 0)."""
+        return self.tensor_specs(act_dtype) if not self.stack or not self.stack.index else []
+
+    def slot(self, offset: int, nbytes: int) -> tuple[int, int]:
+        """``(offset, nbytes)`` of the layer's part of a tensor at ``offset`` of ``nbytes``:
+        the whole of it, or an expert's slice of a stacked one."""
+        if self.stack is None:
+            return offset, nbytes
+        one = nbytes // self.stack.count
+        return offset + self.stack.index * one, one
 
 
 @dataclass
@@ -96,10 +121,13 @@ class Plan:
         )
 
     def layers_manifest(self) -> dict[str, Any]:
-        """Per output layer (rank 0 shown; every rank has the same dims)."""
+        """Per output layer (rank 0 shown; every rank has the same dims). A MoE block's stacked
+        layer is one entry (its first expert's unit and shards) with ``experts``, the count."""
         out = {}
         for i, unit in enumerate(self.units):
             ly = unit[0]
+            if ly.stack is not None and ly.stack.index:
+                continue
             out[ly.name] = {
                 "index": i,
                 "n": ly.n,
@@ -111,6 +139,7 @@ class Plan:
                 "bias": ly.has_bias,
                 "requantized": ly.requant,
                 "shards": [{"module": p.module, "rows": p.width} for p in ly.pieces],
+                **({"experts": ly.stack.count} if ly.stack else {}),
             }
         return out
 
@@ -257,7 +286,7 @@ def _group_vllm(ck: Checkpoint, fam: arch.Family) -> list[tuple[str, list[str]]]
     checkpoint's."""
     lay = layout(ck)
     groups: dict[str, list[str]] = {}
-    for module in ck.layers:
+    for module in moe.split(ck, fam)[0]:  # the experts are moe's
         name = arch.fused_name(module)
         part = lay.part_of(lay.vllm_name(module))
         if part != arch.LANGUAGE_MODEL:
@@ -402,6 +431,25 @@ def _out_layer(
     )
 
 
+def _with_experts(
+    ck: Checkpoint, fam: arch.Family, units: list[list[OutLayer]], tp: int
+) -> list[list[OutLayer]]:
+    """``units`` and the MoE blocks' expert units (mpack/convert/moe.py), each decoder layer's
+    after its dense linears."""
+    _, blocks = moe.split(ck, fam)
+    if not blocks:
+        return units
+    count, inter = moe.check_blocks(ck, fam, blocks, tp)
+    for block in blocks:
+        by_rank = [moe.out_layers(ck, fam, block, count, inter, tp, r) for r in range(tp)]
+        units += [[ranks[i][0] for ranks in by_rank] for i in range(len(by_rank[0]))]
+
+    def order(unit: list[OutLayer]) -> tuple[int, int]:
+        return (arch.decoder_index(unit[0].name) or 0, unit[0].stack is not None)
+
+    return sorted(units, key=order)  # stable: the dense order, then the experts'
+
+
 def check_profile(ck: Checkpoint, profile: str) -> None:
     """``profile`` must be one vLLM 0.33.0 runs the checkpoint's format with on Marlin
     (:data:`mpack.target.QUANT_METHODS`).
@@ -436,6 +484,8 @@ def make_plan(
         [_out_layer(ck, name, members, fused, tp, rank, profile) for rank in range(tp)]
         for name, members in groups
     ]
+    if fused is not None:
+        units = _with_experts(ck, fused[0], units, tp)
     plan = Plan(
         ck, profile, act_dtype, tp, fusion, units, passthrough_names(ck) if passthrough else []
     )
@@ -447,7 +497,7 @@ def make_plan(
         "act_dtype": act_dtype,
     }
     for rank in range(tp):
-        specs = [s for unit in units for s in unit[rank].tensor_specs(act_dtype)]
+        specs = [s for unit in units for s in unit[rank].file_specs(act_dtype)]
         plan.files[rank_file_name(rank, tp)] = FileMap.plan(specs, {**meta, "rank": str(rank)})
     if plan.passthrough:
         specs = [TensorSpec(n, ck.tensors[n].dtype, ck.tensors[n].shape) for n in plan.passthrough]

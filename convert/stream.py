@@ -151,19 +151,33 @@ class Streamer:
     # --- write --------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        # Note [stacked experts]: an expert's weight and scales go to two stacked tensors, so
+        # its scales come before the file reaches them. Those are copied and held (the
+        # backend's buffer released) until the writes before them are done: every expert's
+        # scales, a few KiB per MoE block. (A writer without a position, verify's comparer,
+        # takes writes in any order.)
+        held: dict[Any, dict[int, bytes]] = {}
         try:
             while True:
                 t = time.perf_counter()
                 item = get_or_abort(self._writes, self.abort)
                 if item is None:
+                    assert not any(held.values()), "stacked tensors left unwritten"
                     return
                 if item.ready is not None:
                     item.ready.synchronize()
                 t1 = self.timeline.add("write", "wait", t, time.perf_counter())
-                item.writer.write_at(item.offset, item.data)
+                w = item.writer
+                if item.offset > getattr(w, "position", item.offset):
+                    held.setdefault(w, {})[item.offset] = bytes(memoryview(item.data).cast("B"))
+                else:
+                    w.write_at(item.offset, item.data)
+                    waiting = held.get(w, {})
+                    while waiting and w.position in waiting:
+                        w.write_at(w.position, waiting.pop(w.position))
                 if item.done is not None:
                     item.done()
-                self.timeline.add("write", item.writer.path.name, t1, time.perf_counter())
+                self.timeline.add("write", w.path.name, t1, time.perf_counter())
                 if self.on_written:
                     self.on_written(item.data.nbytes)
         except BaseException:
@@ -176,12 +190,13 @@ class Streamer:
         w = sink.writers[rank_file_name(layer.rank, plan.tp)]
         for spec, result in zip(layer.tensor_specs(plan.act_dtype), outs, strict=True):
             entry = w.file_map.entry(spec.name)
+            start, nbytes = layer.slot(entry.offset, entry.nbytes)
             got = 0
             for offset, data, ready, done in sink.backend.pieces(result):
-                item = WriteItem(w, entry.offset + offset, data, ready, done)
+                item = WriteItem(w, start + offset, data, ready, done)
                 put_or_abort(self._writes, item, self.abort)
                 got += data.nbytes
-            assert got == entry.nbytes, spec.name
+            assert got == nbytes, spec.name
 
     # --- the run ------------------------------------------------------------------------
 

@@ -18,6 +18,43 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A family's mixture-of-experts blocks as vLLM 0.33.0 builds them: one ``FusedMoE`` per
+    decoder layer, its experts' weights stacked in ``<block>.experts.routed_experts.w13_weight``
+    (every expert's gate rows, then its up rows) and ``w2_weight`` (down), with the Marlin MoE
+    backend's preparation (mpack/convert/moe.py)."""
+
+    #: The MoE block under ``model.layers.<i>.`` (``block_sparse_moe``, ``mlp``).
+    block: str
+    #: The checkpoint names of one expert's gate, up and down linears, under
+    #: ``<block>.experts.<e>.``.
+    linears: tuple[str, str, str]
+    #: config.json's keys of the expert count (the first present counts: transformers 5 writes
+    #: Qwen3-MoE's ``num_experts`` as ``num_local_experts``) and of one expert's intermediate size.
+    count_keys: tuple[str, ...]
+    intermediate_key: str
+
+    def expert_of(self, module: str) -> tuple[str, int, int] | None:
+        """``(the MoE block's name, expert index, which linear: 0 gate, 1 up, 2 down)`` of a
+        checkpoint module; None: not one of this family's experts."""
+        m = _EXPERT.match(module)
+        if m is None or m.group(2) != self.block or m.group(4) not in self.linears:
+            return None
+        return m.group(1) + m.group(2), int(m.group(3)), self.linears.index(m.group(4))
+
+    def module(self, block: str, expert: int, linear: int) -> str:
+        """The checkpoint module of ``linear`` (0 gate, 1 up, 2 down) of expert ``expert``."""
+        return f"{block}.experts.{expert}.{self.linears[linear]}"
+
+
+#: ``model.layers.<i>.<block>.experts.<e>.<linear>``
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.)(\w+)\.experts\.(\d+)\.(\w+)$")
+#: The stacked parameters vLLM gives a MoE block's experts, under ``<block>.experts.``: gate and
+#: up together, and down.
+EXPERTS_PARAMS = ("routed_experts.w13", "routed_experts.w2")
+
+
+@dataclass(frozen=True)
 class Family:
     """How vLLM 0.33.0 builds the decoder layers of one family of models: the architectures in
     it, and what sets it apart from the Llama layout (fused ``qkv_proj`` and ``gate_up_proj``
@@ -30,6 +67,8 @@ class Family:
     prefused: bool = False
     #: config.json's ``head_dim`` is used; False: vLLM takes ``hidden_size // heads`` (Qwen2).
     reads_head_dim: bool = True
+    #: Its mixture-of-experts blocks (None: a dense model). The attention is Llama's.
+    experts: Experts | None = None
 
 
 #: Every family whose fusion and TP rules mpack knows, by name. A new one is an entry here (and,
@@ -51,6 +90,23 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(("Qwen2ForCausalLM",), reads_head_dim=False),
     # One weight_scale for a fused per-tensor linear: vLLM gives every part that scale.
     "phi3": Family(("Phi3ForCausalLM",), prefused=True),
+    # mixtral.py: the router (block_sparse_moe.gate) is built without a quant config.
+    "mixtral": Family(
+        ("MixtralForCausalLM",),
+        experts=Experts(
+            "block_sparse_moe", ("w1", "w3", "w2"), ("num_local_experts",), "intermediate_size"
+        ),
+    ),
+    # qwen3_moe.py: q/k norms pass through, as Qwen3's.
+    "qwen3_moe": Family(
+        ("Qwen3MoeForCausalLM",),
+        experts=Experts(
+            "mlp",
+            ("gate_proj", "up_proj", "down_proj"),
+            ("num_experts", "num_local_experts"),
+            "moe_intermediate_size",
+        ),
+    ),
 }
 #: Every architecture of :data:`FAMILIES`.
 ARCHITECTURES = tuple(a for f in FAMILIES.values() for a in f.architectures)

@@ -670,9 +670,7 @@ def _wrapper_text_config(
     return transformers.Qwen2_5_VLTextConfig(**dims, rope_parameters=rope, tie_word_embeddings=tied)
 
 
-def _rename(
-    out: Path, prefixes: tuple[tuple[str, str], ...], names: set[str] | None
-) -> None:
+def _rename(out: Path, prefixes: tuple[tuple[str, str], ...], names: set[str] | None) -> None:
     """Rename every tensor of ``out``'s one safetensors file by the first of ``prefixes`` it
     starts with; each new name must be one of the model's ``names`` (its state dict; None: not
     checked)."""

@@ -86,6 +86,8 @@ MAX_MANIFEST = 32 * 1024 * 1024
 MAX_TP = 1024
 MAX_FILE_BYTES = 1 << 48
 MAX_DIM = 1 << 24
+#: The most experts one MoE block's layer may have (DeepSeek-V3 has 256).
+MAX_EXPERTS = 1 << 16
 #: The model dimensions a manifest's ``model.config`` records; a loader compares them with the
 #: model it loads into (runtime/vllm/checks.py).
 MODEL_DIMS = (
@@ -566,10 +568,13 @@ def check_manifest(m: Any, where: str | os.PathLike) -> dict[str, Any]:
     for name, ly in m["layers"].items():
         ok = isinstance(ly, dict) and type(ly.get("bias")) is bool
         ok = ok and all(type(ly.get(k)) is int and 1 <= ly[k] <= MAX_DIM for k in LAYER_DIMS)
+        experts = ly.get("experts") if isinstance(ly, dict) else None
+        ok = ok and (experts is None or (type(experts) is int and 1 <= experts <= MAX_EXPERTS))
         if not ok:
             raise CorruptFileError(
                 f"{where}: layer {quote(name)} is malformed (needs integer "
-                f"{', '.join(LAYER_DIMS)} in 1..{MAX_DIM} and a boolean bias): {quote(ly)}"
+                f"{', '.join(LAYER_DIMS)} in 1..{MAX_DIM}, a boolean bias and, for a MoE "
+                f"block's experts, an integer experts in 1..{MAX_EXPERTS}): {quote(ly)}"
             )
     return m
 
@@ -862,7 +867,9 @@ def expected_rank_tensors(m: Mapping[str, Any]) -> dict[str, tuple[str, tuple[in
     return {
         t: (dt, shape)
         for name, ly in m["layers"].items()
-        for t, dt, shape in target.packed_specs(name, ly["np"], ly["kp"], act, ly["bias"])
+        for t, dt, shape in target.packed_specs(
+            name, ly["np"], ly["kp"], act, ly["bias"], ly.get("experts")
+        )
     }
 
 

@@ -147,11 +147,18 @@ def packed_weight_shape(np_: int, kp: int) -> tuple[int, int]:
 
 
 def packed_specs(
-    name: str, np_: int, kp: int, act: str, bias: bool
+    name: str, np_: int, kp: int, act: str, bias: bool, experts: int | None = None
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(tensor name, safetensors dtype, shape)`` of one packed layer's tensors, in file order:
-    the weight, the scales ``[1, Np]``, and the bias ``[Np]`` when the layer has one."""
+    the weight, the scales ``[1, Np]``, and the bias ``[Np]`` when the layer has one. A MoE
+    block's experts (``experts``: their count) are stacked as vLLM's ``FusedMoE`` holds them:
+    ``<name>_weight`` ``[E, Kp/16, 4*Np]`` and ``<name>_weight_scale`` ``[E, 1, Np]``, no bias."""
     st = act_dtype(act).st
+    if experts is not None:
+        return [
+            (f"{name}_{WEIGHT}", "I32", (experts, *packed_weight_shape(np_, kp))),
+            (f"{name}_{SCALE}", st, (experts, 1, np_)),
+        ]
     specs = [
         (f"{name}.{WEIGHT}", "I32", packed_weight_shape(np_, kp)),
         (f"{name}.{SCALE}", st, (1, np_)),

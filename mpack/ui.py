@@ -498,7 +498,7 @@ def emit_inspect(
         ft.add_row(shown(f["name"]), human_bytes(f["size"]), sha, chunks)
     console.print(ft)
     lt = Table(title=f"{layer_count(m)}, per rank; {t['tp_size']} rank(s)")
-    for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias"):
+    for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias", "experts"):
         lt.add_column(col)
     for name, ly in sorted(m["layers"].items(), key=_layer_order):
         # check_manifest checks the dims and bias; the rest is shown as it is, escaped
@@ -509,6 +509,7 @@ def emit_inspect(
             shown(ly.get("strategy", "?")) + (" requant" if ly.get("requantized") else ""),
             shown(ly.get("parallel", "?")),
             "yes" if ly["bias"] else "",
+            str(ly["experts"]) if "experts" in ly else "",
         )
     console.print(lt)
 

@@ -231,7 +231,10 @@ def pack_fa(z: zipfile.ZipFile, record: dict[str, str]) -> None:
     name = Path(FA3).name + ".xz"
     (fa / name).write_bytes(data)
     (fa / "fa.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
-    print(f"  {len(data) / MIB:6.2f} MiB  .vllmdev/fa (the call PHASE=fa carries .vllmdev/mw and .vllmdev/mm too)")
+    print(
+        f"  {len(data) / MIB:6.2f} MiB  .vllmdev/fa "
+        "(the call PHASE=fa carries .vllmdev/mw and .vllmdev/mm too)"
+    )
 
 
 def pins() -> dict[str, str]:

@@ -179,7 +179,10 @@ def test_every_architecture_has_one_family() -> None:
         assert fam is not None and a in fam.architectures
     for new in ("Gemma2ForCausalLM", "GraniteForCausalLM"):
         assert arch.family_of(new) is LLAMA
-    assert arch.family_of("MixtralForCausalLM") is None
+    for moe in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):  # their own families: experts
+        fam = arch.family_of(moe)
+        assert fam is not None and fam is not LLAMA and fam.experts is not None
+    assert arch.family_of("DeepseekV3ForCausalLM") is None
     assert arch.family_of(None) is None
 
 

@@ -476,7 +476,8 @@ def test_key_tables_list_the_real_keys(sidecars: dict[str, Path]) -> None:
         assert set(top) == set(m), case
         assert set(target) == set(m["target"]), case
         for name, entry in m["layers"].items():
-            assert set(layer) == set(entry), (case, name)
+            # `experts` only on a MoE block's stacked layers (tests/convert/test_moe.py)
+            assert set(layer) - {"experts"} == set(entry), (case, name)
         assert set(m["model"]) <= set(re.findall(r"`(\w+)`", top["model"])), case
         assert set(m["model"]["config"]) <= set(re.findall(r"`(\w+)`", top["model"])), case
         hub = provenance(
@@ -490,3 +491,18 @@ def test_key_tables_list_the_real_keys(sidecars: dict[str, Path]) -> None:
             [],
         )
         assert set(source) == set(m["source"]) | set(hub), case
+
+
+def test_moe_manifest_matches_the_schema(validator, tmp_path: Path) -> None:
+    """A MoE sidecar's manifest (stacked expert layers with ``experts``) is the schema's too."""
+    from mpack.convert import convert
+    from mpack.fixtures_moe import make_moe_checkpoint
+
+    ck = make_moe_checkpoint(tmp_path / "ck", arch="qwen3_moe", layers=1)
+    convert(ck, tmp_path / "sc", tp=2)
+    m = _manifest(tmp_path / "sc")
+    assert {ly.get("experts") for ly in m["layers"].values()} == {None, 4}
+    errors = [e.message for e in validator.iter_errors(m)]
+    assert not errors, errors
+    m["layers"][next(n for n, ly in m["layers"].items() if "experts" in ly)]["experts"] = 0
+    assert [e.message for e in validator.iter_errors(m)], "experts 0 must not validate"

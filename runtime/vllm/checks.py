@@ -299,6 +299,19 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
         )
 
 
+def check_no_experts(manifest: dict[str, Any], where: Path) -> None:
+    """A sidecar with MoE experts (a ``layers`` entry with ``experts``) is refused: this loader
+    does not fill vLLM's ``FusedMoE`` parameters yet (mpack's limit, not vLLM's)."""
+    moe = [name for name, ly in manifest["layers"].items() if "experts" in ly]
+    if moe:
+        raise EngineMismatchError(
+            f"{where}: layer {first_and_more(moe)} holds MoE experts, which mpack's vLLM loader "
+            "does not load yet (mpack's limit: vLLM runs the model itself)",
+            hint="serve this model without --load-format mpack; `mpack verify` checks the "
+            "sidecar's experts against the checkpoint",
+        )
+
+
 def _layout(manifest: dict[str, Any]) -> arch.Layout:
     model = manifest["model"]
     text = model.get("text_architecture")
@@ -434,6 +447,7 @@ __all__ = [
     "EngineMismatchError",
     "Options",
     "check_common",
+    "check_no_experts",
     "check_layers",
     "check_model_config",
     "check_shards",

@@ -64,6 +64,7 @@ from mpack.runtime.vllm.checks import (
     Options,
     check_common,
     check_layers,
+    check_no_experts,
     check_shards,
     check_target,
     decoder_linears,
@@ -278,6 +279,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         target=engine_target(engine),
     )
     manifest, _ = load_manifest(sidecar)
+    check_no_experts(manifest, sidecar)
     if opts.sidecar and opts.check_source:  # the model argument is the checkpoint
         check_bound(
             manifest,

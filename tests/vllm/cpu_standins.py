@@ -45,6 +45,11 @@ W8A8 requantization) runs unchanged. What a CPU lacks is stood in for, each for 
    in the parent), which would lack this; on a CPU there is no CUDA to keep uninitialised, so
    the inspection runs in this process.
 
+8. Marlin's MoE experts, supported on the CPU as stand-in 3 makes the linear kernel:
+   ``MarlinExpertsBase._supports_current_device`` demands ``is_cuda()``, so ``--moe-backend
+   marlin`` would be refused before any weight is loaded. vLLM's own
+   ``prepare_fp8_moe_layer_for_marlin`` then runs unchanged, on stand-in 5's ops.
+
 Use: ``install()`` once, before anything imports vLLM; ``set_profile(p)`` before each model build.
 """
 
@@ -116,6 +121,11 @@ def install(profile: str = "w8a16") -> None:
     import vllm.model_executor.models.registry as registry
 
     registry._run_in_subprocess = lambda fn: fn()
+
+    # 8. Marlin MoE experts on the CPU.
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
+
+    MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
     _state["installed"] = True
 
 

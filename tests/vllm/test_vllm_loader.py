@@ -164,7 +164,9 @@ CASES = [
     # The wrappers: each profile and each TP twice, the vision tower and projector passed
     # through (and compared like every other parameter).
     Case("llava-mistral-tensor-w8a16-bf16-tp1", "llava", "FP8", "w8a16", "bfloat16", 1),
-    Case("mistral3-hf-channel-w8a8-fp16-tp2", "mistral3", "FP8_DYNAMIC", "w8a8-marlin", "float16", 2),
+    Case(
+        "mistral3-hf-channel-w8a8-fp16-tp2", "mistral3", "FP8_DYNAMIC", "w8a8-marlin", "float16", 2
+    ),
     Case("qwen2_5_vl-channel-w8a16-bf16-tp2", "qwen2_5_vl", "FP8_DYNAMIC", "w8a16", "bfloat16", 2),
     Case("gemma3-hf-tensor-w8a8-bf16-tp1", "gemma3", "FP8", "w8a8-marlin", "bfloat16", 1),
 ]
@@ -399,7 +401,7 @@ def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path) -
                     cwd=work,
                 )
             procs.append((tp, rank, p, log, out_dir / f"rank-{rank}.json"))
-    results: dict[int, dict[int, dict]] = {1: {}, 2: {}}
+    results: dict[int, dict[int, dict]] = {tp: {} for tp in by_tp}
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     failed = []
     for tp, rank, p, log, out in procs:

@@ -235,6 +235,7 @@ def engine_config(load: dict[str, Any], tp: int, **overrides: Any) -> Any:
         max_model_len=256,
         tensor_parallel_size=tp,
         linear_backend="marlin" if load["profile"] == "w8a8-marlin" else "auto",
+        moe_backend="marlin",  # MoE models' experts (mpack's layout is Marlin's)
         **kw,
     )
     return EngineArgs(**{**args, **overrides}).create_engine_config()

@@ -1,0 +1,160 @@
+"""Mixture-of-experts blocks: the experts of one decoder layer as vLLM 0.33.0's ``FusedMoE``
+holds them after its Marlin MoE preparation (``prepare_fp8_moe_layer_for_marlin``).
+
+Per block, every expert ``e`` of ``E`` gives two Marlin linears, written into stacked tensors
+under ``<block>.experts.routed_experts.`` (:data:`mpack.arch.EXPERTS_PARAMS`):
+
+- ``w13``: the expert's gate rows, then its up rows, each sliced for the rank like a
+  ``gate_up_proj`` (rows ``[r*I/T, (r+1)*I/T)``); stacked ``w13_weight`` ``[E, H/16, 8*I/T]``
+  and ``w13_weight_scale`` ``[E, 1, 2*I/T]``;
+- ``w2``: the down linear, its columns sliced like a ``down_proj``; ``w2_weight``
+  ``[E, I/T/16, 4*H]`` and ``w2_weight_scale`` ``[E, 1, H]``.
+
+Each expert's linear is packed exactly as a dense one (SPEC §5, §7), with one difference of
+vLLM's MoE path: per-tensor scales are always requantized to the larger of gate's and up's
+(``process_fp8_weight_tensor_strategy_moe``, whatever the profile: the MoE kernel is
+weight-only), and never for ``w2``. vLLM pads an intermediate size that is not a multiple of 64
+per shard (``marlin_moe_padded_intermediate``); mpack refuses those for now (its own limit).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from mpack import arch
+from mpack.errors import UnsupportedSchemeError
+
+if TYPE_CHECKING:
+    from mpack.convert.checkpoint import Checkpoint
+    from mpack.convert.plan import OutLayer
+
+#: vLLM's Marlin MoE tile: the intermediate size per rank, and the hidden size, are multiples.
+TILE = 64
+CONFIG_NAME = "config.json"
+
+
+def split(ck: Checkpoint, fam: arch.Family) -> tuple[list[str], dict[str, dict[int, set[int]]]]:
+    """The checkpoint's quantized modules that are not experts, and the experts' by MoE block:
+    ``{block: {expert: {linear index}}}`` (a dense family has none)."""
+    ex = fam.experts
+    dense: list[str] = []
+    blocks: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for module in ck.layers:
+        hit = ex.expert_of(module) if ex else None
+        if hit is None:
+            dense.append(module)
+        else:
+            blocks[hit[0]][hit[1]].add(hit[2])
+    return dense, blocks
+
+
+def check_blocks(
+    ck: Checkpoint, fam: arch.Family, blocks: dict[str, dict[int, set[int]]], tp: int
+) -> tuple[int, int]:
+    """Every MoE block has every expert of config.json, each with its three FP8 linears of the
+    same shapes; the intermediate size fits vLLM's Marlin MoE tile at ``tp``. Returns
+    ``(experts, intermediate)``.
+
+    Raises:
+        UnsupportedSchemeError: naming config.json or the tensor.
+    """
+    ex = fam.experts
+    assert ex is not None
+    cfg = ck.root / CONFIG_NAME
+    text = ck.text_config
+    count_key = next((k for k in ex.count_keys if k in text), ex.count_keys[0])
+    try:
+        count, inter = int(text[count_key]), int(text[ex.intermediate_key])
+        hidden = int(text["hidden_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedSchemeError(f"{cfg}: missing or bad MoE dimension {e}") from None
+    for block, experts in sorted(blocks.items(), key=lambda b: arch.natural_key(b[0])):
+        extra = sorted(e for e in experts if e >= count)
+        if extra:
+            raise UnsupportedSchemeError(
+                f"{ck.root}: {ex.module(block, extra[0], 0)}: expert {extra[0]}, but "
+                f"{CONFIG_NAME} says {count_key}={count}",
+                hint="the weights and config.json are of different models: use the "
+                "checkpoint's own config.json",
+            )
+        for e in range(count):
+            missing = [i for i in range(3) if i not in experts.get(e, ())]
+            if missing:
+                raise UnsupportedSchemeError(
+                    f"{ck.root}: {ex.module(block, e, missing[0])}: no FP8 weight with a "
+                    f"weight_scale in any shard, though {CONFIG_NAME} says {count_key}="
+                    f"{count}",
+                    hint="the checkpoint is incomplete: download it again",
+                )
+            for i, want in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
+                m = ex.module(block, e, i)
+                ly = ck.layers[m]
+                if (ly.n, ly.k) != want:
+                    raise UnsupportedSchemeError(
+                        f"{ck.root / ck.tensors[m + '.weight'].file}: {m}.weight is "
+                        f"[{ly.n}, {ly.k}], {CONFIG_NAME} implies {list(want)} "
+                        f"({ex.intermediate_key} {inter}, hidden_size {hidden})",
+                        hint="every expert of a block has the same shapes",
+                    )
+        strategies = {
+            ck.layers[ex.module(block, e, i)].strategy for e in range(count) for i in range(3)
+        }
+        if len(strategies) != 1:
+            raise UnsupportedSchemeError(
+                f"{ck.root}: {block}: experts mix weight strategies {sorted(strategies)}"
+            )
+    if inter % tp or (inter // tp) % TILE or hidden % TILE:
+        raise UnsupportedSchemeError(
+            f"{cfg}: {ex.intermediate_key}={inter} at --tp {tp} is {inter / tp:g} per rank, "
+            f"hidden_size {hidden}: mpack packs MoE experts whose intermediate size per rank "
+            f"and hidden size are multiples of {TILE} (vLLM pads the intermediate size itself; "
+            "mpack does not yet)",
+            hint=f"choose a --tp that leaves a multiple of {TILE} per rank",
+        )
+    return count, inter
+
+
+def out_layers(
+    ck: Checkpoint, fam: arch.Family, block: str, count: int, inter: int, tp: int, rank: int
+) -> list[list[OutLayer]]:
+    """The block's units on ``rank``: every expert's ``w13``, then every expert's ``w2``, each
+    a list of one :class:`~mpack.convert.plan.OutLayer` per linear (the caller gathers ranks)."""
+    from mpack.convert.plan import OutLayer, Piece, Stack
+
+    ex = fam.experts
+    assert ex is not None
+    w13, w2 = (f"{block}.experts.{p}" for p in arch.EXPERTS_PARAMS)
+    per = inter // tp
+    rows, cols = (rank * per, (rank + 1) * per), (rank * per, (rank + 1) * per)
+    out: list[list[OutLayer]] = []
+    for name in (w13, w2):
+        for e in range(count):
+            gate, up, down = (ex.module(block, e, i) for i in range(3))
+            strategy = ck.layers[gate].strategy
+            hidden = ck.layers[gate].k
+            if name == w13:
+                pieces = [Piece(gate, rows, (0, hidden)), Piece(up, rows, (0, hidden))]
+                n, k, parallel, requant = 2 * per, hidden, "column", strategy == "tensor"
+            else:
+                pieces = [Piece(down, (0, hidden), cols)]
+                n, k, parallel, requant = hidden, per, "row", False
+            out.append(
+                [
+                    OutLayer(
+                        name=name,
+                        rank=rank,
+                        pieces=pieces,
+                        n=n,
+                        k=k,
+                        np_=n,
+                        kp=k,
+                        strategy=strategy,
+                        parallel=parallel,
+                        has_bias=False,
+                        requant=requant,
+                        stack=Stack(e, count),
+                    )
+                ]
+            )
+    return out

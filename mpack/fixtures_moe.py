@@ -1,0 +1,230 @@
+"""Tiny random mixture-of-experts FP8 checkpoints, in the files' form on the Hub.
+
+transformers 5 keeps a MoE layer's experts as fused 3-D parameters, which compressed-tensors'
+``Linear`` targets do not reach, so these checkpoints are written directly: every tensor under
+the name and in the dtype the Hub's compressed-tensors FP8 MoE checkpoints use (llm-compressor's
+per-expert ``experts.<e>.<linear>`` modules), with a ``quantization_config`` as llm-compressor
+writes it. The config is transformers' own config class's. Weights are drawn from one seed and
+quantized here: per tensor (scale ``amax / 448``, ``[1]``) or per output channel (``[N, 1]``).
+
+Families (:data:`MOE_ARCHS`): Mixtral (``block_sparse_moe``, experts ``w1`` / ``w3`` / ``w2``)
+and Qwen3-MoE (``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj``, q/k norms). The
+routers stay in the model dtype (their ``ignore`` entry), as in the Hub's checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MOE_ARCHS", "MoeArch", "make_moe_checkpoint"]
+
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    """How one MoE family names its checkpoint and sizes its config."""
+
+    config_class: str
+    architecture: str
+    block: str  # the MoE block under each decoder layer
+    linears: tuple[str, str, str]  # an expert's gate, up and down linears
+    experts_key: str  # config.json's expert count
+    intermediate_key: str  # config.json's per-expert intermediate size
+    qk_norm: bool = False
+
+
+MOE_ARCHS: dict[str, MoeArch] = {
+    "mixtral": MoeArch(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        "block_sparse_moe",
+        ("w1", "w3", "w2"),
+        "num_local_experts",
+        "intermediate_size",
+    ),
+    "qwen3_moe": MoeArch(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        "num_experts",
+        "moe_intermediate_size",
+        qk_norm=True,
+    ),
+}
+SCHEMES = ("FP8", "FP8_DYNAMIC")
+
+
+def make_moe_checkpoint(
+    out_dir: str | Path,
+    *,
+    arch: str = "mixtral",
+    scheme: str = "FP8",
+    dtype: str = "bfloat16",
+    layers: int = 2,
+    experts: int = 4,
+    hidden: int = 256,
+    moe_intermediate: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1000,
+    seed: int = 0,
+) -> Path:
+    """Write a random compressed-tensors FP8 MoE checkpoint (one ``model.safetensors``) and
+    return its path. ``scheme``: ``FP8`` (per-tensor weight scales, static per-tensor input
+    scales) or ``FP8_DYNAMIC`` (per-channel weight scales, dynamic per-token activations)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    if arch not in MOE_ARCHS:
+        raise ValueError(f"unknown MoE arch {arch!r}; expected one of {sorted(MOE_ARCHS)}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    a = MOE_ARCHS[arch]
+    head_dim = hidden // heads
+    sizes = {"intermediate_size": 4 * moe_intermediate}  # Qwen3-MoE's dense MLPs (none here)
+    sizes.update({a.experts_key: experts, a.intermediate_key: moe_intermediate})
+    config = getattr(transformers, a.config_class)(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_experts_per_tok=2,
+        **sizes,
+    )
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def plain(name: str, shape: tuple[int, ...], norm: bool = False) -> None:
+        v = torch.randn(shape, generator=gen)
+        tensors[name] = (1.0 + 0.1 * v if norm else 0.02 * v).to(dt)
+
+    def input_scale() -> torch.Tensor:  # one per input: the linears reading it share it
+        return (0.01 + 0.01 * torch.rand(1, generator=gen)).to(dt)
+
+    def fp8(module: str, n: int, k: int, act: torch.Tensor) -> None:
+        w = 0.02 * torch.randn((n, k), generator=gen)
+        if scheme == "FP8":
+            scale = w.abs().amax().reshape(1) / FP8_MAX
+        else:
+            scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        tensors[f"{module}.weight"] = (w / scale).to(torch.float8_e4m3fn)
+        tensors[f"{module}.weight_scale"] = scale.to(dt)
+        if scheme == "FP8":  # a calibrated static input scale
+            tensors[f"{module}.input_scale"] = act.clone()
+
+    plain("model.embed_tokens.weight", (vocab, hidden))
+    plain("model.norm.weight", (hidden,), norm=True)
+    plain("lm_head.weight", (vocab, hidden))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        plain(f"{p}.input_layernorm.weight", (hidden,), norm=True)
+        plain(f"{p}.post_attention_layernorm.weight", (hidden,), norm=True)
+        qkv_in = input_scale()
+        for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            fp8(f"{p}.self_attn.{name}", n, hidden, qkv_in)
+        fp8(f"{p}.self_attn.o_proj", hidden, q, input_scale())
+        if a.qk_norm:
+            plain(f"{p}.self_attn.q_norm.weight", (head_dim,), norm=True)
+            plain(f"{p}.self_attn.k_norm.weight", (head_dim,), norm=True)
+        plain(f"{p}.{a.block}.gate.weight", (experts, hidden))  # the router
+        gate, up, down = a.linears
+        for e in range(experts):
+            x = f"{p}.{a.block}.experts.{e}"
+            gate_up_in = input_scale()
+            fp8(f"{x}.{gate}", moe_intermediate, hidden, gate_up_in)
+            fp8(f"{x}.{up}", moe_intermediate, hidden, gate_up_in)
+            fp8(f"{x}.{down}", hidden, moe_intermediate, input_scale())
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    cfg = config.to_dict()
+    cfg.update(architectures=[a.architecture], dtype=dtype)
+    if a.experts_key not in cfg:  # the Hub's name (transformers 5 writes its own)
+        cfg[a.experts_key] = cfg.pop("num_local_experts")
+    cfg.pop("torch_dtype", None)
+    cfg["quantization_config"] = _quantization_config(scheme, a)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _quantization_config(scheme: str, a: MoeArch) -> dict[str, Any]:
+    """llm-compressor's ``quantization_config`` for the preset, the routers and lm_head
+    ignored."""
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": "tensor" if scheme == "FP8" else "channel",
+    }
+    acts = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": scheme != "FP8",
+        "strategy": "tensor" if scheme == "FP8" else "token",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+        },
+        "ignore": ["lm_head", f"re:.*{a.block}.gate$"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mpack.fixtures_moe OUT [options]``: write a checkpoint and print its path."""
+    p = argparse.ArgumentParser(
+        prog="python -m mpack.fixtures_moe",
+        description="Write a tiny random compressed-tensors FP8 MoE checkpoint (offline).",
+    )
+    p.add_argument("out", type=Path, help="output directory")
+    p.add_argument("--arch", default="mixtral", choices=sorted(MOE_ARCHS))
+    p.add_argument("--scheme", default="FP8", choices=list(SCHEMES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--moe-intermediate", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(
+        make_moe_checkpoint(
+            a.out,
+            arch=a.arch,
+            scheme=a.scheme,
+            dtype=a.dtype,
+            layers=a.layers,
+            experts=a.experts,
+            hidden=a.hidden,
+            moe_intermediate=a.moe_intermediate,
+            seed=a.seed,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""MoE checkpoints (issue 39) through ``mpack convert``: the stacked expert layers it plans and
+writes, and the bad inputs it refuses (exit 2, the tensor or config key named, nothing left).
+
+That the bytes are vLLM's own is tests/vllm/test_vllm_moe.py's (vLLM's real classes)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mpack.fixtures_moe import make_moe_checkpoint  # noqa: E402
+from tests.convert.helpers import (  # noqa: E402
+    assert_refused,
+    cli,
+    edit_config,
+    explain,
+    manifest,
+    read_tensor,
+    set_tensors,
+)
+
+B = "model.layers.1.block_sparse_moe"  # the block most cases break (Mixtral)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_moe_checkpoint(tmp_path_factory.mktemp("moe") / "ck", arch="mixtral")
+
+
+@pytest.fixture
+def ck(base: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(base, tmp_path / "ck"))
+
+
+def test_experts_are_stacked_layers_of_the_manifest(ck: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sc"
+    r = cli("convert", ck, "-o", out, "--tp", "2", "--quiet")
+    assert r.returncode == 0, explain(r)
+    layers = manifest(out)["layers"]
+    w13, w2 = (layers[f"{B}.experts.routed_experts.{p}"] for p in ("w13", "w2"))
+    assert (w13["experts"], w13["n"], w13["k"], w13["np"], w13["kp"]) == (4, 128, 256, 128, 256)
+    assert (w2["experts"], w2["n"], w2["k"]) == (4, 256, 64)
+    assert [s["module"] for s in w13["shards"]] == [f"{B}.experts.0.w1", f"{B}.experts.0.w3"]
+    assert w13["requantized"] is True and w2["requantized"] is False  # per-tensor: w13 only
+    assert f"{B}.gate.weight" not in str(layers)  # the router passes through
+    from safetensors import safe_open
+
+    with safe_open(str(out / "rank-01-of-02.safetensors"), "pt") as f:
+        assert list(f.get_slice(f"{B}.experts.routed_experts.w13_weight").get_shape()) == [
+            4, 16, 512,
+        ]  # fmt: skip
+        assert f.get_slice(f"{B}.experts.routed_experts.w2_weight_scale").get_shape() == [4, 1, 256]
+        assert f"{B}.gate.weight" not in f.keys()  # noqa: SIM118
+    r = cli("verify", out, "--source", ck)
+    assert r.returncode == 0, explain(r)
+
+
+def _drop(*names: str):
+    return lambda ck: set_tensors(ck, {}, drop=names)
+
+
+def _reshape_w1(ck: Path) -> None:
+    name = f"{B}.experts.2.w1.weight"
+    w = read_tensor(ck, name)
+    set_tensors(ck, {name: w[:64].contiguous()})
+
+
+def _quantize_router(ck: Path) -> None:
+    w = read_tensor(ck, f"{B}.gate.weight").float()
+    s = w.abs().amax().reshape(1) / 448
+    set_tensors(
+        ck,
+        {f"{B}.gate.weight": (w / s).to(torch.float8_e4m3fn), f"{B}.gate.weight_scale": s},
+    )
+
+
+def _config(**values: Any):
+    return lambda ck: edit_config(ck, lambda c: c.update(values))
+
+
+#: name -> (how the checkpoint is broken, convert's extra args, what the message must hold)
+BAD = {
+    "expert-missing": (
+        _drop(
+            f"{B}.experts.3.w3.weight",
+            f"{B}.experts.3.w3.weight_scale",
+            f"{B}.experts.3.w3.input_scale",
+        ),  # fmt: skip
+        (),
+        (f"{B}.experts.3.w3: no FP8 weight", "num_local_experts=4", "download it again"),
+    ),
+    "expert-shapes-differ": (
+        _reshape_w1,
+        (),
+        (f"{B}.experts.2.w1.weight is [64, 256]", "implies [128, 256]", "intermediate_size 128"),
+    ),
+    "router-quantized": (
+        _quantize_router,
+        (),
+        (f"quantized module '{B}.gate'", "is not part of vLLM's fused Llama-family linears"),
+    ),
+    "expert-count-not-config": (
+        _config(num_local_experts=3),
+        (),
+        ("expert 3, but config.json says num_local_experts=3", "different models"),
+    ),
+    "intermediate-not-a-tile-per-rank": (
+        lambda ck: None,
+        ("--tp", "4"),
+        (
+            "intermediate_size=128 at --tp 4 is 32 per rank",
+            "mpack does not yet",
+            "multiple of 64",
+        ),  # fmt: skip
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_moe_checkpoint_is_refused(ck: Path, tmp_path: Path, case: str) -> None:
+    breaks, args, expect = BAD[case]
+    breaks(ck)
+    out = tmp_path / "sc"
+    r = cli("convert", ck, "-o", out, *args)
+    assert_refused(r, out, *expect)
