@@ -105,9 +105,11 @@ def _write_refused(py: str, me: str, a: argparse.Namespace, env: dict) -> bool:
 
 
 def _still_serving(serve: DaemonHandle, py: str, a: argparse.Namespace, env: dict) -> bool:
+    # This daemon (one rank): `status SIDECAR` is ready only once every rank is served.
     alive = serve.alive()
+    sock = str(serve.wait_ready().socket)
     st = subprocess.run(
-        [py, "-m", "mpack.cli", "status", a.sidecar], capture_output=True, text=True, env=env
+        [py, "-m", "mpack.cli", "status", "--socket", sock], capture_output=True, text=True, env=env
     )
     print(st.stdout.rstrip())
     print(f"daemon still serving: {'yes' if alive and st.returncode == 0 else 'NO'}")
