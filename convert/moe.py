@@ -115,6 +115,17 @@ def check_blocks(
     return count, inter
 
 
+def input_scales(ck: Checkpoint, blocks: dict[str, dict[int, set[int]]]) -> list[str]:
+    """The experts' static input scales (``<expert>.<linear>.input_scale``), which the sidecar
+    passes through: vLLM keeps their maximum on the block after loading them (a dense layer's
+    input scale goes)."""
+    return sorted(
+        f"{m}.input_scale"
+        for m in ck.layers
+        if any(m.startswith(f"{b}.experts.") for b in blocks) and f"{m}.input_scale" in ck.tensors
+    )
+
+
 def out_layers(
     ck: Checkpoint, fam: arch.Family, block: str, count: int, inter: int, tp: int, rank: int
 ) -> list[list[OutLayer]]:

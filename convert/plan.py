@@ -484,11 +484,12 @@ def make_plan(
         [_out_layer(ck, name, members, fused, tp, rank, profile) for rank in range(tp)]
         for name, members in groups
     ]
+    through = passthrough_names(ck) if passthrough else []
     if fused is not None:
         units = _with_experts(ck, fused[0], units, tp)
-    plan = Plan(
-        ck, profile, act_dtype, tp, fusion, units, passthrough_names(ck) if passthrough else []
-    )
+        if passthrough:
+            through = sorted(through + moe.input_scales(ck, moe.split(ck, fused[0])[1]))
+    plan = Plan(ck, profile, act_dtype, tp, fusion, units, through)
     meta = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),

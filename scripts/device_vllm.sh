@@ -13,6 +13,8 @@
 #       check which platform vLLM resolves (adding scripts/vllm_platform_standin.py where its
 #       probe fails) and whether its flash attention imports (else scripts/vllm_fa_standin.py),
 #       then run RUN (below) and leave its JSON in $OUT.
+#   PHASE=moe (carry .vllmdev/moe; after 1): vLLM's MoE ops (_moe_C_stable_libtorch: topk_softmax,
+#       the Marlin MoE GEMM), which the MoE engines of RUN=tokens need.
 #   PHASE=run (carry nothing): run RUN again on what the calls before left.
 # RUN: gpu (default): scripts/vllm_gpu.py, all 16 layer kinds, then the 8B-shaped load bench;
 #      tokens: scripts/vllm_engine.py tokens (engines generate: ordinary, private, attached);
@@ -86,8 +88,14 @@ fa)
   xz -dc /tmp/vfa/_vllm_fa3_C.abi3.so.xz > "$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" || exit 1
   PYTHONPATH=$VSITE python3 -c "import torch; torch.ops.load_library('$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'); print('FA3 loads on torch', torch.__version__)" 2>&1 | tail -3 | tee "$OUT/fa3.txt"
   ;;
+moe)
+  mkdir -p /tmp/vmoe && cp .vllmdev/moe/* /tmp/vmoe/ || exit 1
+  (cd /tmp/vmoe && sha256sum -c moe.sha256) || exit 1
+  xz -dc /tmp/vmoe/_moe_C_stable_libtorch.abi3.so.xz > "$VSITE/vllm/_moe_C_stable_libtorch.abi3.so" || exit 1
+  PYTHONPATH=$VSITE python3 -c "import torch, vllm._moe_C_stable_libtorch; print('MoE ops:', hasattr(torch.ops._moe_C, 'topk_softmax'))" 2>&1 | tail -2
+  ;;
 run)
   run_step ;;
 *)
-  echo "PHASE=1, fa, 2 or run (see the header)"; exit 2 ;;
+  echo "PHASE=1, fa, 2, moe or run (see the header)"; exit 2 ;;
 esac

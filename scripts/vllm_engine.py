@@ -93,6 +93,14 @@ WRAPPER_CASES = (
     ("qwen2_5_vl", None, "FP8", "bfloat16", "w8a8-marlin", "legacy"),
     ("gemma3", None, "FP8_DYNAMIC", "bfloat16", "w8a16", "hf"),
 )
+#: The MoE families (mpack.fixtures_moe): (arch, scheme, dtype). A compressed-tensors MoE
+#: checkpoint keeps its input activations (vLLM has no weight-only FP8 MoE scheme), so on the
+#: H200 the dense layers run W8A8 on Marlin (w8a8-marlin) and the experts Marlin MoE
+#: (``moe_backend="marlin"``, weight-only: the same bytes for either profile).
+MOE_CASES = (
+    ("mixtral", "FP8", "bfloat16"),
+    ("qwen3_moe", "FP8_DYNAMIC", "float16"),
+)
 #: Special tokens of the wrapper fixtures sit at the top of the vocabulary (image, vision start,
 #: ...): prompts stay below them.
 WRAPPER_SPECIAL_TOKENS = 3
@@ -144,7 +152,19 @@ def cases() -> list[dict[str, Any]]:
         }
         for w, text, s, d, p, lay in WRAPPER_CASES
     ]
-    return dense + wrappers
+    moes = [
+        {
+            "arch": a,
+            "moe": True,
+            "scheme": s,
+            "strategy": strategy_of(s),
+            "dtype": d,
+            "profile": "w8a8-marlin",
+            "name": f"{a}-{strategy_of(s)}-{d}-w8a8-marlin",
+        }
+        for a, s, d in MOE_CASES
+    ]
+    return dense + wrappers + moes
 
 
 def selected(only: str) -> list[dict[str, Any]]:
@@ -207,6 +227,8 @@ def fixture_args(case: dict[str, Any], seed: int) -> dict[str, Any]:
     """``make_checkpoint``'s keyword arguments (beyond the folder) for ``case`` at ``seed``
     (``make_autofp8_checkpoint``'s, with its ``activation``, for an AutoFP8 case)."""
     scheme = case["scheme"]
+    if case.get("moe"):
+        return {"arch": case["arch"], "scheme": scheme, "dtype": case["dtype"], "seed": seed}
     if "wrapper" in case:
         return {
             "wrapper": case["wrapper"],
@@ -235,7 +257,11 @@ def prepare_tiny(work: Path, only: str = "") -> None:
     for c, seed in jobs:
         ck = checkpoint_dir(work, c, seed)
         if not (ck / "config.json").is_file():
-            if "wrapper" in c:
+            if c.get("moe"):
+                from mpack.fixtures_moe import make_moe_checkpoint
+
+                make_moe_checkpoint(ck, **fixture_args(c, seed))
+            elif "wrapper" in c:
                 make_wrapper_checkpoint(ck, **fixture_args(c, seed))
                 if c["profile"] == "w8a16":
                     weight_only(ck)
@@ -281,6 +307,8 @@ def engine_kwargs(run: dict[str, Any]) -> dict[str, Any]:
         kw.update(load_format="mpack", model_loader_extra_config=extra)
     if run.get("text_only"):
         kw["language_model_only"] = True
+    if run.get("moe"):
+        kw["moe_backend"] = "marlin"  # the ordinary engine too: the same kernels
     if os.environ.get("MPACK_ENGINE_ATTN"):
         kw["attention_backend"] = os.environ["MPACK_ENGINE_ATTN"]
     return kw
@@ -522,6 +550,8 @@ def _prompt_space(case: dict[str, Any]) -> dict[str, Any]:
     """A run's prompt vocabulary, and for a wrapper, text-only engines."""
     if "wrapper" in case:
         return {"vocab": 1000 - WRAPPER_SPECIAL_TOKENS, "text_only": True}
+    if case.get("moe"):
+        return {"vocab": 1000, "moe": True}
     return {"vocab": 1000}
 
 

@@ -82,8 +82,24 @@ def _engine_args() -> dict[str, Any]:
     return {**args, **ATTENTION} if _device() == "cuda" else args
 
 
+#: The MoE cases (``--cases moe``): tiny Mixtral and Qwen3-MoE models, and one decoder layer
+#: of Qwen3-30B-A3B's real shapes (128 experts, hidden 2048, 768 per expert, 32 heads / 4 KV),
+#: so that vLLM's compiled gptq_marlin_repack meets the real expert shapes. ``make``: the
+#: arguments of mpack.fixtures_moe.make_moe_checkpoint.
+QWEN3_30B_LAYER = dict(layers=1, experts=128, hidden=2048, moe_intermediate=768, heads=32,
+                       kv_heads=4)  # fmt: skip
+MOE_CASES = (
+    ("mixtral", "FP8", "bfloat16", "w8a8-marlin", "tiny", {}),
+    ("qwen3_moe", "FP8_DYNAMIC", "float16", "w8a16", "tiny", {}),
+    ("qwen3_moe", "FP8", "bfloat16", "w8a8-marlin", "30b-layer", QWEN3_30B_LAYER),
+)
+#: Which cases a run takes (``--cases``): the 16 dense layer kinds, the MoE ones, or both.
+CASE_SETS = ("dense", "moe", "all")
+
+
 def cases() -> list[dict[str, Any]]:
-    return [
+    which = os.environ.get("MPACK_GPU_CASES", "dense")
+    dense = [
         {
             "arch": a,
             "bias": b,
@@ -92,12 +108,28 @@ def cases() -> list[dict[str, Any]]:
             "dtype": d,
             "profile": p,
             "name": f"{a}-{st}-{d}-{p}",
+            "ck": f"ck-{a}-{st}-{d}",
         }
         for a, b in ARCHS.items()
         for s, st in SCHEMES.items()
         for d in DTYPES
         for p in PROFILES
     ]
+    moe = [
+        {
+            "arch": a,
+            "moe": True,
+            "scheme": s,
+            "strategy": SCHEMES[s],
+            "dtype": d,
+            "profile": p,
+            "name": f"{a}-{size}-{SCHEMES[s]}-{d}-{p}",
+            "ck": f"ck-{a}-{size}-{SCHEMES[s]}-{d}",
+            "make": {"arch": a, "scheme": s, "dtype": d, **make},
+        }
+        for a, s, d, p, size, make in MOE_CASES
+    ]
+    return {"dense": dense, "moe": moe, "all": dense + moe}[which]
 
 
 # --- prepare (mpack's environment) -----------------------------------------------------------
@@ -106,11 +138,15 @@ def cases() -> list[dict[str, Any]]:
 def prepare(work: Path) -> None:
     from mpack.convert import convert
     from mpack.fixtures import make_checkpoint
+    from mpack.fixtures_moe import make_moe_checkpoint
 
     for c in cases():
-        ck = work / f"ck-{c['arch']}-{c['strategy']}-{c['dtype']}"
+        ck = work / c["ck"]
         if not (ck / "config.json").is_file():
-            make_checkpoint(ck, arch=c["arch"], scheme=c["scheme"], dtype=c["dtype"], layers=2)
+            if c.get("moe"):
+                make_moe_checkpoint(ck, **c["make"])
+            else:
+                make_checkpoint(ck, arch=c["arch"], scheme=c["scheme"], dtype=c["dtype"], layers=2)
         convert(ck, work / f"sc-{c['name']}", profile=c["profile"], device="auto")
     print(f"prepared {len(cases())} sidecars in {work}", flush=True)
 
@@ -151,7 +187,7 @@ def _init_dist(config: Any, port: int, backend: str) -> None:
 
 def _load(case: dict[str, Any], work: Path, mpack: bool) -> dict[str, Any]:
     """A load of ``vw.engine_config``: vLLM's own (``mpack`` false) or attached to the daemon."""
-    ck = work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}"
+    ck = work / case["ck"]
     load = {"model": str(ck), "profile": case["profile"], "dtype": case["dtype"]}
     if mpack:
         load.update(
@@ -213,7 +249,10 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
         mods = [dict(held[i].named_modules()) for i in r["_models"]]
         outs: dict[str, str] = {}
         equal = True
-        for n in r["_layers"] if dev == "cuda" else []:  # no marlin_gemm on a CPU (dry run)
+        # no marlin_gemm on a CPU (dry run); a MoE block's experts run in the engines
+        # (scripts/vllm_engine.py tokens), not alone
+        dense = [n for n in r["_layers"] if ".experts.routed_experts." not in n]
+        for n in dense if dev == "cuda" else []:
             layer = mods[0][n]
             seed = int(hashlib.sha256(n.encode()).hexdigest()[:8], 16)  # the same in both workers
             g = torch.Generator(device=dev).manual_seed(seed)
@@ -304,7 +343,10 @@ def main() -> int:
     ap.add_argument("--path", default="default")
     ap.add_argument("--bench-layers", type=int, default=32)
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--cases", choices=CASE_SETS, default=None, help="default: dense")
     a = ap.parse_args()
+    if a.cases:  # read by cases(), here and in every process this one starts
+        os.environ["MPACK_GPU_CASES"] = a.cases
     if a.mode == "prepare":
         prepare(a.work)
         return 0
@@ -345,7 +387,7 @@ def run(a: argparse.Namespace) -> int:
         ]
         for d in daemons:
             d.wait_ready()
-        print(f"16 daemons ready: {time.time() - t:.0f} s", flush=True)
+        print(f"{len(daemons)} daemons ready: {time.time() - t:.0f} s", flush=True)
         go = a.work / "go"
         go.unlink(missing_ok=True)
         wcmd = [*me, "worker", "--work", str(a.work), "--out", str(a.out), "--go", str(go)]

@@ -64,6 +64,7 @@ SO_XZ = "_C_stable_libtorch.abi3.so.xz"  # the name device_vllm.sh joins the par
 # about 11 MiB as xz, in a call of its own (PHASE=fa). FA2 (294 MiB) stays behind: on sm 9.0
 # vLLM picks FA3.
 FA3 = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
+MOE_SO = "vllm/_moe_C_stable_libtorch.abi3.so"
 # docs/VLLM.md ("CUDA and the driver"): the index's sha256 of the x86-64 wheel, as it is quoted.
 WHEEL_SHA_HEAD, WHEEL_SHA_TAIL = "4b6bdec4", "83aa"
 MIB = 1 << 20
@@ -221,20 +222,29 @@ def wheel_record(z: zipfile.ZipFile) -> dict[str, str]:
     return {row[0]: row[1] for row in rows if len(row) == 3 and row[1]}  # names may hold commas
 
 
+def pack_ext(z: zipfile.ZipFile, record: dict[str, str], so: str, folder: str, note: str) -> None:
+    """.vllmdev/<folder>: one compiled extension ``so`` of the wheel as xz and its sha256
+    (``<folder>.sha256``), for the device_vllm.sh call of that name."""
+    out = DEV / folder
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    print(f"compressing {so} (x86 filter + xz -9e)")
+    data = pack_so(read_checked(z, record, so))
+    name = Path(so).name + ".xz"
+    (out / name).write_bytes(data)
+    (out / f"{folder}.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
+    print(f"  {len(data) / MIB:6.2f} MiB  .vllmdev/{folder} ({note})")
+
+
 def pack_fa(z: zipfile.ZipFile, record: dict[str, str]) -> None:
-    """.vllmdev/fa: FA3 as xz and its sha256, for the call PHASE=fa of device_vllm.sh."""
-    fa = DEV / "fa"
-    shutil.rmtree(fa, ignore_errors=True)
-    fa.mkdir(parents=True)
-    print(f"compressing {FA3} (x86 filter + xz -9e)")
-    data = pack_so(read_checked(z, record, FA3))
-    name = Path(FA3).name + ".xz"
-    (fa / name).write_bytes(data)
-    (fa / "fa.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {name}\n")
-    print(
-        f"  {len(data) / MIB:6.2f} MiB  .vllmdev/fa "
-        "(the call PHASE=fa carries .vllmdev/mw and .vllmdev/mm too)"
-    )
+    """.vllmdev/fa: FA3, for the call PHASE=fa of device_vllm.sh."""
+    pack_ext(z, record, FA3, "fa", "the call PHASE=fa carries .vllmdev/mw and .vllmdev/mm too")
+
+
+def pack_moe(z: zipfile.ZipFile, record: dict[str, str]) -> None:
+    """.vllmdev/moe: vLLM's MoE ops (``topk_softmax``, the Marlin MoE GEMM), for the call
+    PHASE=moe of device_vllm.sh, which the MoE engines (RUN=tokens) need."""
+    pack_ext(z, record, MOE_SO, "moe", "the call PHASE=moe, for the MoE engines")
 
 
 def pins() -> dict[str, str]:
@@ -336,11 +346,14 @@ def main() -> int:
     ap.add_argument("--wheel-dir", type=Path, default=Path("/tmp/vllmwhl"))
     ap.add_argument("--limit-mib", type=float, default=60.0)
     ap.add_argument("--fa-only", action="store_true", help="only .vllmdev/fa (FA3, PHASE=fa)")
+    ap.add_argument(
+        "--moe-only", action="store_true", help="only .vllmdev/moe (the MoE ops, PHASE=moe)"
+    )
     args = ap.parse_args()
     limit = int(args.limit_mib * MIB)
-    if args.fa_only:
+    if args.fa_only or args.moe_only:
         with zipfile.ZipFile(get_wheel(args.wheel_dir)) as z:
-            pack_fa(z, wheel_record(z))
+            (pack_fa if args.fa_only else pack_moe)(z, wheel_record(z))
         return 0
 
     device_wheels = REPO / ".device" / "wheels"
@@ -357,6 +370,7 @@ def main() -> int:
     with zipfile.ZipFile(whl) as z:
         record = wheel_record(z)
         pack_fa(z, record)
+        pack_moe(z, record)
         print("packing vLLM's Python files (xz -9e, about a minute)")
         n = pack_python(z, record, DEV / "vllm-py.tar.xz")
         print(f"  {n} files")
@@ -386,6 +400,7 @@ def main() -> int:
         ("call 1 (PHASE=1)", call1 + [DEV / "p1"]),
         ("call fa (PHASE=fa)", [DEV / "fa", DEV / "mw", DEV / "mm"]),
         ("call 2 (PHASE=2)", call2),
+        ("call moe (PHASE=moe)", [DEV / "moe"]),
     ]
     worst = 0
     for title, paths in rows:

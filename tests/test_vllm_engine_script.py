@@ -105,7 +105,11 @@ def test_every_family_runs_both_scales_and_profiles_in_a_few_cases(script: Any) 
     names = [c["name"] for c in script.cases()]
     assert len(names) == len(set(names)), "case names are the keys of the results"
     # compressed-tensors, the causal LMs
-    cs = [c for c in script.cases() if c["scheme"] in script.SCHEMES and "wrapper" not in c]
+    cs = [
+        c
+        for c in script.cases()
+        if c["scheme"] in script.SCHEMES and "wrapper" not in c and not c.get("moe")
+    ]
     assert (
         {c["arch"] for c in cs}
         == set(script.FAMILIES)
@@ -152,6 +156,19 @@ def test_wrappers_run_both_scales_profiles_and_layouts_text_only(script: Any) ->
     dense = next(c for c in script.cases() if "wrapper" not in c)
     run = {"model": "m", "dtype": "bfloat16", "mode": "ordinary", **script._prompt_space(dense)}
     assert "language_model_only" not in script.engine_kwargs(run)
+
+
+def test_moe_cases_run_both_scales_on_marlin_moe(script: Any) -> None:
+    from mpack.fixtures_moe import MOE_ARCHS
+
+    ms = [c for c in script.cases() if c.get("moe")]
+    assert {c["arch"] for c in ms} == set(MOE_ARCHS)
+    assert {c["strategy"] for c in ms} == {"tensor", "channel"}
+    assert {c["profile"] for c in ms} == {"w8a8-marlin"}  # no weight-only FP8 MoE in vLLM
+    for c in ms:
+        run = {"model": "m", "dtype": c["dtype"], "mode": "ordinary", **script._prompt_space(c)}
+        assert script.engine_kwargs(run)["moe_backend"] == "marlin"
+        assert set(script.fixture_args(c, 1)) == {"arch", "scheme", "dtype", "seed"}
 
 
 def test_only_selects_by_name_and_by_family_list(script: Any) -> None:

@@ -260,13 +260,17 @@ def check_model_config(manifest: dict[str, Any], engine_dims: dict[str, Any], wh
             )
 
 
-def decoder_linears(num_layers: int, prefix: str = DECODER_PREFIX) -> dict[str, str]:
+def decoder_linears(
+    num_layers: int, prefix: str = DECODER_PREFIX, moe: bool = False
+) -> dict[str, str]:
     """Every linear of a Llama-family model's decoder layers, by vLLM name -> vLLM class name;
-    ``prefix``: where the model keeps them (:attr:`mpack.arch.Layout.decoder_prefix`)."""
+    ``prefix``: where the model keeps them (:attr:`mpack.arch.Layout.decoder_prefix`); ``moe``:
+    its MLPs are MoE blocks (their experts: runtime/vllm/moe.py), the attention's linears only."""
     return {
         f"{prefix}.{i}.{leaf}": cls
         for i in range(num_layers)
         for leaf, cls in DECODER_LINEARS.items()
+        if not (moe and leaf.startswith("mlp."))
     }
 
 
@@ -296,19 +300,6 @@ def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path)
             f"{manifest_path}: the model has no FP8 linear layer {first_and_more(extra)}: "
             "the sidecar was made for another model",
             hint=OTHER_MODEL_HINT,
-        )
-
-
-def check_no_experts(manifest: dict[str, Any], where: Path) -> None:
-    """A sidecar with MoE experts (a ``layers`` entry with ``experts``) is refused: this loader
-    does not fill vLLM's ``FusedMoE`` parameters yet (mpack's limit, not vLLM's)."""
-    moe = [name for name, ly in manifest["layers"].items() if "experts" in ly]
-    if moe:
-        raise EngineMismatchError(
-            f"{where}: layer {first_and_more(moe)} holds MoE experts, which mpack's vLLM loader "
-            "does not load yet (mpack's limit: vLLM runs the model itself)",
-            hint="serve this model without --load-format mpack; `mpack verify` checks the "
-            "sidecar's experts against the checkpoint",
         )
 
 
@@ -447,7 +438,6 @@ __all__ = [
     "EngineMismatchError",
     "Options",
     "check_common",
-    "check_no_experts",
     "check_layers",
     "check_model_config",
     "check_shards",

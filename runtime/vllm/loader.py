@@ -58,13 +58,13 @@ from mpack.errors import (
     UsageError,
     shown,
 )
+from mpack.runtime.vllm import moe
 from mpack.runtime.vllm.checks import (
     OTHER_MODEL_HINT,
     EngineMismatchError,
     Options,
     check_common,
     check_layers,
-    check_no_experts,
     check_shards,
     check_target,
     decoder_linears,
@@ -139,6 +139,7 @@ def marlin_layer_names(
     num_layers: int,
     packed: dict[str, Any],
     prefix: str = arch.DECODER_PREFIX,
+    family: arch.Family | None = None,
 ) -> set[str]:
     """The linears vLLM will build with an FP8 scheme (so, under ``--load-format mpack``, on
     Marlin) in a model of ``num_layers`` decoder layers, before it builds them.
@@ -151,13 +152,19 @@ def marlin_layer_names(
     fused-module mapping ``packed`` that vLLM hands it from the model class at build time (Phi-3's
     maps ``qkv_proj`` to itself: its checkpoint stores it fused). An AutoFP8 config
     (``Fp8Config``) quantizes every linear but those its ``ignored_layers`` name, which vLLM's
-    ``is_layer_skipped`` decides."""
+    ``is_layer_skipped`` decides. A MoE ``family``'s blocks count with their stacked layers
+    when the config quantizes expert 0's gate, as vLLM's compressed-tensors MoE method asks."""
     qc = copy.copy(quant_config)
     qc.packed_modules_mapping = {k: list(v) for k, v in packed.items()}
+    experts = family is not None and family.experts is not None
     if not hasattr(qc, "get_scheme_dict"):
         return _fp8_layer_names(qc, num_layers, prefix)
     names = set()
-    for name, cls_name in decoder_linears(num_layers, prefix).items():
+    for name, gate in moe.block_layers(family, num_layers, prefix).items() if experts else ():
+        scheme = qc.get_scheme_dict(type("Linear", (), {})(), gate)
+        if scheme and scheme.get("weights") is not None:
+            names.add(name)
+    for name, cls_name in decoder_linears(num_layers, prefix, experts).items():
         stand_in = type(cls_name, (), {})()
         try:
             scheme = qc.get_scheme_dict(stand_in, name)
@@ -279,7 +286,6 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         target=engine_target(engine),
     )
     manifest, _ = load_manifest(sidecar)
-    check_no_experts(manifest, sidecar)
     if opts.sidecar and opts.check_source:  # the model argument is the checkpoint
         check_bound(
             manifest,
@@ -290,15 +296,26 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         )
     check_target(manifest, engine, sidecar)
     dims = engine["model"]
+    lay = layout(manifest)
     expected = marlin_layer_names(
         _as_built(vllm_config.quant_config, model_config),
         dims["num_hidden_layers"],
         _packed_modules(model_config),
-        layout(manifest).decoder_prefix,
+        lay.decoder_prefix,
+        lay.family,
     )
     check_layers(manifest, expected, sidecar)
+    experts = any("experts" in ly for ly in manifest["layers"].values())
+    has_common = COMMON_NAME in {f["name"] for f in manifest["files"]}
+    if experts and (not has_common or engine["quant_method"] != "compressed-tensors"):
+        raise EngineMismatchError(
+            f"{sidecar}: a sidecar with MoE experts loads only with its {COMMON_NAME} (it "
+            "carries the experts' input scales) and from a compressed-tensors checkpoint "
+            "(mpack's limit)",
+            hint="convert without --no-passthrough",
+        )
     skip = None
-    if COMMON_NAME in {f["name"] for f in manifest["files"]}:
+    if has_common:
         common = read_file_map(sidecar / COMMON_NAME, follow=False)
         check_common(
             {e.name: e.shape for e in common.entries},
@@ -317,6 +334,8 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         )
     else:
         skip = frozenset(check_shards(manifest, sidecar))
+    if experts:
+        moe.force_marlin_moe(vllm_config)
     force_marlin(vllm_config)
     return Checked(sidecar, manifest, dims, engine["tied"], engine["quant_method"], skip)
 
@@ -495,8 +514,16 @@ def _swap_in(
 
     modules = dict(model.named_modules())
     want = scheme_class(quant_method, manifest["target"]["profile"])
-    _check_same_layers(modules, manifest["layers"], sidecar)
+    dense = {n: ly for n, ly in manifest["layers"].items() if "experts" not in ly}
+    _check_same_layers(modules, dense, sidecar)
+    held: dict[str, nn.Module] = {}
     for name, ly in manifest["layers"].items():
+        if "experts" in ly:
+            owner = moe.experts_module(modules, name, sidecar)
+            moe.swap_in(owner, name, ly, weights, sidecar)
+            held[name.rpartition(".")[0]] = owner
+    _check_all_experts(modules, held, sidecar)
+    for name, ly in dense.items():
         layer = modules[name]
         scheme, kernel = _scheme_kernel(layer)
         if type(scheme).__name__ != want or not isinstance(kernel, MarlinFP8ScaledMMLinearKernel):
@@ -528,7 +555,26 @@ def _swap_in(
         for leaf, param in params.items():
             param.data = weights[f"{name}.{leaf}"]
         _as_processed(layer, scheme, kernel, ly)
-    return {name: modules[name] for name in manifest["layers"]}
+    return {**{name: modules[name] for name in dense}, **held}
+
+
+def _check_all_experts(
+    modules: dict[str, nn.Module], held: dict[str, nn.Module], sidecar: Path
+) -> None:
+    """Every MoE block vLLM built with an FP8 method gets the sidecar's experts (vLLM would
+    repack uninitialised memory), and each gets both of its stacked layers."""
+    built = sorted(
+        (n for n, m in modules.items() if type(getattr(m, "quant_method", None)).__name__
+         == moe.MOE_METHOD),
+        key=arch.natural_key,
+    )  # fmt: skip
+    uncovered = [n for n in built if n not in held]
+    if uncovered:
+        raise EngineMismatchError(
+            f"{sidecar}: the sidecar has no experts for {first_and_more(uncovered)}, which this "
+            "model runs on FP8 Marlin MoE",
+            hint=OTHER_MODEL_HINT,
+        )
 
 
 def _check_same_layers(
@@ -614,7 +660,11 @@ def _process_others(
     finally:
         for layer, qm in held.items():
             layer.quant_method = qm
-            layer.update_param_tp_status()
+            if hasattr(layer, "update_param_tp_status"):
+                layer.update_param_tp_status()
+    for layer in held:
+        if type(layer.quant_method).__name__ == moe.MOE_METHOD:
+            moe.finish(layer)
     with contextlib.suppress(RuntimeError):
         torch.accelerator.empty_cache()
 

@@ -9,7 +9,9 @@ every rank file (the attention's Marlin layers and the experts' stacked ``w13`` 
 and scales) must be a parameter of vLLM's model on that rank with the same name, shape, dtype
 and bytes; and every FP8 parameter vLLM prepared for Marlin must be in the rank file.
 
-The ``--load-format mpack`` loader does not load MoE sidecars yet: test_loader_refuses_moe.
+Then the same models through ``--load-format mpack`` (runtime/vllm/moe.py), privately and
+attached to real ``mpack serve --device cpu`` daemons: every parameter and buffer, and the
+post-processed state of every quantized layer and MoE block, equal vLLM's own load's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.vllm.test_vllm_loader import run_cli, run_workers
+from tests.runtime.rt_helpers import DaemonProc
+from tests.vllm.test_vllm_loader import assert_same_tensors, main_python, run_cli, run_workers
+
+#: --load-format mpack's ways to load: privately, attached to the daemons.
+PATHS = ("mpack-never", "mpack-require")
 
 
 @dataclass(frozen=True)
@@ -74,25 +80,55 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             work,
         )  # fmt: skip
 
+    def convert_np() -> None:  # CASES[0] without its common.safetensors
+        c = CASES[0]
+        run_cli(
+            ["mpack", "convert", str(work / ckpt_name(c)), "-o", str(work / "sc-np"), "--quiet",
+             "--tp", str(c.tp), "--profile", c.profile, "--act-dtype", c.dtype,
+             "--no-passthrough"],
+            work,
+        )  # fmt: skip
+
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(make, cks))
         list(pool.map(convert, CASES))
+    convert_np()
     by_tp: dict[int, list[dict[str, Any]]] = {}
     for c in CASES:
         by_tp.setdefault(c.tp, []).append(
             {"id": c.name, "model": str(work / ckpt_name(c)), "profile": c.profile,
              "dtype": c.dtype}
         )  # fmt: skip
-    c = CASES[0]
-    sidecar = str(work / f"sc-{c.name}")
-    by_tp[c.tp].append(  # the same model through --load-format mpack, privately
-        {"id": "mpack-private", "model": str(work / ckpt_name(c)), "profile": c.profile,
-         "dtype": c.dtype, "load_format": "mpack", "sidecar": sidecar,
-         "extra": {"sidecar": sidecar, "attach": "never"}}
+        sidecar = str(work / f"sc-{c.name}")
+        for path in PATHS:  # the same model through --load-format mpack
+            by_tp[c.tp].append(
+                {"id": f"{c.name}/{path}", "model": str(work / ckpt_name(c)),
+                 "profile": c.profile, "dtype": c.dtype, "load_format": "mpack",
+                 "sidecar": sidecar,
+                 "extra": {"sidecar": sidecar, "attach": path.removeprefix("mpack-")}}
+            )  # fmt: skip
+    c0, np_ = CASES[0], str(work / "sc-np")
+    by_tp[c0.tp].append(
+        {"id": "no-passthrough", "model": str(work / ckpt_name(c0)), "profile": c0.profile,
+         "dtype": c0.dtype, "load_format": "mpack", "sidecar": np_,
+         "extra": {"sidecar": np_, "attach": "never"}}
     )  # fmt: skip
+    runtime = work / "xdg-runtime"
+    runtime.mkdir(mode=0o700)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
-    results = run_workers(by_tp, env, work)
+           "VLLM_LOGGING_LEVEL": "WARNING", "XDG_RUNTIME_DIR": str(runtime)}  # fmt: skip
+    daemons = [
+        DaemonProc(work / f"sc-{c.name}", "cpu", env, work, "--rank", str(r), python=main_python())
+        for c in CASES
+        for r in range(c.tp)
+    ]
+    try:
+        for d in daemons:
+            d.wait_ready(60)
+        results = run_workers(by_tp, env, work)
+    finally:
+        for d in daemons:
+            d.stop(timeout=20)
     print(f"\nvLLM MoE suite: {time.monotonic() - t0:.1f} s")
     return {"work": work, "results": results}
 
@@ -120,7 +156,7 @@ def rank_file_digests(path: Path) -> dict[str, dict[str, Any]]:
 def test_rank_files_are_vllms_marlin_moe_tensors(world: dict[str, Any], case: Case) -> None:
     sidecar = world["work"] / f"sc-{case.name}"
     for rank in range(case.tp):
-        res = world["results"][case.tp][rank][case.name]
+        res = world["results"][case.tp][rank][f"{case.name}"]
         assert res["ok"], res.get("traceback")
         vllm = res["tensors"]
         mine = rank_file_digests(sidecar / f"rank-{rank:02d}-of-{case.tp:02d}.safetensors")
@@ -138,14 +174,35 @@ def test_rank_files_are_vllms_marlin_moe_tensors(world: dict[str, Any], case: Ca
 
 
 @pytest.mark.slow
-def test_loader_refuses_moe_sidecars_before_the_model(world: dict[str, Any]) -> None:
-    """mpack's limit, said as such, before vLLM builds a layer: the loader does not fill
-    FusedMoE's parameters yet."""
-    res = world["results"][CASES[0].tp][0]["mpack-private"]
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_mpack_loads_the_same_model_as_vllm(world: dict[str, Any], case: Case, path: str) -> None:
+    """Every parameter and buffer (the experts' stacked tensors, their input scales reduced to
+    one, the attention's Marlin layers, the routers) and the post-processed state of every
+    quantized layer and MoE block (the method's backend, quant config and kernel)."""
+    for rank in range(case.tp):
+        res = world["results"][case.tp][rank]
+        default = res[case.name]
+        got = res[f"{case.name}/{path}"]
+        assert got["ok"], got.get("traceback")
+        assert_same_tensors(got["tensors"], default["tensors"], f"{case.name} {path} r{rank}")
+        assert got["state"] == default["state"], f"{case.name} {path} rank {rank}"
+        moe = [n for n in default["state"] if n.endswith(".experts.routed_experts")]
+        assert len(moe) == 2 and all(
+            default["state"][n]["method"]["moe_kernel"] != "NoneType" for n in moe
+        )
+        if path == "mpack-require":
+            assert got["weights"]["backend"] == "host", got["weights"]
+
+
+@pytest.mark.slow
+def test_no_passthrough_moe_sidecar_is_refused_before_the_model(world: dict[str, Any]) -> None:
+    """Its experts' input scales are in no file the loader reads: refused by name, as mpack's
+    limit, before vLLM builds a layer."""
+    res = world["results"][CASES[0].tp][0]["no-passthrough"]
     assert not res["ok"]
     err = res["error"]
     assert "EngineMismatchError" in err["mro"], res.get("traceback")
-    assert "holds MoE experts" in err["message"] and "mpack's limit" in err["message"]
-    assert "block_sparse_moe.experts.routed_experts.w13" in err["message"]
-    assert "without --load-format mpack" in err["hint"]
+    assert "MoE experts loads only with its common.safetensors" in err["message"]
+    assert "mpack's limit" in err["message"] and "--no-passthrough" in err["hint"]
     assert err["linear_layers_built"] == 0

@@ -112,6 +112,19 @@ def layer_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     method, ``Fp8LinearMethod`` (which holds the kernel, ``fp8_linear``)."""
     out: dict[str, dict[str, Any]] = {}
     for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if hasattr(qm, "fp8_backend"):  # a MoE block's experts (runtime/vllm/moe.py)
+            out[name] = {
+                "layer": _plain_state(m),
+                "method": {
+                    **_plain_state(qm),
+                    "fp8_backend": str(qm.fp8_backend),
+                    "moe_quant_config": type(getattr(qm, "moe_quant_config", None)).__name__,
+                    "moe_kernel": type(getattr(qm, "moe_kernel", None)).__name__,
+                },
+                "tensors": _tensor_kinds(m),
+            }
+            continue
         scheme = getattr(m, "scheme", None)
         if scheme is None and hasattr(getattr(m, "quant_method", None), "fp8_linear"):
             scheme = m.quant_method
@@ -122,13 +135,18 @@ def layer_state(model: nn.Module) -> dict[str, dict[str, Any]]:
         if kernel is not None:
             rec["kernel"] = _plain_state(kernel)
             rec["kernel.config"] = _plain_state(getattr(kernel, "config", object()))
-        rec["tensors"] = {
-            k: type(v).__name__
-            for k, v in sorted({**vars(m), **m._parameters, **m._buffers}.items())
-            if not k.startswith("_") and (isinstance(v, torch.Tensor) or v is None)
-        }
+        rec["tensors"] = _tensor_kinds(m)
         out[name] = rec
     return out
+
+
+def _tensor_kinds(m: nn.Module) -> dict[str, str]:
+    """Which tensor attributes a module has: a parameter, a plain tensor, or None."""
+    return {
+        k: type(v).__name__
+        for k, v in sorted({**vars(m), **m._parameters, **m._buffers}.items())
+        if not k.startswith("_") and (isinstance(v, torch.Tensor) or v is None)
+    }
 
 
 def maps() -> list[tuple[int, int, str, str]]:
