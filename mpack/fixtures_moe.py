@@ -74,10 +74,14 @@ def make_moe_checkpoint(
     kv_heads: int = 2,
     vocab: int = 1000,
     seed: int = 0,
+    autofp8: str | None = None,
 ) -> Path:
     """Write a random compressed-tensors FP8 MoE checkpoint (one ``model.safetensors``) and
     return its path. ``scheme``: ``FP8`` (per-tensor weight scales, static per-tensor input
-    scales) or ``FP8_DYNAMIC`` (per-channel weight scales, dynamic per-token activations)."""
+    scales) or ``FP8_DYNAMIC`` (per-channel weight scales, dynamic per-token activations).
+    ``autofp8``: an AutoFP8 checkpoint instead (``quant_method: fp8``, as
+    Mixtral-8x7B-Instruct-v0.1-FP8 is), with this activation scheme (``static``: input scales;
+    ``dynamic``: none); its scales are float32 scalars, per tensor (``scheme`` is ``FP8``)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -86,6 +90,10 @@ def make_moe_checkpoint(
         raise ValueError(f"unknown MoE arch {arch!r}; expected one of {sorted(MOE_ARCHS)}")
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    if autofp8 not in (None, "static", "dynamic"):
+        raise ValueError(f"autofp8 is {autofp8!r}; expected static or dynamic")
+    if autofp8 and scheme != "FP8":
+        raise ValueError("an AutoFP8 checkpoint has per-tensor scales: scheme FP8")
     a = MOE_ARCHS[arch]
     head_dim = hidden // heads
     sizes = {"intermediate_size": 4 * moe_intermediate}  # Qwen3-MoE's dense MLPs (none here)
@@ -123,6 +131,11 @@ def make_moe_checkpoint(
         else:
             scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
         tensors[f"{module}.weight"] = (w / scale).to(torch.float8_e4m3fn)
+        if autofp8:  # float32 scalars
+            tensors[f"{module}.weight_scale"] = scale.float().reshape(())
+            if autofp8 == "static":
+                tensors[f"{module}.input_scale"] = act.float().reshape(())
+            return
         tensors[f"{module}.weight_scale"] = scale.to(dt)
         if scheme == "FP8":  # a calibrated static input scale
             tensors[f"{module}.input_scale"] = act.clone()
@@ -161,7 +174,15 @@ def make_moe_checkpoint(
     if a.experts_key not in cfg:  # the Hub's name (transformers 5 writes its own)
         cfg[a.experts_key] = cfg.pop("num_local_experts")
     cfg.pop("torch_dtype", None)
-    cfg["quantization_config"] = _quantization_config(scheme, a)
+    if autofp8:
+        routers = [f"model.layers.{i}.{a.block}.gate" for i in range(layers)]
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": autofp8,
+            "ignored_layers": ["lm_head", *routers],
+        }
+    else:
+        cfg["quantization_config"] = _quantization_config(scheme, a)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -209,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--moe-intermediate", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--autofp8", choices=["static", "dynamic"], default=None)
     a = p.parse_args(argv)
     print(
         make_moe_checkpoint(
@@ -221,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             hidden=a.hidden,
             moe_intermediate=a.moe_intermediate,
             seed=a.seed,
+            autofp8=a.autofp8,
         )
     )
     return 0

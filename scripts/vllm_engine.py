@@ -100,6 +100,7 @@ WRAPPER_CASES = (
 MOE_CASES = (
     ("mixtral", "FP8", "bfloat16"),
     ("qwen3_moe", "FP8_DYNAMIC", "float16"),
+    ("mixtral", "AUTOFP8", "bfloat16"),  # as Mixtral-8x7B-Instruct-v0.1-FP8: Fp8MoEMethod, w8a16
 )
 #: Special tokens of the wrapper fixtures sit at the top of the vocabulary (image, vision start,
 #: ...): prompts stay below them.
@@ -159,8 +160,8 @@ def cases() -> list[dict[str, Any]]:
             "scheme": s,
             "strategy": strategy_of(s),
             "dtype": d,
-            "profile": "w8a8-marlin",
-            "name": f"{a}-{strategy_of(s)}-{d}-w8a8-marlin",
+            "profile": "w8a16" if s in AUTOFP8 else "w8a8-marlin",
+            "name": f"{a}-{strategy_of(s)}-{d}-{'w8a16' if s in AUTOFP8 else 'w8a8-marlin'}",
         }
         for a, s, d in MOE_CASES
     ]
@@ -228,7 +229,9 @@ def fixture_args(case: dict[str, Any], seed: int) -> dict[str, Any]:
     (``make_autofp8_checkpoint``'s, with its ``activation``, for an AutoFP8 case)."""
     scheme = case["scheme"]
     if case.get("moe"):
-        return {"arch": case["arch"], "scheme": scheme, "dtype": case["dtype"], "seed": seed}
+        auto = {"scheme": "FP8", "autofp8": AUTOFP8[scheme]} if scheme in AUTOFP8 else {}
+        return {"arch": case["arch"], "scheme": scheme, "dtype": case["dtype"], "seed": seed,
+                **auto}  # fmt: skip
     if "wrapper" in case:
         return {
             "wrapper": case["wrapper"],

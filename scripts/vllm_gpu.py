@@ -92,6 +92,8 @@ MOE_CASES = (
     ("mixtral", "FP8", "bfloat16", "w8a8-marlin", "tiny", {}),
     ("qwen3_moe", "FP8_DYNAMIC", "float16", "w8a16", "tiny", {}),
     ("qwen3_moe", "FP8", "bfloat16", "w8a8-marlin", "30b-layer", QWEN3_30B_LAYER),
+    # AutoFP8 (Fp8MoEMethod), fp32 scales: the requantization's GPU rounding matters
+    ("mixtral", "FP8", "bfloat16", "w8a16", "autofp8", {"autofp8": "static"}),
 )
 #: Which cases a run takes (``--cases``): the 16 dense layer kinds, the MoE ones, or both.
 CASE_SETS = ("dense", "moe", "all")

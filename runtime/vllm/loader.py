@@ -158,7 +158,7 @@ def marlin_layer_names(
     qc.packed_modules_mapping = {k: list(v) for k, v in packed.items()}
     experts = family is not None and family.experts is not None
     if not hasattr(qc, "get_scheme_dict"):
-        return _fp8_layer_names(qc, num_layers, prefix)
+        return _fp8_layer_names(qc, num_layers, prefix, family)
     names = set()
     for name, gate in moe.block_layers(family, num_layers, prefix).items() if experts else ():
         scheme = qc.get_scheme_dict(type("Linear", (), {})(), gate)
@@ -175,12 +175,25 @@ def marlin_layer_names(
     return names
 
 
-def _fp8_layer_names(qc: Any, num_layers: int, prefix: str = arch.DECODER_PREFIX) -> set[str]:
-    """:func:`marlin_layer_names` of an AutoFP8 model (vLLM's ``Fp8Config.get_quant_method``)."""
+def _fp8_layer_names(
+    qc: Any, num_layers: int, prefix: str = arch.DECODER_PREFIX, family: arch.Family | None = None
+) -> set[str]:
+    """:func:`marlin_layer_names` of an AutoFP8 model (vLLM's ``Fp8Config.get_quant_method``:
+    a MoE block's experts are skipped when ``ignored_layers`` names ``<block>.experts``)."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-    names = set()
-    for name in decoder_linears(num_layers, prefix):
+    experts = family is not None and family.experts is not None
+    names = {
+        name
+        for name in (moe.block_layers(family, num_layers, prefix) if experts else {})
+        if not is_layer_skipped(
+            prefix=name.rsplit(".", 2)[0],  # <block>.experts
+            ignored_layers=qc.ignored_layers,
+            fused_mapping=qc.packed_modules_mapping,
+            match_mode=qc.ignored_layers_match_mode,
+        )
+    }
+    for name in decoder_linears(num_layers, prefix, experts):
         try:
             skipped = is_layer_skipped(
                 prefix=name,
@@ -307,11 +320,10 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     check_layers(manifest, expected, sidecar)
     experts = any("experts" in ly for ly in manifest["layers"].values())
     has_common = COMMON_NAME in {f["name"] for f in manifest["files"]}
-    if experts and (not has_common or engine["quant_method"] != "compressed-tensors"):
+    if experts and not has_common:
         raise EngineMismatchError(
             f"{sidecar}: a sidecar with MoE experts loads only with its {COMMON_NAME} (it "
-            "carries the experts' input scales) and from a compressed-tensors checkpoint "
-            "(mpack's limit)",
+            "carries the experts' input scales) (mpack's limit)",
             hint="convert without --no-passthrough",
         )
     skip = None
@@ -519,7 +531,7 @@ def _swap_in(
     held: dict[str, nn.Module] = {}
     for name, ly in manifest["layers"].items():
         if "experts" in ly:
-            owner = moe.experts_module(modules, name, sidecar)
+            owner = moe.experts_module(modules, name, quant_method, sidecar)
             moe.swap_in(owner, name, ly, weights, sidecar)
             held[name.rpartition(".")[0]] = owner
     _check_all_experts(modules, held, sidecar)
@@ -563,11 +575,7 @@ def _check_all_experts(
 ) -> None:
     """Every MoE block vLLM built with an FP8 method gets the sidecar's experts (vLLM would
     repack uninitialised memory), and each gets both of its stacked layers."""
-    built = sorted(
-        (n for n, m in modules.items() if type(getattr(m, "quant_method", None)).__name__
-         == moe.MOE_METHOD),
-        key=arch.natural_key,
-    )  # fmt: skip
+    built = sorted((n for n, m in modules.items() if moe.is_fp8_moe(m)), key=arch.natural_key)
     uncovered = [n for n in built if n not in held]
     if uncovered:
         raise EngineMismatchError(
@@ -663,7 +671,7 @@ def _process_others(
             if hasattr(layer, "update_param_tp_status"):
                 layer.update_param_tp_status()
     for layer in held:
-        if type(layer.quant_method).__name__ == moe.MOE_METHOD:
+        if moe.is_fp8_moe(layer):
             moe.finish(layer)
     with contextlib.suppress(RuntimeError):
         torch.accelerator.empty_cache()

@@ -10,8 +10,9 @@ What vLLM's ``process_weights_after_loading`` leaves beyond those tensors is reb
 per-expert ``input_scale`` tensors, which the sidecar passes through), the method's
 ``moe_quant_config`` and its Marlin MoE kernel.
 
-Covered: compressed-tensors FP8 MoE (``CompressedTensorsW8A8Fp8MoEMethod``) on the Marlin MoE
-backend, which ``--moe-backend`` must be (``auto`` is set to it). This module imports vLLM.
+Covered: compressed-tensors FP8 MoE (``CompressedTensorsW8A8Fp8MoEMethod``) and AutoFP8's
+(``Fp8MoEMethod``, per-tensor) on the Marlin MoE backend, which ``--moe-backend`` must be
+(``auto`` is set to it). This module imports vLLM.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from mpack import arch
 from mpack.errors import UsageError
 from mpack.runtime.vllm.checks import OTHER_MODEL_HINT, EngineMismatchError
 
-#: The vLLM method that runs a compressed-tensors FP8 MoE block.
-MOE_METHOD = "CompressedTensorsW8A8Fp8MoEMethod"
+#: The vLLM methods that run an FP8 MoE block: compressed-tensors', and AutoFP8's
+#: (``quant_method: fp8``), by checkpoint format (mpack.target.QUANT_METHODS' keys).
+MOE_METHODS = {"compressed-tensors": "CompressedTensorsW8A8Fp8MoEMethod", "fp8": "Fp8MoEMethod"}
 #: A stacked layer's tensors: vLLM's parameter names under the experts' module.
 LEAVES = ("weight", "weight_scale")
 
@@ -57,17 +59,25 @@ def force_marlin_moe(vllm_config: Any) -> None:
     kc.moe_backend = "marlin"
 
 
-def experts_module(modules: dict[str, nn.Module], name: str, sidecar: Path) -> nn.Module:
+def is_fp8_moe(module: nn.Module) -> bool:
+    """Whether vLLM built ``module`` with one of :data:`MOE_METHODS`."""
+    return type(getattr(module, "quant_method", None)).__name__ in MOE_METHODS.values()
+
+
+def experts_module(
+    modules: dict[str, nn.Module], name: str, quant_method: str, sidecar: Path
+) -> nn.Module:
     """The module holding stacked layer ``name``'s parameters, checked to run vLLM's FP8 MoE
-    method on the Marlin backend."""
+    method of the checkpoint's format (``quant_method``) on the Marlin backend."""
     owner = name.rpartition(".")[0]
     module = modules.get(owner)
     qm = getattr(module, "quant_method", None)
     backend = getattr(getattr(qm, "fp8_backend", None), "name", None)
-    if module is None or type(qm).__name__ != MOE_METHOD or backend != "MARLIN":
+    want = MOE_METHODS[quant_method]
+    if module is None or type(qm).__name__ != want or backend != "MARLIN":
         raise EngineMismatchError(
             f"{sidecar}: MoE layer {name}: the model's {owner} runs "
-            f"{type(qm).__name__} on {backend}; the sidecar holds {MOE_METHOD} weights for "
+            f"{type(qm).__name__} on {backend}; the sidecar holds {want} weights for "
             "the Marlin MoE backend",
             hint="pass --moe-backend marlin, or convert for this engine",
         )
@@ -108,7 +118,10 @@ def finish(module: nn.Module) -> None:
     from vllm.model_executor.utils import replace_parameter
 
     qm = module.quant_method
-    if qm.static_input_scales:
+    static = getattr(qm, "static_input_scales", None)  # compressed-tensors'
+    if static is None:  # AutoFP8's Fp8MoEMethod
+        static = qm.quant_config.activation_scheme == "static"
+    if static:
         w13, w2 = process_fp8_input_tensor_strategy_moe(
             module.w13_input_scale,
             module.w2_input_scale,
@@ -116,6 +129,9 @@ def finish(module: nn.Module) -> None:
         )
         replace_parameter(module, "w13_input_scale", w13)
         replace_parameter(module, "w2_input_scale", w2)
+    if hasattr(qm, "_init_moe_kernel"):  # Fp8MoEMethod: its own last step
+        qm._init_moe_kernel(module)
+        return
     qm.moe_quant_config = qm.get_fused_moe_quant_config(module)
     if qm.moe_quant_config:
         qm.moe_kernel = make_fp8_moe_kernel(
@@ -127,4 +143,12 @@ def finish(module: nn.Module) -> None:
         )
 
 
-__all__ = ["block_layers", "experts_module", "finish", "force_marlin_moe", "swap_in"]
+__all__ = [
+    "MOE_METHODS",
+    "block_layers",
+    "experts_module",
+    "finish",
+    "force_marlin_moe",
+    "is_fp8_moe",
+    "swap_in",
+]

@@ -50,6 +50,13 @@ W8A8 requantization) runs unchanged. What a CPU lacks is stood in for, each for 
    marlin`` would be refused before any weight is loaded. vLLM's own
    ``prepare_fp8_moe_layer_for_marlin`` then runs unchanged, on stand-in 5's ops.
 
+9. The dequantization before a per-tensor requantization (``per_tensor_dequantize``: the fp16
+   weight times the fp32 scale, a 0-dim tensor), with the GPU's rounding. On CUDA the scale is
+   rounded to fp16 first (checked on the H200, SPEC §4); torch on a CPU multiplies by the fp32
+   scale itself. Scales that fp16 holds exactly (every bf16 one in its range) give the same
+   bytes either way; an AutoFP8 checkpoint's fp32 scales do not. The multiply itself is the
+   same: fp16 times fp16, computed in fp32 and rounded once.
+
 Use: ``install()`` once, before anything imports vLLM; ``set_profile(p)`` before each model build.
 """
 
@@ -126,7 +133,21 @@ def install(profile: str = "w8a16") -> None:
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExpertsBase
 
     MarlinExpertsBase._supports_current_device = staticmethod(lambda: True)
+
+    # 9. The GPU's rounding of the scale in per_tensor_dequantize (where it is imported too).
+    import vllm.model_executor.layers.quantization.utils.fp8_utils as fp8_utils
+    import vllm.model_executor.layers.quantization.utils.w8a8_utils as w8a8_utils
+
+    for module in (w8a8_utils, fp8_utils):
+        module.per_tensor_dequantize = per_tensor_dequantize
     _state["installed"] = True
+
+
+def per_tensor_dequantize(tensor: torch.Tensor, inv_scale: float | torch.Tensor) -> torch.Tensor:
+    """vLLM's ``per_tensor_dequantize`` as it computes on a GPU (stand-in 9): the scale rounded
+    to fp16, then an fp16 multiply."""
+    scale = torch.as_tensor(inv_scale, device=tensor.device).to(torch.float16)
+    return tensor.to(torch.float16) * scale
 
 
 # --- 5. torch.ops._C on the CPU ------------------------------------------------------------------

@@ -38,7 +38,8 @@ PATHS = ("mpack-never", "mpack-require")
 class Case:
     name: str
     arch: str
-    scheme: str  # FP8: per-tensor weights, static inputs; FP8_DYNAMIC: per-channel, dynamic
+    scheme: str  # FP8: per-tensor weights, static inputs; FP8_DYNAMIC: per-channel, dynamic;
+    # AUTOFP8: an AutoFP8 checkpoint (quant_method fp8), per-tensor, static inputs
     profile: str  # the dense layers' (the experts' layout is the same for both)
     dtype: str
     tp: int
@@ -51,6 +52,8 @@ CASES = [
     Case("mixtral-channel-w8a8-fp16-tp2", "mixtral", "FP8_DYNAMIC", "w8a8-marlin", "float16", 2),
     Case("qwen3_moe-tensor-w8a8-bf16-tp2", "qwen3_moe", "FP8", "w8a8-marlin", "bfloat16", 2),
     Case("qwen3_moe-channel-w8a16-fp16-tp4", "qwen3_moe", "FP8_DYNAMIC", "w8a16", "float16", 4),
+    # as Mixtral-8x7B-Instruct-v0.1-FP8: Fp8MoEMethod, whose Marlin path is weight-only too
+    Case("mixtral-autofp8-w8a16-bf16-tp2", "mixtral", "AUTOFP8", "w8a16", "bfloat16", 2),
 ]
 CASE_IDS = [c.name for c in CASES]
 
@@ -67,8 +70,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     def make(name: str) -> None:
         c = cks[name]
+        scheme = ["--scheme", "FP8", "--autofp8", "static"] if c.scheme == "AUTOFP8" else [
+            "--scheme", c.scheme]  # fmt: skip
         run_cli(
-            ["mpack.fixtures_moe", str(work / name), "--arch", c.arch, "--scheme", c.scheme,
+            ["mpack.fixtures_moe", str(work / name), "--arch", c.arch, *scheme,
              "--dtype", c.dtype, "--moe-intermediate", "256"],
             work,
         )  # fmt: skip
