@@ -34,6 +34,7 @@ the golden cases and torch's ops).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -101,6 +102,19 @@ def rows_of(a: np.ndarray, rows: tuple[int, int] | None = None, col: int = 0) ->
     r0, r1 = rows if rows is not None else (0, a.shape[0])
     base = a.__array_interface__["data"][0] + col
     return base + np.arange(r0, r1, dtype=np.uint64) * np.uint64(a.strides[0])
+
+
+@functools.cache
+def _zero_row(k: int) -> np.ndarray:
+    """``k`` zero bytes, kept for the life of the process (rows of :func:`zero_rows` point at
+    them)."""
+    return np.zeros((1, k), dtype=np.uint8)
+
+
+def zero_rows(count: int, k: int) -> np.ndarray:
+    """The addresses of ``count`` rows of ``k`` zero bytes (all the same row), for
+    :func:`pack_rows` and :func:`unpack_differs`."""
+    return np.full(count, _zero_row(k).__array_interface__["data"][0], dtype=np.uint64)
 
 
 def _require() -> None:

@@ -13,8 +13,10 @@ under ``<block>.experts.routed_experts.`` (:data:`mpack.arch.EXPERTS_PARAMS`):
 Each expert's linear is packed exactly as a dense one (SPEC §5, §7), with one difference of
 vLLM's MoE path: per-tensor scales are always requantized to the larger of gate's and up's
 (``process_fp8_weight_tensor_strategy_moe``, whatever the profile: the MoE kernel is
-weight-only), and never for ``w2``. vLLM pads an intermediate size that is not a multiple of 64
-per shard (``marlin_moe_padded_intermediate``); mpack refuses those for now (its own limit).
+weight-only), and never for ``w2``; and an intermediate size per rank ``I`` that is not a
+multiple of 64 is zero-padded to the next one, ``Ip`` (``marlin_moe_padded_intermediate``), per
+shard: ``w13`` encodes ``[gate I | 0 | up I | 0]`` with scales 0 on the zero rows
+(:attr:`mpack.convert.plan.Piece.pad`), ``w2`` zero columns after its ``I``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from mpack import arch
 from mpack.errors import UnsupportedSchemeError
+from mpack.sidecar import CONFIG_NAME
 
 if TYPE_CHECKING:
     from mpack.convert.checkpoint import Checkpoint
@@ -31,29 +34,31 @@ if TYPE_CHECKING:
 
 #: vLLM's Marlin MoE tile: the intermediate size per rank, and the hidden size, are multiples.
 TILE = 64
-CONFIG_NAME = "config.json"
 
 
-def split(ck: Checkpoint, fam: arch.Family) -> tuple[list[str], dict[str, dict[int, set[int]]]]:
-    """The checkpoint's quantized modules that are not experts, and the experts' by MoE block:
-    ``{block: {expert: {linear index}}}`` (a dense family has none)."""
-    ex = fam.experts
-    dense: list[str] = []
+def is_expert(fam: arch.Family, module: str) -> bool:
+    """Whether checkpoint module ``module`` is an expert's linear of one of ``fam``'s MoE
+    blocks."""
+    return fam.experts is not None and fam.experts.expert_of(module) is not None
+
+
+def blocks_of(ck: Checkpoint, fam: arch.Family) -> dict[str, dict[int, set[int]]]:
+    """The experts' quantized modules by MoE block: ``{block: {expert: {linear index}}}``
+    (a dense family has none)."""
     blocks: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for module in ck.layers:
-        hit = ex.expert_of(module) if ex else None
-        if hit is None:
-            dense.append(module)
-        else:
+        hit = fam.experts.expert_of(module) if fam.experts else None
+        if hit is not None:
             blocks[hit[0]][hit[1]].add(hit[2])
-    return dense, blocks
+    return blocks
 
 
 def check_blocks(
     ck: Checkpoint, fam: arch.Family, blocks: dict[str, dict[int, set[int]]], tp: int
 ) -> tuple[int, int]:
     """Every MoE block has every expert of config.json, each with its three FP8 linears of the
-    same shapes; the intermediate size fits vLLM's Marlin MoE tile at ``tp``. Returns
+    same shapes; the hidden size fits vLLM's Marlin MoE tile, the intermediate size splits into
+    ``tp`` parts. Returns
     ``(experts, intermediate)``.
 
     Raises:
@@ -104,26 +109,33 @@ def check_blocks(
             raise UnsupportedSchemeError(
                 f"{ck.root}: {block}: experts mix weight strategies {sorted(strategies)}"
             )
-    if inter % tp or (inter // tp) % TILE or hidden % TILE:
+    if hidden % TILE:
         raise UnsupportedSchemeError(
-            f"{cfg}: {ex.intermediate_key}={inter} at --tp {tp} is {inter / tp:g} per rank, "
-            f"hidden_size {hidden}: mpack packs MoE experts whose intermediate size per rank "
-            f"and hidden size are multiples of {TILE} (vLLM pads the intermediate size itself; "
-            "mpack does not yet)",
-            hint=f"choose a --tp that leaves a multiple of {TILE} per rank",
+            f"{cfg}: hidden_size {hidden} is not a multiple of {TILE}: vLLM 0.33.0's Marlin MoE "
+            "kernel cannot run these experts (its limit, not mpack's)",
+            hint="serve the model with another --moe-backend, from the checkpoint itself",
+        )
+    if inter % tp:
+        raise UnsupportedSchemeError(
+            f"{cfg}: {ex.intermediate_key}={inter} does not split into --tp {tp} equal parts "
+            "(vLLM 0.33.0 asserts it does)",
+            hint=f"choose a --tp that divides {inter}",
         )
     return count, inter
 
 
-def input_scales(ck: Checkpoint, blocks: dict[str, dict[int, set[int]]]) -> list[str]:
+def padded(per: int) -> int:
+    """vLLM's intermediate size per rank after ``marlin_moe_padded_intermediate`` (FP8 weights,
+    no groups): the next multiple of :data:`TILE`."""
+    return -(-per // TILE) * TILE
+
+
+def input_scales(ck: Checkpoint, fam: arch.Family) -> list[str]:
     """The experts' static input scales (``<expert>.<linear>.input_scale``), which the sidecar
     passes through: vLLM keeps their maximum on the block after loading them (a dense layer's
     input scale goes)."""
-    return sorted(
-        f"{m}.input_scale"
-        for m in ck.layers
-        if any(m.startswith(f"{b}.experts.") for b in blocks) and f"{m}.input_scale" in ck.tensors
-    )
+    names = (f"{m}.input_scale" for m in ck.layers if is_expert(fam, m))
+    return sorted(n for n in names if n in ck.tensors)
 
 
 def out_layers(
@@ -137,7 +149,8 @@ def out_layers(
     assert ex is not None
     w13, w2 = (f"{block}.experts.{p}" for p in arch.EXPERTS_PARAMS)
     per = inter // tp
-    rows, cols = (rank * per, (rank + 1) * per), (rank * per, (rank + 1) * per)
+    ip = padded(per)
+    mine = (rank * per, (rank + 1) * per)  # the gate/up rows, the down columns, of the rank
     out: list[list[OutLayer]] = []
     for name in (w13, w2):
         for e in range(count):
@@ -145,11 +158,12 @@ def out_layers(
             strategy = ck.layers[gate].strategy
             hidden = ck.layers[gate].k
             if name == w13:
-                pieces = [Piece(gate, rows, (0, hidden)), Piece(up, rows, (0, hidden))]
-                n, k, parallel, requant = 2 * per, hidden, "column", strategy == "tensor"
+                pieces = [Piece(m, mine, (0, hidden), ip - per) for m in (gate, up)]
+                n, k, np_, kp, parallel = 2 * per, hidden, 2 * ip, hidden, "column"
+                requant = strategy == "tensor"
             else:
-                pieces = [Piece(down, (0, hidden), cols)]
-                n, k, parallel, requant = hidden, per, "row", False
+                pieces = [Piece(down, (0, hidden), mine)]
+                n, k, np_, kp, parallel, requant = hidden, per, hidden, ip, "row", False
             out.append(
                 [
                     OutLayer(
@@ -158,8 +172,8 @@ def out_layers(
                         pieces=pieces,
                         n=n,
                         k=k,
-                        np_=n,
-                        kp=k,
+                        np_=np_,
+                        kp=kp,
                         strategy=strategy,
                         parallel=parallel,
                         has_bias=False,

@@ -35,11 +35,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of one checkpoint module's weight."""
+    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of one checkpoint module's weight, then
+    ``pad`` rows of zeros (their scales 0: vLLM's Marlin MoE tile padding of each of gate and up,
+    ``marlin_moe_padded_intermediate``)."""
 
     module: str
     rows: tuple[int, int]
     cols: tuple[int, int]
+    pad: int = 0
 
     @property
     def width(self) -> int:
@@ -76,6 +79,24 @@ class OutLayer:
     @property
     def widths(self) -> list[int]:
         return [p.width for p in self.pieces]
+
+    @property
+    def rows(self) -> int:
+        """The rows of the fused matrix the Marlin tensors encode: ``n``, and the zero rows
+        between pieces (:attr:`Piece.pad`)."""
+        return self.n + sum(p.pad for p in self.pieces)
+
+    def row_index(self) -> list[int] | None:
+        """Where the ``n`` checkpoint rows sit among :attr:`rows` (None: in order, no
+        padding between pieces)."""
+        if not any(p.pad for p in self.pieces):
+            return None
+        out: list[int] = []
+        at = 0
+        for p in self.pieces:
+            out.extend(range(at, at + p.width))
+            at += p.width + p.pad
+        return out
 
     def modules(self) -> list[str]:
         """The checkpoint modules the layer is made of, each once, in row order."""
@@ -138,7 +159,10 @@ class Plan:
                 "parallel": ly.parallel,
                 "bias": ly.has_bias,
                 "requantized": ly.requant,
-                "shards": [{"module": p.module, "rows": p.width} for p in ly.pieces],
+                "shards": [
+                    {"module": p.module, "rows": p.width, **({"pad": p.pad} if p.pad else {})}
+                    for p in ly.pieces
+                ],
                 **({"experts": ly.stack.count} if ly.stack else {}),
             }
         return out
@@ -286,7 +310,7 @@ def _group_vllm(ck: Checkpoint, fam: arch.Family) -> list[tuple[str, list[str]]]
     checkpoint's."""
     lay = layout(ck)
     groups: dict[str, list[str]] = {}
-    for module in moe.split(ck, fam)[0]:  # the experts are moe's
+    for module in (m for m in ck.layers if not moe.is_expert(fam, m)):  # experts: moe's
         name = arch.fused_name(module)
         part = lay.part_of(lay.vllm_name(module))
         if part != arch.LANGUAGE_MODEL:
@@ -323,6 +347,7 @@ def _slices(
 ) -> tuple[list[Piece], str]:
     """Rows/cols of each part on ``rank`` (SPEC §6) and the parallel style."""
     L = ck.layers
+    dims = arch.linear_dims(dims, name)
     style = arch.parallel_style(name)
     rows = arch.shard_rows(dims, name, tp, rank)  # at TP 1: every row (_check_shapes)
     if rows is not None:
@@ -350,6 +375,7 @@ def _check_shapes(ck: Checkpoint, dims: Dims, name: str, members: list[str]) -> 
         raise UnsupportedSchemeError(
             f"{ck.root}: {name}: some fused shards have a bias and some do not"
         )
+    dims = arch.linear_dims(dims, name)
     want_n, want_k = arch.expected_rows(dims), arch.expected_cols(dims)
     for m, ly in zip(members, layers, strict=True):
         sub = m.rpartition(".")[2]
@@ -436,7 +462,7 @@ def _with_experts(
 ) -> list[list[OutLayer]]:
     """``units`` and the MoE blocks' expert units (mpack/convert/moe.py), each decoder layer's
     after its dense linears."""
-    _, blocks = moe.split(ck, fam)
+    blocks = moe.blocks_of(ck, fam)
     if not blocks:
         return units
     count, inter = moe.check_blocks(ck, fam, blocks, tp)
@@ -488,7 +514,7 @@ def make_plan(
     if fused is not None:
         units = _with_experts(ck, fused[0], units, tp)
         if passthrough:
-            through = sorted(through + moe.input_scales(ck, moe.split(ck, fused[0])[1]))
+            through = sorted(through + moe.input_scales(ck, fused[0]))
     plan = Plan(ck, profile, act_dtype, tp, fusion, units, through)
     meta = {
         "format": FORMAT,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -33,6 +33,10 @@ class Experts:
     #: Qwen3-MoE's ``num_experts`` as ``num_local_experts``) and of one expert's intermediate size.
     count_keys: tuple[str, ...]
     intermediate_key: str
+    #: A shared expert beside the routed ones (Qwen2-MoE's): ``(its module under the block,
+    #: config.json's key of its intermediate size)``. It is a dense MLP (``gate_up_proj``,
+    #: ``down_proj``) packed as the Llama layout's; its gate is a pass-through tensor.
+    shared: tuple[str, str] | None = None
 
     def expert_of(self, module: str) -> tuple[str, int, int] | None:
         """``(the MoE block's name, expert index, which linear: 0 gate, 1 up, 2 down)`` of a
@@ -41,6 +45,17 @@ class Experts:
         if m is None or m.group(2) != self.block or m.group(4) not in self.linears:
             return None
         return m.group(1) + m.group(2), int(m.group(3)), self.linears.index(m.group(4))
+
+    def is_moe_layer(self, config: Mapping[str, Any], i: int) -> bool:
+        """Whether decoder layer ``i`` has a MoE block, by vLLM's rule (qwen2_moe.py,
+        qwen3_moe.py): not in ``mlp_only_layers``, and every ``decoder_sparse_step``-th (a
+        config without them, Mixtral's: every layer); the others have Llama's MLP."""
+        step = int(config.get("decoder_sparse_step") or 1)
+        return i not in (config.get("mlp_only_layers") or ()) and (i + 1) % step == 0
+
+    def shared_size(self, config: Mapping[str, Any]) -> int:
+        """The shared expert's intermediate size; 0: none."""
+        return int(config.get(self.shared[1]) or 0) if self.shared else 0
 
     def module(self, block: str, expert: int, linear: int) -> str:
         """The checkpoint module of ``linear`` (0 gate, 1 up, 2 down) of expert ``expert``."""
@@ -97,6 +112,19 @@ FAMILIES: dict[str, Family] = {
             "block_sparse_moe", ("w1", "w3", "w2"), ("num_local_experts",), "intermediate_size"
         ),
     ),
+    # qwen2_moe.py: Qwen2's attention (q/k/v biases, head_dim from hidden_size); the router
+    # (GateLinear) and shared_expert_gate are built without a quant config.
+    "qwen2_moe": Family(
+        ("Qwen2MoeForCausalLM",),
+        reads_head_dim=False,
+        experts=Experts(
+            "mlp",
+            ("gate_proj", "up_proj", "down_proj"),
+            ("num_experts",),
+            "moe_intermediate_size",
+            shared=("shared_expert", "shared_expert_intermediate_size"),
+        ),
+    ),
     # qwen3_moe.py: q/k norms pass through, as Qwen3's.
     "qwen3_moe": Family(
         ("Qwen3MoeForCausalLM",),
@@ -117,6 +145,8 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 ROW_PARALLEL = ("o_proj", "down_proj")
 #: Parts of ``qkv_proj`` that hold K/V heads (replicated when TP exceeds the KV heads).
 KV_SHARDS = ("k_proj", "v_proj")
+#: A Llama MLP's vLLM linears, under its module (``mlp.``; a shared expert's).
+MLP_LINEARS = ("gate_up_proj", "down_proj")
 #: Within a decoder layer, the linears in the order the forward pass uses them.
 LEAF_ORDER = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
 #: Where these families keep their decoder layers, in checkpoints and in vLLM's models:
@@ -385,6 +415,9 @@ class Dims:
     kv_heads: int
     head_dim: int
     intermediate: int
+    #: Other MLPs' intermediate sizes, by the module that holds their linears (a shared
+    #: expert's: :attr:`Experts.shared`); see :func:`linear_dims`.
+    mlps: tuple[tuple[str, int], ...] = ()
 
 
 def dims_of(architecture: str | None, config: Mapping[str, Any]) -> Dims:
@@ -401,7 +434,32 @@ def dims_of(architecture: str | None, config: Mapping[str, Any]) -> Dims:
     family = family_of(architecture)
     if (family is None or family.reads_head_dim) and config.get("head_dim"):
         head_dim = int(config["head_dim"])
-    return Dims(heads, kv, head_dim, inter)
+    ex = family.experts if family is not None else None
+    mlps = ()
+    if ex is not None and ex.shared is not None and ex.shared_size(config):
+        mlps = ((ex.shared[0], ex.shared_size(config)),)
+    return Dims(heads, kv, head_dim, inter, mlps)
+
+
+def mlp_linears(family: Family | None, config: Mapping[str, Any], i: int) -> list[str]:
+    """The dense vLLM linears of decoder layer ``i``'s MLP, under ``model.layers.<i>.``:
+    Llama's ``mlp.gate_up_proj`` and ``mlp.down_proj``; for a MoE block (whose experts are
+    stacked layers), its shared expert's, or none."""
+    ex = family.experts if family is not None else None
+    if ex is None or not ex.is_moe_layer(config, i):
+        return [f"mlp.{leaf}" for leaf in MLP_LINEARS]
+    if not ex.shared_size(config):
+        return []
+    assert ex.shared is not None
+    return [f"{ex.block}.{ex.shared[0]}.{leaf}" for leaf in MLP_LINEARS]
+
+
+def linear_dims(dims: Dims, name: str) -> Dims:
+    """The dims vLLM linear ``name`` (or checkpoint module) is sized by: ``dims``, with the
+    intermediate size of the MLP it is in (:attr:`Dims.mlps`, by the module holding it)."""
+    holder = name.rpartition(".")[0].rpartition(".")[2]
+    inter = dict(dims.mlps).get(holder)
+    return dims if inter is None else replace(dims, intermediate=inter, mlps=())
 
 
 def tp_problem(dims: Dims, tp: int) -> str | None:
@@ -411,6 +469,9 @@ def tp_problem(dims: Dims, tp: int) -> str | None:
         return f"--tp {tp} does not divide num_attention_heads={dims.heads}"
     if dims.intermediate % tp:
         return f"--tp {tp} does not divide intermediate_size={dims.intermediate}"
+    for holder, inter in dims.mlps:
+        if inter % tp:
+            return f"--tp {tp} does not divide the {holder}'s intermediate size {inter}"
     kv = dims.kv_heads
     if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
         return (

@@ -7,9 +7,11 @@ per-expert ``experts.<e>.<linear>`` modules), with a ``quantization_config`` as 
 writes it. The config is transformers' own config class's. Weights are drawn from one seed and
 quantized here: per tensor (scale ``amax / 448``, ``[1]``) or per output channel (``[N, 1]``).
 
-Families (:data:`MOE_ARCHS`): Mixtral (``block_sparse_moe``, experts ``w1`` / ``w3`` / ``w2``)
-and Qwen3-MoE (``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj``, q/k norms). The
-routers stay in the model dtype (their ``ignore`` entry), as in the Hub's checkpoints.
+Families (:data:`MOE_ARCHS`): Mixtral (``block_sparse_moe``, experts ``w1`` / ``w3`` / ``w2``),
+Qwen3-MoE (``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj``, q/k norms) and Qwen2-MoE
+(as Qwen3-MoE's, with q/k/v biases, and a shared expert with its gate). The routers and the
+shared expert's gate stay in the model dtype (their ``ignore`` entries), as in the Hub's
+checkpoints.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ class MoeArch:
     experts_key: str  # config.json's expert count
     intermediate_key: str  # config.json's per-expert intermediate size
     qk_norm: bool = False
+    qkv_bias: bool = False
+    #: a shared expert (an FP8 dense MLP, twice an expert's intermediate size) and its gate
+    #: (``[1, hidden]``, the model dtype), as Qwen2-MoE's
+    shared: bool = False
+
+    @property
+    def gates(self) -> tuple[str, ...]:
+        """The block's unquantized linears: the router, and the shared expert's gate."""
+        return ("gate", "shared_expert_gate") if self.shared else ("gate",)
 
 
 MOE_ARCHS: dict[str, MoeArch] = {
@@ -46,6 +57,16 @@ MOE_ARCHS: dict[str, MoeArch] = {
         ("w1", "w3", "w2"),
         "num_local_experts",
         "intermediate_size",
+    ),
+    "qwen2_moe": MoeArch(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        "num_experts",
+        "moe_intermediate_size",
+        qkv_bias=True,
+        shared=True,
     ),
     "qwen3_moe": MoeArch(
         "Qwen3MoeConfig",
@@ -98,6 +119,8 @@ def make_moe_checkpoint(
     head_dim = hidden // heads
     sizes = {"intermediate_size": 4 * moe_intermediate}  # Qwen3-MoE's dense MLPs (none here)
     sizes.update({a.experts_key: experts, a.intermediate_key: moe_intermediate})
+    if a.shared:
+        sizes["shared_expert_intermediate_size"] = 2 * moe_intermediate
     config = getattr(transformers, a.config_class)(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -151,12 +174,21 @@ def make_moe_checkpoint(
         qkv_in = input_scale()
         for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             fp8(f"{p}.self_attn.{name}", n, hidden, qkv_in)
+            if a.qkv_bias:
+                plain(f"{p}.self_attn.{name}.bias", (n,))
         fp8(f"{p}.self_attn.o_proj", hidden, q, input_scale())
         if a.qk_norm:
             plain(f"{p}.self_attn.q_norm.weight", (head_dim,), norm=True)
             plain(f"{p}.self_attn.k_norm.weight", (head_dim,), norm=True)
         plain(f"{p}.{a.block}.gate.weight", (experts, hidden))  # the router
         gate, up, down = a.linears
+        if a.shared:
+            x, shared = f"{p}.{a.block}.shared_expert", 2 * moe_intermediate
+            gate_up_in = input_scale()
+            fp8(f"{x}.{gate}", shared, hidden, gate_up_in)
+            fp8(f"{x}.{up}", shared, hidden, gate_up_in)
+            fp8(f"{x}.{down}", hidden, shared, input_scale())
+            plain(f"{p}.{a.block}.shared_expert_gate.weight", (1, hidden))
         for e in range(experts):
             x = f"{p}.{a.block}.experts.{e}"
             gate_up_in = input_scale()
@@ -175,7 +207,7 @@ def make_moe_checkpoint(
         cfg[a.experts_key] = cfg.pop("num_local_experts")
     cfg.pop("torch_dtype", None)
     if autofp8:
-        routers = [f"model.layers.{i}.{a.block}.gate" for i in range(layers)]
+        routers = [f"model.layers.{i}.{a.block}.{g}" for i in range(layers) for g in a.gates]
         cfg["quantization_config"] = {
             "quant_method": "fp8",
             "activation_scheme": autofp8,
@@ -211,7 +243,7 @@ def _quantization_config(scheme: str, a: MoeArch) -> dict[str, Any]:
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
         },
-        "ignore": ["lm_head", f"re:.*{a.block}.gate$"],
+        "ignore": ["lm_head", *(f"re:.*{a.block}.{g}$" for g in a.gates)],
     }
 
 
@@ -231,21 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-intermediate", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autofp8", choices=["static", "dynamic"], default=None)
-    a = p.parse_args(argv)
-    print(
-        make_moe_checkpoint(
-            a.out,
-            arch=a.arch,
-            scheme=a.scheme,
-            dtype=a.dtype,
-            layers=a.layers,
-            experts=a.experts,
-            hidden=a.hidden,
-            moe_intermediate=a.moe_intermediate,
-            seed=a.seed,
-            autofp8=a.autofp8,
-        )
-    )
+    args = vars(p.parse_args(argv))  # every option is make_moe_checkpoint's keyword
+    print(make_moe_checkpoint(args.pop("out"), **args))
     return 0
 
 

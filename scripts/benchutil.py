@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: scripts/synth_checkpoint.py's defaults (its LLAMA_8B; that module imports torch).
 LLAMA_8B_LAYERS, LLAMA_8B_VOCAB = 32, 128256
@@ -192,6 +193,50 @@ def synth(
         stdout=subprocess.DEVNULL if quiet else None,
     )
     print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def timed_run(cmd: list[str], env: dict[str, str], cold: bool) -> dict[str, Any]:
+    """``cmd`` (a shell line for a string) after the page cache is dropped when ``cold`` (and
+    this process may): its seconds, and whether the cache was dropped."""
+    dropped = drop_caches() if cold else False
+    t = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, shell=isinstance(cmd, str))
+    return {"seconds": round(time.perf_counter() - t, 3), "cold": dropped}
+
+
+def moe_30b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path, dict[str, Any]]:
+    """The Qwen3-30B-A3B-shaped checkpoint ``work/ck-30b`` (``layers`` decoder layers, made when
+    missing) and its ``w8a8-marlin`` sidecar ``work/sc-30b``, converted on CUDA now; with the
+    conversion's time beside ``cp -r && sync`` of the checkpoint, each from a cold page cache
+    where this process may drop it (the copy is removed after)."""
+    ck, sc, copy = work / "ck-30b", work / "sc-30b", work / "ck-30b-copy"
+    if not (ck / "config.json").is_file():
+        t = time.perf_counter()
+        script = str(Path(__file__).resolve().parent / "synth_checkpoint.py")
+        subprocess.run(
+            [sys.executable, script, str(ck), "--model", "qwen3-30b-a3b", "--layers", str(layers)],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        print(f"generated {ck} in {time.perf_counter() - t:.1f} s", flush=True)
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.rmtree(sc, ignore_errors=True)
+    res: dict[str, Any] = {"layers": layers, "checkpoint_bytes": dir_bytes(ck)}
+    res["cp_r_sync"] = timed_run(f"cp -r '{ck}' '{copy}' && sync", env, cold=True)
+    shutil.rmtree(copy)
+    convert = [sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q"]
+    res["convert_cuda"] = timed_run(
+        [*convert, "--profile", "w8a8-marlin", "--device", "cuda"], env, cold=True
+    )
+    res["convert_vs_cp"] = round(res["convert_cuda"]["seconds"] / res["cp_r_sync"]["seconds"], 3)
+    res["sidecar_bytes"] = dir_bytes(sc)
+    print(json.dumps(res), flush=True)
+    return ck, sc, res
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
 def marlin_8b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path]:

@@ -1,12 +1,20 @@
-"""A Llama-3.1-8B-shaped compressed-tensors FP8 checkpoint, random but valid, for benchmarks.
+"""A Llama-3.1-8B-shaped (or Qwen3-30B-A3B-shaped) compressed-tensors FP8 checkpoint, random
+but valid, for benchmarks.
 
 No transformers model is built (8 B parameters would not fit the point): the safetensors shards
 are written directly, in the layout llm-compressor produces for the ``FP8`` preset — per-tensor
 weight scales, static per-tensor input scales, bf16 embeddings, norms and ``lm_head``, and a
 ``config.json`` whose ``quantization_config`` parses with compressed-tensors' own models.
-FP8 bytes are uniform over all finite codes (NaN codes 0x7F/0xFF are remapped).
+FP8 bytes are uniform over all finite codes (NaN codes 0x7F/0xFF are remapped), each weight a
+window of one random pool (:data:`POOL_BYTES`).
 
     python scripts/synth_checkpoint.py OUT [--layers 32] [--hidden 4096] ...
+    python scripts/synth_checkpoint.py OUT --model qwen3-30b-a3b [--layers 48]
+
+``--model qwen3-30b-a3b`` (:data:`QWEN3_30B_A3B`) writes Qwen3-MoE's layout instead of
+Llama's MLP: per decoder layer q/k norms, the router ``mlp.gate`` (bf16, ignored as
+RedHatAI's Qwen3-30B-A3B-FP8 checkpoints ignore it) and ``experts`` experts of three FP8
+linears each (``mlp.experts.<e>.{gate,up,down}_proj``).
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ import torch
 from mpack.sidecar import FileMap, TensorSpec
 
 LLAMA_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
+#: Qwen3-30B-A3B's config.json (its dense intermediate_size is unused: every layer is MoE).
+QWEN3_30B_A3B = dict(
+    hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4, vocab=151936,
+    head_dim=128, experts=128, moe_intermediate=768,
+)  # fmt: skip
+MODELS = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 SHARD_BYTES = 5 * 1024**3
 
 QUANT_CONFIG = {
@@ -54,19 +68,31 @@ QUANT_CONFIG = {
 
 
 def _specs(
-    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    head_dim: int = 0,
+    experts: int = 0,
+    moe_intermediate: int = 0,
 ) -> list[TensorSpec]:
-    d = hidden // heads
+    d = head_dim or hidden // heads
     out = [TensorSpec("model.embed_tokens.weight", "BF16", (vocab, hidden))]
     lin = {
         "self_attn.q_proj": (heads * d, hidden),
         "self_attn.k_proj": (kv_heads * d, hidden),
         "self_attn.v_proj": (kv_heads * d, hidden),
         "self_attn.o_proj": (hidden, heads * d),
-        "mlp.gate_proj": (intermediate, hidden),
-        "mlp.up_proj": (intermediate, hidden),
-        "mlp.down_proj": (hidden, intermediate),
     }
+    mlp = {
+        "gate_proj": (moe_intermediate or intermediate, hidden),
+        "up_proj": (moe_intermediate or intermediate, hidden),
+        "down_proj": (hidden, moe_intermediate or intermediate),
+    }
+    experts_of = [f"mlp.experts.{e}." for e in range(experts)] if experts else ["mlp."]
+    lin |= {x + name: shape for x in experts_of for name, shape in mlp.items()}
     for i in range(layers):
         p = f"model.layers.{i}."
         for name, (n, k) in lin.items():
@@ -79,6 +105,12 @@ def _specs(
             TensorSpec(p + "input_layernorm.weight", "BF16", (hidden,)),
             TensorSpec(p + "post_attention_layernorm.weight", "BF16", (hidden,)),
         ]
+        if experts:  # Qwen3-MoE: q/k norms and the router
+            out += [
+                TensorSpec(p + "self_attn.q_norm.weight", "BF16", (d,)),
+                TensorSpec(p + "self_attn.k_norm.weight", "BF16", (d,)),
+                TensorSpec(p + "mlp.gate.weight", "BF16", (experts, hidden)),
+            ]
     out += [
         TensorSpec("model.norm.weight", "BF16", (hidden,)),
         TensorSpec("lm_head.weight", "BF16", (vocab, hidden)),
@@ -86,12 +118,27 @@ def _specs(
     return out
 
 
-def _data(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
+#: FP8 weights are windows of one random pool at random offsets: drawing every byte costs more
+#: than writing it (a Qwen3-30B-A3B layer is 0.6 GB), and no benchmark reads the values.
+POOL_BYTES = 128 * 1024**2
+
+
+def _pool(gen: torch.Generator) -> torch.Tensor:
+    b = torch.randint(0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=gen)
+    b[(b & 0x7F) == 0x7F] = 0x7E  # no NaN codes in a valid checkpoint
+    return b
+
+
+def _data(spec: TensorSpec, gen: torch.Generator, pool: torch.Tensor) -> torch.Tensor:
     if spec.dtype == "F8_E4M3":
-        b = torch.randint(0, 256, spec.shape, dtype=torch.uint8, generator=gen)
-        b[(b & 0x7F) == 0x7F] = 0x7E  # no NaN codes in a valid checkpoint
-        return b
-    if spec.name.endswith(("weight_scale", "input_scale")):
+        n = spec.nbytes
+        if n > pool.numel():
+            return pool.repeat(-(-n // pool.numel()))[:n].view(spec.shape)
+        at = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=gen))
+        return pool[at : at + n].view(spec.shape)
+    if spec.name.endswith("input_scale"):  # one for all: vLLM wants gate's and up's equal
+        return torch.full(spec.shape, 5e-4).to(torch.bfloat16).view(torch.uint8)
+    if spec.name.endswith("weight_scale"):
         s = torch.rand(spec.shape, generator=gen) * 1e-3 + 1e-4
         return s.to(torch.bfloat16).view(torch.uint8)
     return (torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
@@ -101,7 +148,7 @@ def write_checkpoint(
     out: str | Path, *, seed: int = 0, shard_bytes: int = SHARD_BYTES, **dims: int
 ) -> Path:
     """Write the checkpoint into ``out`` (shards + index + config); return ``out``."""
-    dims = {**LLAMA_8B, **dims}
+    dims = {**LLAMA_8B, **dims}  # a MoE model passes every one of QWEN3_30B_A3B's
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     specs = _specs(**dims)
@@ -114,15 +161,16 @@ def write_checkpoint(
         shards[-1].append(s)
         size += s.nbytes
     gen = torch.Generator().manual_seed(seed)
+    pool = _pool(gen)
     weight_map = {}
     for i, group in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         file_map = FileMap.plan(group, {"format": "pt"})
         with open(out / name, "wb") as f:
             f.write(file_map.header)
+            by_name = {s.name: s for s in group}
             for e in file_map.entries:
-                spec = next(s for s in group if s.name == e.name)
-                f.write(_data(spec, gen).numpy().tobytes())
+                f.write(_data(by_name[e.name], gen, pool).numpy().tobytes())
                 weight_map[e.name] = name
     total = sum(s.nbytes for s in specs)
     (out / "model.safetensors.index.json").write_text(
@@ -137,12 +185,27 @@ def write_checkpoint(
         "num_hidden_layers": dims["layers"],
         "num_attention_heads": dims["heads"],
         "num_key_value_heads": dims["kv_heads"],
-        "head_dim": dims["hidden"] // dims["heads"],
+        "head_dim": dims.get("head_dim") or dims["hidden"] // dims["heads"],
         "vocab_size": dims["vocab"],
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
         "quantization_config": QUANT_CONFIG,
     }
+    if dims.get("experts"):  # Qwen3-30B-A3B's config.json
+        config.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=dims["experts"],
+            moe_intermediate_size=dims["moe_intermediate"],
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            quantization_config={**QUANT_CONFIG, "ignore": ["lm_head", "re:.*mlp.gate$"]},
+        )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -150,12 +213,14 @@ def write_checkpoint(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    for k, v in LLAMA_8B.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-8b")
+    for k in QWEN3_30B_A3B:
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, help="default: the model's")
     ap.add_argument("--seed", type=int, default=0)
     a = vars(ap.parse_args())
-    out = a.pop("out")
-    print(write_checkpoint(out, **a))
+    out, model = a.pop("out"), MODELS[a.pop("model")]
+    dims = {k: v for k, v in a.items() if v is not None and k != "seed"}
+    print(write_checkpoint(out, seed=a["seed"], **{**model, **dims}))
 
 
 if __name__ == "__main__":

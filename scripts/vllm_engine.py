@@ -97,10 +97,15 @@ WRAPPER_CASES = (
 #: checkpoint keeps its input activations (vLLM has no weight-only FP8 MoE scheme), so on the
 #: H200 the dense layers run W8A8 on Marlin (w8a8-marlin) and the experts Marlin MoE
 #: (``moe_backend="marlin"``, weight-only: the same bytes for either profile).
+#: A fourth item: the experts' intermediate size where it is not the fixture's 128; 160 is
+#: padded to 192 (marlin_moe_padded_intermediate). Qwen2-MoE adds a shared expert and its gate.
 MOE_CASES = (
     ("mixtral", "FP8", "bfloat16"),
     ("qwen3_moe", "FP8_DYNAMIC", "float16"),
     ("mixtral", "AUTOFP8", "bfloat16"),  # as Mixtral-8x7B-Instruct-v0.1-FP8: Fp8MoEMethod, w8a16
+    ("qwen2_moe", "FP8", "bfloat16", 160),
+    ("qwen2_moe", "AUTOFP8", "bfloat16"),  # as Qwen2-57B-A14B-Instruct-FP8
+    ("qwen3_moe", "FP8_DYNAMIC", "bfloat16", 96),  # as one TP-8 rank of Qwen3-30B-A3B: 96 -> 128
 )
 #: Special tokens of the wrapper fixtures sit at the top of the vocabulary (image, vision start,
 #: ...): prompts stay below them.
@@ -160,10 +165,12 @@ def cases() -> list[dict[str, Any]]:
             "scheme": s,
             "strategy": strategy_of(s),
             "dtype": d,
-            "profile": "w8a16" if s in AUTOFP8 else "w8a8-marlin",
-            "name": f"{a}-{strategy_of(s)}-{d}-{'w8a16' if s in AUTOFP8 else 'w8a8-marlin'}",
+            "profile": p,
+            "name": f"{a}-{strategy_of(s)}-{d}-{p}" + "".join(f"-i{i}" for i in inter),
+            "moe_intermediate": inter[0] if inter else None,
         }
-        for a, s, d in MOE_CASES
+        for a, s, d, *inter in MOE_CASES
+        for p in ["w8a16" if s in AUTOFP8 else "w8a8-marlin"]
     ]
     return dense + wrappers + moes
 
@@ -213,7 +220,8 @@ def weight_only(ck: Path) -> None:
 
 def checkpoint_dir(work: Path, case: dict[str, Any], seed: int = 0) -> Path:
     wo = "-wo" if case["profile"] == "w8a16" else ""
-    return work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}{wo}-s{seed}"
+    inter = f"-i{case['moe_intermediate']}" if case.get("moe_intermediate") else ""
+    return work / f"ck-{case['arch']}-{case['strategy']}-{case['dtype']}{wo}{inter}-s{seed}"
 
 
 def tiny_jobs(only: str = "") -> list[tuple[dict[str, Any], int]]:
@@ -230,8 +238,9 @@ def fixture_args(case: dict[str, Any], seed: int) -> dict[str, Any]:
     scheme = case["scheme"]
     if case.get("moe"):
         auto = {"scheme": "FP8", "autofp8": AUTOFP8[scheme]} if scheme in AUTOFP8 else {}
+        inter = {"moe_intermediate": case["moe_intermediate"]} if case["moe_intermediate"] else {}
         return {"arch": case["arch"], "scheme": scheme, "dtype": case["dtype"], "seed": seed,
-                **auto}  # fmt: skip
+                **auto, **inter}  # fmt: skip
     if "wrapper" in case:
         return {
             "wrapper": case["wrapper"],

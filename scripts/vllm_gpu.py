@@ -49,7 +49,12 @@ sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests" / "vllm")]
 
 import cpu_standins  # noqa: E402
 import vllm_worker as vw  # noqa: E402  (installs no stand-ins: its main() does)
-from benchutil import marlin_8b, mpack_spawn  # noqa: E402  (scripts/, beside this file)
+from benchutil import (  # noqa: E402  (scripts/, beside this file)
+    drop_caches,
+    marlin_8b,
+    moe_30b,
+    mpack_spawn,
+)
 
 ARCHS = {"llama": False, "qwen2": True}  # arch -> has q/k/v bias
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
@@ -82,10 +87,10 @@ def _engine_args() -> dict[str, Any]:
     return {**args, **ATTENTION} if _device() == "cuda" else args
 
 
-#: The MoE cases (``--cases moe``): tiny Mixtral and Qwen3-MoE models, and one decoder layer
-#: of Qwen3-30B-A3B's real shapes (128 experts, hidden 2048, 768 per expert, 32 heads / 4 KV),
-#: so that vLLM's compiled gptq_marlin_repack meets the real expert shapes. ``make``: the
-#: arguments of mpack.fixtures_moe.make_moe_checkpoint.
+#: The MoE cases (``--cases moe``): tiny Mixtral, Qwen3-MoE and Qwen2-MoE models, and one
+#: decoder layer of Qwen3-30B-A3B's real shapes (128 experts, hidden 2048, 768 per expert, 32
+#: heads / 4 KV), so that vLLM's compiled gptq_marlin_repack meets the real expert shapes.
+#: ``make``: the arguments of mpack.fixtures_moe.make_moe_checkpoint.
 QWEN3_30B_LAYER = dict(layers=1, experts=128, hidden=2048, moe_intermediate=768, heads=32,
                        kv_heads=4)  # fmt: skip
 MOE_CASES = (
@@ -94,6 +99,18 @@ MOE_CASES = (
     ("qwen3_moe", "FP8", "bfloat16", "w8a8-marlin", "30b-layer", QWEN3_30B_LAYER),
     # AutoFP8 (Fp8MoEMethod), fp32 scales: the requantization's GPU rounding matters
     ("mixtral", "FP8", "bfloat16", "w8a16", "autofp8", {"autofp8": "static"}),
+    # padded experts (marlin_moe_padded_intermediate): one TP-8 rank of Qwen3-30B-A3B's layer
+    # (768 / 8 = 96 -> 128); Qwen2-MoE's shared expert and gate, 160 -> 192, AutoFP8
+    (
+        "qwen3_moe",
+        "FP8_DYNAMIC",
+        "bfloat16",
+        "w8a16",
+        "30b-tp8-rank",
+        {**QWEN3_30B_LAYER, "moe_intermediate": 96},
+    ),
+    ("qwen2_moe", "FP8", "bfloat16", "w8a8-marlin", "pad160", {"moe_intermediate": 160}),
+    ("qwen2_moe", "FP8", "float16", "w8a16", "autofp8", {"autofp8": "static"}),
 )
 #: Which cases a run takes (``--cases``): the 16 dense layer kinds, the MoE ones, or both.
 CASE_SETS = ("dense", "moe", "all")
@@ -293,11 +310,13 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
     from mpack.runtime.vllm import register
 
     register()
+    prep = _time_moe_preparation()
     load = {"model": str(ck), "profile": "w8a8-marlin", "dtype": "auto"}
-    if path != "default":
+    how = path.removesuffix("-cold")  # the caller dropped the page cache for a cold one
+    if how != "default":
         load.update(
             load_format="mpack",
-            extra={"sidecar": str(sc), "attach": "require" if path == "attached" else "never"},
+            extra={"sidecar": str(sc), "attach": "require" if how == "attached" else "never"},
         )
     config = vw.engine_config(load, 1, max_model_len=1024, gpu_memory_utilization=0.5, **ATTENTION)
     _init_dist(config, 29650, "nccl")
@@ -308,7 +327,44 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     n = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"path": path, "seconds": round(dt, 3), "param_bytes": n}), flush=True)
+    res = {"path": path, "seconds": round(dt, 3), "param_bytes": n}
+    print(json.dumps(res | {k: round(v, 4) for k, v in prep.items()}), flush=True)
+
+
+def _time_moe_preparation() -> dict[str, float]:
+    """Seconds (CUDA-synchronized) vLLM spends, summed over the model's MoE blocks, in its MoE
+    methods' ``process_weights_after_loading`` and, within it, in
+    ``prepare_fp8_moe_layer_for_marlin``: what a sidecar takes away (mpack's loader runs
+    neither). Filled as the model loads."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
+    from vllm.model_executor.layers.quantization import fp8
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_fp8 as ct,
+    )
+
+    out = {"moe_process_weights_s": 0.0, "moe_marlin_prepare_s": 0.0}
+
+    def timing(fn: Any, key: str) -> Any:
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                torch.cuda.synchronize()
+                out[key] += time.perf_counter() - t
+
+        return wrapped
+
+    oracle.prepare_fp8_moe_layer_for_marlin = timing(
+        oracle.prepare_fp8_moe_layer_for_marlin, "moe_marlin_prepare_s"
+    )
+    for cls in (ct.CompressedTensorsW8A8Fp8MoEMethod, fp8.Fp8MoEMethod):
+        cls.process_weights_after_loading = timing(
+            cls.process_weights_after_loading, "moe_process_weights_s"
+        )
+    return out
 
 
 # --- orchestration ------------------------------------------------------------------------------
@@ -344,6 +400,12 @@ def main() -> int:
     ap.add_argument("--sc", type=Path)
     ap.add_argument("--path", default="default")
     ap.add_argument("--bench-layers", type=int, default=32)
+    ap.add_argument(
+        "--bench-model",
+        choices=["llama-8b", "qwen3-30b-a3b"],
+        default="llama-8b",
+        help="the shape of the load bench's checkpoint (qwen3-30b-a3b: also convert vs cp -r)",
+    )
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--cases", choices=CASE_SETS, default=None, help="default: dense")
     a = ap.parse_args()
@@ -446,13 +508,21 @@ def run(a: argparse.Namespace) -> int:
 
 def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[str, Any]:
     t = time.time()
-    ck, sc = marlin_8b(a.work, a.bench_layers, menv)
+    res: dict[str, Any] = {"model": a.bench_model, "layers": a.bench_layers}
+    paths = ["default", "attached", "private"]  # the page cache is warm: convert read it
+    if a.bench_model == "qwen3-30b-a3b":
+        ck, sc, res["convert"] = moe_30b(a.work, a.bench_layers, menv)
+        paths += ["default-cold", "attached-cold"]
+    else:
+        ck, sc = marlin_8b(a.work, a.bench_layers, menv)
     print(f"bench prepare: {time.time() - t:.0f} s", flush=True)
-    res: dict[str, Any] = {"layers": a.bench_layers}
     with mpack_spawn(a.mpack_env).spawn(
         sc, device="cuda:0", env=menv, cwd=a.work, log_dir=a.work, timeout=READY_TIMEOUT_S
     ):
-        for path in ("default", "attached", "private"):  # the page cache is warm: convert read it
+        for path in paths:
+            if path.endswith("-cold") and not drop_caches():
+                res[path] = {"error": "this process may not drop the page cache"}
+                continue
             r = subprocess.run(
                 [*me, "bench-one", "--ck", str(ck), "--sc", str(sc), "--path", path],
                 env=venv,
@@ -465,11 +535,11 @@ def bench(a: argparse.Namespace, me: list[str], menv: dict, venv: dict) -> dict[
             else:
                 res[path] = json.loads(line[-1])
             print(path, res[path] if "error" not in res[path] else "failed", flush=True)
-    d = res.get("default", {}).get("seconds")
-    for path in ("attached", "private"):
-        s = res.get(path, {}).get("seconds")
-        if d and s:
-            res[f"{path}_vs_default"] = round(s / d, 3)
+    for path in paths:
+        base = "default-cold" if path.endswith("-cold") else "default"
+        d, s = res.get(base, {}).get("seconds"), res.get(path, {}).get("seconds")
+        if path != base and d and s:
+            res[f"{path}_vs_{base}"] = round(s / d, 3)
     return res
 
 

@@ -272,3 +272,36 @@ def test_dims_of_refuses_missing_and_non_numeric_dims(edit: dict, error: type) -
         arch.dims_of("LlamaForCausalLM", cfg)
     with pytest.raises(KeyError):
         arch.dims_of("LlamaForCausalLM", {"hidden_size": 256, "num_attention_heads": 4})
+
+
+def test_moe_layers_and_their_mlp_linears_follow_vllms_rule() -> None:
+    """qwen2_moe.py / qwen3_moe.py: a layer has a MoE block unless ``mlp_only_layers`` names it
+    or it is not a ``decoder_sparse_step``-th; a MoE block's dense linears are its shared
+    expert's (Qwen2-MoE, when its size is not 0), and a dense layer's Llama's MLP."""
+    from mpack.arch import FAMILIES, linear_dims, mlp_linears
+
+    qwen2 = FAMILIES["qwen2_moe"]
+    cfg = {"mlp_only_layers": [0], "decoder_sparse_step": 2, "shared_expert_intermediate_size": 96}
+    assert [qwen2.experts.is_moe_layer(cfg, i) for i in range(5)] == [
+        False, True, False, True, False,
+    ]  # fmt: skip
+    assert mlp_linears(qwen2, cfg, 0) == ["mlp.gate_up_proj", "mlp.down_proj"]
+    assert mlp_linears(qwen2, cfg, 1) == [
+        "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj",
+    ]  # fmt: skip
+    assert mlp_linears(qwen2, {**cfg, "shared_expert_intermediate_size": 0}, 1) == []
+    assert mlp_linears(FAMILIES["mixtral"], {}, 7) == []  # every Mixtral layer is MoE
+    assert mlp_linears(FAMILIES["llama"], cfg, 1) == ["mlp.gate_up_proj", "mlp.down_proj"]
+    sizes = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    dims = arch.dims_of("Qwen2MoeForCausalLM", {**sizes, "intermediate_size": 512, **cfg})
+    assert dims.mlps == (("shared_expert", 96),)
+    shared = linear_dims(dims, "model.layers.1.mlp.shared_expert.gate_up_proj")
+    assert shared.intermediate == 96 and linear_dims(dims, "model.layers.0.mlp.down_proj") == dims
+    assert arch.tp_problem(dims, 4) is None
+    odd = arch.dims_of(
+        "Qwen2MoeForCausalLM",
+        {**sizes, "intermediate_size": 512, "shared_expert_intermediate_size": 90},
+    )
+    assert (
+        arch.tp_problem(odd, 4) == "--tp 4 does not divide the shared_expert's intermediate size 90"
+    )

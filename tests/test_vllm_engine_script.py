@@ -182,7 +182,11 @@ def test_only_selects_by_name_and_by_family_list(script: Any) -> None:
     new = script.selected("gemma2,granite,phi3")
     assert {c["arch"] for c in new} == {"gemma2", "granite", "phi3"}
     assert new == [c for c in script.cases() if c["arch"] in ("gemma2", "granite", "phi3")]
-    assert {c["arch"] for c in script.selected("autofp8")} == {"llama", "gemma2", "mixtral"}
+    autofp8 = {c["arch"] for c in script.selected("autofp8")}
+    assert autofp8 == {"llama", "gemma2", "mixtral", "qwen2_moe"}
+    (padded,) = script.selected("qwen2_moe-tensor-bfloat16-w8a8-marlin-i160")
+    assert script.fixture_args(padded, 0)["moe_intermediate"] == 160
+    assert script.checkpoint_dir(Path("w"), padded).name.endswith("-i160-s0")
     assert script.selected("gemma2,") == gemma  # an empty part selects nothing more
     one = script.cases()[-1]["name"]
     assert [c["name"] for c in script.selected(one)] == [one]

@@ -42,7 +42,7 @@ from mpack.cache import recalled_source_dir
 from mpack.convert.backends import Backend, open_backend
 from mpack.convert.checkpoint import Checkpoint
 from mpack.convert.options import TargetSpec
-from mpack.convert.plan import OutLayer, Plan, open_and_plan
+from mpack.convert.plan import OutLayer, Plan, Stack, open_and_plan
 from mpack.convert.scheme_check import SchemeCheck
 from mpack.convert.source import (
     ResolvedSource,
@@ -214,7 +214,7 @@ def rederive(
             problems += _tensor_problems(sidecar, plan, cmp.files, checker, file_maps)
     finally:
         check.cancel()
-    compared = sum(len(ly.tensor_specs(plan.act_dtype)) for unit in plan.units for ly in unit)
+    compared = sum(len(ly.file_specs(plan.act_dtype)) for unit in plan.units for ly in unit)
     if COMMON_NAME in cmp.files:
         common = cmp.files[COMMON_NAME]
         compared += len(common.file_map.entries) - len(common.unmatched)
@@ -371,13 +371,13 @@ def _tensor_problems(
         for layer in unit:
             fname = rank_file_name(layer.rank, plan.tp)
             c, found = files[fname], {e.name for e in file_maps[fname].entries}
-            for spec in layer.tensor_specs(plan.act_dtype):
+            for spec in layer.file_specs(plan.act_dtype):  # a stacked tensor once
                 if spec.name in c.differs or (spec.name in c.unmatched and spec.name in found):
                     problems.append(
                         f"{fname}: {spec.name} differs from the tensor re-derived from the source"
                     )
             whats = checker.failed.get((layer.rank, layer.name), [])
-            whats += back.get((layer.rank, layer.name), [])
+            whats += back.get((layer.rank, layer.name, layer.stack), [])
             problems += [f"{fname}: {w}" for w in dict.fromkeys(whats)]
     if COMMON_NAME in files:
         c = files[COMMON_NAME]
@@ -393,10 +393,10 @@ def _tensor_problems(
 
 def _read_back(
     sidecar: Path, plan: Plan, files: dict[str, SidecarComparer], file_maps: dict[str, FileMap]
-) -> dict[tuple[int, str], list[str]]:
+) -> dict[tuple[int, str, Stack | None], list[str]]:
     """The layout read backwards on the sidecar's own bytes, for the layers whose bytes differ
     from the re-derived ones (on the CPU with torch: a failure's diagnosis, not the fast path)."""
-    out: dict[tuple[int, str], list[str]] = {}
+    out: dict[tuple[int, str, Stack | None], list[str]] = {}  # per rank, layer (and expert)
     for unit in plan.units:
         bad = [ly for ly in unit if _differing(ly, plan, files)]
         if not bad:
@@ -408,10 +408,11 @@ def _read_back(
             fname = rank_file_name(layer.rank, plan.tp)
             with open_regular_file(sidecar / fname, buffering=0) as f:
                 got = [
-                    _read(f, file_maps[fname], s.name) for s in layer.tensor_specs(plan.act_dtype)
+                    _read(f, file_maps[fname], s.name, layer)
+                    for s in layer.tensor_specs(plan.act_dtype)
                 ]
             fused = fuse(layer, data)
-            out[(layer.rank, layer.name)] = [
+            out[(layer.rank, layer.name, layer.stack)] = [
                 what
                 for what, differs in backwards(layer, fused, got, plan.act_dtype, None)
                 if differs
@@ -426,14 +427,17 @@ def _differing(layer: OutLayer, plan: Plan, files: dict[str, SidecarComparer]) -
     return any(n in c.differs for n in names) and not any(n in c.unmatched for n in names)
 
 
-def _read(f: BinaryIO, file_map: FileMap, name: str) -> torch.Tensor:
-    """Tensor ``name`` of the sidecar file ``f``, read into a new CPU tensor (a single ``pread``
-    returns at most 2 GiB: :func:`mpack.iokit.pread_pieces` reads it whole)."""
+def _read(f: BinaryIO, file_map: FileMap, name: str, layer: OutLayer) -> torch.Tensor:
+    """``layer``'s part of tensor ``name`` of the sidecar file ``f`` (all of it, or an expert's
+    slice of a stacked one), read into a new CPU tensor (a single ``pread`` returns at most
+    2 GiB: :func:`mpack.iokit.pread_pieces` reads it whole)."""
     import torch
 
     e = file_map.entry(name)
-    out = torch.empty(e.nbytes, dtype=torch.uint8)  # every byte is read below
-    short = pread_pieces(f.fileno(), [(memoryview(out.numpy()), e.offset)])
+    offset, nbytes = layer.slot(e.offset, e.nbytes)
+    out = torch.empty(nbytes, dtype=torch.uint8)  # every byte is read below
+    short = pread_pieces(f.fileno(), [(memoryview(out.numpy()), offset)])
     if short is not None:
         raise CorruptFileError(f"tensor {name!r} of a sidecar file is truncated at byte {short}")
-    return out.view(torch_dtype(e.dtype)).reshape(e.shape)
+    shape = e.shape[1:] if layer.stack is not None else e.shape
+    return out.view(torch_dtype(e.dtype)).reshape(shape)

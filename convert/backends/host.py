@@ -284,7 +284,11 @@ def transform(
     if buffers is not None:
         dst = buffers.take(4 * shape[0] * shape[1]).view(np.int32).reshape(shape)
     if pack is not None:
-        pieces = [(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols) for p in layer.pieces]
+        pieces = []
+        for p in layer.pieces:
+            pieces.append((src[f"{p.module}.{WEIGHT}"], p.rows, p.cols))
+            if p.pad:
+                pieces.append((np.zeros((p.pad, layer.k), np.uint8), (0, p.pad), (0, layer.k)))
         out = [pack(pieces, layer.k, layer.np_, layer.kp, dst)]
     else:
         rows = weight_rows(layer, src)
@@ -296,27 +300,44 @@ def transform(
 
 
 def weight_rows(layer: OutLayer, src: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The addresses of the layer's checkpoint rows, piece by piece (fused in order, sliced in
-    place): :func:`mpack.convert.host_repack.rows_of` of :func:`read_unit`'s arrays."""
-    return [
-        host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]) for p in layer.pieces
-    ]
+    """The addresses of the layer's rows, piece by piece (fused in order, sliced in place):
+    :func:`mpack.convert.host_repack.rows_of` of :func:`read_unit`'s arrays, and a row of zeros
+    for each padding row (:attr:`mpack.convert.plan.Piece.pad`)."""
+    out = []
+    for p in layer.pieces:
+        out.append(host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]))
+        if p.pad:
+            out.append(host_repack.zero_rows(p.pad, layer.k))
+    return out
 
 
 def scale_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
-    """The layer's float32 scale per output channel ``[N]``, from :func:`read_unit`'s arrays."""
+    """The layer's float32 scale per row ``[rows]`` (0 on padding rows), from
+    :func:`read_unit`'s arrays."""
     if layer.strategy == "channel":
-        return np.concatenate(
+        v = np.concatenate(
             [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
         )
-    # one scale per shard, each over its rows (requantized layers are not taken here)
-    shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
-    return np.repeat(shard, layer.widths)
+    else:  # one scale per shard, each over its rows (requantized layers are not taken here)
+        shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
+        v = np.repeat(shard, layer.widths)
+    return _spread(v, layer)
 
 
 def bias_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
-    """The layer's bias bits in the activation dtype ``[N]`` (uint16), fused and sliced."""
-    return np.concatenate([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+    """The layer's bias bits in the activation dtype ``[rows]`` (uint16), fused and sliced."""
+    v = np.concatenate([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+    return _spread(v, layer)
+
+
+def _spread(v: np.ndarray, layer: OutLayer) -> np.ndarray:
+    """The layer's ``n`` values ``v`` at their rows, zeros between pieces (Piece.pad)."""
+    index = layer.row_index()
+    if index is None:
+        return v
+    out = np.zeros(layer.rows, dtype=v.dtype)
+    out[index] = v
+    return out
 
 
 # --- the layout read backwards (mpack verify) -------------------------------------------------
@@ -362,14 +383,14 @@ def backwards(
         ),
         (
             f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
-            not np.array_equal(unpack_scales(packed[1], act_dtype, layer.n), want_scales),
+            not np.array_equal(unpack_scales(packed[1], act_dtype, layer.rows), want_scales),
         ),
     ]
     if layer.has_bias:
         out.append(
             (
                 f"{layer.name}.bias does not unpack to the checkpoint bias",
-                not np.array_equal(unpack_bias(packed[2], layer.n), bias_vector(layer, src)),
+                not np.array_equal(unpack_bias(packed[2], layer.rows), bias_vector(layer, src)),
             )
         )
     return out

@@ -79,6 +79,7 @@ def read_unit(
 class Fused:
     """One rank's layer before packing: what the Marlin tensors encode, in checkpoint terms."""
 
+    # N: the layer's rows, zero rows between its pieces included (OutLayer.rows)
     weight: torch.Tensor  # uint8 [N, K]: fused, sliced, and requantized when the layer is
     scale: torch.Tensor  # float32 [N]: one scale per output channel
     bias: torch.Tensor | None  # [N] in the checkpoint's dtype
@@ -110,7 +111,18 @@ def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
     bias = None
     if layer.has_bias:
         bias = torch.cat([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+    index = layer.row_index()
+    if index is not None:  # zero rows between pieces, with scales 0 (Piece.pad)
+        w, scale_n = (_spread(t, index, layer.rows) for t in (w, scale_n))
+        bias = _spread(bias, index, layer.rows) if bias is not None else None
     return Fused(w, scale_n, bias)
+
+
+def _spread(t: torch.Tensor, index: list[int], rows: int) -> torch.Tensor:
+    """``t``'s rows at ``index`` of ``rows`` zero rows."""
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[torch.tensor(index, device=t.device)] = t
+    return out
 
 
 def pack(
@@ -177,21 +189,24 @@ def backwards(
     ``differs`` is a bool, or on CUDA a bool tensor not read yet."""
     dt = torch_dtype(target.act_dtype(act_dtype).st)
     what = "requantized" if layer.requant else "checkpoint"
+    # the tensors' names (a MoE expert's: its stacked tensors', and which expert it is)
+    at = f" (expert {layer.stack.index})" if layer.stack is not None else ""
+    names = [f"{s.name}{at}" for s in layer.tensor_specs(act_dtype)]
     out = [
         (
-            f"{layer.name}.weight does not unpack to the {what} bytes",
-            _weight_differs(packed[0], fused.weight, layer.n, layer.k, pool),
+            f"{names[0]} does not unpack to the {what} bytes",
+            _weight_differs(packed[0], fused.weight, layer.rows, layer.k, pool),
         ),
         (
-            f"{layer.name}.weight_scale does not unpack to the checkpoint scales",
-            _differs(marlin.unpack_scales(packed[1], layer.n), fused.scale.to(dt)),
+            f"{names[1]} does not unpack to the checkpoint scales",
+            _differs(marlin.unpack_scales(packed[1], layer.rows), fused.scale.to(dt)),
         ),
     ]
     if fused.bias is not None:
         out.append(
             (
-                f"{layer.name}.bias does not unpack to the checkpoint bias",
-                _differs(marlin.unpack_bias(packed[2], layer.n), fused.bias.to(dt)),
+                f"{names[2]} does not unpack to the checkpoint bias",
+                _differs(marlin.unpack_bias(packed[2], layer.rows), fused.bias.to(dt)),
             )
         )
     return out

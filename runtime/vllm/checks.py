@@ -39,12 +39,12 @@ ATTACH_MODES = ("auto", "require", "never")
 EXTRA_KEYS = ("sidecar", "attach", "socket", "check_source")
 #: Where vLLM's Llama-family models keep their decoder layers (mpack.arch owns it).
 DECODER_PREFIX = arch.DECODER_PREFIX
-#: The linears of one decoder layer, as vLLM names them, and vLLM's class for each.
+#: The linears of a decoder layer, by their leaf name, and vLLM's class for each.
 DECODER_LINEARS = {
-    "self_attn.qkv_proj": "QKVParallelLinear",
-    "self_attn.o_proj": "RowParallelLinear",
-    "mlp.gate_up_proj": "MergedColumnParallelLinear",
-    "mlp.down_proj": "RowParallelLinear",
+    "qkv_proj": "QKVParallelLinear",
+    "o_proj": "RowParallelLinear",
+    "gate_up_proj": "MergedColumnParallelLinear",
+    "down_proj": "RowParallelLinear",
 }
 
 
@@ -261,17 +261,21 @@ def check_model_config(manifest: dict[str, Any], engine_dims: dict[str, Any], wh
 
 
 def decoder_linears(
-    num_layers: int, prefix: str = DECODER_PREFIX, moe: bool = False
+    num_layers: int,
+    prefix: str = DECODER_PREFIX,
+    family: arch.Family | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
-    """Every linear of a Llama-family model's decoder layers, by vLLM name -> vLLM class name;
-    ``prefix``: where the model keeps them (:attr:`mpack.arch.Layout.decoder_prefix`); ``moe``:
-    its MLPs are MoE blocks (their experts: runtime/vllm/moe.py), the attention's linears only."""
-    return {
-        f"{prefix}.{i}.{leaf}": cls
-        for i in range(num_layers)
-        for leaf, cls in DECODER_LINEARS.items()
-        if not (moe and leaf.startswith("mlp."))
-    }
+    """Every dense linear of a Llama-family model's decoder layers, by vLLM name -> vLLM class
+    name; ``prefix``: where the model keeps them (:attr:`mpack.arch.Layout.decoder_prefix`).
+    A MoE ``family``'s MLPs are its MoE blocks where its (text) ``config`` puts them
+    (:func:`mpack.arch.mlp_linears`; their experts: runtime/vllm/moe.py)."""
+    out = {}
+    for i in range(num_layers):
+        mlp = arch.mlp_linears(family, config or {}, i)
+        for leaf in ("self_attn.qkv_proj", "self_attn.o_proj", *mlp):
+            out[f"{prefix}.{i}.{leaf}"] = DECODER_LINEARS[leaf.rpartition(".")[2]]
+    return out
 
 
 def check_layers(manifest: dict[str, Any], expected: Iterable[str], where: Path) -> None:

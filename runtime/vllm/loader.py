@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,7 @@ def marlin_layer_names(
     packed: dict[str, Any],
     prefix: str = arch.DECODER_PREFIX,
     family: arch.Family | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> set[str]:
     """The linears vLLM will build with an FP8 scheme (so, under ``--load-format mpack``, on
     Marlin) in a model of ``num_layers`` decoder layers, before it builds them.
@@ -152,19 +153,20 @@ def marlin_layer_names(
     fused-module mapping ``packed`` that vLLM hands it from the model class at build time (Phi-3's
     maps ``qkv_proj`` to itself: its checkpoint stores it fused). An AutoFP8 config
     (``Fp8Config``) quantizes every linear but those its ``ignored_layers`` name, which vLLM's
-    ``is_layer_skipped`` decides. A MoE ``family``'s blocks count with their stacked layers
-    when the config quantizes expert 0's gate, as vLLM's compressed-tensors MoE method asks."""
+    ``is_layer_skipped`` decides. A MoE ``family``'s blocks (where the text ``config`` puts
+    them) count with their stacked layers when the config quantizes expert 0's gate, as vLLM's
+    compressed-tensors MoE method asks."""
     qc = copy.copy(quant_config)
     qc.packed_modules_mapping = {k: list(v) for k, v in packed.items()}
-    experts = family is not None and family.experts is not None
+    config = config or {}
     if not hasattr(qc, "get_scheme_dict"):
-        return _fp8_layer_names(qc, num_layers, prefix, family)
+        return _fp8_layer_names(qc, num_layers, prefix, family, config)
     names = set()
-    for name, gate in moe.block_layers(family, num_layers, prefix).items() if experts else ():
+    for name, gate in moe.block_layers(family, num_layers, prefix, config).items():
         scheme = qc.get_scheme_dict(type("Linear", (), {})(), gate)
         if scheme and scheme.get("weights") is not None:
             names.add(name)
-    for name, cls_name in decoder_linears(num_layers, prefix, experts).items():
+    for name, cls_name in decoder_linears(num_layers, prefix, family, config).items():
         stand_in = type(cls_name, (), {})()
         try:
             scheme = qc.get_scheme_dict(stand_in, name)
@@ -176,16 +178,15 @@ def marlin_layer_names(
 
 
 def _fp8_layer_names(
-    qc: Any, num_layers: int, prefix: str = arch.DECODER_PREFIX, family: arch.Family | None = None
+    qc: Any, num_layers: int, prefix: str, family: arch.Family | None, config: Mapping[str, Any]
 ) -> set[str]:
     """:func:`marlin_layer_names` of an AutoFP8 model (vLLM's ``Fp8Config.get_quant_method``:
     a MoE block's experts are skipped when ``ignored_layers`` names ``<block>.experts``)."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-    experts = family is not None and family.experts is not None
     names = {
         name
-        for name in (moe.block_layers(family, num_layers, prefix) if experts else {})
+        for name in moe.block_layers(family, num_layers, prefix, config)
         if not is_layer_skipped(
             prefix=name.rsplit(".", 2)[0],  # <block>.experts
             ignored_layers=qc.ignored_layers,
@@ -193,7 +194,7 @@ def _fp8_layer_names(
             match_mode=qc.ignored_layers_match_mode,
         )
     }
-    for name in decoder_linears(num_layers, prefix, experts):
+    for name in decoder_linears(num_layers, prefix, family, config):
         try:
             skipped = is_layer_skipped(
                 prefix=name,
@@ -316,6 +317,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         _packed_modules(model_config),
         lay.decoder_prefix,
         lay.family,
+        model_config.hf_config.get_text_config().to_dict(),
     )
     check_layers(manifest, expected, sidecar)
     experts = any("experts" in ly for ly in manifest["layers"].values())
@@ -527,14 +529,15 @@ def _swap_in(
     modules = dict(model.named_modules())
     want = scheme_class(quant_method, manifest["target"]["profile"])
     dense = {n: ly for n, ly in manifest["layers"].items() if "experts" not in ly}
-    _check_same_layers(modules, dense, sidecar)
+    # a MoE block's two stacked layers fill one module (runtime/vllm/moe.py)
+    owners = {n.rpartition(".")[0] for n in manifest["layers"] if n not in dense}
+    _check_same_layers(modules, set(dense) | owners, sidecar)
     held: dict[str, nn.Module] = {}
     for name, ly in manifest["layers"].items():
-        if "experts" in ly:
+        if name not in dense:
             owner = moe.experts_module(modules, name, quant_method, sidecar)
             moe.swap_in(owner, name, ly, weights, sidecar)
             held[name.rpartition(".")[0]] = owner
-    _check_all_experts(modules, held, sidecar)
     for name, ly in dense.items():
         layer = modules[name]
         scheme, kernel = _scheme_kernel(layer)
@@ -570,27 +573,11 @@ def _swap_in(
     return {**{name: modules[name] for name in dense}, **held}
 
 
-def _check_all_experts(
-    modules: dict[str, nn.Module], held: dict[str, nn.Module], sidecar: Path
-) -> None:
-    """Every MoE block vLLM built with an FP8 method gets the sidecar's experts (vLLM would
-    repack uninitialised memory), and each gets both of its stacked layers."""
-    built = sorted((n for n, m in modules.items() if moe.is_fp8_moe(m)), key=arch.natural_key)
-    uncovered = [n for n in built if n not in held]
-    if uncovered:
-        raise EngineMismatchError(
-            f"{sidecar}: the sidecar has no experts for {first_and_more(uncovered)}, which this "
-            "model runs on FP8 Marlin MoE",
-            hint=OTHER_MODEL_HINT,
-        )
-
-
-def _check_same_layers(
-    modules: dict[str, nn.Module], layers: dict[str, Any], sidecar: Path
-) -> None:
+def _check_same_layers(modules: dict[str, nn.Module], layers: set[str], sidecar: Path) -> None:
     """Refuse a model (its ``modules`` by name) whose FP8 layers are not the sidecar's
-    ``layers``: one of them missing from the model, or a layer with a quantization scheme that
-    the sidecar has no weights for."""
+    ``layers`` (the modules its layers fill: a dense layer's own, a MoE block's experts'): one
+    of them missing from the model, or a layer with a quantization scheme (or an FP8 MoE
+    method) that the sidecar has no weights for."""
     missing = sorted((n for n in layers if n not in modules), key=arch.natural_key)
     if missing:
         raise EngineMismatchError(
@@ -601,7 +588,11 @@ def _check_same_layers(
     # Every layer vLLM built with a quantization scheme runs on Marlin (force_marlin) and must
     # get the sidecar's weights: vLLM would otherwise repack uninitialised memory.
     uncovered = sorted(
-        (n for n, m in modules.items() if _scheme_kernel(m)[0] is not None and n not in layers),
+        (
+            n
+            for n, m in modules.items()
+            if (_scheme_kernel(m)[0] is not None or moe.is_fp8_moe(m)) and n not in layers
+        ),
         key=arch.natural_key,
     )
     if uncovered:

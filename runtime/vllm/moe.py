@@ -17,6 +17,7 @@ Covered: compressed-tensors FP8 MoE (``CompressedTensorsW8A8Fp8MoEMethod``) and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,19 @@ MOE_METHODS = {"compressed-tensors": "CompressedTensorsW8A8Fp8MoEMethod", "fp8":
 LEAVES = ("weight", "weight_scale")
 
 
-def block_layers(family: arch.Family, num_layers: int, prefix: str) -> dict[str, str]:
-    """The stacked layers of every decoder layer's MoE block, by name -> the checkpoint module
-    of expert 0's gate (to ask the quantization config about); empty for a dense family."""
-    ex = family.experts
+def block_layers(
+    family: arch.Family | None, num_layers: int, prefix: str, config: Mapping[str, Any]
+) -> dict[str, str]:
+    """The stacked layers of every MoE block (in the decoder layers the (text) ``config`` puts
+    them), by name -> the checkpoint module of expert 0's gate (to ask the quantization config
+    about); empty for a dense family."""
+    ex = family.experts if family is not None else None
     if ex is None:
         return {}
     out = {}
     for i in range(num_layers):
+        if not ex.is_moe_layer(config, i):
+            continue
         block = f"{prefix}.{i}.{ex.block}"
         for p in arch.EXPERTS_PARAMS:
             out[f"{block}.experts.{p}"] = ex.module(block, 0, 0)

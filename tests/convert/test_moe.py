@@ -80,6 +80,14 @@ def _quantize_router(ck: Path) -> None:
     )
 
 
+def _remake(**sizes: Any):
+    def remake(ck: Path) -> None:
+        shutil.rmtree(ck)
+        make_moe_checkpoint(ck, arch="mixtral", **sizes)
+
+    return remake
+
+
 def _config(**values: Any):
     return lambda ck: edit_config(ck, lambda c: c.update(values))
 
@@ -110,14 +118,10 @@ BAD = {
         (),
         ("expert 3, but config.json says num_local_experts=3", "different models"),
     ),
-    "intermediate-not-a-tile-per-rank": (
-        lambda ck: None,
-        ("--tp", "4"),
-        (
-            "intermediate_size=128 at --tp 4 is 32 per rank",
-            "mpack does not yet",
-            "multiple of 64",
-        ),  # fmt: skip
+    "hidden-not-a-tile": (
+        _remake(hidden=96, heads=2, kv_heads=1, moe_intermediate=64),
+        (),
+        ("hidden_size 96 is not a multiple of 64", "its limit, not mpack's", "--moe-backend"),
     ),
 }
 
@@ -129,3 +133,70 @@ def test_bad_moe_checkpoint_is_refused(ck: Path, tmp_path: Path, case: str) -> N
     out = tmp_path / "sc"
     r = cli("convert", ck, "-o", out, *args)
     assert_refused(r, out, *expect)
+
+
+def test_verify_names_the_expert_whose_bytes_differ(ck: Path, tmp_path: Path) -> None:
+    """A changed byte in expert 2's slice of a stacked tensor, the manifest's digests made to
+    match: verify reports the stacked tensor once and reads back that expert's slice alone."""
+    from mpack.iokit import chunk_digests
+    from mpack.sidecar import load_manifest, read_file_map, write_manifest
+    from mpack.verify import verify
+
+    out = tmp_path / "sc"
+    r = cli("convert", ck, "-o", out, "--quiet")
+    assert r.returncode == 0, explain(r)
+    rank = "rank-00-of-01.safetensors"
+    w13 = f"{B}.experts.routed_experts.w13_weight"
+    e = read_file_map(out / rank).entry(w13)
+    data = bytearray((out / rank).read_bytes())
+    data[e.offset + e.nbytes // 4 * 2 + 100] ^= 0x40  # inside expert 2 of 4
+    (out / rank).write_bytes(data)
+    m, _ = load_manifest(out)
+    (entry,) = [f for f in m["files"] if f["name"] == rank]
+    entry["chunks"]["sha256"] = chunk_digests(out / rank, entry["chunks"]["bytes"])
+    write_manifest(out, m)
+    report = verify(out, source=ck)
+    assert report.problems == [
+        f"{rank}: {w13} differs from the tensor re-derived from the source",
+        f"{rank}: {w13} (expert 2) does not unpack to the requantized bytes",
+    ]
+
+
+def test_intermediate_is_padded_per_shard_as_vllm_pads_it(tmp_path: Path) -> None:
+    """128 at --tp 4 is 32 per rank, which vLLM pads to 64 (marlin_moe_padded_intermediate):
+    w13 holds [gate 32 | 0 | up 32 | 0] with scales 0 on the zero rows, w2 32 columns then
+    zeros. Per-channel scales, so the bytes are the checkpoint's (no requantization). (That
+    these are vLLM's bytes is tests/vllm/test_vllm_moe.py's, padded cases.)"""
+    from safetensors import safe_open
+
+    from mpack.convert import marlin
+
+    ck = make_moe_checkpoint(tmp_path / "ck", arch="mixtral", scheme="FP8_DYNAMIC")
+    out = tmp_path / "sc"
+    r = cli("convert", ck, "-o", out, "--tp", "4", "--quiet")
+    assert r.returncode == 0, explain(r)
+    layers = manifest(out)["layers"]
+    w13, w2 = (layers[f"{B}.experts.routed_experts.{p}"] for p in ("w13", "w2"))
+    assert (w13["n"], w13["np"], [s.get("pad") for s in w13["shards"]]) == (64, 128, [32, 32])
+    assert (w2["k"], w2["kp"]) == (32, 64)
+    rank, e = 1, 3
+    with safe_open(str(out / f"rank-{rank:02d}-of-04.safetensors"), "pt") as f:
+        w13_w, w13_s, w2_w = (
+            f.get_tensor(f"{B}.experts.routed_experts.{t}")[e]
+            for t in ("w13_weight", "w13_weight_scale", "w2_weight")
+        )
+    rows = marlin.unpack_weight(w13_w, 128, 256)
+    mine = slice(32 * rank, 32 * (rank + 1))
+    gate, up = (
+        read_tensor(ck, f"{B}.experts.{e}.{m}.weight").view(torch.uint8) for m in ("w1", "w3")
+    )
+    assert torch.equal(rows[:32], gate[mine]) and torch.equal(rows[64:96], up[mine])
+    assert not rows[32:64].any() and not rows[96:].any()
+    scales = marlin.unpack_scales(w13_s, 128)
+    assert (scales[:32] != 0).all() and (scales[64:96] != 0).all()
+    assert not scales[32:64].any() and not scales[96:].any()
+    cols = marlin.unpack_weight(w2_w, 256, 64)
+    down = read_tensor(ck, f"{B}.experts.{e}.w2.weight").view(torch.uint8)
+    assert torch.equal(cols[:, :32], down[:, mine]) and not cols[:, 32:].any()
+    r = cli("verify", out, "--source", ck)
+    assert r.returncode == 0, explain(r)

@@ -237,13 +237,10 @@ def _multimodal_site() -> None:
     site = Path(sys.prefix) / MM_SITE
     if not site.is_dir():
         return  # an interpreter with its own torchvision (the GPU machine's), or none
-    for so in (site / "torchvision").glob("_C*.so"):
-        try:
-            torch.ops.load_library(str(so))
-            break  # its own ops load: nothing to declare
-        except OSError:  # the CUDA build on the CPU torch
-            lib = torch.library.Library("torchvision", "DEF")
-            for schema in _TORCHVISION_SCHEMAS:
-                lib.define(schema)
-            _TV_LIB = lib
+    try:
+        torch.ops.load_library(str(site / "torchvision" / "_C.so"))  # its own ops: nothing to do
+    except OSError:  # the CUDA build on the CPU torch (or none)
+        _TV_LIB = torch.library.Library("torchvision", "DEF")
+        for schema in _TORCHVISION_SCHEMAS:
+            _TV_LIB.define(schema)
     sys.path.insert(0, str(site))

@@ -1,7 +1,7 @@
 """MoE experts (issue 39): the sidecar's stacked expert tensors against vLLM 0.33.0's own load.
 
-Tiny Mixtral and Qwen3-MoE checkpoints (``python -m mpack.fixtures_moe``, the Hub's per-expert
-compressed-tensors form) are converted by the main venv's CLI, then loaded by vLLM's real
+Tiny Mixtral, Qwen3-MoE and Qwen2-MoE checkpoints (``python -m mpack.fixtures_moe``, the Hub's
+per-expert compressed-tensors form) are converted by the main venv's CLI, then loaded by vLLM's real
 classes with ``DefaultModelLoader`` and the Marlin MoE backend (``moe_backend="marlin"``), one
 worker per TP rank (tests/vllm/vllm_worker.py, with the CPU stand-ins: vLLM's own
 ``prepare_fp8_moe_layer_for_marlin`` and ``prepare_fp8_layer_for_marlin`` run). Every tensor of
@@ -43,10 +43,13 @@ class Case:
     profile: str  # the dense layers' (the experts' layout is the same for both)
     dtype: str
     tp: int
+    inter: int = 256  # the experts' intermediate size
 
 
 #: Both families, both scale strategies (w13's two per-tensor scales requantized to one), both
-#: dtypes and profiles, TP 1, 2 and 4 (256 intermediate: 64 per rank at TP 4, no padding).
+#: dtypes and profiles, TP 1, 2 and 4 (256 intermediate: 64 per rank at TP 4, no padding); and
+#: intermediate sizes vLLM pads per rank to a multiple of 64 (marlin_moe_padded_intermediate):
+#: 96 -> 128, as Qwen3-30B-A3B's 768 at TP 8, and 160 -> 192.
 CASES = [
     Case("mixtral-tensor-w8a16-bf16-tp1", "mixtral", "FP8", "w8a16", "bfloat16", 1),
     Case("mixtral-channel-w8a8-fp16-tp2", "mixtral", "FP8_DYNAMIC", "w8a8-marlin", "float16", 2),
@@ -54,12 +57,29 @@ CASES = [
     Case("qwen3_moe-channel-w8a16-fp16-tp4", "qwen3_moe", "FP8_DYNAMIC", "w8a16", "float16", 4),
     # as Mixtral-8x7B-Instruct-v0.1-FP8: Fp8MoEMethod, whose Marlin path is weight-only too
     Case("mixtral-autofp8-w8a16-bf16-tp2", "mixtral", "AUTOFP8", "w8a16", "bfloat16", 2),
+    Case("qwen3_moe-tensor-pad96-w8a16-bf16-tp2", "qwen3_moe", "FP8", "w8a16", "bfloat16", 2, 192),
+    Case(
+        "mixtral-channel-pad160-w8a8-fp16-tp1",
+        "mixtral",
+        "FP8_DYNAMIC",
+        "w8a8-marlin",
+        "float16",
+        1,
+        160,
+    ),
+    # Qwen2-MoE: a shared expert (dense Marlin linears, 2x the experts' intermediate size), its
+    # bf16 gate, q/k/v biases; padded experts at TP 2; AutoFP8, as Qwen2-57B-A14B-Instruct-FP8
+    Case("qwen2_moe-tensor-pad96-w8a16-bf16-tp2", "qwen2_moe", "FP8", "w8a16", "bfloat16", 2, 192),
+    Case(
+        "qwen2_moe-channel-w8a8-fp16-tp1", "qwen2_moe", "FP8_DYNAMIC", "w8a8-marlin", "float16", 1
+    ),
+    Case("qwen2_moe-autofp8-w8a16-bf16-tp4", "qwen2_moe", "AUTOFP8", "w8a16", "bfloat16", 4),
 ]
 CASE_IDS = [c.name for c in CASES]
 
 
 def ckpt_name(c: Case) -> str:
-    return f"ck-{c.arch}-{c.scheme}-{c.dtype}"
+    return f"ck-{c.arch}-{c.scheme}-{c.dtype}-{c.inter}"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +94,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--scheme", c.scheme]  # fmt: skip
         run_cli(
             ["mpack.fixtures_moe", str(work / name), "--arch", c.arch, *scheme,
-             "--dtype", c.dtype, "--moe-intermediate", "256"],
+             "--dtype", c.dtype, "--moe-intermediate", str(c.inter)],
             work,
         )  # fmt: skip
 
