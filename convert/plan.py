@@ -43,10 +43,23 @@ class Piece:
     rows: tuple[int, int]
     cols: tuple[int, int]
     pad: int = 0
+    #: Heads of this many rows, each in vLLM's rotary order (its even rows, then its odd ones:
+    #: Llama 4's q and k, :attr:`mpack.arch.Family.rotary_permuted`); 0: the rows in order.
+    head: int = 0
 
     @property
     def width(self) -> int:
         return self.rows[1] - self.rows[0]
+
+    @property
+    def take(self) -> slice | list[int]:
+        """The module's rows of the piece, in the order the layer holds them: an index for
+        its weight (torch or numpy) and its per-channel scales or bias."""
+        r0, r1 = self.rows
+        if not self.head:
+            return slice(r0, r1)
+        h = self.head
+        return [h0 + j for h0 in range(r0, r1, h) for j in (*range(0, h, 2), *range(1, h, 2))]
 
 
 @dataclass(frozen=True)
@@ -354,10 +367,18 @@ def _slices(
         # The checkpoint's name of the linear: vLLM's, unless a wrapper maps it (Layout).
         ck_name = arch.fused_name(members[0])
         assert ck_name is not None, "_group_vllm grouped it"
+        leaf = name.rpartition(".")[2]
         parts = zip(
-            arch.part_modules(ck_name, fam), rows, arch.part_offsets(fam, dims, name), strict=True
+            arch.part_modules(ck_name, fam),
+            arch.FUSED[leaf],
+            rows,
+            arch.part_offsets(fam, dims, name),
+            strict=True,
         )
-        return [Piece(m, (r0 + at, r1 + at), (0, L[m].k)) for m, (r0, r1), at in parts], style
+        return [
+            Piece(m, (r0 + at, r1 + at), (0, L[m].k), head=arch.rotary_head(fam, dims, part))
+            for m, part, (r0, r1), at in parts
+        ], style
     (m,) = members
     per = L[m].k // tp
     return [Piece(m, (0, L[m].n), (rank * per, (rank + 1) * per))], style

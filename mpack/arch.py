@@ -33,10 +33,14 @@ class Experts:
     #: Qwen3-MoE's ``num_experts`` as ``num_local_experts``) and of one expert's intermediate size.
     count_keys: tuple[str, ...]
     intermediate_key: str
-    #: A shared expert beside the routed ones (Qwen2-MoE's): ``(its module under the block,
-    #: config.json's key of its intermediate size)``. It is a dense MLP (``gate_up_proj``,
-    #: ``down_proj``) packed as the Llama layout's; its gate is a pass-through tensor.
+    #: A shared expert beside the routed ones (Qwen2-MoE's, Llama 4's): ``(its module under the
+    #: block, config.json's key of its intermediate size)``. It is a dense MLP
+    #: (``gate_up_proj``, ``down_proj``) packed as the Llama layout's; a gate it has (Qwen2-MoE's
+    #: ``shared_expert_gate``) is a pass-through tensor.
     shared: tuple[str, str] | None = None
+    #: config.json's key of the MoE block's period: every ``n``-th decoder layer has one
+    #: (Qwen2/3-MoE's ``decoder_sparse_step``, Llama 4's ``interleave_moe_layer_step``; 0: none).
+    step_key: str = "decoder_sparse_step"
 
     def expert_of(self, module: str) -> tuple[str, int, int] | None:
         """``(the MoE block's name, expert index, which linear: 0 gate, 1 up, 2 down)`` of a
@@ -48,10 +52,12 @@ class Experts:
 
     def is_moe_layer(self, config: Mapping[str, Any], i: int) -> bool:
         """Whether decoder layer ``i`` has a MoE block, by vLLM's rule (qwen2_moe.py,
-        qwen3_moe.py): not in ``mlp_only_layers``, and every ``decoder_sparse_step``-th (a
+        qwen3_moe.py, llama4.py): not in ``mlp_only_layers``, and every :attr:`step_key`-th (a
         config without them, Mixtral's: every layer); the others have Llama's MLP."""
-        step = int(config.get("decoder_sparse_step") or 1)
-        return i not in (config.get("mlp_only_layers") or ()) and (i + 1) % step == 0
+        step = config.get(self.step_key)
+        step = 1 if step is None else int(step)
+        only = config.get("mlp_only_layers") or ()
+        return step > 0 and i not in only and (i + 1) % step == 0
 
     def shared_size(self, config: Mapping[str, Any]) -> int:
         """The shared expert's intermediate size; 0: none."""
@@ -62,8 +68,9 @@ class Experts:
         return f"{block}.experts.{expert}.{self.linears[linear]}"
 
 
-#: ``model.layers.<i>.<block>.experts.<e>.<linear>``
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.)(\w+)\.experts\.(\d+)\.(\w+)$")
+#: ``model.layers.<i>.<block>.experts.<e>.<linear>``, under a wrapper's prefix (Llama 4's
+#: ``language_model.``) or none
+_EXPERT = re.compile(r"^((?:\w+\.)*?model\.layers\.\d+\.)(\w+)\.experts\.(\d+)\.(\w+)$")
 #: The stacked parameters vLLM gives a MoE block's experts, under ``<block>.experts.``: gate and
 #: up together, and down.
 EXPERTS_PARAMS = ("routed_experts.w13", "routed_experts.w2")
@@ -84,6 +91,15 @@ class Family:
     reads_head_dim: bool = True
     #: Its mixture-of-experts blocks (None: a dense model). The attention is Llama's.
     experts: Experts | None = None
+    #: The module of a decoder layer's MLP (Llama 4's ``feed_forward``) and config.json's key of
+    #: a dense MLP's intermediate size (Llama 4's ``intermediate_size_mlp``: its
+    #: ``intermediate_size`` is an expert's).
+    mlp: str = "mlp"
+    intermediate_key: str = "intermediate_size"
+    #: vLLM reorders the rows of ``q_proj`` and ``k_proj`` (and their per-channel scales) within
+    #: each head as it loads them, for its rotary embedding: a head's even rows, then its odd
+    #: ones (Llama 4: ``Llama4ForCausalLM.permute_qk_weight_for_rotary``).
+    rotary_permuted: bool = False
 
 
 #: Every family whose fusion and TP rules mpack knows, by name. A new one is an entry here (and,
@@ -124,6 +140,23 @@ FAMILIES: dict[str, Family] = {
             "moe_intermediate_size",
             shared=("shared_expert", "shared_expert_intermediate_size"),
         ),
+    ),
+    # llama4.py (inside mllama4.py's wrapper): a MoE block (`feed_forward`: a router built
+    # without a quant config, 16 or 128 experts and a shared expert of the experts' size) in
+    # every interleave_moe_layer_step-th layer, a dense MLP of intermediate_size_mlp elsewhere.
+    "llama4": Family(
+        ("Llama4ForCausalLM",),
+        experts=Experts(
+            "feed_forward",
+            ("gate_proj", "up_proj", "down_proj"),
+            ("num_local_experts",),
+            "intermediate_size",
+            shared=("shared_expert", "intermediate_size"),
+            step_key="interleave_moe_layer_step",
+        ),
+        mlp="feed_forward",
+        intermediate_key="intermediate_size_mlp",
+        rotary_permuted=True,
     ),
     # qwen3_moe.py: q/k norms pass through, as Qwen3's.
     "qwen3_moe": Family(
@@ -225,6 +258,24 @@ WRAPPERS: dict[str, Wrapper] = {
             ("visual.", VISION_TOWER),
         ),
         text_architecture="Qwen2ForCausalLM",
+    ),
+    # mllama4.py: the Hub's names are vLLM's (its load_weights renames only ModelOpt's
+    # ``model.*`` / ``lm_head.*``); the language model is Llama4ForCausalLM.
+    "llama4": Wrapper(
+        ("Llama4ForConditionalGeneration",),
+        (
+            ("language_model.", "language_model."),
+            ("vision_model.", "vision_model."),
+            ("multi_modal_projector.", "multi_modal_projector."),
+            ("model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+        ),
+        (
+            (TEXT_MODEL_PREFIX, LANGUAGE_MODEL),
+            ("vision_model.", VISION_TOWER),
+            ("multi_modal_projector.", PROJECTOR),
+        ),
+        text_architecture="Llama4ForCausalLM",
     ),
     # gemma3_mm.py:515-523, 565-570.
     "gemma3": Wrapper(
@@ -376,6 +427,12 @@ def part_offsets(family: Family, dims: Dims, name: str) -> list[int]:
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
+def rotary_head(family: Family, dims: Dims, part: str) -> int:
+    """The rows of a head whose rows vLLM reorders for its rotary embedding in part ``part``
+    (:attr:`Family.rotary_permuted`); 0: none."""
+    return dims.head_dim if family.rotary_permuted and part in ("q_proj", "k_proj") else 0
+
+
 def parallel_style(name: str) -> str:
     """``column`` | ``row`` for a vLLM linear of the Llama family."""
     return "row" if name.rpartition(".")[2] in ROW_PARALLEL else "column"
@@ -429,9 +486,9 @@ def dims_of(architecture: str | None, config: Mapping[str, Any]) -> Dims:
     """
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
-    inter = int(config["intermediate_size"])
-    head_dim = hidden // heads
     family = family_of(architecture)
+    inter = int(config[family.intermediate_key if family is not None else "intermediate_size"])
+    head_dim = hidden // heads
     if (family is None or family.reads_head_dim) and config.get("head_dim"):
         head_dim = int(config["head_dim"])
     ex = family.experts if family is not None else None
@@ -447,7 +504,8 @@ def mlp_linears(family: Family | None, config: Mapping[str, Any], i: int) -> lis
     stacked layers), its shared expert's, or none."""
     ex = family.experts if family is not None else None
     if ex is None or not ex.is_moe_layer(config, i):
-        return [f"mlp.{leaf}" for leaf in MLP_LINEARS]
+        mlp = family.mlp if family is not None else "mlp"
+        return [f"{mlp}.{leaf}" for leaf in MLP_LINEARS]
     if not ex.shared_size(config):
         return []
     assert ex.shared is not None

@@ -8,8 +8,10 @@ writes it. The config is transformers' own config class's. Weights are drawn fro
 quantized here: per tensor (scale ``amax / 448``, ``[1]``) or per output channel (``[N, 1]``).
 
 Families (:data:`MOE_ARCHS`): Mixtral (``block_sparse_moe``, experts ``w1`` / ``w3`` / ``w2``),
-Qwen3-MoE (``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj``, q/k norms) and Qwen2-MoE
-(as Qwen3-MoE's, with q/k/v biases, and a shared expert with its gate). The routers and the
+Qwen3-MoE (``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj``, q/k norms), Qwen2-MoE
+(as Qwen3-MoE's, with q/k/v biases, and a shared expert with its gate) and Llama 4 (the
+multimodal wrapper: ``feed_forward`` blocks in every second layer with a shared expert and a
+``router``, dense MLPs between, a tiny vision tower). The routers and the
 shared expert's gate stay in the model dtype (their ``ignore`` entries), as in the Hub's
 checkpoints.
 """
@@ -39,14 +41,16 @@ class MoeArch:
     intermediate_key: str  # config.json's per-expert intermediate size
     qk_norm: bool = False
     qkv_bias: bool = False
-    #: a shared expert (an FP8 dense MLP, twice an expert's intermediate size) and its gate
-    #: (``[1, hidden]``, the model dtype), as Qwen2-MoE's
-    shared: bool = False
-
-    @property
-    def gates(self) -> tuple[str, ...]:
-        """The block's unquantized linears: the router, and the shared expert's gate."""
-        return ("gate", "shared_expert_gate") if self.shared else ("gate",)
+    #: the block's unquantized linears, in the model dtype: the router (``[experts, hidden]``),
+    #: then Qwen2-MoE's shared expert's gate (``shared_expert_gate``, ``[1, hidden]``)
+    gates: tuple[str, ...] = ("gate",)
+    #: a shared expert, an FP8 dense MLP of this many times an expert's intermediate size
+    #: (0: none)
+    shared: int = 0
+    #: Llama 4's: a multimodal wrapper (the language model under ``language_model.``, a tiny
+    #: vision tower and projector in the model dtype), every second decoder layer a MoE block
+    #: (``interleave_moe_layer_step`` 2) and the others a dense FP8 MLP under ``block``
+    llama4: bool = False
 
 
 MOE_ARCHS: dict[str, MoeArch] = {
@@ -66,7 +70,19 @@ MOE_ARCHS: dict[str, MoeArch] = {
         "num_experts",
         "moe_intermediate_size",
         qkv_bias=True,
-        shared=True,
+        gates=("gate", "shared_expert_gate"),
+        shared=2,
+    ),
+    "llama4": MoeArch(
+        "Llama4TextConfig",
+        "Llama4ForConditionalGeneration",
+        "feed_forward",
+        ("gate_proj", "up_proj", "down_proj"),
+        "num_local_experts",
+        "intermediate_size",
+        gates=("router",),
+        shared=1,
+        llama4=True,
     ),
     "qwen3_moe": MoeArch(
         "Qwen3MoeConfig",
@@ -117,10 +133,13 @@ def make_moe_checkpoint(
         raise ValueError("an AutoFP8 checkpoint has per-tensor scales: scheme FP8")
     a = MOE_ARCHS[arch]
     head_dim = hidden // heads
-    sizes = {"intermediate_size": 4 * moe_intermediate}  # Qwen3-MoE's dense MLPs (none here)
+    dense = 4 * moe_intermediate  # a dense MLP's intermediate size (Qwen3-MoE's: none here)
+    sizes = {"intermediate_size": dense}
     sizes.update({a.experts_key: experts, a.intermediate_key: moe_intermediate})
-    if a.shared:
-        sizes["shared_expert_intermediate_size"] = 2 * moe_intermediate
+    if a.shared and not a.llama4:
+        sizes["shared_expert_intermediate_size"] = a.shared * moe_intermediate
+    if a.llama4:  # its dense MLPs' size; MoE blocks in every second layer; no top-2
+        sizes.update(intermediate_size_mlp=dense, interleave_moe_layer_step=2)
     config = getattr(transformers, a.config_class)(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -133,9 +152,10 @@ def make_moe_checkpoint(
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        num_experts_per_tok=2,
+        num_experts_per_tok=1 if a.llama4 else 2,
         **sizes,
     )
+    lm = "language_model." if a.llama4 else ""  # where the checkpoint keeps the language model
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -163,12 +183,19 @@ def make_moe_checkpoint(
         if scheme == "FP8":  # a calibrated static input scale
             tensors[f"{module}.input_scale"] = act.clone()
 
-    plain("model.embed_tokens.weight", (vocab, hidden))
-    plain("model.norm.weight", (hidden,), norm=True)
-    plain("lm_head.weight", (vocab, hidden))
+    plain(f"{lm}model.embed_tokens.weight", (vocab, hidden))
+    plain(f"{lm}model.norm.weight", (hidden,), norm=True)
+    plain(f"{lm}lm_head.weight", (vocab, hidden))
     q, kv = heads * head_dim, kv_heads * head_dim
+
+    def mlp(x: str, size: int) -> None:  # a dense FP8 MLP under module x
+        gate_up_in = input_scale()
+        fp8(f"{x}.{a.linears[0]}", size, hidden, gate_up_in)
+        fp8(f"{x}.{a.linears[1]}", size, hidden, gate_up_in)
+        fp8(f"{x}.{a.linears[2]}", hidden, size, input_scale())
+
     for i in range(layers):
-        p = f"model.layers.{i}"
+        p = f"{lm}model.layers.{i}"
         plain(f"{p}.input_layernorm.weight", (hidden,), norm=True)
         plain(f"{p}.post_attention_layernorm.weight", (hidden,), norm=True)
         qkv_in = input_scale()
@@ -180,15 +207,16 @@ def make_moe_checkpoint(
         if a.qk_norm:
             plain(f"{p}.self_attn.q_norm.weight", (head_dim,), norm=True)
             plain(f"{p}.self_attn.k_norm.weight", (head_dim,), norm=True)
-        plain(f"{p}.{a.block}.gate.weight", (experts, hidden))  # the router
         gate, up, down = a.linears
+        if a.llama4 and i % 2 == 0:  # interleave_moe_layer_step 2: a dense layer
+            mlp(f"{p}.{a.block}", dense)
+            continue
+        router, *shared_gate = a.gates  # Qwen2-MoE's shared expert has a gate
+        plain(f"{p}.{a.block}.{router}.weight", (experts, hidden))
         if a.shared:
-            x, shared = f"{p}.{a.block}.shared_expert", 2 * moe_intermediate
-            gate_up_in = input_scale()
-            fp8(f"{x}.{gate}", shared, hidden, gate_up_in)
-            fp8(f"{x}.{up}", shared, hidden, gate_up_in)
-            fp8(f"{x}.{down}", hidden, shared, input_scale())
-            plain(f"{p}.{a.block}.shared_expert_gate.weight", (1, hidden))
+            mlp(f"{p}.{a.block}.shared_expert", a.shared * moe_intermediate)
+        for g in shared_gate:
+            plain(f"{p}.{a.block}.{g}.weight", (1, hidden))
         for e in range(experts):
             x = f"{p}.{a.block}.experts.{e}"
             gate_up_in = input_scale()
@@ -196,6 +224,8 @@ def make_moe_checkpoint(
             fp8(f"{x}.{up}", moe_intermediate, hidden, gate_up_in)
             fp8(f"{x}.{down}", hidden, moe_intermediate, input_scale())
 
+    if a.llama4:
+        tensors.update(_llama4_vision(config, dt, seed))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -206,16 +236,61 @@ def make_moe_checkpoint(
     if a.experts_key not in cfg:  # the Hub's name (transformers 5 writes its own)
         cfg[a.experts_key] = cfg.pop("num_local_experts")
     cfg.pop("torch_dtype", None)
+    if a.llama4:  # the wrapper's config around the text config
+        cfg = _llama4_config(cfg, dtype)
     if autofp8:
-        routers = [f"model.layers.{i}.{a.block}.{g}" for i in range(layers) for g in a.gates]
+        routers = [f"{lm}model.layers.{i}.{a.block}.{g}" for i in range(layers) for g in a.gates]
+        routers += ["re:vision_model.*", "re:multi_modal_projector.*"] if a.llama4 else []
         cfg["quantization_config"] = {
             "quant_method": "fp8",
             "activation_scheme": autofp8,
-            "ignored_layers": ["lm_head", *routers],
+            "ignored_layers": [f"{lm}lm_head", *routers],
         }
     else:
         cfg["quantization_config"] = _quantization_config(scheme, a)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+#: Llama 4's tiny vision tower (Llama4VisionConfig's arguments).
+_LLAMA4_VISION = dict(
+    hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+    image_size=56, patch_size=14, vision_output_dim=64, projector_input_dim=64,
+    projector_output_dim=64,
+)  # fmt: skip
+
+
+def _llama4_config(text: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """Llama4ForConditionalGeneration's config.json around the text config ``text``."""
+    import transformers
+
+    vision = transformers.Llama4VisionConfig(**_LLAMA4_VISION).to_dict()
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    cfg = transformers.Llama4Config(vision_config=vision, text_config=text).to_dict()
+    cfg.update(architectures=["Llama4ForConditionalGeneration"], dtype=dtype)
+    cfg.pop("torch_dtype", None)
+    return cfg
+
+
+def _llama4_vision(text: Any, dt: Any, seed: int) -> dict[str, Any]:
+    """Llama 4's vision tower and projector (``vision_model.*``, ``multi_modal_projector.*``,
+    the Hub's names), built by transformers from seed ``seed`` in dtype ``dt``."""
+    import torch
+    import transformers
+    from transformers.models.llama4 import modeling_llama4
+
+    vision = transformers.Llama4VisionConfig(**_LLAMA4_VISION)
+    torch.manual_seed(seed)
+    out = {}
+    parts = {
+        "vision_model.": transformers.Llama4VisionModel(vision),
+        "multi_modal_projector.": modeling_llama4.Llama4MultiModalProjector(
+            transformers.Llama4Config(vision_config=vision.to_dict(), text_config=text.to_dict())
+        ),
+    }
+    for prefix, module in parts.items():
+        for name, t in module.state_dict().items():
+            out[prefix + name] = t.to(dt).contiguous()
     return out
 
 
@@ -243,7 +318,11 @@ def _quantization_config(scheme: str, a: MoeArch) -> dict[str, Any]:
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
         },
-        "ignore": ["lm_head", *(f"re:.*{a.block}.{g}$" for g in a.gates)],
+        "ignore": [
+            "re:.*lm_head" if a.llama4 else "lm_head",
+            *(f"re:.*{a.block}.{g}$" for g in a.gates),
+            *(["re:vision_model.*", "re:multi_modal_projector.*"] if a.llama4 else []),
+        ],
     }
 
 

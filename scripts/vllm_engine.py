@@ -106,7 +106,10 @@ MOE_CASES = (
     ("qwen2_moe", "FP8", "bfloat16", 160),
     ("qwen2_moe", "AUTOFP8", "bfloat16"),  # as Qwen2-57B-A14B-Instruct-FP8
     ("qwen3_moe", "FP8_DYNAMIC", "bfloat16", 96),  # as one TP-8 rank of Qwen3-30B-A3B: 96 -> 128
+    ("llama4", "FP8", "bfloat16"),  # Llama4ForConditionalGeneration, text-only engines
 )
+#: The MoE families whose model is a multimodal wrapper: their engines run text-only.
+MOE_WRAPPERS = ("llama4",)
 #: Special tokens of the wrapper fixtures sit at the top of the vocabulary (image, vision start,
 #: ...): prompts stay below them.
 WRAPPER_SPECIAL_TOKENS = 3
@@ -563,7 +566,7 @@ def _prompt_space(case: dict[str, Any]) -> dict[str, Any]:
     if "wrapper" in case:
         return {"vocab": 1000 - WRAPPER_SPECIAL_TOKENS, "text_only": True}
     if case.get("moe"):
-        return {"vocab": 1000, "moe": True}
+        return {"vocab": 1000, "moe": True, "text_only": case["arch"] in MOE_WRAPPERS}
     return {"vocab": 1000}
 
 

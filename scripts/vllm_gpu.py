@@ -111,6 +111,9 @@ MOE_CASES = (
     ),
     ("qwen2_moe", "FP8", "bfloat16", "w8a8-marlin", "pad160", {"moe_intermediate": 160}),
     ("qwen2_moe", "FP8", "float16", "w8a16", "autofp8", {"autofp8": "static"}),
+    # Llama 4's wrapper: q/k rows in vLLM's rotary order, a shared expert, a dense layer
+    ("llama4", "FP8", "bfloat16", "w8a8-marlin", "tiny", {}),
+    ("llama4", "FP8_DYNAMIC", "bfloat16", "w8a16", "pad96", {"moe_intermediate": 96}),
 )
 #: Which cases a run takes (``--cases``): the 16 dense layer kinds, the MoE ones, or both.
 CASE_SETS = ("dense", "moe", "all")
@@ -148,7 +151,9 @@ def cases() -> list[dict[str, Any]]:
         }
         for a, s, d, p, size, make in MOE_CASES
     ]
-    return {"dense": dense, "moe": moe, "all": dense + moe}[which]
+    only = [p for p in os.environ.get("MPACK_GPU_ONLY", "").split(",") if p]
+    picked = {"dense": dense, "moe": moe, "all": dense + moe}[which]
+    return [c for c in picked if not only or any(p in c["name"] for p in only)]
 
 
 # --- prepare (mpack's environment) -----------------------------------------------------------
@@ -408,9 +413,12 @@ def main() -> int:
     )
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--cases", choices=CASE_SETS, default=None, help="default: dense")
+    ap.add_argument("--only", default="", help="of those, the cases whose name holds one of A,B")
     a = ap.parse_args()
     if a.cases:  # read by cases(), here and in every process this one starts
         os.environ["MPACK_GPU_CASES"] = a.cases
+    if a.only:
+        os.environ["MPACK_GPU_ONLY"] = a.only
     if a.mode == "prepare":
         prepare(a.work)
         return 0

@@ -305,3 +305,22 @@ def test_moe_layers_and_their_mlp_linears_follow_vllms_rule() -> None:
     assert (
         arch.tp_problem(odd, 4) == "--tp 4 does not divide the shared_expert's intermediate size 90"
     )
+
+
+def test_llama4_q_and_k_pieces_take_rows_in_vllms_rotary_order() -> None:
+    """Llama4ForCausalLM.permute_qk_weight_for_rotary views each head's rows as [d/2, 2] and
+    transposes them: the planner's pieces of q_proj and k_proj name the same rows, per rank;
+    v_proj's and every other family's rows stay in order."""
+    import torch
+
+    from mpack.convert.plan import Piece
+
+    fam, dims = arch.FAMILIES["llama4"], Dims(heads=4, kv_heads=2, head_dim=8, intermediate=64)
+    assert [arch.rotary_head(fam, dims, p) for p in ("q_proj", "k_proj", "v_proj")] == [8, 8, 0]
+    assert arch.rotary_head(arch.FAMILIES["llama"], dims, "q_proj") == 0
+    rows = torch.arange(32)  # q_proj's rows, 4 heads of 8
+    vllm = rows.view(4, 4, 2, 1).transpose(1, 2).reshape(32)  # vLLM's view(n, d/2, 2, K)
+    for r0, r1 in ((0, 32), (8, 24)):  # all 4 heads (TP 1); heads 1 and 2 (a rank's)
+        p = Piece("q_proj", (r0, r1), (0, 16), head=8)
+        assert p.take == vllm[r0:r1].tolist()
+    assert Piece("v_proj", (8, 16), (0, 16)).take == slice(8, 16)

@@ -286,7 +286,11 @@ def transform(
     if pack is not None:
         pieces = []
         for p in layer.pieces:
-            pieces.append((src[f"{p.module}.{WEIGHT}"], p.rows, p.cols))
+            w = src[f"{p.module}.{WEIGHT}"]
+            if p.head:  # rows in rotary order: the kernel reads row ranges
+                pieces.append((np.ascontiguousarray(w[p.take]), (0, p.width), p.cols))
+            else:
+                pieces.append((w, p.rows, p.cols))
             if p.pad:
                 pieces.append((np.zeros((p.pad, layer.k), np.uint8), (0, p.pad), (0, layer.k)))
         out = [pack(pieces, layer.k, layer.np_, layer.kp, dst)]
@@ -305,7 +309,8 @@ def weight_rows(layer: OutLayer, src: dict[str, np.ndarray]) -> list[np.ndarray]
     for each padding row (:attr:`mpack.convert.plan.Piece.pad`)."""
     out = []
     for p in layer.pieces:
-        out.append(host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0]))
+        rows = host_repack.rows_of(src[f"{p.module}.{WEIGHT}"], p.rows, p.cols[0])
+        out.append(rows[np.asarray(p.take) - p.rows[0]] if p.head else rows)
         if p.pad:
             out.append(host_repack.zero_rows(p.pad, layer.k))
     return out
@@ -315,9 +320,7 @@ def scale_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
     """The layer's float32 scale per row ``[rows]`` (0 on padding rows), from
     :func:`read_unit`'s arrays."""
     if layer.strategy == "channel":
-        v = np.concatenate(
-            [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
-        )
+        v = np.concatenate([src[f"{p.module}.{SCALE}"][p.take] for p in layer.pieces])
     else:  # one scale per shard, each over its rows (requantized layers are not taken here)
         shard = np.concatenate([src[f"{p.module}.{SCALE}"] for p in layer.pieces])
         v = np.repeat(shard, layer.widths)
@@ -326,7 +329,7 @@ def scale_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
 
 def bias_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
     """The layer's bias bits in the activation dtype ``[rows]`` (uint16), fused and sliced."""
-    v = np.concatenate([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+    v = np.concatenate([src[f"{p.module}.{BIAS}"][p.take] for p in layer.pieces])
     return _spread(v, layer)
 
 

@@ -92,15 +92,10 @@ def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
         src: per checkpoint module, ``<module>.weight`` uint8 ``[N, K]``,
             ``<module>.weight_scale`` float32 ``[1]`` or ``[N]``, and ``<module>.bias`` if any.
     """
-    rows = [
-        src[f"{p.module}.{WEIGHT}"][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]]
-        for p in layer.pieces
-    ]
+    rows = [src[f"{p.module}.{WEIGHT}"][p.take][:, p.cols[0] : p.cols[1]] for p in layer.pieces]
     w = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()  # uint8 [N, K]
     if layer.strategy == "channel":
-        scale_n = torch.cat(
-            [src[f"{p.module}.{SCALE}"][p.rows[0] : p.rows[1]] for p in layer.pieces]
-        )
+        scale_n = torch.cat([src[f"{p.module}.{SCALE}"][p.take] for p in layer.pieces])
     else:
         shard_scales = torch.cat([src[f"{p.module}.{SCALE}"] for p in layer.pieces])  # fp32 [S]
         if layer.requant:
@@ -110,7 +105,7 @@ def fuse(layer: OutLayer, src: dict[str, torch.Tensor]) -> Fused:
             scale_n = marlin.broadcast_scales(shard_scales, layer.n, layer.widths)
     bias = None
     if layer.has_bias:
-        bias = torch.cat([src[f"{p.module}.{BIAS}"][p.rows[0] : p.rows[1]] for p in layer.pieces])
+        bias = torch.cat([src[f"{p.module}.{BIAS}"][p.take] for p in layer.pieces])
     index = layer.row_index()
     if index is not None:  # zero rows between pieces, with scales 0 (Piece.pad)
         w, scale_n = (_spread(t, index, layer.rows) for t in (w, scale_n))

@@ -1,13 +1,14 @@
 """MoE experts (issue 39): the sidecar's stacked expert tensors against vLLM 0.33.0's own load.
 
-Tiny Mixtral, Qwen3-MoE and Qwen2-MoE checkpoints (``python -m mpack.fixtures_moe``, the Hub's
-per-expert compressed-tensors form) are converted by the main venv's CLI, then loaded by vLLM's real
-classes with ``DefaultModelLoader`` and the Marlin MoE backend (``moe_backend="marlin"``), one
-worker per TP rank (tests/vllm/vllm_worker.py, with the CPU stand-ins: vLLM's own
-``prepare_fp8_moe_layer_for_marlin`` and ``prepare_fp8_layer_for_marlin`` run). Every tensor of
-every rank file (the attention's Marlin layers and the experts' stacked ``w13`` / ``w2`` weights
-and scales) must be a parameter of vLLM's model on that rank with the same name, shape, dtype
-and bytes; and every FP8 parameter vLLM prepared for Marlin must be in the rank file.
+Tiny Mixtral, Qwen3-MoE, Qwen2-MoE and Llama 4 checkpoints (``python -m mpack.fixtures_moe``,
+the Hub's per-expert compressed-tensors form) are converted by the main venv's CLI, then loaded
+by vLLM's real classes with ``DefaultModelLoader`` and the Marlin MoE backend
+(``moe_backend="marlin"``), one worker per TP rank (tests/vllm/vllm_worker.py, with the CPU
+stand-ins: vLLM's own ``prepare_fp8_moe_layer_for_marlin`` and ``prepare_fp8_layer_for_marlin``
+run). Every tensor of every rank file (the attention's Marlin layers and the experts' stacked
+``w13`` / ``w2`` weights and scales) must be a parameter of vLLM's model on that rank with the
+same name, shape, dtype and bytes; and every FP8 parameter vLLM prepared for Marlin must be in
+the rank file.
 
 Then the same models through ``--load-format mpack`` (runtime/vllm/moe.py), privately and
 attached to real ``mpack serve --device cpu`` daemons: every parameter and buffer, and the
@@ -44,6 +45,7 @@ class Case:
     dtype: str
     tp: int
     inter: int = 256  # the experts' intermediate size
+    blocks: int = 2  # MoE blocks in the model's 2 decoder layers (Llama 4's: every second)
 
 
 #: Both families, both scale strategies (w13's two per-tensor scales requantized to one), both
@@ -74,6 +76,19 @@ CASES = [
         "qwen2_moe-channel-w8a8-fp16-tp1", "qwen2_moe", "FP8_DYNAMIC", "w8a8-marlin", "float16", 1
     ),
     Case("qwen2_moe-autofp8-w8a16-bf16-tp4", "qwen2_moe", "AUTOFP8", "w8a16", "bfloat16", 4),
+    # Llama 4 (Llama4ForConditionalGeneration): a MoE block with a shared expert in layer 1, a
+    # dense feed_forward in layer 0, a vision tower passed through
+    Case("llama4-tensor-w8a8-bf16-tp2", "llama4", "FP8", "w8a8-marlin", "bfloat16", 2, blocks=1),
+    Case(
+        "llama4-channel-pad96-w8a16-fp16-tp2",
+        "llama4",
+        "FP8_DYNAMIC",
+        "w8a16",
+        "float16",
+        2,
+        192,
+        blocks=1,
+    ),
 ]
 CASE_IDS = [c.name for c in CASES]
 
@@ -186,7 +201,7 @@ def test_rank_files_are_vllms_marlin_moe_tensors(world: dict[str, Any], case: Ca
         vllm = res["tensors"]
         mine = rank_file_digests(sidecar / f"rank-{rank:02d}-of-{case.tp:02d}.safetensors")
         experts = [n for n in mine if ".experts.routed_experts.w" in n]
-        assert len(experts) == 4 * 2, sorted(mine)  # w13/w2 weight and scale, 2 layers
+        assert len(experts) == 4 * case.blocks, sorted(mine)  # w13/w2 weight and scale
         for name, t in mine.items():
             assert name in vllm, f"rank {rank}: {name} is not a parameter of vLLM's model"
             v = vllm[name]
@@ -213,7 +228,7 @@ def test_mpack_loads_the_same_model_as_vllm(world: dict[str, Any], case: Case, p
         assert_same_tensors(got["tensors"], default["tensors"], f"{case.name} {path} r{rank}")
         assert got["state"] == default["state"], f"{case.name} {path} rank {rank}"
         moe = [n for n in default["state"] if n.endswith(".experts.routed_experts")]
-        assert len(moe) == 2 and all(
+        assert len(moe) == case.blocks and all(
             default["state"][n]["method"]["moe_kernel"] != "NoneType" for n in moe
         )
         if path == "mpack-require":
