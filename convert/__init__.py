@@ -37,6 +37,7 @@ def convert(
     profile: str | Sequence[str] = "w8a16",
     act_dtype: str | Sequence[str] | None = None,
     tp: int | Sequence[int] = 1,
+    ep: bool | Sequence[bool] = False,
     fuse: str = "vllm",
     device: str = "auto",
     passthrough: bool = True,
@@ -60,6 +61,9 @@ def convert(
             shards requantized to the max scale).
         act_dtype: ``"bfloat16"`` / ``"float16"``; default: the checkpoint's dtype.
         tp: tensor-parallel size; one rank file per rank.
+        ep: expert parallelism for a MoE model (vLLM's ``--enable-expert-parallel``): True
+            splits the experts whole across the ranks (target ``tp{N}ep-...``); ``[False,
+            True]`` makes both kinds. At TP 1 it is the TP-1 target.
         fuse: ``"vllm"`` (qkv_proj / gate_up_proj) or ``"none"`` (checkpoint names, tp 1).
         device: ``"auto"`` (the host path on 8+ cores or without a GPU, else CUDA when
             present: Note [auto device]), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
@@ -95,6 +99,7 @@ def convert(
             profile=profile,
             act_dtype=act_dtype,
             tp=tp,
+            ep=ep,
             fuse=fuse,
             device=device,
             passthrough=passthrough,

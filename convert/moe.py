@@ -54,11 +54,15 @@ def blocks_of(ck: Checkpoint, fam: arch.Family) -> dict[str, dict[int, set[int]]
 
 
 def check_blocks(
-    ck: Checkpoint, fam: arch.Family, blocks: dict[str, dict[int, set[int]]], tp: int
+    ck: Checkpoint,
+    fam: arch.Family,
+    blocks: dict[str, dict[int, set[int]]],
+    tp: int,
+    ep: bool = False,
 ) -> tuple[int, int]:
     """Every MoE block has every expert of config.json, each with its three FP8 linears of the
     same shapes; the hidden size fits vLLM's Marlin MoE tile, the intermediate size splits into
-    ``tp`` parts. Returns
+    ``tp`` parts (under expert parallelism, ``ep``: the experts do). Returns
     ``(experts, intermediate)``.
 
     Raises:
@@ -115,7 +119,14 @@ def check_blocks(
             "kernel cannot run these experts (its limit, not mpack's)",
             hint="serve the model with another --moe-backend, from the checkpoint itself",
         )
-    if inter % tp:
+    if ep and count % tp:
+        raise UnsupportedSchemeError(
+            f"{cfg}: {count_key}={count} experts do not split into --tp {tp} equal parts: "
+            "mpack's expert-parallel targets hold the same experts per rank (mpack's limit; "
+            "vLLM gives the first ranks one more)",
+            hint=f"choose a --tp that divides {count} for --ep on, or convert with --ep off",
+        )
+    if not ep and inter % tp:
         raise UnsupportedSchemeError(
             f"{cfg}: {ex.intermediate_key}={inter} does not split into --tp {tp} equal parts "
             "(vLLM 0.33.0 asserts it does)",
@@ -138,34 +149,52 @@ def input_scales(ck: Checkpoint, fam: arch.Family) -> list[str]:
     return sorted(n for n in names if n in ck.tensors)
 
 
-def out_layers(
-    ck: Checkpoint, fam: arch.Family, block: str, count: int, inter: int, tp: int, rank: int
+def owner(expert: int, count: int, tp: int) -> tuple[int, int]:
+    """``(rank, local index)`` of ``expert`` of ``count`` under expert parallelism over ``tp``
+    ranks: vLLM 0.33.0's ``linear`` placement (``determine_expert_map``), ``count / tp``
+    consecutive experts per rank (:func:`check_blocks` refuses an uneven split)."""
+    per = count // tp
+    return expert // per, expert % per
+
+
+def out_units(
+    ck: Checkpoint,
+    fam: arch.Family,
+    block: str,
+    count: int,
+    inter: int,
+    tp: int,
+    ep: bool = False,
 ) -> list[list[OutLayer]]:
-    """The block's units on ``rank``: every expert's ``w13``, then every expert's ``w2``, each
-    a list of one :class:`~mpack.convert.plan.OutLayer` per linear (the caller gathers ranks)."""
+    """The block's units: every expert's ``w13``, then every expert's ``w2``, each one
+    :class:`~mpack.convert.plan.OutLayer` per rank; under expert parallelism (``ep``), one
+    only, on the rank that holds the whole expert (:func:`owner`)."""
     from mpack.convert.plan import OutLayer, Piece, Stack
 
     ex = fam.experts
     assert ex is not None
     w13, w2 = (f"{block}.experts.{p}" for p in arch.EXPERTS_PARAMS)
-    per = inter // tp
+    per = inter if ep else inter // tp
     ip = padded(per)
-    mine = (rank * per, (rank + 1) * per)  # the gate/up rows, the down columns, of the rank
-    out: list[list[OutLayer]] = []
+    units: list[list[OutLayer]] = []
     for name in (w13, w2):
         for e in range(count):
             gate, up, down = (ex.module(block, e, i) for i in range(3))
             strategy = ck.layers[gate].strategy
             hidden = ck.layers[gate].k
-            if name == w13:
-                pieces = [Piece(m, mine, (0, hidden), ip - per) for m in (gate, up)]
-                n, k, np_, kp, parallel = 2 * per, hidden, 2 * ip, hidden, "column"
-                requant = strategy == "tensor"
-            else:
-                pieces = [Piece(down, (0, hidden), mine)]
-                n, k, np_, kp, parallel, requant = hidden, per, hidden, ip, "row", False
-            out.append(
-                [
+            unit = []
+            for rank in [owner(e, count, tp)[0]] if ep else range(tp):
+                cut = 0 if ep else rank
+                mine = (cut * per, (cut + 1) * per)  # the gate/up rows, the down columns
+                if name == w13:
+                    pieces = [Piece(m, mine, (0, hidden), ip - per) for m in (gate, up)]
+                    n, k, np_, kp, parallel = 2 * per, hidden, 2 * ip, hidden, "column"
+                    requant = strategy == "tensor"
+                else:
+                    pieces = [Piece(down, (0, hidden), mine)]
+                    n, k, np_, kp, parallel, requant = hidden, per, hidden, ip, "row", False
+                stack = Stack(*owner(e, count, tp)[1:], count // tp) if ep else Stack(e, count)
+                unit.append(
                     OutLayer(
                         name=name,
                         rank=rank,
@@ -178,8 +207,8 @@ def out_layers(
                         parallel=parallel,
                         has_bias=False,
                         requant=requant,
-                        stack=Stack(e, count),
+                        stack=stack,
                     )
-                ]
-            )
-    return out
+                )
+            units.append(unit)
+    return units

@@ -32,6 +32,9 @@ class TargetSpec:
     tp: int
     profile: str
     act_dtype: str | None
+    #: A MoE model's experts split whole across the ranks (:data:`mpack.target.EXPERT_PARALLEL`);
+    #: never at TP 1, where there is one rank and nothing to split.
+    ep: bool = False
 
 
 def check_fusion_tp(fusion: str, tp: int) -> None:
@@ -60,12 +63,18 @@ def _listed(value: Any) -> list[Any]:
     return list(value) if isinstance(value, tuple) else [value]
 
 
-def _specs(tp: Any, profile: Any, act_dtype: Any) -> tuple[TargetSpec, ...]:
+def _specs(tp: Any, profile: Any, act_dtype: Any, ep: Any = False) -> tuple[TargetSpec, ...]:
     """The cross product of the lists, in the order given, repeats dropped; each value checked.
     A misspelt value refuses the run whatever ``skip_invalid`` says: it is a typo, not a target
-    this checkpoint cannot have."""
-    tps, profiles, acts = _listed(tp), _listed(profile), _listed(act_dtype)
-    for what, values in (("--tp", tps), ("--profile", profiles), ("--act-dtype", acts)):
+    this checkpoint cannot have. Expert parallelism at TP 1 is the TP-1 target (vLLM's own
+    rule: one rank holds every expert either way)."""
+    tps, profiles, acts, eps = _listed(tp), _listed(profile), _listed(act_dtype), _listed(ep)
+    for what, values in (
+        ("--tp", tps),
+        ("--profile", profiles),
+        ("--act-dtype", acts),
+        ("--ep", eps),
+    ):
         if not values:
             raise UsageError(f"{what} is empty; give at least one value")
     for p in profiles:
@@ -77,7 +86,13 @@ def _specs(tp: Any, profile: Any, act_dtype: Any) -> tuple[TargetSpec, ...]:
     for t in tps:
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise UsageError(f"--tp must be at least 1, got {t}")
-    specs = [TargetSpec(*t) for t in itertools.product(tps, profiles, acts)]
+    for e in eps:
+        if not isinstance(e, bool):
+            raise UsageError(f"--ep must be off or on, got {e!r}")
+    specs = [
+        TargetSpec(t, p, a, e and t > 1)
+        for t, e, p, a in itertools.product(tps, eps, profiles, acts)
+    ]
     return tuple(dict.fromkeys(specs))
 
 
@@ -99,6 +114,8 @@ class ConvertOptions:
     profile: str | Sequence[str] = "w8a16"
     act_dtype: str | Sequence[str] | None = None
     tp: int | Sequence[int] = 1
+    #: Expert parallelism, off (False) and/or on (True), crossed with the TP sizes.
+    ep: bool | Sequence[bool] = False
     fuse: str = "vllm"
     device: str = "auto"
     passthrough: bool = True
@@ -114,11 +131,11 @@ class ConvertOptions:
     device_spec: DeviceSpec = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("profile", "act_dtype", "tp"):
+        for name in ("profile", "act_dtype", "tp", "ep"):
             object.__setattr__(self, name, _one_or_many(getattr(self, name)))
         if self.disable is not None:
             object.__setattr__(self, "disable", frozenset(self.disable))
-        specs = _specs(self.tp, self.profile, self.act_dtype)
+        specs = _specs(self.tp, self.profile, self.act_dtype, self.ep)
         if self.fuse not in FUSIONS:
             raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {self.fuse!r}")
         if all(s.tp != 1 for s in specs):

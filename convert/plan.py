@@ -137,30 +137,38 @@ class OutLayer:
 
 @dataclass
 class Plan:
-    """Everything ``convert`` will write. ``units[i]`` = the i-th output layer on every rank."""
+    """Everything ``convert`` will write. ``units[i]`` = the i-th output layer on every rank
+    that has it."""
 
     ckpt: Checkpoint
     profile: str
     act_dtype: str
     tp: int
     fusion: str
-    units: list[list[OutLayer]]  # [unit][rank]
+    #: [unit][one per rank in rank order; an expert-parallel target's expert: its rank only]
+    units: list[list[OutLayer]]
     passthrough: list[str]
     files: dict[str, FileMap] = field(default_factory=dict)  # file name -> its map
+    ep: bool = False  # experts split whole across the ranks (mpack.target.EXPERT_PARALLEL)
 
     @property
     def target(self) -> dict[str, Any]:
         return target_of(
-            profile=self.profile, act_dtype=self.act_dtype, tp=self.tp, fusion=self.fusion
+            profile=self.profile,
+            act_dtype=self.act_dtype,
+            tp=self.tp,
+            fusion=self.fusion,
+            ep=self.ep,
         )
 
     def layers_manifest(self) -> dict[str, Any]:
         """Per output layer (rank 0 shown; every rank has the same dims). A MoE block's stacked
-        layer is one entry (its first expert's unit and shards) with ``experts``, the count."""
+        layer is one entry (its first expert's unit and shards) with ``experts``, the count per
+        rank."""
         out = {}
         for i, unit in enumerate(self.units):
             ly = unit[0]
-            if ly.stack is not None and ly.stack.index:
+            if ly.stack is not None and (ly.stack.index or ly.rank):
                 continue
             out[ly.name] = {
                 "index": i,
@@ -479,17 +487,26 @@ def _out_layer(
 
 
 def _with_experts(
-    ck: Checkpoint, fam: arch.Family, units: list[list[OutLayer]], tp: int
+    ck: Checkpoint, fam: arch.Family, units: list[list[OutLayer]], tp: int, ep: bool
 ) -> list[list[OutLayer]]:
     """``units`` and the MoE blocks' expert units (mpack/convert/moe.py), each decoder layer's
-    after its dense linears."""
+    after its dense linears.
+
+    Raises:
+        UnsupportedSchemeError: an expert-parallel target (``ep``) of a dense model.
+    """
     blocks = moe.blocks_of(ck, fam)
     if not blocks:
+        if ep:
+            raise UnsupportedSchemeError(
+                f"{ck.root / CONFIG_NAME}: --ep on splits a mixture-of-experts model's experts "
+                f"across the ranks; {ck.architecture} has none",
+                hint="convert with --ep off",
+            )
         return units
-    count, inter = moe.check_blocks(ck, fam, blocks, tp)
+    count, inter = moe.check_blocks(ck, fam, blocks, tp, ep)
     for block in blocks:
-        by_rank = [moe.out_layers(ck, fam, block, count, inter, tp, r) for r in range(tp)]
-        units += [[ranks[i][0] for ranks in by_rank] for i in range(len(by_rank[0]))]
+        units += moe.out_units(ck, fam, block, count, inter, tp, ep)
 
     def order(unit: list[OutLayer]) -> tuple[int, int]:
         return (arch.decoder_index(unit[0].name) or 0, unit[0].stack is not None)
@@ -515,7 +532,14 @@ def check_profile(ck: Checkpoint, profile: str) -> None:
 
 
 def make_plan(
-    ck: Checkpoint, *, profile: str, act_dtype: str, tp: int, fusion: str, passthrough: bool = True
+    ck: Checkpoint,
+    *,
+    profile: str,
+    act_dtype: str,
+    tp: int,
+    fusion: str,
+    passthrough: bool = True,
+    ep: bool = False,
 ) -> Plan:
     """Fuse, slice and pad every quantized layer; lay out every output file.
 
@@ -533,10 +557,12 @@ def make_plan(
     ]
     through = passthrough_names(ck) if passthrough else []
     if fused is not None:
-        units = _with_experts(ck, fused[0], units, tp)
+        units = _with_experts(ck, fused[0], units, tp, ep)
         if passthrough:
             through = sorted(through + moe.input_scales(ck, fused[0]))
-    plan = Plan(ck, profile, act_dtype, tp, fusion, units, through)
+    elif ep:
+        raise UsageError("--ep on needs --fuse vllm: expert parallelism is vLLM's layout")
+    plan = Plan(ck, profile, act_dtype, tp, fusion, units, through, ep=ep)
     meta = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -545,7 +571,7 @@ def make_plan(
         "act_dtype": act_dtype,
     }
     for rank in range(tp):
-        specs = [s for unit in units for s in unit[rank].file_specs(act_dtype)]
+        specs = [s for u in units for ly in u if ly.rank == rank for s in ly.file_specs(act_dtype)]
         plan.files[rank_file_name(rank, tp)] = FileMap.plan(specs, {**meta, "rank": str(rank)})
     if plan.passthrough:
         specs = [TensorSpec(n, ck.tensors[n].dtype, ck.tensors[n].shape) for n in plan.passthrough]
@@ -597,7 +623,8 @@ def open_and_plan(
         bad: list[tuple[str, MpackError]] = []
         for s in specs:
             act = act_dtype_of(ck, s.act_dtype)
-            name = dir_name(target_of(profile=s.profile, act_dtype=act, tp=s.tp, fusion=fuse))
+            t = target_of(profile=s.profile, act_dtype=act, tp=s.tp, fusion=fuse, ep=s.ep)
+            name = dir_name(t)
             if name in plans or any(n == name for n, _ in bad):
                 continue  # the checkpoint's dtype named both ways
             try:
@@ -608,6 +635,7 @@ def open_and_plan(
                     tp=s.tp,
                     fusion=fuse,
                     passthrough=passthrough,
+                    ep=s.ep,
                 )
             except (UnsupportedSchemeError, UsageError) as e:
                 bad.append((name, e))

@@ -268,6 +268,15 @@ ConvertTpOpt = Annotated[
         "sidecar per target, OUT/<target>/.",
     ),
 ]
+ConvertEpOpt = Annotated[
+    str,
+    typer.Option(
+        "--ep",
+        metavar="off|on[,...]",
+        help="Expert parallelism for a MoE model (vLLM's --enable-expert-parallel): on splits "
+        "the experts whole across the TP ranks, target tp<N>ep. off,on makes both.",
+    ),
+]
 SkipInvalidOpt = Annotated[
     bool,
     typer.Option(
@@ -294,6 +303,7 @@ def convert(
     profile: ProfileOpt = "w8a16",
     act_dtype: ConvertActDtypeOpt = None,
     tp: ConvertTpOpt = "1",
+    ep: ConvertEpOpt = "off",
     fuse: FuseOpt = "vllm",
     device: ConvertDeviceOpt = "auto",
     backend: BackendOpt = "auto",
@@ -306,15 +316,16 @@ def convert(
 ) -> None:
     """Convert a compressed-tensors FP8 checkpoint into a Marlin FP8 sidecar.
 
-    --tp, --profile and --act-dtype take comma lists: their cross product is the set of
-    targets, all made from one read of the source, each a sidecar in OUT/<target>/
-    (e.g. OUT/tp2-w8a16-bfloat16/).
+    --tp, --ep, --profile and --act-dtype take comma lists: their cross product is the set
+    of targets, all made from one read of the source, each a sidecar in OUT/<target>/
+    (e.g. OUT/tp2-w8a16-bfloat16/, OUT/tp2ep-w8a16-bfloat16/).
 
     \b
     Examples:
       mpack convert RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8 -o llama8b-marlin --tp 2
       mpack convert ./my-fp8-model -o out --profile w8a8-marlin --act-dtype float16 --json
       mpack convert ./my-fp8-model -o out --tp 1,2,4,8 --profile w8a16,w8a8-marlin
+      mpack convert ./my-fp8-moe -o out --tp 2,4 --ep off,on
     """
     if json_out and quiet:
         raise UsageError("--json and --quiet contradict each other; pick one")
@@ -327,6 +338,7 @@ def convert(
         profile=_comma_list(profile, "--profile"),
         act_dtype=None if act_dtype is None else _comma_list(act_dtype, "--act-dtype"),
         tp=[_tp_value(v) for v in _comma_list(tp, "--tp")],
+        ep=[_ep_value(v) for v in _comma_list(ep, "--ep")],
         fuse=fuse,
         device=device,
         backend=backend,
@@ -372,6 +384,12 @@ def _tp_value(v: str) -> int:
         return int(v)
     except ValueError:
         raise UsageError(f"--tp takes whole numbers, got {v!r}", hint="e.g. --tp 1,2,4,8") from None
+
+
+def _ep_value(v: str) -> bool:
+    if v not in ("off", "on"):
+        raise UsageError(f"--ep takes off or on, got {v!r}", hint="e.g. --ep off,on")
+    return v == "on"
 
 
 def _run_convert(source: str, out: str, options: ConvertOptions, *, show_progress: bool) -> Any:

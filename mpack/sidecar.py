@@ -502,7 +502,9 @@ def new_manifest(
     }
 
 
-def target_of(*, profile: str, act_dtype: str, tp: int, fusion: str) -> dict[str, Any]:
+def target_of(
+    *, profile: str, act_dtype: str, tp: int, fusion: str, ep: bool = False
+) -> dict[str, Any]:
     return {
         "kernel": target.KERNEL,
         "engine": target.ENGINE,
@@ -511,6 +513,7 @@ def target_of(*, profile: str, act_dtype: str, tp: int, fusion: str) -> dict[str
         "act_dtype": act_dtype,
         "tp_size": tp,
         "fusion": fusion,
+        **({target.EXPERT_PARALLEL: True} if ep else {}),
     }
 
 
@@ -606,6 +609,12 @@ def _check_target(t: dict[str, Any], where: str | os.PathLike) -> None:
     for key in ("engine", "engine_version"):
         if not isinstance(t[key], str):
             raise CorruptFileError(f"{where}: target {key} is not a string")
+    ep = t.get(target.EXPERT_PARALLEL)
+    if target.EXPERT_PARALLEL in t and (ep is not True or tp < 2):
+        raise CorruptFileError(
+            f"{where}: target {target.EXPERT_PARALLEL} is {quote(ep, 40)} at tp_size {tp} "
+            "(written only as true, at tp_size 2 or more)"
+        )
 
 
 def _is_digest(x: Any) -> bool:

@@ -41,6 +41,12 @@ BLOCK_FP8 = (
     "(without mpack)"
 )
 BLOCK_FP8_HINT = "serve this checkpoint with vLLM directly, without --load-format mpack"
+#: A target's experts split whole across its TP ranks, as vLLM 0.33.0 places them with
+#: ``--enable-expert-parallel`` (and data parallelism 1): rank ``r`` of ``T`` holds experts
+#: ``[r*E/T, (r+1)*E/T)`` at their full intermediate size (``expert_placement_strategy``
+#: ``linear``); the attention and a shared expert stay TP-sharded. A manifest's target has
+#: ``"expert_parallel": true`` then, and no such key otherwise.
+EXPERT_PARALLEL = "expert_parallel"
 #: ``vllm``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names; ``none``: checkpoint names.
 FUSIONS = ("vllm", "none")
 
@@ -116,10 +122,12 @@ def act_dtype(name: str) -> ActDtype:
 
 def dir_name(target: Mapping[str, Any]) -> str:
     """The folder name of a sidecar's target (a manifest's ``target``): ``tp{N}-{profile}-
-    {act_dtype}``, e.g. ``tp2-w8a16-bfloat16``; ``-fuse-none`` is appended for a sidecar with
+    {act_dtype}``, e.g. ``tp2-w8a16-bfloat16`` (``tp2ep-...``: a MoE model's experts split
+    whole across the ranks, :data:`EXPERT_PARALLEL`); ``-fuse-none`` is appended for a sidecar with
     checkpoint names (``--fuse none``), so that no two targets share a name. The multi-target
     ``mpack convert`` writes ``OUT/<name>/``, and ``mpack push`` uploads to that repo folder."""
-    name = f"tp{target['tp_size']}-{target['profile']}-{target['act_dtype']}"
+    ep = "ep" if target.get("expert_parallel") else ""
+    name = f"tp{target['tp_size']}{ep}-{target['profile']}-{target['act_dtype']}"
     fusion = target.get("fusion", "vllm")
     return name if fusion == "vllm" else f"{name}-fuse-{fusion}"
 

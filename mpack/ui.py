@@ -477,6 +477,7 @@ def emit_inspect(
     console.print(
         f"target: {t['kernel']} for {shown(t['engine'])} {shown(t['engine_version'])}, "
         f"profile {t['profile']}, {t['act_dtype']}, tp {t['tp_size']}, fusion {t['fusion']}"
+        + (", expert parallel (whole experts per rank)" if t.get(target.EXPERT_PARALLEL) else "")
     )
     console.print(f"source: {origin} ({len(src.get('files', []))} files)")
     console.print(f"manifest digest: {digest}")
@@ -498,7 +499,8 @@ def emit_inspect(
         ft.add_row(shown(f["name"]), human_bytes(f["size"]), sha, chunks)
     console.print(ft)
     lt = Table(title=f"{layer_count(m)}, per rank; {t['tp_size']} rank(s)")
-    for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias", "experts"):
+    per_rank = "experts per rank" if t.get(target.EXPERT_PARALLEL) else "experts"
+    for col in ("layer", "N x K", "padded", "strategy", "parallel", "bias", per_rank):
         lt.add_column(col)
     for name, ly in sorted(m["layers"].items(), key=_layer_order):
         # check_manifest checks the dims and bias; the rest is shown as it is, escaped

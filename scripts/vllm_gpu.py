@@ -115,8 +115,34 @@ MOE_CASES = (
     ("llama4", "FP8", "bfloat16", "w8a8-marlin", "tiny", {}),
     ("llama4", "FP8_DYNAMIC", "bfloat16", "w8a16", "pad96", {"moe_intermediate": 96}),
 )
-#: Which cases a run takes (``--cases``): the 16 dense layer kinds, the MoE ones, or both.
-CASE_SETS = ("dense", "moe", "all")
+#: The MoE golden cases (tests/data/golden-moe, docs/VLLM.md): small models (one MoE block;
+#: Llama 4: a dense layer and a MoE one), each family once, both scale strategies, requantized
+#: and padded experts, AutoFP8's fp32 scales; vLLM's own Marlin MoE tensors are written beside
+#: the checkpoint they were made from (``--cases golden``).
+GOLDEN_SIZES = {"hidden": 128, "vocab": 256, "heads": 4, "kv_heads": 2}
+GOLDEN_CASES = (
+    ("mixtral", "FP8", "bfloat16", "w8a16", "pad160", {"moe_intermediate": 160, "layers": 1}),
+    (
+        "qwen3_moe",
+        "FP8_DYNAMIC",
+        "float16",
+        "w8a16",
+        "i128",
+        {"moe_intermediate": 128, "layers": 1},
+    ),
+    (
+        "qwen2_moe",
+        "FP8",
+        "bfloat16",
+        "w8a16",
+        "autofp8-pad96",
+        {"moe_intermediate": 96, "layers": 1, "autofp8": "static"},
+    ),
+    ("llama4", "FP8_DYNAMIC", "bfloat16", "w8a16", "i128", {"moe_intermediate": 128, "layers": 2}),
+)
+#: Which cases a run takes (``--cases``): the 16 dense layer kinds, the MoE ones, both, or the
+#: MoE golden ones.
+CASE_SETS = ("dense", "moe", "all", "golden")
 
 
 def cases() -> list[dict[str, Any]]:
@@ -151,8 +177,22 @@ def cases() -> list[dict[str, Any]]:
         }
         for a, s, d, p, size, make in MOE_CASES
     ]
+    golden = [
+        {
+            "arch": a,
+            "moe": True,
+            "golden": True,
+            "scheme": s,
+            "dtype": d,
+            "profile": p,
+            "name": f"golden-{a}-{size}-{SCHEMES[s]}-{d}-{p}",
+            "ck": f"ck-golden-{a}-{size}-{SCHEMES[s]}-{d}",
+            "make": {"arch": a, "scheme": s, "dtype": d, **GOLDEN_SIZES, **make},
+        }
+        for a, s, d, p, size, make in GOLDEN_CASES
+    ]
     only = [p for p in os.environ.get("MPACK_GPU_ONLY", "").split(",") if p]
-    picked = {"dense": dense, "moe": moe, "all": dense + moe}[which]
+    picked = {"dense": dense, "moe": moe, "all": dense + moe, "golden": golden}[which]
     return [c for c in picked if not only or any(p in c["name"] for p in only)]
 
 
@@ -221,6 +261,30 @@ def _load(case: dict[str, Any], work: Path, mpack: bool) -> dict[str, Any]:
     return load
 
 
+def _write_golden(model: Any, case: dict[str, Any], work: Path, out: Path) -> None:
+    """A MoE golden case (tests/data/golden-moe/README.md): the checkpoint, and what vLLM's own
+    load + ``process_weights_after_loading`` left in every Marlin layer of ``model`` (each
+    int32 ``*weight`` parameter, its ``*_scale`` and its layer's ``bias``), named as vLLM
+    names them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    params = dict(model.named_parameters())
+    keep = {
+        n for n, p in params.items() if p.dtype.is_floating_point is False and n.endswith("weight")
+    }
+    keep |= {n + "_scale" for n in keep if n + "_scale" in params}
+    keep |= {n.rpartition(".")[0] + ".bias" for n in keep} & set(params)
+    tensors = {n: params[n].detach().to("cpu").contiguous() for n in sorted(keep)}
+    dest = out / case["name"]
+    shutil.copytree(work / case["ck"], dest / "input", dirs_exist_ok=True)
+    (dest / "expected").mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest / "expected" / "rank-00-of-01.safetensors"))
+    how = {"profile": case["profile"], "act_dtype": case["dtype"], "tp": 1, "make": case["make"]}
+    (dest / "case.json").write_text(json.dumps(how, indent=1, sort_keys=True) + "\n")
+
+
 def worker(work: Path, out: Path, role: str, go: Path) -> None:
     dev = _device()
     if dev == "cpu":
@@ -256,6 +320,8 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
         if role == "a":
             df = vw.build(vw.engine_config(_load(c, work, False), 1, **_engine_args()))
             held.append(df)
+            if c.get("golden"):
+                _write_golden(df, c, work, out / "golden")
             sd, sm = vw.tensors_of(df), vw.tensors_of(mp)
             r["same_names"] = sorted(sd) == sorted(sm)
             r["differ"] = sorted(k for k in sd if sd[k] != sm.get(k))[:10]

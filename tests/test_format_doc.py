@@ -506,3 +506,27 @@ def test_moe_manifest_matches_the_schema(validator, tmp_path: Path) -> None:
     assert not errors, errors
     m["layers"][next(n for n, ly in m["layers"].items() if "experts" in ly)]["experts"] = 0
     assert [e.message for e in validator.iter_errors(m)], "experts 0 must not validate"
+
+
+def test_expert_parallel_manifest_matches_the_schema(validator, tmp_path: Path) -> None:
+    """An expert-parallel target's manifest (``expert_parallel``: true, ``experts`` per rank) is
+    the schema's too, and mpack's reader refuses the key as anything but true at TP >= 2."""
+    from mpack.convert import convert
+    from mpack.errors import CorruptFileError
+    from mpack.fixtures_moe import make_moe_checkpoint
+    from mpack.sidecar import check_manifest
+
+    ck = make_moe_checkpoint(tmp_path / "ck", arch="qwen3_moe", layers=1)
+    convert(ck, tmp_path / "sc", tp=2, ep=True)
+    m = _manifest(tmp_path / "sc")
+    assert m["target"]["expert_parallel"] is True
+    assert {ly.get("experts") for ly in m["layers"].values()} == {None, 2}
+    errors = [e.message for e in validator.iter_errors(m)]
+    assert not errors, errors
+    check_manifest(m, "mpack.json")
+    for bad, tp in ((False, 2), ("yes", 2), (True, 1)):
+        m["target"].update(expert_parallel=bad, tp_size=tp)
+        with pytest.raises(CorruptFileError, match="expert_parallel"):
+            check_manifest(m, "mpack.json")
+    m["target"].update(expert_parallel="yes", tp_size=2)
+    assert [e.message for e in validator.iter_errors(m)], "expert_parallel 'yes' must not validate"

@@ -57,6 +57,7 @@ from mpack.errors import CorruptFileError, SourceNotFoundError, shown
 from mpack.fsutil import open_regular_file
 from mpack.iokit import copy_tensors, pread_pieces
 from mpack.sidecar import COMMON_NAME, FileMap, rank_file_name, torch_dtype
+from mpack.target import EXPERT_PARALLEL
 from mpack.verify.compare import SidecarComparer
 
 if TYPE_CHECKING:  # the torch backend imports it on use (Note [verify without torch])
@@ -234,7 +235,7 @@ def _plan(
 ) -> tuple[Checkpoint, Plan]:
     """The plan from the shard headers, as a conversion to the sidecar's target makes it
     (:func:`mpack.convert.plan.open_and_plan`, the conversion's own)."""
-    spec = TargetSpec(t["tp_size"], t["profile"], t["act_dtype"])
+    spec = TargetSpec(t["tp_size"], t["profile"], t["act_dtype"], bool(t.get(EXPERT_PARALLEL)))
     ck, plans, _ = open_and_plan(src.path, check, [spec], fuse=t["fusion"], passthrough=passthrough)
     return ck, plans[0]
 

@@ -32,7 +32,7 @@ from typing import Any
 from mpack import arch
 from mpack.errors import InputError, UnsupportedSchemeError, UsageError, quote, shown
 from mpack.sidecar import MANIFEST_NAME, MODEL_DIMS
-from mpack.target import BLOCK_FP8, BLOCK_FP8_HINT, QUANT_METHODS
+from mpack.target import BLOCK_FP8, BLOCK_FP8_HINT, EXPERT_PARALLEL, QUANT_METHODS
 
 ATTACH_MODES = ("auto", "require", "never")
 #: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
@@ -177,6 +177,24 @@ def expected_profile(quant_config: Any, capability: int | None) -> str:
     return "w8a8-marlin" if (w8a8 and capability is not None and capability >= 89) else "w8a16"
 
 
+def _check_expert_placement(engine: dict[str, Any], where: Path) -> None:
+    """An expert-parallel sidecar holds experts ``[r*E/T, (r+1)*E/T)`` on TP rank ``r``: what
+    vLLM 0.33.0 places there with data parallelism 1, the ``linear`` placement and no EPLB
+    (mpack's limit: its targets are TP sizes; refused before any model memory)."""
+    for what, have, want in (
+        ("data-parallel size", engine["data_parallel_size"], 1),
+        ("expert placement", engine["expert_placement"], "linear"),
+        ("expert load balancing (EPLB)", "on" if engine["eplb"] else "off", "off"),
+    ):
+        if have != want:
+            raise EngineMismatchError(
+                f"{where}: the engine's {what} is {have}: an expert-parallel sidecar holds "
+                f"whole experts split over the TP ranks as vLLM places them with {what} {want} "
+                "(mpack's limit)",
+                hint=f"run vLLM with {what} {want}, or load a sidecar converted with --ep off",
+            )
+
+
 def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) -> None:
     """Every fact of the sidecar's target and model that the engine fixes, compared; one error
     naming both values for the first that differs (docs/VLLM.md, "What is refused")."""
@@ -211,12 +229,24 @@ def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) 
             f"convert with --profile {engine['profile']}: {engine['profile_why']}",
         ),
     ]
+    ep, engine_ep = bool(t.get(EXPERT_PARALLEL)), engine["expert_parallel"]
+    checks.append(
+        (
+            "expert parallelism",
+            "on" if ep else "off",
+            "on" if engine_ep else "off",
+            f"run vLLM {'with' if ep else 'without'} --enable-expert-parallel, or convert with "
+            f"--ep {'on' if engine_ep else 'off'}",
+        )
+    )
     for what, have, want, hint in checks:
         if have != want:
             raise EngineMismatchError(
                 f"{where}: the sidecar's {what} is {shown(have)}, the engine's is {want}",
                 hint=hint,
             )
+    if ep:
+        _check_expert_placement(engine, where)
     made_from = manifest["model"].get("architecture")
     if _layout(manifest).family is None or made_from != engine["architecture"]:
         known = arch.ARCHITECTURES + arch.WRAPPER_ARCHITECTURES
@@ -329,16 +359,31 @@ def family(manifest: dict[str, Any]) -> arch.Family:
     return fam
 
 
+def _shard_modules(name: str, ly: Mapping[str, Any], fam: arch.Family) -> list[str]:
+    """The modules (vLLM's names) a layer's ``shards`` must list: vLLM's fusion of a dense
+    layer; a MoE block's stacked layer's first expert's gate and up (``w13``) or down (``w2``)."""
+    if "experts" not in ly or fam.experts is None:
+        return arch.part_modules(name, fam)
+    block, _, param = name.rpartition(".experts.")
+    linears = (0, 1) if param == arch.EXPERTS_PARAMS[0] else (2,)
+    return [fam.experts.module(block, 0, i) for i in linears]
+
+
 def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
     """The checkpoint modules the Marlin layers of a ``--no-passthrough`` sidecar stand for (vLLM
     must skip their tensors when it reads the checkpoint), from each layer's ``shards``: a list
-    of ``{"module", "rows"}``, the modules those of vLLM's fusion of the layer, the rows adding
-    up to ``n`` (docs/FORMAT.md)."""
+    of ``{"module", "rows"}``, the modules those of vLLM's fusion of the layer (a MoE block's
+    stacked layer: its first expert's), the rows adding up to ``n`` (docs/FORMAT.md). A MoE
+    block's layer stands for that linear of every expert of the block: ``experts`` per rank, on
+    every rank under expert parallelism."""
     manifest_path = Path(where) / MANIFEST_NAME
     skip: set[str] = set()
     lay = layout(manifest)
     fam = family(manifest)
+    t = manifest["target"]
+    ranks_of_experts = t["tp_size"] if t.get(EXPERT_PARALLEL) else 1
     for name, ly in manifest["layers"].items():
+        want = _shard_modules(name, ly, fam)
         shards = ly.get("shards")
         ok = isinstance(shards, list) and all(
             isinstance(s, Mapping)
@@ -349,17 +394,23 @@ def check_shards(manifest: dict[str, Any], where: Path) -> set[str]:
         )
         if ok:
             modules = [s["module"] for s in shards]
-            ok = [lay.vllm_name(m) for m in modules] == arch.part_modules(name, fam) and sum(
+            ok = [lay.vllm_name(m) for m in modules] == want and sum(
                 s["rows"] for s in shards
             ) == ly["n"]
         if not ok:
             raise InputError(
                 f"{manifest_path}: layer {first_and_more([name])}: shards is {quote(shards)}, not "
-                f"[{{'module', 'rows'}}, ...] for {', '.join(arch.part_modules(name, fam))} with "
+                f"[{{'module', 'rows'}}, ...] for {', '.join(want)} with "
                 f"rows adding up to n={ly['n']}",
                 hint="regenerate the sidecar with mpack convert",
             )
-        skip.update(modules)
+        if "experts" in ly and fam.experts is not None:
+            count = ly["experts"] * ranks_of_experts
+            for m in modules:
+                block, _, linear = fam.experts.expert_of(m) or (m, 0, 0)
+                skip.update(fam.experts.module(block, e, linear) for e in range(count))
+        else:
+            skip.update(modules)
     return skip
 
 

@@ -82,6 +82,7 @@ from mpack.sidecar import (
     load_manifest,
     read_file_map,
 )
+from mpack.target import EXPERT_PARALLEL
 
 #: vLLM's quantization keys of the two FP8 paths that run through Marlin.
 MARLIN_QUANT_KEYS = ("w8a16_fp8", "fp8_w8a8")
@@ -94,7 +95,21 @@ def engine_target(engine: dict[str, Any]) -> dict[str, Any]:
         "profile": engine["profile"],
         "act_dtype": engine["dtype"],
         "fusion": "vllm",
+        **({EXPERT_PARALLEL: True} if engine["expert_parallel"] else {}),
     }
+
+
+def _expert_parallel(vllm_config: Any, model_config: Any) -> bool:
+    """Whether the engine splits a MoE model's experts whole across its ranks (vLLM 0.33.0's
+    ``use_ep``: ``--enable-expert-parallel`` with more than one rank; a dense model has no
+    experts to split)."""
+    pc = vllm_config.parallel_config
+    hf = model_config.hf_config
+    architecture = (getattr(hf, "architectures", None) or [None])[0]
+    lay = arch.layout_of(architecture, arch.text_architecture(architecture, hf.to_dict()))
+    moe_model = lay.family is not None and lay.family.experts is not None
+    ranks = pc.tensor_parallel_size * pc.data_parallel_size
+    return bool(moe_model and pc.enable_expert_parallel and ranks > 1)
 
 
 # --- checks against the engine (before any model memory): runtime/vllm/checks.py ---------------
@@ -121,16 +136,22 @@ def _engine_facts(vllm_config: Any, model_config: Any) -> dict[str, Any]:
     why = f"vLLM runs this checkpoint with {scheme_class(method, profile)} on sm {capability}"
     text = model_config.hf_config.get_text_config()
     dims = {k: getattr(text, k) for k in MODEL_DIMS if getattr(text, k, None) is not None}
+    architecture = (getattr(model_config.hf_config, "architectures", None) or [None])[0]
+    pc = vllm_config.parallel_config
     return {
         "version": vllm.__version__,
         "tp_size": get_tensor_model_parallel_world_size(),
+        "expert_parallel": _expert_parallel(vllm_config, model_config),
+        "data_parallel_size": pc.data_parallel_size,
+        "expert_placement": pc.expert_placement_strategy,
+        "eplb": bool(pc.enable_eplb),
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "profile": profile,
         "profile_why": why,
         "quant_method": method,
         "model": dims,
         "tied": bool(getattr(text, "tie_word_embeddings", False)),
-        "architecture": (getattr(model_config.hf_config, "architectures", None) or [None])[0],
+        "architecture": architecture,
     }
 
 
@@ -322,12 +343,6 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     check_layers(manifest, expected, sidecar)
     experts = any("experts" in ly for ly in manifest["layers"].values())
     has_common = COMMON_NAME in {f["name"] for f in manifest["files"]}
-    if experts and not has_common:
-        raise EngineMismatchError(
-            f"{sidecar}: a sidecar with MoE experts loads only with its {COMMON_NAME} (it "
-            "carries the experts' input scales) (mpack's limit)",
-            hint="convert without --no-passthrough",
-        )
     skip = None
     if has_common:
         common = read_file_map(sidecar / COMMON_NAME, follow=False)
@@ -382,6 +397,7 @@ class MpackModelLoader(DefaultModelLoader):
                     "profile": expected_profile(qc, _capability()),
                     "act_dtype": str(model_config.dtype).removeprefix("torch."),
                     "fusion": "vllm",
+                    **({EXPERT_PARALLEL: True} if _expert_parallel(cfg, model_config) else {}),
                 }
         sidecar_dir(self.options, model_config.model, model_config.revision, target=target)
 
@@ -630,15 +646,20 @@ def _rest_of_model(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors vLLM loads itself: ``common.safetensors`` from the sidecar's allocation, or,
     for a sidecar written with ``--no-passthrough``, the checkpoint's tensors other than the
-    Marlin layers' (``checked.skip``: the checkpoint modules their ``shards`` name)."""
+    Marlin layers' (``checked.skip``: the checkpoint modules their ``shards`` name). An
+    expert's static ``input_scale`` is vLLM's to load (the block keeps their maximum), as
+    ``common.safetensors`` passes it through."""
     if checked.skip is None:
         in_rank_file = expected_rank_tensors(weights.manifest)
         for name in weights:
             if name not in in_rank_file:
                 yield name, weights[name]
         return
+    experts = layout(checked.manifest).family.experts  # type: ignore[union-attr]
     for name, tensor in loader.get_all_weights(model_config, model):
-        if name.rpartition(".")[0] not in checked.skip:
+        module, _, leaf = name.rpartition(".")
+        expert_input = leaf == "input_scale" and experts is not None and experts.expert_of(module)
+        if module not in checked.skip or expert_input:
             yield name, tensor
 
 

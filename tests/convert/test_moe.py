@@ -200,3 +200,71 @@ def test_intermediate_is_padded_per_shard_as_vllm_pads_it(tmp_path: Path) -> Non
     assert torch.equal(cols[:, :32], down[:, mine]) and not cols[:, 32:].any()
     r = cli("verify", out, "--source", ck)
     assert r.returncode == 0, explain(r)
+
+
+def test_expert_parallel_target_holds_whole_experts_per_rank(ck: Path, tmp_path: Path) -> None:
+    """--ep on (vLLM's --enable-expert-parallel): rank r of 2 holds experts 2r and 2r+1 whole,
+    byte for byte the TP-1 sidecar's slices of the stacked tensors (made in the same run: one
+    read); the attention stays TP-sharded as in the plain TP-2 target. Names: tp2ep-..., and
+    at --tp 1, --ep on is the TP-1 target (one rank holds every expert either way)."""
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    r = cli("convert", ck, "-o", out, "--tp", "1,2", "--ep", "off,on", "--quiet")
+    assert r.returncode == 0, explain(r)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["tp1-w8a16-bfloat16", "tp2-w8a16-bfloat16", "tp2ep-w8a16-bfloat16"]
+    ep, tp1, tp2 = (out / n for n in ("tp2ep-w8a16-bfloat16", names[0], names[1]))
+    m = manifest(ep)
+    assert m["target"]["expert_parallel"] is True
+    assert "expert_parallel" not in manifest(tp2)["target"]
+    w13, w2 = (m["layers"][f"{B}.experts.routed_experts.{p}"] for p in ("w13", "w2"))
+    assert (w13["experts"], w13["n"], w2["k"]) == (2, 256, 128)  # whole intermediate, 2 of 4
+    with safe_open(str(tp1 / "rank-00-of-01.safetensors"), "pt") as one:
+        for rank in range(2):
+            with (
+                safe_open(str(ep / f"rank-{rank:02d}-of-02.safetensors"), "pt") as mine,
+                safe_open(str(tp2 / f"rank-{rank:02d}-of-02.safetensors"), "pt") as plain,
+            ):
+                for name in mine.keys():  # noqa: SIM118
+                    got = mine.get_tensor(name)
+                    want = (
+                        one.get_tensor(name)[2 * rank : 2 * rank + 2]
+                        if ".experts." in name
+                        else plain.get_tensor(name)
+                    )
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    r = cli("verify", ep, "--source", ck)
+    assert r.returncode == 0, explain(r)
+    r = cli("inspect", ep)
+    assert r.returncode == 0 and "expert parallel" in r.stdout and "experts per rank" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("how", "args", "expect"),
+    [
+        (
+            "uneven",
+            ("--tp", "4", "--ep", "on"),
+            ("num_local_experts=6 experts do not split into --tp 4", "mpack's limit", "--ep off"),
+        ),
+        ("bad-value", ("--tp", "2", "--ep", "yes"), ("--ep takes off or on, got 'yes'",)),
+    ],
+)
+def test_expert_parallel_refusals(
+    ck: Path, tmp_path: Path, how: str, args: tuple[str, ...], expect: tuple[str, ...]
+) -> None:
+    if how == "uneven":
+        _remake(experts=6)(ck)
+    out = tmp_path / "sc"
+    r = cli("convert", ck, "-o", out, *args)
+    assert_refused(r, out, *expect)
+
+
+def test_expert_parallel_target_of_a_dense_model_is_refused(tmp_path: Path) -> None:
+    from mpack.fixtures import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "dense")
+    out = tmp_path / "sc"
+    r = cli("convert", ck, "-o", out, "--tp", "2", "--ep", "on")
+    assert_refused(r, out, "--ep on splits a mixture-of-experts model's experts", "has none")

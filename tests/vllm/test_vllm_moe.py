@@ -46,6 +46,7 @@ class Case:
     tp: int
     inter: int = 256  # the experts' intermediate size
     blocks: int = 2  # MoE blocks in the model's 2 decoder layers (Llama 4's: every second)
+    ep: bool = False  # expert parallelism: convert --ep on, vLLM --enable-expert-parallel
 
 
 #: Both families, both scale strategies (w13's two per-tensor scales requantized to one), both
@@ -89,8 +90,54 @@ CASES = [
         192,
         blocks=1,
     ),
+    # Expert parallelism (--ep on; vLLM's enable_expert_parallel): whole experts per rank at
+    # the full intermediate size (160 -> 192 padded: marlin_moe_padded_intermediate of 160),
+    # the attention and the shared expert TP-sharded; per-tensor w13 requantized; at TP 4, one
+    # of the tiny models' 4 experts per rank
+    Case(
+        "mixtral-channel-pad160-ep-w8a8-fp16-tp2",
+        "mixtral",
+        "FP8_DYNAMIC",
+        "w8a8-marlin",
+        "float16",
+        2,
+        160,
+        ep=True,
+    ),
+    Case(
+        "qwen2_moe-tensor-ep-w8a16-bf16-tp2",
+        "qwen2_moe",
+        "FP8",
+        "w8a16",
+        "bfloat16",
+        2,
+        192,
+        ep=True,
+    ),
+    Case(
+        "qwen3_moe-channel-ep-w8a16-fp16-tp4",
+        "qwen3_moe",
+        "FP8_DYNAMIC",
+        "w8a16",
+        "float16",
+        4,
+        ep=True,
+    ),
+    Case(
+        "llama4-tensor-ep-w8a8-bf16-tp2",
+        "llama4",
+        "FP8",
+        "w8a8-marlin",
+        "bfloat16",
+        2,
+        blocks=1,
+        ep=True,
+    ),
 ]
 CASE_IDS = [c.name for c in CASES]
+#: Loaded from a --no-passthrough sidecar (the rest from the checkpoint): a per-tensor case with
+#: static input scales, whose experts' input_scale vLLM must still read, and an EP one.
+NO_PASSTHROUGH = [CASES[0], next(c for c in CASES if c.name.startswith("qwen2_moe-tensor-ep"))]
 
 
 def ckpt_name(c: Case) -> str:
@@ -113,46 +160,55 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             work,
         )  # fmt: skip
 
-    def convert(c: Case) -> None:
+    def convert(c: Case, out: str, *extra: str) -> None:
         run_cli(
-            ["mpack", "convert", str(work / ckpt_name(c)), "-o", str(work / f"sc-{c.name}"),
-             "--quiet", "--tp", str(c.tp), "--profile", c.profile, "--act-dtype", c.dtype],
-            work,
-        )  # fmt: skip
-
-    def convert_np() -> None:  # CASES[0] without its common.safetensors
-        c = CASES[0]
-        run_cli(
-            ["mpack", "convert", str(work / ckpt_name(c)), "-o", str(work / "sc-np"), "--quiet",
-             "--tp", str(c.tp), "--profile", c.profile, "--act-dtype", c.dtype,
-             "--no-passthrough"],
+            ["mpack", "convert", str(work / ckpt_name(c)), "-o", str(work / out), "--quiet",
+             "--tp", str(c.tp), "--ep", "on" if c.ep else "off", "--profile", c.profile,
+             "--act-dtype", c.dtype, *extra],
             work,
         )  # fmt: skip
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(make, cks))
-        list(pool.map(convert, CASES))
-    convert_np()
+        list(pool.map(lambda c: convert(c, f"sc-{c.name}"), CASES))
+        list(pool.map(lambda c: convert(c, f"np-{c.name}", "--no-passthrough"), NO_PASSTHROUGH))
     by_tp: dict[int, list[dict[str, Any]]] = {}
     for c in CASES:
-        by_tp.setdefault(c.tp, []).append(
-            {"id": c.name, "model": str(work / ckpt_name(c)), "profile": c.profile,
-             "dtype": c.dtype}
-        )  # fmt: skip
+        engine = {"engine_args": {"enable_expert_parallel": True}} if c.ep else {}
+        base = {"model": str(work / ckpt_name(c)), "profile": c.profile, "dtype": c.dtype,
+                **engine}  # fmt: skip
+        by_tp.setdefault(c.tp, []).append({"id": c.name, **base})
         sidecar = str(work / f"sc-{c.name}")
         for path in PATHS:  # the same model through --load-format mpack
             by_tp[c.tp].append(
-                {"id": f"{c.name}/{path}", "model": str(work / ckpt_name(c)),
-                 "profile": c.profile, "dtype": c.dtype, "load_format": "mpack",
-                 "sidecar": sidecar,
+                {"id": f"{c.name}/{path}", **base, "load_format": "mpack", "sidecar": sidecar,
                  "extra": {"sidecar": sidecar, "attach": path.removeprefix("mpack-")}}
             )  # fmt: skip
-    c0, np_ = CASES[0], str(work / "sc-np")
-    by_tp[c0.tp].append(
-        {"id": "no-passthrough", "model": str(work / ckpt_name(c0)), "profile": c0.profile,
-         "dtype": c0.dtype, "load_format": "mpack", "sidecar": np_,
-         "extra": {"sidecar": np_, "attach": "never"}}
+        if c in NO_PASSTHROUGH:
+            np_ = str(work / f"np-{c.name}")
+            by_tp[c.tp].append(
+                {"id": f"{c.name}/no-passthrough", **base, "load_format": "mpack",
+                 "sidecar": np_, "extra": {"sidecar": np_, "attach": "never"}}
+            )  # fmt: skip
+    # an expert-parallel sidecar in an engine without expert parallelism, and the reverse; and
+    # in one that places the experts round robin
+    ep_case = next(c for c in CASES if c.ep)
+    ep_sc = str(work / f"sc-{ep_case.name}")
+    by_tp[ep_case.tp].append(
+        {"id": "round-robin", "model": str(work / ckpt_name(ep_case)),
+         "profile": ep_case.profile, "dtype": ep_case.dtype, "load_format": "mpack",
+         "sidecar": ep_sc, "extra": {"sidecar": ep_sc, "attach": "never"},
+         "engine_args": {"enable_expert_parallel": True,
+                         "expert_placement_strategy": "round_robin"}}
     )  # fmt: skip
+    plain = next(c for c in CASES if not c.ep and c.tp == ep_case.tp)
+    for sc, c, on in ((ep_case, plain, False), (plain, ep_case, True)):
+        by_tp[c.tp].append(
+            {"id": f"mismatch-ep-{on}", "model": str(work / ckpt_name(sc)), "profile": sc.profile,
+             "dtype": sc.dtype, "load_format": "mpack", "sidecar": str(work / f"sc-{sc.name}"),
+             "engine_args": {"enable_expert_parallel": on},
+             "extra": {"sidecar": str(work / f"sc-{sc.name}"), "attach": "never"}}
+        )  # fmt: skip
     runtime = work / "xdg-runtime"
     runtime.mkdir(mode=0o700)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -208,7 +264,8 @@ def test_rank_files_are_vllms_marlin_moe_tensors(world: dict[str, Any], case: Ca
             got = (t["shape"], t["dtype"], t["sha256"])
             assert got == (v["shape"], v["dtype"], v["sha256"]), f"rank {rank}: {name} differs"
         # every Marlin tensor vLLM prepared (int32 tiles and their scales) is in the rank file
-        prepared = {n for n, v in vllm.items() if v["dtype"] == "int32"}
+        # (an expert-parallel block's int32 _expert_map is vLLM's own buffer)
+        prepared = {n for n, v in vllm.items() if v["dtype"] == "int32" and n.endswith("weight")}
         prepared |= {n + "_scale" for n in prepared}  # X.weight_scale, w13_weight_scale
         assert prepared <= set(mine), sorted(prepared - set(mine))
 
@@ -236,13 +293,44 @@ def test_mpack_loads_the_same_model_as_vllm(world: dict[str, Any], case: Case, p
 
 
 @pytest.mark.slow
-def test_no_passthrough_moe_sidecar_is_refused_before_the_model(world: dict[str, Any]) -> None:
-    """Its experts' input scales are in no file the loader reads: refused by name, as mpack's
-    limit, before vLLM builds a layer."""
-    res = world["results"][CASES[0].tp][0]["no-passthrough"]
+@pytest.mark.parametrize("case", NO_PASSTHROUGH, ids=[c.name for c in NO_PASSTHROUGH])
+def test_no_passthrough_moe_sidecar_loads_the_same_model(world: dict[str, Any], case: Case) -> None:
+    """A --no-passthrough sidecar: the experts from its rank files, the rest (routers, norms,
+    the experts' input scales) from the checkpoint, whose expert weights vLLM must skip on every
+    rank (under expert parallelism, the other ranks' experts too)."""
+    for rank in range(case.tp):
+        res = world["results"][case.tp][rank]
+        got = res[f"{case.name}/no-passthrough"]
+        assert got["ok"], got.get("traceback")
+        assert_same_tensors(got["tensors"], res[case.name]["tensors"], f"np r{rank}")
+        assert got["state"] == res[case.name]["state"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_ep", [False, True])
+def test_expert_parallelism_must_match(world: dict[str, Any], engine_ep: bool) -> None:
+    """An expert-parallel sidecar in an engine without --enable-expert-parallel (whose ranks
+    hold a slice of every expert), and the reverse: refused naming both, before any layer."""
+    ep_case = next(c for c in CASES if c.ep)
+    res = world["results"][ep_case.tp][0][f"mismatch-ep-{engine_ep}"]
     assert not res["ok"]
     err = res["error"]
     assert "EngineMismatchError" in err["mro"], res.get("traceback")
-    assert "MoE experts loads only with its common.safetensors" in err["message"]
-    assert "mpack's limit" in err["message"] and "--no-passthrough" in err["hint"]
+    have, want = ("off", "on") if engine_ep else ("on", "off")
+    assert f"expert parallelism is {have}, the engine's is {want}" in err["message"]
+    assert f"--ep {want}" in err["hint"] and "--enable-expert-parallel" in err["hint"]
+    assert err["linear_layers_built"] == 0
+
+
+@pytest.mark.slow
+def test_expert_parallel_sidecar_refuses_another_placement(world: dict[str, Any]) -> None:
+    """vLLM's round_robin placement puts experts 0, 2, ... on rank 0, not the sidecar's
+    consecutive ones: refused as mpack's limit, naming the placement, before any layer."""
+    ep_case = next(c for c in CASES if c.ep)
+    res = world["results"][ep_case.tp][0]["round-robin"]
+    assert not res["ok"]
+    err = res["error"]
+    assert "EngineMismatchError" in err["mro"], res.get("traceback")
+    assert "expert placement is round_robin" in err["message"]
+    assert "mpack's limit" in err["message"] and "linear" in err["hint"]
     assert err["linear_layers_built"] == 0

@@ -256,7 +256,8 @@ def engine_config(load: dict[str, Any], tp: int, **overrides: Any) -> Any:
         moe_backend="marlin",  # MoE models' experts (mpack's layout is Marlin's)
         **kw,
     )
-    return EngineArgs(**{**args, **overrides}).create_engine_config()
+    # a load's own engine arguments (enable_expert_parallel), then the caller's
+    return EngineArgs(**{**args, **load.get("engine_args", {}), **overrides}).create_engine_config()
 
 
 def build(cfg: Any) -> nn.Module:
