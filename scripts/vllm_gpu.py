@@ -326,6 +326,8 @@ def worker(work: Path, out: Path, role: str, go: Path) -> None:
             r["same_names"] = sorted(sd) == sorted(sm)
             r["differ"] = sorted(k for k in sd if sd[k] != sm.get(k))[:10]
             r["tensors"] = len(sd)
+        r["passthrough"] = getattr(mp, "_mpack_passthrough", None)
+        r["outside_sidecar"] = vw.outside_sidecar(mp)
         r["_layers"] = layers
         r["_shared"] = shared
         r["_models"] = (len(held) - 2, len(held) - 1) if role == "a" else (len(held) - 1,)
@@ -399,6 +401,9 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
     dt = time.perf_counter() - t0
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     res = {"path": path, "seconds": round(dt, 3), "param_bytes": n}
+    # what this process holds itself (an attached engine: what it did not map from the daemon)
+    res["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+    res["passthrough"] = getattr(model, "_mpack_passthrough", None)
     print(json.dumps(res | {k: round(v, 4) for k, v in prep.items()}), flush=True)
 
 
@@ -565,9 +570,18 @@ def run(a: argparse.Namespace) -> int:
                 "two_processes_same_outputs": r["outputs"] == rb[name]["outputs"],
                 "shared_unchanged_after_forwards": r["unchanged_after_forward"]
                 and rb[name]["unchanged_after_forward"],
+                # every parameter in the daemon's mapping but those the loader names as copied
+                "passthrough": r["passthrough"],
+                "nothing_copied_silently": sorted(r["outside_sidecar"] or [])
+                == sorted((r["passthrough"] or {}).get("copied", [None])),
             }
         summary["cases"] = rows
-        need = ["params_and_buffers_identical", "zero_copy", "shared_unchanged_after_forwards"]
+        need = [
+            "params_and_buffers_identical",
+            "zero_copy",
+            "shared_unchanged_after_forwards",
+            "nothing_copied_silently",
+        ]
         if dev != "cpu":  # forwards run only where marlin_gemm exists
             need += ["forward_equal_default", "two_processes_same_outputs"]
         summary["all_ok"] = all(row[k] is True for row in rows.values() for k in need) and all(

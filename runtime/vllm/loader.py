@@ -74,6 +74,7 @@ from mpack.runtime.vllm.checks import (
     quant_method_of,
     scheme_class,
 )
+from mpack.runtime.vllm.inplace import InPlace
 from mpack.runtime.vllm.source import rank_weights, sidecar_dir
 from mpack.sidecar import (
     COMMON_NAME,
@@ -452,12 +453,19 @@ class MpackModelLoader(DefaultModelLoader):
         (``layers`` given), every parameter of the model must have been loaded."""
         source = checked.sidecar / COMMON_NAME if checked.skip is None else Path(model_config.model)
         last: list[str] = []  # the tensor vLLM was given last: the one it failed on
+        # the sidecar's pass-through tensors used in place where vLLM would copy them as they
+        # are (runtime/vllm/inplace.py); a checkpoint's (--no-passthrough) are vLLM's to copy
+        in_place = InPlace() if checked.skip is None and layers is not None else None
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in _rest_of_model(self, model, model_config, checked, weights):
                 last[:] = [name]
+                if in_place is not None:
+                    in_place.yielded.add(t.data_ptr())
                 yield name, t
 
+        if in_place is not None:
+            in_place.wrap(model, layers.values())  # type: ignore[union-attr]
         try:
             loaded = model.load_weights(tensors())
         except torch.OutOfMemoryError:
@@ -471,8 +479,30 @@ class MpackModelLoader(DefaultModelLoader):
                 f"{type(e).__name__}: {shown(str(e))}",
                 hint=OTHER_MODEL_HINT,
             ) from e
+        finally:
+            if in_place is not None:
+                in_place.restore()
+        if in_place is not None:
+            model._mpack_passthrough = in_place.report()
+            _log_passthrough(model._mpack_passthrough)
         if layers is not None:
             _check_all_loaded(model, loaded, layers, source)
+
+
+def _log_passthrough(r: dict[str, Any]) -> None:
+    """One line per rank: the pass-through tensors used in place, and those copied, named."""
+    import logging
+
+    copied = r["copied"]
+    named = f": {', '.join(copied[:4])}{' ...' if len(copied) > 4 else ''}" if copied else ""
+    logging.getLogger("vllm.mpack").info(
+        "mpack pass-through: %d tensors (%.1f MiB) used in place, %d copied (%.1f MiB)%s",
+        r["in_place"],
+        r["in_place_bytes"] / 2**20,
+        len(copied),
+        r["copied_bytes"] / 2**20,
+        named,
+    )
 
 
 def _common_shapes(weights: Any) -> dict[str, tuple[int, ...]]:

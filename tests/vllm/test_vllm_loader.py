@@ -106,9 +106,15 @@ FAMILY_CKPT = {
 LLAMA_TENSOR = ["--arch", "llama", "--scheme", "FP8", "--dtype", "bfloat16"]
 CKPTS = {
     "llama-tensor": LLAMA_TENSOR,
-    "llama-channel": ["--arch", "llama", "--scheme", "FP8_DYNAMIC", "--dtype", "float16"],
+    # a vocabulary of 1024, a multiple of vLLM's 64-row padding at TP 1 and 2: embeddings and
+    # lm_head used in place (runtime/vllm/inplace.py); the others' 1000 pads, and is copied
+    "llama-channel": [
+        *("--arch", "llama", "--scheme", "FP8_DYNAMIC", "--dtype", "float16", "--vocab", "1024")
+    ],
     "qwen2-tensor": ["--arch", "qwen2", "--scheme", "FP8", "--dtype", "float16"],
-    "qwen2-channel": ["--arch", "qwen2", "--scheme", "FP8_DYNAMIC", "--dtype", "bfloat16"],
+    "qwen2-channel": [
+        *("--arch", "qwen2", "--scheme", "FP8_DYNAMIC", "--dtype", "bfloat16", "--vocab", "1024")
+    ],
     # One layer fewer than llama-tensor, otherwise the same: a sidecar of another model.
     "llama-tensor-1layer": [*LLAMA_TENSOR, "--layers", "1"],
     # llama-tensor's config and shapes, other weights (a fine-tune of the same model, as far as
@@ -671,3 +677,34 @@ def test_bad_input_refused_before_the_model(world: dict[str, Any], name: str) ->
             f"{name}: refused only after building {err['linear_layers_built']} linear layers: "
             f"{err['message']}"
         )
+
+
+#: The checkpoints whose vocabulary (1024) needs no padding rows at TP 1 and 2.
+IN_PLACE_VOCAB = ("llama-channel", "qwen2-channel")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_pass_through_tensors_are_used_in_place(world: dict[str, Any], case: Case) -> None:
+    """Every parameter of the loaded model lies in the sidecar's tensors (the daemon's mapping,
+    or the private load) except those the loader names as copied (runtime/vllm/inplace.py):
+    nothing copied silently. Where the rank's vocabulary rows need no padding, no embedding is
+    copied (a vocabulary of 1024: nothing at all); where vLLM pads them (1000 -> 1024: at TP 1,
+    and on TP 2's rank 1, rows 512-999 and 24 zero rows), the embedding is copied, and named."""
+    vocab = 1024 if case.ckpt in IN_PLACE_VOCAB else 1000
+    args = CKPTS[case.ckpt]
+    # an engine dtype other than the checkpoint's: vLLM casts every tensor as it copies it
+    made = args[args.index("--dtype") + 1] if "--dtype" in args else "bfloat16"  # the fixture's
+    cast = made != case.dtype
+    for rank, res in enumerate(ranks(world, case.tp)):
+        pads = cast or (rank + 1) * 1024 // case.tp > vocab
+        for path in ("mpack-require", "mpack-never"):
+            got = ok(res[f"{case.name}/{path}"])
+            report, outside = got["passthrough"], got["outside_sidecar"]
+            what = f"{case.name} {path} rank {rank}"
+            assert report is not None and (report["in_place"] > 0) != cast, what
+            assert sorted(outside) == sorted(report["copied"]), what
+            copied_embedding = any(n.endswith("embed_tokens.weight") for n in report["copied"])
+            assert copied_embedding == pads, what
+            if case.ckpt in IN_PLACE_VOCAB and not cast:
+                assert report["copied"] == [] and report["copied_bytes"] == 0, what

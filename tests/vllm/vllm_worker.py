@@ -203,6 +203,24 @@ def marlin_views(model: nn.Module, sidecar: str | None) -> tuple[dict | None, di
     return info, out
 
 
+def outside_sidecar(model: nn.Module) -> list[str] | None:
+    """The model's parameters whose bytes are not in the sidecar's tensors (the loader's
+    ``_mpack_weights``: the daemon's mapping or the private load); None for vLLM's own load."""
+    weights = getattr(model, "_mpack_weights", None)
+    if weights is None:
+        return None
+    spans = {
+        (w.untyped_storage().data_ptr(), w.untyped_storage().nbytes())
+        for w in (weights[n] for n in weights)
+    }
+    out = []
+    for name, p in model.named_parameters():
+        at, end = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
+        if p.numel() and not any(b <= at and end <= b + n for b, n in spans):
+            out.append(name)
+    return out
+
+
 class LinearCount:
     """Counts vLLM ``LinearBase`` layers built: a model refused before allocation built none."""
 
@@ -287,6 +305,8 @@ def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
                 "state": layer_state(model),
                 "weights": info,
                 "marlin": views,
+                "passthrough": getattr(model, "_mpack_passthrough", None),
+                "outside_sidecar": outside_sidecar(model),
             }
     except Exception as e:
         return {
