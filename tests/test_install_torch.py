@@ -119,4 +119,4 @@ def test_the_makefile_installs_torch_only_through_the_script() -> None:
         if "pip install" in line and re.search(r"\btorch==", line)
     ]
     assert not plain, plain
-    assert make.count("scripts/install_torch.sh $(") == 2  # .venv and .venv-vllm
+    assert make.count("scripts/install_torch.sh $(") == 3  # .venv, .venv-vllm and .venv-real
