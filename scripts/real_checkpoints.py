@@ -153,9 +153,8 @@ def main() -> int:
 
     quantize("FP8_DYNAMIC", "fp8-dynamic", calibrate=False)
     quantize("FP8", "fp8-static", calibrate=True)
-    versions = {}
-    for pkg in ("torch", "transformers", "llmcompressor", "compressed_tensors", "gguf"):
-        versions[pkg] = importlib.metadata.version(pkg.replace("_", "-"))
+    pkgs = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf")
+    versions = {pkg: importlib.metadata.version(pkg) for pkg in pkgs}
     (a.out / "versions.json").write_text(json.dumps(versions, indent=1, sort_keys=True) + "\n")
     print(json.dumps({"out": str(a.out), **versions}))
     return 0

@@ -27,7 +27,8 @@ is the embedding's parameter itself. This module imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,45 +47,49 @@ class InPlace:
     #: The parameters vLLM's loader copied into (their names), and the bytes.
     copied: list[str] = field(default_factory=list)
     copied_bytes: int = 0
-    _restore: list[tuple[nn.Parameter, Any]] = field(default_factory=list)
-    _names: dict[int, str] = field(default_factory=dict)
+    _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
 
-    def wrap(self, model: nn.Module, skip: Iterable[nn.Module]) -> None:
+    @contextlib.contextmanager
+    def loading(self, model: nn.Module, skip: Iterable[nn.Module]) -> Iterator[None]:
         """Wrap the loader of every parameter of ``model`` outside the modules ``skip`` (the
-        Marlin layers, whose parameters are the sidecar's already)."""
+        Marlin layers, whose parameters are the sidecar's already) for the duration of the
+        load; the originals are put back however it ends."""
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        held = set(skip)
-        owner = {}
-        for module in model.modules():
-            if module in held:
-                continue
-            for p in module.parameters(recurse=False):
-                owner.setdefault(id(p), module)
-        for name, p in model.named_parameters():
-            module = owner.get(id(p))
-            if module is None:
-                continue
-            original = getattr(p, "weight_loader", None)
-            vocab = isinstance(module, VocabParallelEmbedding) and p is module.weight
-            plain = original is None or original is default_weight_loader
-            try:
-                p.weight_loader = self._loader(
-                    module, original or default_weight_loader, plain, vocab
-                )
-            except AttributeError:  # a vLLM parameter class's read-only loader: it copies
-                continue
-            self._names[id(p)] = name
-            self._restore.append((p, original))
+        held, restore = set(skip), []
+        try:
+            for prefix, module in model.named_modules():
+                if module in held:
+                    continue
+                for pname, p in module.named_parameters(recurse=False):
+                    if id(p) in self._names:  # a tied parameter: its first module's
+                        continue
+                    original = getattr(p, "weight_loader", None)
+                    vocab = isinstance(module, VocabParallelEmbedding) and p is module.weight
+                    plain = original is None or original is default_weight_loader
+                    loader = self._loader(module, original or default_weight_loader, plain, vocab)
+                    try:
+                        p.weight_loader = loader
+                    except AttributeError:  # a vLLM parameter class's read-only loader: copies
+                        continue
+                    self._names[id(p)] = f"{prefix}.{pname}" if prefix else pname
+                    restore.append((p, original))
+            yield
+        finally:
+            for p, original in restore:
+                if original is None:
+                    del p.weight_loader
+                else:
+                    p.weight_loader = original
 
-    def restore(self) -> None:
-        for p, original in self._restore:
-            if original is None:
-                del p.weight_loader
-            else:
-                p.weight_loader = original
-        self._restore.clear()
+    def feed(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``tensors`` as they are, each one marked as the sidecar's (only those go in place)."""
+        for name, t in tensors:
+            self.yielded.add(t.data_ptr())
+            yield name, t
 
     def _view(
         self, module: nn.Module, param: nn.Parameter, loaded: torch.Tensor, plain: bool, vocab: bool

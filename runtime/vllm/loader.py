@@ -460,14 +460,18 @@ class MpackModelLoader(DefaultModelLoader):
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in _rest_of_model(self, model, model_config, checked, weights):
                 last[:] = [name]
-                if in_place is not None:
-                    in_place.yielded.add(t.data_ptr())
                 yield name, t
 
-        if in_place is not None:
-            in_place.wrap(model, layers.values())  # type: ignore[union-attr]
+        wrapped = (
+            in_place.loading(model, layers.values())  # type: ignore[union-attr]
+            if in_place is not None
+            else contextlib.nullcontext()
+        )
         try:
-            loaded = model.load_weights(tensors())
+            with wrapped:
+                loaded = model.load_weights(
+                    tensors() if in_place is None else in_place.feed(tensors())
+                )
         except torch.OutOfMemoryError:
             raise  # the machine's fault, not the file's
         except (AssertionError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as e:
@@ -479,9 +483,6 @@ class MpackModelLoader(DefaultModelLoader):
                 f"{type(e).__name__}: {shown(str(e))}",
                 hint=OTHER_MODEL_HINT,
             ) from e
-        finally:
-            if in_place is not None:
-                in_place.restore()
         if in_place is not None:
             model._mpack_passthrough = in_place.report()
             _log_passthrough(model._mpack_passthrough)

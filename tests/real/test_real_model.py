@@ -89,16 +89,44 @@ def test_verify_re_derives_the_sidecar(converted: Any, tp: int, profile: str) ->
 
 
 def _chat_ids(tok: Any) -> Any:
+    """Each prompt through the chat template, one at a time (no padding)."""
     import torch
 
-    rows = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+    return [
+        torch.tensor(
+            [
+                tok.apply_chat_template(
+                    [{"role": "user", "content": p}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+            ]
         )
         for p in PROMPTS
     ]
-    rows = [r["input_ids"] if isinstance(r, dict) or hasattr(r, "keys") else r for r in rows]
-    return [torch.tensor([r]) for r in rows]  # one prompt at a time: no padding
+
+
+#: The checkpoint's greedy tokens per prompt, by (checkpoint, profile): the reference is the same
+#: model for every TP size (its requantization and act-dtype rounding depend on the profile only),
+#: so it is built and run once for both.
+_REFERENCE: dict[tuple[str, str], list[list[int]]] = {}
+
+
+def _reference_tokens(name: str, ck: Path, sc: Path, profile: str, prompts: list[Any]) -> Any:
+    import torch
+
+    from mpack.sidecar import load_manifest
+    from mpack.verify.forward import reference_model
+    from mpack.verify.model import greedy_generate
+
+    if (name, profile) not in _REFERENCE:
+        manifest, _ = load_manifest(sc)
+        ref = reference_model(ck, manifest, torch.float32)
+        _REFERENCE[name, profile] = [
+            greedy_generate(ref, ids, STEPS)[0].tolist() for ids in prompts
+        ]
+    return _REFERENCE[name, profile]
 
 
 @pytest.mark.parametrize(("tp", "profile"), TARGETS)
@@ -109,22 +137,19 @@ def test_same_text_from_the_sidecar_as_from_the_checkpoint(
     from transformers import AutoTokenizer
 
     from mpack.runtime.loader import load
-    from mpack.sidecar import load_manifest
-    from mpack.verify.forward import reference_model
     from mpack.verify.model import build_model, greedy_generate
 
     name, ck, out = converted
     sc = _target(out, tp, profile)
-    manifest, _ = load_manifest(sc)
     tok = AutoTokenizer.from_pretrained(ck)
+    prompts = _chat_ids(tok)
+    reference = _reference_tokens(name, ck, sc, profile, prompts)
     ranks = [load(sc, rank=r, device="cpu") for r in range(tp)]
     ours = build_model(ranks, sc, dtype=torch.float32)
-    ref = reference_model(ck, manifest, torch.float32)
     texts = []
-    for i, ids in enumerate(_chat_ids(tok)):
+    for i, ids in enumerate(prompts):
         got, _ = greedy_generate(ours, ids, STEPS)
-        want, _ = greedy_generate(ref, ids, STEPS)
-        assert got.tolist() == want.tolist(), f"{name} tp{tp} {profile}: prompt {i}"
+        assert got.tolist() == reference[i], f"{name} tp{tp} {profile}: prompt {i}"
         text = tok.decode(got[0], skip_special_tokens=True)
         texts.append(text)
         if i in EXPECT:
