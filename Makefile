@@ -58,9 +58,10 @@ VLLM_MM_PKGS := torchvision mistral_common
 # loader's hostile inputs (tests/hostile/test_vllm_hostile.py, skipped in .venv).
 VLLM_PINNED_TESTS := tests/convert/test_ctlean.py tests/convert/test_checkpoint.py \
 	tests/convert/test_bad_inputs.py tests/test_fixtures.py \
-	tests/convert/test_convert.py::test_golden_case_cli tests/hostile/test_vllm_hostile.py
+	tests/convert/test_convert.py::test_golden_case_cli tests/hostile/test_vllm_hostile.py \
+	tests/test_vllm_version.py
 
-.PHONY: install install-vllm test test-vllm test-gpu test-real real-checkpoints lint format demo bench dist clean device-wheels
+.PHONY: install install-vllm test test-fast test-vllm test-gpu test-real demo-real real-checkpoints lint format demo bench dist clean device-wheels
 
 install: $(STAMP)
 
@@ -111,6 +112,11 @@ test: $(DEPS) $(VLLM_DEPS)
 	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PINNED_TESTS) $(VLLM_PYTEST_ARGS) || rc=1; \
 	exit $$rc
 
+# The quick loop (under 5 minutes on 2 cores): the main venv only, without the files that start
+# many processes or whole conversions (tests/conftest.py SLOW_FILES) and the tests marked slow.
+test-fast: $(DEPS)
+	$(PY) -m pytest -q --fast --ignore=tests/vllm --ignore=tests/real $(PYTEST_ARGS)
+
 # Only what the vLLM venv runs.
 test-vllm: $(DEPS) $(VLLM_DEPS)
 	MPACK_MAIN_PYTHON=$(PY) $(VLLM_PY) -m pytest -q tests/vllm $(VLLM_PINNED_TESTS) $(VLLM_PYTEST_ARGS)
@@ -132,6 +138,10 @@ $(REAL_STAMP): constraints-real.txt scripts/install_torch.sh
 real-checkpoints: $(REAL_STAMP)
 	test -f $(REAL_DIR)/versions.json || \
 		$(REAL_VENV)/bin/python scripts/real_checkpoints.py $(REAL_DIR)
+
+# The CPU half on the real model, its answers printed (README "A real model").
+demo-real: $(DEPS) real-checkpoints
+	$(PY) scripts/demo_real.py $(REAL_DIR)
 
 test-real: $(DEPS) real-checkpoints
 	MPACK_REAL_DIR=$(REAL_DIR) $(PY) -m pytest -q -s tests/real $(PYTEST_ARGS)

@@ -16,8 +16,17 @@ from mpack.convert.options import ConvertOptions
 
 if TYPE_CHECKING:
     from mpack.convert.pipeline import ConvertResult, MultiConvertResult, Progress
+    from mpack.verify import Verification
 
-__all__ = ["ConvertOptions", "ConvertResult", "MultiConvertResult", "convert", "start", "verify"]
+__all__ = [
+    "ConvertOptions",
+    "ConvertResult",
+    "MultiConvertResult",
+    "Verification",
+    "convert",
+    "start",
+    "verify",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +35,10 @@ def __getattr__(name: str) -> Any:
         from mpack.convert import pipeline
 
         return getattr(pipeline, name)
+    if name == "Verification":  # verify's result, from its layer, on first use (as verify())
+        from mpack.verify import Verification
+
+        return Verification
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -44,6 +57,7 @@ def convert(
     force: bool = False,
     skip_invalid: bool = False,
     backend: str = "auto",
+    layout: str = "auto",
 ) -> ConvertResult | MultiConvertResult:
     """Write a Marlin FP8 sidecar for ``source`` at ``out``; return what was done.
 
@@ -52,7 +66,10 @@ def convert(
     holding one sidecar per target at ``out/<name>`` (``tp{N}-{profile}-{act_dtype}``:
     :func:`mpack.target.dir_name`), the source is read once for all of them, and a
     :class:`MultiConvertResult` comes back (``results``: a ``ConvertResult`` per target;
-    ``skipped``). Each sidecar is byte for byte the one a run for that target alone writes.
+    ``skipped``; ``kept``: the targets already in ``out`` that this run did not make, left as
+    they are). Each sidecar is byte for byte the one a run for that target alone writes. So it
+    is with ``layout="targets"`` for any number of targets, and for one target into an ``out``
+    that already holds targets (Note [target layout] in mpack/target_dirs.py).
 
     Args:
         source: a checkpoint directory, or a Hugging Face repo id (resolved with ``revision``).
@@ -74,6 +91,9 @@ def convert(
         backend: ``"auto"`` (the first that can, in ``device``'s order: Note [choosing a
             backend] in :mod:`mpack.convert.backends`), or ``"host"``, ``"driver"`` or
             ``"torch"``: that one, or a ``UsageError`` saying why it cannot. Same bytes on each.
+        layout: ``"auto"`` (one target at ``out`` itself, unless ``out`` already holds
+            targets; several at ``out/<name>``) or ``"targets"`` (always ``out/<name>``: the
+            same paths whatever the number of targets, for a CI job that publishes them).
 
     Returns:
         A :class:`ConvertResult`, the same facts ``mpack convert --json`` prints: ``out`` (the
@@ -106,6 +126,7 @@ def convert(
             force=force,
             skip_invalid=skip_invalid,
             backend=backend,
+            layout=layout,
         ),
     )
 
@@ -155,23 +176,45 @@ def verify(
     *,
     source: str | os.PathLike | None = None,
     require_source: bool = False,
-) -> dict[str, Any]:
-    """Check a sidecar's files against its manifest and (with a source) against the checkpoint.
-    ``require_source``: fail when no source is found, rather than pass on the checksums alone.
+    revision: str | None = None,
+    forward: bool = False,
+    device: str | None = None,
+    rederive_device: str = "auto",
+) -> Verification:
+    """Check a sidecar's files against its manifest and (with a source) against the checkpoint,
+    as ``mpack verify`` does; raise if anything does not match. The arguments are
+    :func:`mpack.verify.verify`'s: ``source`` (default: the one the manifest records, if it is
+    here), ``require_source`` (fail when no source is found, rather than pass on the checksums
+    alone), ``revision`` (of a Hub ``source``), ``forward`` and ``device`` (the model outputs
+    compared, on ``device``), ``rederive_device``.
 
-    Kept for compatibility: verification lives in :func:`mpack.verify.verify`, which this
-    forwards to on each call. It is the one place ``mpack.convert`` imports ``mpack.verify``
-    (which itself uses ``mpack.convert``), so the import waits for the call.
+    This forwards to :func:`mpack.verify.verify` on each call. It is the one place
+    ``mpack.convert`` imports ``mpack.verify`` (which itself uses ``mpack.convert``), so the
+    import waits for the call.
 
     Returns:
-        The report dict ``mpack verify --json`` prints (:meth:`mpack.verify.Verification.report`).
+        A :class:`mpack.verify.Verification`, as :func:`convert` returns a ``ConvertResult``:
+        ``ok``, ``digest`` (the manifest digest), ``files_checked``, ``source_checked``,
+        ``layers_checked``, ``tensors_compared``, ``source_note``, ``source``, ``forward``,
+        ``seconds``; :meth:`~mpack.verify.Verification.report` gives the facts ``mpack verify
+        --json`` prints.
 
     Raises:
         VerificationError: listing every problem, if anything does not match.
-        SourceNotFoundError: with ``require_source``, no source found.
+        SourceNotFoundError: with ``require_source``, no source found; a source that lacks a
+            file the manifest records.
+        UsageError: ``device`` without ``forward``, ``revision`` without ``source``.
     """
     from mpack.verify import verify as verify_sidecar
 
-    result = verify_sidecar(sidecar, source=source, require_source=require_source)
+    result = verify_sidecar(
+        sidecar,
+        source=source,
+        require_source=require_source,
+        revision=revision,
+        forward=forward,
+        device=device,
+        rederive_device=rederive_device,
+    )
     result.raise_for_failure()
-    return result.report()
+    return result

@@ -26,6 +26,7 @@ from mpack.errors import (
     CorruptFileError,
     SourceNotFoundError,
     UnsupportedSchemeError,
+    arg,
     quote,
     shown,
 )
@@ -569,7 +570,7 @@ def check_scale_values(ck: Checkpoint, module: str, scale: Any, act_dtype: str) 
             f"{_where(ck, name)}: scale[{i}] = {float(scale[i])!r} exceeds {limit} "
             f"and would become inf after Marlin's exponent fold in {act_dtype}",
             hint=(
-                f"use --act-dtype float16 (limit {ACT_DTYPES['float16'].fold_limit}) "
+                f"use {arg('act_dtype', 'float16')} (limit {ACT_DTYPES['float16'].fold_limit}) "
                 "or a checkpoint with smaller scales"
                 if act_dtype == "bfloat16"
                 else "this checkpoint's scales are too large for Marlin; "

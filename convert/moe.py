@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from mpack import arch
-from mpack.errors import UnsupportedSchemeError
+from mpack.errors import UnsupportedSchemeError, arg
 from mpack.sidecar import CONFIG_NAME
 
 if TYPE_CHECKING:
@@ -121,16 +121,17 @@ def check_blocks(
         )
     if ep and count % tp:
         raise UnsupportedSchemeError(
-            f"{cfg}: {count_key}={count} experts do not split into --tp {tp} equal parts: "
-            "mpack's expert-parallel targets hold the same experts per rank (mpack's limit; "
-            "vLLM gives the first ranks one more)",
-            hint=f"choose a --tp that divides {count} for --ep on, or convert with --ep off",
+            f"{cfg}: {count_key}={count} experts do not split into {arg('tp', tp)} equal "
+            "parts: mpack's expert-parallel targets hold the same experts per rank (mpack's "
+            "limit; vLLM gives the first ranks one more)",
+            hint=f"choose a {arg('tp')} that divides {count} for {arg('ep', True)}, or convert "
+            f"with {arg('ep', False)}",
         )
     if not ep and inter % tp:
         raise UnsupportedSchemeError(
-            f"{cfg}: {ex.intermediate_key}={inter} does not split into --tp {tp} equal parts "
-            "(vLLM 0.33.0 asserts it does)",
-            hint=f"choose a --tp that divides {inter}",
+            f"{cfg}: {ex.intermediate_key}={inter} does not split into {arg('tp', tp)} equal "
+            "parts (vLLM 0.33.0 asserts it does)",
+            hint=f"choose a {arg('tp')} that divides {inter}",
         )
     return count, inter
 

@@ -3,8 +3,8 @@
 ``mpack convert``, :func:`mpack.convert.convert`, :func:`mpack.convert.start` and
 :func:`mpack.convert.pipeline.run_convert` all take this one object rather than each spelling
 out the options. Building one checks every value that needs no checkpoint (a misspelt profile,
-activation dtype, fusion, backend or device, a TP below 1) and parses the device once, so the
-run never checks them again. This module is a leaf: it imports :mod:`mpack.errors`,
+activation dtype, fusion, backend, layout or device, a TP below 1) and parses the device once,
+so the run never checks them again. This module is a leaf: it imports :mod:`mpack.errors`,
 :mod:`mpack.device` and :mod:`mpack.target` only, so the CLI builds one before it forks the
 scheme check (Note [scheme check in a child] in mpack/convert/scheme_check.py).
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpack.device import CONVERT, DeviceSpec
-from mpack.errors import UsageError
-from mpack.target import ACT_DTYPES, FUSIONS, PROFILES
+from mpack.errors import UsageError, arg
+from mpack.target import ACT_DTYPES, FUSIONS, PROFILES, check_layout
 
 #: The backends, by name (Note [choosing a backend] in mpack/convert/backends/__init__.py).
 BACKENDS = ("host", "driver", "torch")
@@ -38,17 +38,20 @@ class TargetSpec:
 
 
 def check_fusion_tp(fusion: str, tp: int) -> None:
-    """``--fuse none`` packs layers under their checkpoint names, which only TP 1 can."""
+    """``fuse="none"`` packs layers under their checkpoint names, which only TP 1 can."""
     if fusion == "none" and tp != 1:
         raise UsageError(
-            f"--fuse none packs layers under checkpoint names and needs --tp 1 (got --tp {tp})"
+            f"{arg('fuse', 'none')} packs layers under checkpoint names and needs "
+            f"{arg('tp', 1)} (got {arg('tp', tp)})"
         )
 
 
 def check_backend_name(backend: str) -> None:
-    """Refuse a ``--backend`` that is neither ``auto`` nor one of :data:`BACKENDS`."""
+    """Refuse a ``backend`` that is neither ``auto`` nor one of :data:`BACKENDS`."""
     if backend != "auto" and backend not in BACKENDS:
-        raise UsageError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise UsageError(
+            f"{arg('backend')} must be auto or one of {', '.join(BACKENDS)}, got {backend!r}"
+        )
 
 
 def _one_or_many(value: Any) -> Any:
@@ -70,25 +73,25 @@ def _specs(tp: Any, profile: Any, act_dtype: Any, ep: Any = False) -> tuple[Targ
     rule: one rank holds every expert either way)."""
     tps, profiles, acts, eps = _listed(tp), _listed(profile), _listed(act_dtype), _listed(ep)
     for what, values in (
-        ("--tp", tps),
-        ("--profile", profiles),
-        ("--act-dtype", acts),
-        ("--ep", eps),
+        ("tp", tps),
+        ("profile", profiles),
+        ("act_dtype", acts),
+        ("ep", eps),
     ):
         if not values:
-            raise UsageError(f"{what} is empty; give at least one value")
+            raise UsageError(f"{arg(what)} is empty; give at least one value")
     for p in profiles:
         if p not in PROFILES:
-            raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {p!r}")
+            raise UsageError(f"{arg('profile')} must be one of {', '.join(PROFILES)}, got {p!r}")
     for a in acts:
         if a is not None and a not in ACT_DTYPES:
-            raise UsageError(f"--act-dtype must be {' or '.join(ACT_DTYPES)}, got {a!r}")
+            raise UsageError(f"{arg('act_dtype')} must be {' or '.join(ACT_DTYPES)}, got {a!r}")
     for t in tps:
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise UsageError(f"--tp must be at least 1, got {t}")
+            raise UsageError(f"{arg('tp')} must be at least 1, got {t}")
     for e in eps:
         if not isinstance(e, bool):
-            raise UsageError(f"--ep must be off or on, got {e!r}")
+            raise UsageError(f"{arg('ep')} must be off or on, got {e!r}")
     specs = [
         TargetSpec(t, p, a, e and t > 1)
         for t, e, p, a in itertools.product(tps, eps, profiles, acts)
@@ -123,6 +126,10 @@ class ConvertOptions:
     skip_invalid: bool = False
     #: ``auto`` or a backend's name (:data:`BACKENDS`): the one to use.
     backend: str = "auto"
+    #: Where the sidecars go (:data:`mpack.target.LAYOUTS`, Note [target layout] in
+    #: mpack/target_dirs.py): ``auto`` (one target at ``-o`` itself, unless it already holds
+    #: targets; several under ``OUT/<target>/``) or ``targets`` (always ``OUT/<target>/``).
+    layout: str = "auto"
     #: What is turned off (:data:`mpack.convert.backends.SWITCHES`); None: what the environment
     #: turns off.
     disable: frozenset[str] | None = None
@@ -137,14 +144,18 @@ class ConvertOptions:
             object.__setattr__(self, "disable", frozenset(self.disable))
         specs = _specs(self.tp, self.profile, self.act_dtype, self.ep)
         if self.fuse not in FUSIONS:
-            raise UsageError(f"--fuse must be one of {', '.join(FUSIONS)}, got {self.fuse!r}")
+            raise UsageError(
+                f"{arg('fuse')} must be one of {', '.join(FUSIONS)}, got {self.fuse!r}"
+            )
         if all(s.tp != 1 for s in specs):
             check_fusion_tp(self.fuse, specs[0].tp)  # no target can be made: the options' error
         check_backend_name(self.backend)
+        check_layout(self.layout)
         object.__setattr__(self, "specs", specs)
         object.__setattr__(self, "device_spec", DeviceSpec.of(self.device, CONVERT))
 
     @property
     def many(self) -> bool:
-        """More than one target: ``-o`` is then a directory of sidecars, ``OUT/<target>/``."""
+        """More than one target: ``-o`` is then a directory of sidecars, ``OUT/<target>/`` (as
+        it is for one with ``layout="targets"``: :func:`mpack.target_dirs.uses_target_dirs`)."""
         return len(self.specs) > 1

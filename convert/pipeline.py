@@ -36,7 +36,10 @@ tokenizer files are copied once and from that copy to the others. Each target is
 with its own lock, up-to-date check, work directory and swap; the swaps come last, so an
 interrupted run leaves no target (or, interrupted between two swaps, only finished ones). One
 target is the same run over a list of one; the only difference is where it goes: ``-o`` itself
-is the sidecar, where several go to ``OUT/<name>`` (:func:`mpack.target.dir_name`).
+is the sidecar, where several go to ``OUT/<name>`` (:func:`mpack.target.dir_name`), as one does
+with ``layout="targets"`` or into an ``OUT`` that already holds targets (Note [target layout]
+in mpack/target_dirs.py). Targets already in ``OUT`` that the run does not make are kept as they
+are, and reported (``MultiConvertResult.kept``).
 
 Every phase is timed on one :class:`~mpack.convert.timeline.Timeline`; ``ConvertResult.seconds``
 is read from it (:data:`SECONDS`).
@@ -83,7 +86,7 @@ from mpack.convert.source import (
 )
 from mpack.convert.stream import Sink, Streamer
 from mpack.convert.timeline import Timeline
-from mpack.errors import MpackError, OutputExistsError
+from mpack.errors import MpackError, OutputExistsError, arg
 from mpack.iokit import Aborted, copy_file, copy_tensors, pool, usable_cores
 from mpack.sidecar import (
     CHUNK_BYTES,
@@ -92,10 +95,12 @@ from mpack.sidecar import (
     MANIFEST_NAME,
     MODEL_CONFIG_KEYS,
     HashingWriter,
+    load_manifest,
     new_manifest,
     open_writer,
 )
 from mpack.target import dir_name
+from mpack.target_dirs import target_names, uses_target_dirs
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
 
@@ -145,13 +150,17 @@ class ConvertResult:
 
 @dataclass
 class MultiConvertResult:
-    """What a run of several targets did: ``out`` (the directory of sidecars), ``results`` (one
-    :class:`ConvertResult` per target written or up to date, ``out`` being ``OUT/<name>``),
-    ``skipped`` (``(name, why)`` of each invalid target left out with ``skip_invalid``)."""
+    """What a run into a directory of sidecars did (several targets, or ``layout="targets"``,
+    or an ``OUT`` that held targets already: Note [target layout] in mpack/target_dirs.py):
+    ``out`` (the directory), ``results`` (one :class:`ConvertResult` per target written or up
+    to date, ``out`` being ``OUT/<name>``), ``skipped`` (``(name, why)`` of each invalid target
+    left out with ``skip_invalid``), ``kept`` (the folders of ``OUT`` holding a sidecar this
+    run did not make: left as they are, never deleted)."""
 
     out: Path
     results: list[ConvertResult]
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
 
     @property
     def up_to_date(self) -> bool:
@@ -182,8 +191,10 @@ def run_convert(
     """Convert a compressed-tensors FP8 checkpoint into a Marlin sidecar per target of
     ``options`` (:attr:`ConvertOptions.specs`), reading the source once (Note [many targets]).
 
-    One target: the sidecar is ``out``, and a :class:`ConvertResult` comes back. Several: each
-    is ``out/<name>`` (:func:`mpack.target.dir_name`), and a :class:`MultiConvertResult`. The
+    One target: the sidecar is ``out``, and a :class:`ConvertResult` comes back. Several (or
+    ``options.layout`` ``"targets"``, or an ``out`` that already holds targets: Note [target
+    layout]): each is ``out/<name>`` (:func:`mpack.target.dir_name`), and a
+    :class:`MultiConvertResult`. The
     options' meaning: :func:`mpack.convert.convert`. Raises an ``MpackError`` (exit code 2) for
     bad input, with nothing written (some checks finish while the work directories fill; they
     are removed then). ``scheme_check``: the check of this source, already started by the
@@ -203,16 +214,14 @@ def run_convert(
     Raises:
         UnsupportedSchemeError: a target that cannot be planned (named, with why), unless
             ``skip_invalid`` and another target can; every target when none can.
-        OutputExistsError: ``out`` holds another sidecar (``force`` off), or, with several
-            targets, ``out`` is itself a sidecar.
+        OutputExistsError: ``out`` holds another sidecar (``force`` off), or, where the
+            targets go to ``out/<target>/``, ``out`` is itself a sidecar.
     """
     tl = Timeline()
     out = output_path(out)
-    if options.many and (out / MANIFEST_NAME).exists():
-        raise OutputExistsError(
-            f"{out} is a sidecar; several targets go into a directory of sidecars (OUT/<target>/)",
-            hint="choose another -o directory for the targets",
-        )
+    nested = uses_target_dirs(out, count=len(options.specs), layout=options.layout)
+    if nested and (out / MANIFEST_NAME).exists():
+        raise _sidecar_in_the_way(out, options)
     check_device_here(options.device_spec)  # a GPU asked for where there is none: before the read
     src = resolve_source(str(source), options.revision, show_progress=progress is not None)
     check_apart(out, src.path)
@@ -231,7 +240,8 @@ def run_convert(
         made: dict[int, tuple[dict[str, Any], str, dict[str, Any]]] = {}  # target -> manifest,
         # digest, backend
         with contextlib.ExitStack() as stack:
-            stages = _stage_all(stack, out, plans, options, src, records, tl)
+            nest_in = out if nested else None
+            stages = _stage_all(stack, nest_in, out, plans, options, src, records, tl)
             todo = [i for i, s in enumerate(stages) if not s.up_to_date]
             if not todo:
                 watch.check_unchanged()  # the digests compared are of these files
@@ -262,11 +272,34 @@ def run_convert(
     if src.kind == "local":  # the manifest records its name only: Note [source path]
         for r in results:  # one entry per distinct record: the same for every new target
             remember_source_dir(r.manifest["source"], r.out, src.path)
-    return MultiConvertResult(out, results, skipped) if options.many else results[0]
+    if not nested:
+        return results[0]
+    ours = {r.out.name for r in results}
+    kept = [n for n in target_names(out) if n not in ours]
+    return MultiConvertResult(out, results, skipped, kept)
+
+
+def _sidecar_in_the_way(out: Path, options: ConvertOptions) -> OutputExistsError:
+    """The refusal of targets that go to ``out/<target>/`` where ``out`` is one sidecar
+    (Note [target layout]): what to run to keep it at the path the targets' layout gives it."""
+    why = "several targets go" if options.many else f"{arg('layout', 'targets')} writes"
+    try:
+        name = dir_name(load_manifest(out)[0]["target"])
+    except MpackError:
+        name = "<its target>"
+    parked = out.with_name(out.name + ".single")
+    return OutputExistsError(
+        f"{out} is a sidecar (one target at {out} itself); {why} into a directory of sidecars, "
+        "OUT/<target>/",
+        hint=f"choose another {arg('out')} directory; or move that sidecar to where the "
+        f"targets' layout keeps it, then run again: mv {out} {parked} && mkdir {out} && "
+        f"mv {parked} {out / name}",
+    )
 
 
 def _stage_all(
     stack: contextlib.ExitStack,
+    nest_in: Path | None,
     out: Path,
     plans: list[Plan],
     options: ConvertOptions,
@@ -275,13 +308,14 @@ def _stage_all(
     tl: Timeline,
 ) -> list[Any]:
     """Each target's lock and stage (:func:`mpack.convert.output.staged_sidecar`), entered on
-    ``stack``: at ``out`` itself for one target, at ``out/<name>`` for several (Note [many
-    targets]), each place checked apart from the source (:func:`target_output`: ``OUT/<name>``
-    may be a symbolic link into it). Closing ``stack`` swaps them into place, in reverse
-    order."""
+    ``stack``: at ``out`` itself (``nest_in`` None: one target), else at ``nest_in/<name>``
+    (Note [target layout] in mpack/target_dirs.py), each place checked apart from the source
+    (:func:`target_output`: ``OUT/<name>`` may be a symbolic link into it). Closing ``stack``
+    swaps them into place, in reverse order."""
     stages = []
     for plan in plans:
-        out_t = target_output(out / dir_name(plan.target) if options.many else out, src.path)
+        where = out if nest_in is None else nest_in / dir_name(plan.target)
+        out_t = target_output(where, src.path)
         parent = stack.enter_context(output_lock(out_t))
         stage = staged_sidecar(
             out_t,

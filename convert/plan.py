@@ -16,7 +16,7 @@ from mpack.arch import Dims
 from mpack.convert import moe
 from mpack.convert.checkpoint import Checkpoint, find_layers, open_checkpoint, passthrough_names
 from mpack.convert.options import TargetSpec, check_fusion_tp
-from mpack.errors import MpackError, UnsupportedSchemeError, UsageError, quote
+from mpack.errors import MpackError, UnsupportedSchemeError, UsageError, arg, quote
 from mpack.sidecar import (
     COMMON_NAME,
     CONFIG_NAME,
@@ -281,7 +281,7 @@ def check_tp(ck: Checkpoint, dims: Dims, tp: int) -> None:
     problem = arch.tp_problem(dims, tp)
     if problem:
         raise UnsupportedSchemeError(
-            f"{ck.root / CONFIG_NAME}: {problem}", hint="choose a --tp that divides them"
+            f"{ck.root / CONFIG_NAME}: {problem}", hint=f"choose a {arg('tp')} that divides them"
         )
 
 
@@ -346,8 +346,9 @@ def _group_vllm(ck: Checkpoint, fam: arch.Family) -> list[tuple[str, list[str]]]
             what = "a quantized lm_head" if leaf == "lm_head" else f"quantized module {module!r}"
             raise UnsupportedSchemeError(
                 f"{ck.root}: {what} is not part of vLLM's fused Llama-family linears",
-                hint="use a checkpoint that leaves it unquantized (ignore), or --fuse none "
-                "--tp 1 (a sidecar vLLM's --load-format mpack cannot load: it needs --fuse vllm)",
+                hint="use a checkpoint that leaves it unquantized (ignore), or "
+                f"{arg('fuse', 'none')} {arg('tp', 1)} (a sidecar vLLM's --load-format mpack "
+                f"cannot load: it needs {arg('fuse', 'vllm')})",
             )
         groups.setdefault(name, []).append(module)
     for name, members in groups.items():
@@ -499,9 +500,9 @@ def _with_experts(
     if not blocks:
         if ep:
             raise UnsupportedSchemeError(
-                f"{ck.root / CONFIG_NAME}: --ep on splits a mixture-of-experts model's experts "
-                f"across the ranks; {ck.architecture} has none",
-                hint="convert with --ep off",
+                f"{ck.root / CONFIG_NAME}: {arg('ep', True)} splits a mixture-of-experts "
+                f"model's experts across the ranks; {ck.architecture} has none",
+                hint=f"convert with {arg('ep', False)}",
             )
         return units
     count, inter = moe.check_blocks(ck, fam, blocks, tp, ep)
@@ -527,7 +528,7 @@ def check_profile(ck: Checkpoint, profile: str) -> None:
             f"{ck.root / CONFIG_NAME}: quant_method {ck.quant_method}: vLLM 0.33.0 runs this "
             f"checkpoint on Marlin with {', '.join(runs.values())}, the {', '.join(runs)} "
             f"profile, never as {profile}",
-            hint=f"convert with --profile {next(iter(runs))}",
+            hint=f"convert with {arg('profile', next(iter(runs)))}",
         )
 
 
@@ -561,7 +562,9 @@ def make_plan(
         if passthrough:
             through = sorted(through + moe.input_scales(ck, fused[0]))
     elif ep:
-        raise UsageError("--ep on needs --fuse vllm: expert parallelism is vLLM's layout")
+        raise UsageError(
+            f"{arg('ep', True)} needs {arg('fuse', 'vllm')}: expert parallelism is vLLM's layout"
+        )
     plan = Plan(ck, profile, act_dtype, tp, fusion, units, through, ep=ep)
     meta = {
         "format": FORMAT,
@@ -575,7 +578,10 @@ def make_plan(
         plan.files[rank_file_name(rank, tp)] = FileMap.plan(specs, {**meta, "rank": str(rank)})
     if plan.passthrough:
         specs = [TensorSpec(n, ck.tensors[n].dtype, ck.tensors[n].shape) for n in plan.passthrough]
-        plan.files[COMMON_NAME] = FileMap.plan(specs, {**meta, "content": "pass-through"})
+        # no target keys: the same bytes in every target of one source (Note [shared uploads]
+        # in mpack/hub.py)
+        common_meta = {k: meta[k] for k in ("format", "format_version")}
+        plan.files[COMMON_NAME] = FileMap.plan(specs, {**common_meta, "content": "pass-through"})
     return plan
 
 
@@ -591,7 +597,7 @@ def act_dtype_of(ck: Checkpoint, requested: str | None) -> str:
         return dt
     raise UnsupportedSchemeError(
         f"{ck.root / CONFIG_NAME}: model dtype {dt!r} is not an activation dtype Marlin supports",
-        hint="pass --act-dtype bfloat16 or --act-dtype float16",
+        hint=f"pass {arg('act_dtype', 'bfloat16')} or {arg('act_dtype', 'float16')}",
     )
 
 
@@ -645,8 +651,8 @@ def open_and_plan(
         listed = "; ".join(f"{n}: {e}" for n, e in bad)
         raise UnsupportedSchemeError(
             f"{len(bad)} of {len(bad) + len(plans)} targets cannot be made: {listed}",
-            hint="drop them from --tp / --profile / --act-dtype, or pass --skip-invalid to "
-            "convert the others",
+            hint=f"drop them from {arg('tp')} / {arg('profile')} / {arg('act_dtype')}, or pass "
+            f"{arg('skip_invalid', True)} to convert the others",
         )
     units = [[(u[0].name, u[0].modules()) for u in p.units] for p in plans.values()]
     assert all(u == units[0] for u in units), "targets of one fusion share their units"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import logging
 import os
 import re
 import stat
@@ -29,6 +30,7 @@ from mpack.errors import (
     MpackError,
     SourceNotFoundError,
     UsageError,
+    arg,
     environment_failure,
     shown,
 )
@@ -47,11 +49,13 @@ from mpack.sidecar import (
     INDEX_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST,
+    SOURCE_CARD_NAME,
+    is_card_fact,
     is_commit,
 )
 
-#: What a conversion reads from a repo (and copies: config, tokenizer, generation files).
-ALLOW_PATTERNS = [
+#: What a conversion must have of a repo: the weights, config, tokenizer and template files.
+NEEDED_PATTERNS = [
     "*.json",
     "*.safetensors",
     "tokenizer*",
@@ -60,7 +64,16 @@ ALLOW_PATTERNS = [
     "vocab.*",
     "*.jinja",
 ]
+#: What it also fetches where it can (Note [optional files]): the copied files no pattern above
+#: takes (``recipe.yaml``, the licence files) and the model card, for its licence metadata.
+OPTIONAL_PATTERNS = [
+    *(n for n in COPIED_FILES if not any(fnmatch.fnmatchcase(n, p) for p in NEEDED_PATTERNS)),
+    SOURCE_CARD_NAME,
+]
+#: Every file a conversion may read from a source (stamped, and checked in a snapshot).
+ALLOW_PATTERNS = [*NEEDED_PATTERNS, *OPTIONAL_PATTERNS]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+log = logging.getLogger("mpack.convert.source")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -90,7 +103,7 @@ def resolve_source(
 
     Raises:
         SourceNotFoundError: no such directory, repo, revision, or (offline) nothing cached.
-        UsageError: ``--revision`` given with a local directory.
+        UsageError: ``revision`` given with a local directory.
     """
     p = Path(source).expanduser()
     if p.exists():
@@ -100,7 +113,8 @@ def resolve_source(
             )
         if revision:
             raise UsageError(
-                f"--revision {revision} applies to Hub repos, but {source} is a local directory"
+                f"{arg('revision', revision)} applies to Hub repos, but {source} is a local "
+                "directory"
             )
         src = ResolvedSource(path=p.resolve(), kind="local")
     elif source.startswith((".", "/", "~")) or not _REPO_ID.match(source):
@@ -180,15 +194,41 @@ def _snapshot(
                 snapshot_download(
                     repo_id=repo,
                     revision=revision,
-                    allow_patterns=ALLOW_PATTERNS,
+                    allow_patterns=NEEDED_PATTERNS,
                     local_files_only=local_only,
                 )
             )
+            commit = path.name if is_commit(path.name) else None
+            _fetch_optional(snapshot_download, repo, commit or revision, local_only)
     except (*_hub_errors(), OSError) as e:  # network errors surface as requests/httpx OSErrors
         raise _snapshot_error(e, repo, revision, local_only) from None
     check_snapshot_links(path)
-    commit = path.name if is_commit(path.name) else None
     return ResolvedSource(path=path, kind="hub", repo=repo, revision=commit, requested=revision)
+
+
+# Note [optional files]: the licence files, llm-compressor's recipe and the model card make the
+# pushed card right, but a conversion does not need them. huggingface_hub 2.x refuses an offline
+# snapshot_download whose cached tree lists a file its patterns take that is not in the cache,
+# and earlier mpacks (and many ``hf download --include`` commands) fetched none of these. So
+# they are asked for in a second call, at the commit the first resolved, and any failure of it
+# (offline and not cached, the Hub unreachable) leaves them out: the conversion goes on, and
+# ``-v`` says why. What the snapshot then holds is what the conversion records and copies.
+def _fetch_optional(
+    snapshot_download: Any, repo: str, revision: str | None, local_only: bool
+) -> None:
+    """Fetch :data:`OPTIONAL_PATTERNS` of ``repo`` at ``revision`` into the cache where it can
+    (Note [optional files])."""
+    try:
+        snapshot_download(
+            repo_id=repo,
+            revision=revision,
+            allow_patterns=OPTIONAL_PATTERNS,
+            local_files_only=local_only,
+        )
+    except Exception as e:  # noqa: BLE001 - optional: any failure only leaves them out
+        log.debug(
+            "%s: licence files and model card not fetched (%s: %s)", repo, type(e).__name__, e
+        )
 
 
 def check_snapshot_links(snapshot: Path) -> None:
@@ -274,9 +314,10 @@ def _snapshot_error(
 
 
 def source_files(src: ResolvedSource, shards: list[str]) -> list[str]:
-    """The files a conversion uses: the shards, the index, and the copied config/tokenizer files."""
+    """The files a conversion uses: the shards, the index, the copied files, and the model card
+    whose licence metadata the manifest records (:func:`card_facts`)."""
     names = set(shards)
-    for extra in (INDEX_NAME, *COPIED_FILES):
+    for extra in (INDEX_NAME, *COPIED_FILES, SOURCE_CARD_NAME):
         if (src.path / extra).is_file():
             names.add(extra)
     return sorted(names)
@@ -400,7 +441,60 @@ def provenance(src: ResolvedSource, files: list[dict[str, Any]]) -> dict[str, An
         doc.update(path=str(src.path))
     else:
         doc.update(path=src.path.name)
-    return doc
+    return doc | card_facts(src)
+
+
+# Note [card facts]: what the card of a pushed sidecar says about its source and cannot learn at
+# push time, when the source may be gone: the Hub repo a local directory is a snapshot of (an HF
+# cache folder ``.../models--org--name/snapshots/<commit>``, as ``hf download`` without
+# ``--local-dir`` leaves it), and the source card's licence metadata. They are recorded in the
+# manifest's ``source`` (``mpack.sidecar.SOURCE_CARD_KEYS``) only when found, and only values the
+# Hub's card metadata takes as they are: a licence id or name of the Hub's characters, and a link
+# that is a URL or a plain file name of the source (docs/HUB.md, "The model card").
+
+#: The most bytes of the source's README.md read for its metadata.
+SOURCE_CARD_MAX = 1 << 20
+
+
+def card_facts(src: ResolvedSource) -> dict[str, str]:
+    """The optional ``source`` keys of Note [card facts] for ``src``: ``base_model`` (a local
+    HF-cache snapshot's repo id) and ``license``, ``license_name``, ``license_link`` from the
+    front matter of its ``README.md``. Lenient: a card that cannot be read or parsed, or a value
+    of another form, records nothing."""
+    facts: dict[str, str] = {}
+    if src.kind == "local":
+        repo = snapshot_repo(src.path)
+        if repo is not None:
+            facts["base_model"] = repo
+    card = src.path / SOURCE_CARD_NAME
+    if not card.is_file():
+        return facts
+    try:
+        text = read_capped(card, SOURCE_CARD_MAX, what="model card", follow=True).decode()
+        from huggingface_hub import ModelCard  # the Hub's own parser of card metadata
+
+        data = ModelCard(text, ignore_metadata_errors=True).data
+    except Exception as e:  # noqa: BLE001 - any card we cannot read only loses its licence
+        log.debug(
+            "the source's %s gave no metadata (%s: %s)", SOURCE_CARD_NAME, type(e).__name__, e
+        )
+        return facts
+    for key in ("license", "license_name", "license_link"):
+        value = getattr(data, key, None)
+        if is_card_fact(key, value):
+            facts[key] = value
+    return facts
+
+
+def snapshot_repo(path: Path) -> str | None:
+    """The repo id of an HF-cache snapshot directory ``.../models--org--name/snapshots/<commit>``
+    (``org/name``), or None for any other directory."""
+    snap = path.parent
+    repo_dir = snap.parent.name
+    if snap.name != "snapshots" or not is_commit(path.name) or not repo_dir.startswith("models--"):
+        return None
+    repo = repo_dir.removeprefix("models--").replace("--", "/")  # a repo id has no "--"
+    return repo if is_card_fact("base_model", repo) else None
 
 
 # --- a source that must not change under the run -----------------------------------------

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mpack.errors import arg
+
 
 @dataclass(frozen=True)
 class Experts:
@@ -386,9 +388,9 @@ def unknown_architecture_hint() -> str:
     return (
         "an architecture whose vLLM model class fuses qkv_proj and gate_up_proj as Llama's does "
         "is one entry of mpack.arch.FAMILIES; until then, "
-        "use --fuse none --tp 1 to pack every layer under its checkpoint name, for "
-        "mpack.runtime.attach or your own loader; vLLM's --load-format mpack cannot load such a "
-        "sidecar (it needs --fuse vllm)"
+        f"use {arg('fuse', 'none')} {arg('tp', 1)} to pack every layer under its checkpoint "
+        "name, for mpack.runtime.attach or your own loader; vLLM's --load-format mpack cannot "
+        f"load such a sidecar (it needs {arg('fuse', 'vllm')})"
     )
 
 
@@ -524,16 +526,16 @@ def tp_problem(dims: Dims, tp: int) -> str | None:
     """Why ``tp`` does not fit the model (SPEC §1: H % T == 0, I % T == 0, and Hkv % T == 0
     when T <= Hkv, else T % Hkv == 0); None when it fits."""
     if dims.heads % tp:
-        return f"--tp {tp} does not divide num_attention_heads={dims.heads}"
+        return f"{arg('tp', tp)} does not divide num_attention_heads={dims.heads}"
     if dims.intermediate % tp:
-        return f"--tp {tp} does not divide intermediate_size={dims.intermediate}"
+        return f"{arg('tp', tp)} does not divide intermediate_size={dims.intermediate}"
     for holder, inter in dims.mlps:
         if inter % tp:
-            return f"--tp {tp} does not divide the {holder}'s intermediate size {inter}"
+            return f"{arg('tp', tp)} does not divide the {holder}'s intermediate size {inter}"
     kv = dims.kv_heads
     if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
         return (
-            f"--tp {tp} does not fit num_key_value_heads={kv} "
+            f"{arg('tp', tp)} does not fit num_key_value_heads={kv} "
             "(it must divide the KV heads, or be a multiple of them)"
         )
     return None

@@ -10,6 +10,7 @@ same way (Note [interrupts]); a closed stdout is not an error (Note [closed stdo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import signal
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import typer.core
 
-from mpack import __version__, target
+from mpack import __version__, env, target
 from mpack.errors import (
     Interrupted,
     MpackError,
@@ -30,30 +31,15 @@ from mpack.errors import (
     as_mpack_error,
     escaped,
     exit_code_for,
+    worded,
 )
 
 if TYPE_CHECKING:
     from mpack.convert.options import ConvertOptions
 
-#: The environment variables mpack reads (shown at the end of ``mpack --help``; README too).
-ENVIRONMENT = {
-    "MPACK_DEBUG=1": "show the traceback of an error",
-    "MPACK_PROGRESS_EVERY=S": "seconds between progress lines when stderr is not a terminal, "
-    "0.1 to 86400 (5; empty: 5)",
-    "MPACK_SCHEME_CHECK=inline": "parse the quantization config in-process, not in a child",
-    "MPACK_CT_IMPORT=full": "the scheme check's child imports all of compressed-tensors",
-    "MPACK_NO_HOST_REPACK=1": "no native repack: convert on the CPU with torch's ops",
-    "MPACK_NO_CUDA_KERNEL=1": "no fused kernel: convert on CUDA with torch's ops",
-    "MPACK_NO_DRIVER_PATH=1": "convert on CUDA through torch, not cuda-bindings alone",
-    "MPACK_NO_DIRECT_WRITE=1": "on fewer than 8 cores, write through the page cache, not O_DIRECT",
-    "MPACK_REPACK_SOURCE=PATH": "another copy of the fused kernel's marlin_repack.cu",
-    "MPACK_NO_VERDICT_CACHE=1": "check the quantization config every time (no cached verdict)",
-    "MPACK_CACHE_DIR=DIR": "mpack's cache of kernels, scheme verdicts and source places "
-    "(~/.cache/mpack)",
-    "MPACK_SOURCE_PATH=full": "convert records a local source's absolute path in mpack.json, "
-    "not its name",
-    "MPACK_GOLDEN=DIR": "the golden test data, for the test suite (tests/data/golden)",
-}
+#: The environment variables mpack reads, shown at the end of ``mpack --help``: derived from the
+#: one table of them, :data:`mpack.env.VARIABLES` (the README's table says the same).
+ENVIRONMENT = env.help_entries()
 #: What each exit status means (shown at the end of ``mpack --help``; README, "Exit codes").
 EXIT_CODES = {
     0: "done (or already up to date)",
@@ -72,14 +58,130 @@ _EPILOG = (
 )
 
 
+# Note [CLI habits]: every command takes -v/--verbose and -q/--quiet (as ``mpack -v CMD`` and
+# ``mpack -q CMD`` do), in one place: :class:`_Command` adds the two to each command that does not
+# declare them itself and applies them before the command runs (:func:`_set_habits`), so a new
+# command has them without a word. -q is the output sink's (:func:`mpack.ui.set_quiet`): nothing
+# but errors, no progress. --json and -q, and -v and -q, contradict each other: refused (exit 2).
+# Every --json document is one object with a top-level ``ok``, the manifest digest is
+# ``manifest_digest`` wherever it appears, and floats carry no noise (:func:`mpack.ui.print_json`).
+# Library errors name the library's arguments; here they read as flags (:data:`FLAGS`).
+
+#: -v and -q: name -> (flags, help) (Note [CLI habits]).
+_HABITS = {
+    "verbose": (
+        ("--verbose", "-v"),
+        "Show other libraries' logs and progress bars (transformers, compressed-tensors, the "
+        "Hub), and mpack's debug log.",
+    ),
+    "quiet": (("--quiet", "-q"), "Print nothing but errors."),
+}
+
+
 class _Command(typer.core.TyperCommand):
-    """Usage lines show positionals as ``SOURCE``, the way every CLI does (not ``{SOURCE}``)."""
+    """Usage lines show positionals as ``SOURCE``, the way every CLI does (not ``{SOURCE}``);
+    -v and -q on every command (Note [CLI habits])."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        declared = {p.name for p in self.params}
+        self.habits = [name for name in _HABITS if name not in declared]  # added here
+        self.params += [p for p in _habit_options() if p.name in self.habits]
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return [
             p[1:-1] if p.startswith("{") and p.endswith("}") else p
             for p in super().collect_usage_pieces(ctx)
         ]
+
+    def invoke(self, ctx: Any) -> Any:
+        root = ctx.find_root().params  # ``mpack -v CMD``, ``mpack -q CMD``
+        said = {
+            name: bool(ctx.params.pop(name) if name in self.habits else ctx.params.get(name))
+            or bool(root.get(name))
+            for name in _HABITS
+        }
+        if "quiet" not in self.habits:  # the command reads its own --quiet: -q before it counts
+            ctx.params["quiet"] = said["quiet"]
+        _set_habits(**said, as_json=bool(ctx.params.get("json_out")))
+        try:
+            return super().invoke(ctx)
+        finally:  # -q is this command's: never the next one's in the same process (main())
+            from mpack import ui
+
+            ui.set_quiet(False)
+
+
+@functools.cache
+def _habit_options() -> list[Any]:
+    """-v and -q as typer makes options, from a function that declares them (typer's own
+    option class needs what only its ``Annotated`` parsing builds)."""
+    template = typer.Typer()
+
+    @template.command()
+    def habits(
+        verbose: Annotated[
+            bool, typer.Option(*_HABITS["verbose"][0], help=_HABITS["verbose"][1])
+        ] = False,
+        quiet: Annotated[
+            bool, typer.Option(*_HABITS["quiet"][0], help=_HABITS["quiet"][1])
+        ] = False,
+    ) -> None:
+        pass
+
+    return list(typer.main.get_command(template).params)
+
+
+def _set_habits(*, verbose: bool, quiet: bool, as_json: bool) -> None:
+    """Apply -v and -q to the output sink, refusing the pairs that contradict each other."""
+    if verbose and quiet:
+        raise UsageError("-v (--verbose) and -q (--quiet) contradict each other; pick one")
+    if as_json and quiet:
+        raise UsageError("--json and --quiet contradict each other; pick one")
+    from mpack import ui
+
+    ui.set_verbose(verbose)
+    ui.set_quiet(quiet)
+
+
+def _flag(flag: str) -> Callable[[Any, bool], str]:
+    """The words of an option: ``--device`` alone, ``--device cuda:0`` with a value, and the
+    flag alone for a switch that is on (``--force``)."""
+
+    def words(value: Any, given: bool) -> str:
+        return flag if not given or value is True else f"{flag} {value}"
+
+    return words
+
+
+def _on_off(flag: str) -> Callable[[Any, bool], str]:
+    """An option the library takes as a bool and the command line as ``off``/``on`` (``--ep``)."""
+    return lambda value, given: f"{flag} {'on' if value else 'off'}" if given else flag
+
+
+#: How the command line spells the library's arguments, for its errors (Note [API wording] in
+#: mpack/errors.py): argument name -> ``words(value, given)``.
+FLAGS: dict[str, Callable[[Any, bool], str]] = {
+    "device": _flag("--device"),
+    "rederive_device": _flag("--rederive-device"),
+    "backend": _flag("--backend"),
+    "source": _flag("--source"),
+    "revision": _flag("--revision"),
+    "forward": _flag("--forward"),
+    "require_source": _flag("--require-source"),
+    "tp": _flag("--tp"),
+    "profile": _flag("--profile"),
+    "act_dtype": _flag("--act-dtype"),
+    "fuse": _flag("--fuse"),
+    "ep": _on_off("--ep"),
+    "force": _flag("--force"),
+    "skip_invalid": _flag("--skip-invalid"),
+    "passthrough": lambda value, given: "--no-passthrough",
+    "rank": _flag("--rank"),
+    "socket": _flag("--socket"),
+    "out": _flag("-o"),
+    "layout": _flag("--layout"),
+}
 
 
 app = typer.Typer(
@@ -102,8 +204,11 @@ JsonOpt = Annotated[
 
 
 def _version_cb(value: bool) -> None:
+    """``mpack --version``: the version, then a short report of the environment, as ``vllm
+    collect-env`` gives one (:func:`mpack.env.report`): fast, no torch, no CUDA."""
     if value:
-        _say(sys.stdout, f"mpack {__version__}")
+        lines = [f"mpack {__version__}"] + [f"  {k + ':':15} {v}" for k, v in env.report()]
+        _say(sys.stdout, escaped("\n".join(lines), keep="\n"))
         raise typer.Exit()
 
 
@@ -111,17 +216,18 @@ def _version_cb(value: bool) -> None:
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version_cb, is_eager=True, help="Print the version."),
-    ] = False,
-    verbose: Annotated[
-        bool,
         typer.Option(
-            "--verbose",
-            "-v",
-            help="Show other libraries' logs and progress bars (transformers, compressed-tensors, "
-            "the Hub), and mpack's debug log.",
+            "--version",
+            callback=_version_cb,
+            is_eager=True,
+            help="Print the version, the vLLM version it targets, and what this install has "
+            "(native repack, cuda-bindings, torch, Python).",
         ),
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option(*_HABITS["verbose"][0], help=_HABITS["verbose"][1])
+    ] = False,
+    quiet: Annotated[bool, typer.Option(*_HABITS["quiet"][0], help=_HABITS["quiet"][1])] = False,
 ) -> None:
     """Marlin FP8 sidecars for compressed-tensors checkpoints: convert once, share zero-copy.
 
@@ -133,10 +239,9 @@ def _root(
       mpack serve ./sidecar --rank 0 --device cuda:0        # share rank 0 on GPU 0
       mpack status                                          # what is served
       mpack layout 4096 14336                               # one [N, K] layer's layout
-    """
-    from mpack import ui
 
-    ui.set_verbose(verbose)
+    -v and -q work before the command or after it (mpack convert SRC -o OUT -q).
+    """
 
 
 @command
@@ -189,6 +294,61 @@ Sidecar = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+
+# --- choosing targets of a directory of sidecars (Note [target layout] in mpack/target_dirs.py)
+
+SelectTpOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tp",
+        metavar="N",
+        help="Of a directory of targets (OUT/<target>/): the target(s) of this TP size.",
+    ),
+]
+SelectProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile", metavar=PROFILE_CHOICES, help="Of a directory of targets: this profile's."
+    ),
+]
+SelectActDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--act-dtype",
+        metavar=ACT_DTYPE_CHOICES,
+        help="Of a directory of targets: this activation dtype's.",
+    ),
+]
+SelectEpOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ep", metavar="off|on", help="Of a directory of targets: with expert parallelism or not."
+    ),
+]
+
+
+def _selection(tp: int | None, profile: str | None, act_dtype: str | None, ep: str | None) -> Any:
+    """The :class:`mpack.target_dirs.Selection` the target options make (checked)."""
+    from mpack.target_dirs import Selection
+
+    return Selection(tp, profile, act_dtype, None if ep is None else _ep_value(ep))
+
+
+def _targets_of(sidecar: Path, select: Any) -> list[Any] | None:
+    """The targets of ``sidecar`` that ``select`` names, where it is a local directory of
+    targets and the command is to take each of them (none or several named, or one with no
+    selection); None where the command takes ``sidecar`` as one sidecar (a sidecar, a Hub repo
+    id, one target named: ``resolve_sidecar(..., select=)`` takes it)."""
+    from mpack.target_dirs import holds_targets, matching
+
+    root = Path(sidecar).expanduser()
+    if not holds_targets(root):
+        return None
+    found = matching(root, select)  # names none: refused, listing them
+    if not found or (select and len(found) == 1):
+        return None
+    return found
+
 
 # --- mpack convert's options ---------------------------------------------------------------
 
@@ -285,6 +445,15 @@ SkipInvalidOpt = Annotated[
         "that does not divide the heads) instead of refusing the run.",
     ),
 ]
+LayoutOpt = Annotated[
+    str,
+    typer.Option(
+        "--layout",
+        metavar="[auto|targets]",
+        help="targets: every target in OUT/<target>/, however many (stable paths for CI and "
+        "the Hub); auto: one target at OUT itself unless OUT already holds targets.",
+    ),
+]
 PushOpt = Annotated[
     str | None,
     typer.Option(
@@ -313,23 +482,25 @@ def convert(
     quiet: QuietOpt = False,
     push_to: PushOpt = None,
     skip_invalid: SkipInvalidOpt = False,
+    layout: LayoutOpt = "auto",
 ) -> None:
     """Convert a compressed-tensors FP8 checkpoint into a Marlin FP8 sidecar.
 
     --tp, --ep, --profile and --act-dtype take comma lists: their cross product is the set
     of targets, all made from one read of the source, each a sidecar in OUT/<target>/
-    (e.g. OUT/tp2-w8a16-bfloat16/, OUT/tp2ep-w8a16-bfloat16/).
+    (e.g. OUT/tp2-w8a16-bfloat16/, OUT/tp2ep-w8a16-bfloat16/). One target goes there too
+    with --layout targets, or when OUT already holds targets; targets OUT holds that the
+    run does not make are kept.
 
     \b
     Examples:
       mpack convert RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8 -o llama8b-marlin --tp 2
       mpack convert ./my-fp8-model -o out --profile w8a8-marlin --act-dtype float16 --json
       mpack convert ./my-fp8-model -o out --tp 1,2,4,8 --profile w8a16,w8a8-marlin
+      mpack convert ./my-fp8-model -o out --tp 2 --layout targets   # out/tp2-w8a16-bfloat16/
       mpack convert ./my-fp8-moe -o out --tp 2,4 --ep off,on
     """
-    if json_out and quiet:
-        raise UsageError("--json and --quiet contradict each other; pick one")
-    if push_to is not None:
+    if push_to is not None:  # --json with --quiet: refused before (Note [CLI habits])
         _check_push_options(push_to, json_out, out)
     from mpack.convert.options import ConvertOptions
 
@@ -345,26 +516,34 @@ def convert(
         passthrough=not no_passthrough,
         force=force,
         skip_invalid=skip_invalid,
+        layout=layout,
     )
     _at_stake.append(_output_note(out))  # what an interrupt did to OUT, said if one comes
     result = _run_convert(source, out, options, show_progress=not (json_out or quiet))
-    _report_convert(result, many=options.many, push_to=push_to, json_out=json_out, quiet=quiet)
+    _report_convert(result, push_to=push_to, json_out=json_out, quiet=quiet)
 
 
-def _report_convert(
-    result: Any, *, many: bool, push_to: str | None, json_out: bool, quiet: bool
-) -> None:
-    """Print a finished conversion (one target or ``many``), then push it to ``push_to``."""
+def _report_convert(result: Any, *, push_to: str | None, json_out: bool, quiet: bool) -> None:
+    """Print a finished conversion (one sidecar, or a directory of them: ``results``), then
+    push it to ``push_to``: the targets this run made, not those it kept."""
     from mpack import ui
 
+    many = hasattr(result, "results")
     if many:
         ui.emit_convert_many(result, as_json=json_out, quiet=quiet)
     else:
         ui.emit_convert(result, as_json=json_out, quiet=quiet)
     if push_to is not None:  # the sidecar is finished and checked again before it is sent
-        from mpack.hub import push_sidecar
+        from mpack.hub import plan_push, push
 
-        pushed = push_sidecar(result.out, push_to, show_progress=not quiet)
+        with ui.bytes_progress(not quiet, "push", {"check": "checking"}) as progress:
+            plan = plan_push(
+                result.out,
+                push_to,
+                progress=None if progress is None else lambda d, t: progress("check", d, t),
+                only=[r.out.name for r in result.results] if many else None,
+            )
+        pushed = push(plan, show_progress=not quiet)
         if not quiet:
             _emit_push(pushed.report(), dry_run=False, as_json=False)
 
@@ -406,19 +585,36 @@ def _run_convert(source: str, out: str, options: ConvertOptions, *, show_progres
 
 
 @command
-def inspect(sidecar: Sidecar, json_out: JsonOpt = False) -> None:
+def inspect(
+    sidecar: Sidecar,
+    tp: SelectTpOpt = None,
+    profile: SelectProfileOpt = None,
+    act_dtype: SelectActDtypeOpt = None,
+    ep: SelectEpOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Show a sidecar: target, source provenance, files, and every layer's shapes.
+
+    A directory of targets (OUT/<target>/): one line per target; --tp, --profile,
+    --act-dtype and --ep narrow the list, and show the one target they name in full.
 
     \b
     Example:
       mpack inspect llama8b-marlin
+      mpack inspect out                  # out/tp1-w8a16-bfloat16/, out/tp2-...: the targets
+      mpack inspect out --tp 2           # the one TP-2 target in full
       mpack inspect my-org/llama8b-marlin/tp2-w8a16-bfloat16   # fetches mpack.json alone
     """
     from mpack import ui
     from mpack.hub_sidecar import resolve_sidecar
     from mpack.sidecar import COMMON_NAME, load_manifest, read_file_map
 
-    sidecar = resolve_sidecar(sidecar, fetch="manifest")  # a repo id: mpack.json alone
+    select = _selection(tp, profile, act_dtype, ep)
+    found = _targets_of(sidecar, select)
+    if found is not None:
+        ui.emit_targets(sidecar, found, as_json=json_out)
+        return
+    sidecar = resolve_sidecar(sidecar, fetch="manifest", select=select)  # a repo id: mpack.json
     manifest, digest = load_manifest(sidecar)
     listed = COMMON_NAME in {f["name"] for f in manifest["files"]}
     common = None  # its tensor names, where the file is here (a wrapper's parts count them)
@@ -448,8 +644,12 @@ ForwardOpt = Annotated[
     ),
 ]
 ForwardDeviceOpt = Annotated[
-    str,
-    typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where --forward runs."),
+    str | None,
+    typer.Option(
+        "--device",
+        metavar="[cpu|cuda|cuda:N]",
+        help="Where --forward runs (only with --forward). [default: cpu]",
+    ),
 ]
 RederiveDeviceOpt = Annotated[
     str,
@@ -475,38 +675,71 @@ def verify(
     sidecar: Sidecar,
     source: VerifySourceOpt = None,
     forward: ForwardOpt = False,
-    device: ForwardDeviceOpt = "cpu",
+    device: ForwardDeviceOpt = None,
     rederive_device: RederiveDeviceOpt = "auto",
     require_source: RequireSourceOpt = False,
+    tp: SelectTpOpt = None,
+    profile: SelectProfileOpt = None,
+    act_dtype: SelectActDtypeOpt = None,
+    ep: SelectEpOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check every file's sha256, and re-derive every tensor from the source checkpoint.
+
+    A directory of targets (OUT/<target>/): every target (or those --tp, --profile,
+    --act-dtype and --ep name), all re-derived from one read of the source.
+    Shows progress on stderr as convert does (not with --json or -q).
 
     \b
     Examples:
       mpack verify llama8b-marlin
       mpack verify llama8b-marlin --source RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8
       mpack verify llama8b-marlin --require-source --json    # in CI
+      mpack verify out --source ./my-fp8-model    # out/tp1-w8a16-bfloat16/, out/tp2-...: all
       mpack verify tiny-marlin --source ./tiny-fp8 --forward
     """
     from mpack import ui
     from mpack.hub_sidecar import resolve_sidecar
+    from mpack.verify import check_arguments
     from mpack.verify import verify as verify_sidecar
 
-    sidecar = resolve_sidecar(sidecar, fetch="all")  # a repo id: every file, to check them all
+    check_arguments(source, None, forward, device)  # before a repo id is fetched
+    select = _selection(tp, profile, act_dtype, ep)
+    found = _targets_of(sidecar, select)
     if forward:
         ui.quiet_libraries()  # transformers' and compressed-tensors' bars and logs (unless -v)
-    result = verify_sidecar(
-        sidecar,
-        source=source,
-        forward=forward,
-        device=device,
-        rederive_device=rederive_device,
-        require_source=require_source,
-    )
+    if found is not None:
+        from mpack.verify.check import targets_error, verify_targets
+
+        with ui.verify_progress(not json_out) as progress:
+            results = verify_targets(
+                [t.path for t in found],
+                source=source,
+                forward=forward,
+                device=device,
+                rederive_device=rederive_device,
+                require_source=require_source,
+                progress=progress,
+            )
+        if not any(r.problems for r in results):  # as for one: shown when the outputs differ
+            ui.emit_verify_many(sidecar, results, as_json=json_out)
+        err = targets_error(sidecar, results)
+        if err is not None:
+            raise err
+        return
+    sidecar = resolve_sidecar(sidecar, fetch="all", select=select)  # a repo id: every file
+    with ui.verify_progress(not json_out) as progress:
+        result = verify_sidecar(
+            sidecar,
+            source=source,
+            forward=forward,
+            device=device,
+            rederive_device=rederive_device,
+            require_source=require_source,
+            progress=progress,
+        )
     if not result.problems:  # what matched; also shown when the model outputs differ
-        report = result.report() | ({"seconds": result.seconds} if json_out else {})
-        ui.emit_verify(report, as_json=json_out)
+        ui.emit_verify(result, as_json=json_out)
     result.raise_for_failure()
 
 
@@ -537,6 +770,31 @@ def push(
     private: Annotated[
         bool, typer.Option("--private", help="Make the repo private, if the push creates it.")
     ] = False,
+    base_model: Annotated[
+        str | None,
+        typer.Option(
+            "--base-model",
+            metavar="REPO",
+            help="The source checkpoint's Hub repo, for the card's base_model: for a local "
+            "source outside the HF cache, or instead of the repo the sidecar records.",
+        ),
+    ] = None,
+    commit_message: Annotated[
+        str | None,
+        typer.Option(
+            "--commit-message",
+            metavar="TEXT",
+            help="The commit's summary. [default: mpack push: <targets> from <source>]",
+        ),
+    ] = None,
+    create_pr: Annotated[
+        bool,
+        typer.Option(
+            "--create-pr",
+            help="Open a pull request with the commit (against --revision, or main) instead "
+            "of committing to the branch.",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -544,28 +802,52 @@ def push(
             help="Check the sidecar and print the files, sizes and model card; send nothing.",
         ),
     ] = False,
+    tp: SelectTpOpt = None,
+    profile: SelectProfileOpt = None,
+    act_dtype: SelectActDtypeOpt = None,
+    ep: SelectEpOpt = None,
     json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Publish a sidecar to the Hugging Face Hub in one commit, with a model card.
 
     Checks every file against the manifest first (nothing is sent if one fails). Uses
-    huggingface_hub's login (`hf auth login` or HF_TOKEN) and HF_ENDPOINT.
+    huggingface_hub's login (`hf auth login` or HF_TOKEN) and HF_ENDPOINT. Shows progress
+    (the checks, then huggingface_hub's uploads) unless --json or --quiet. A directory of
+    targets goes a folder per target, also when it holds one; --tp, --profile, --act-dtype
+    and --ep send only the targets they name (the revision then holds those alone).
 
     \b
     Examples:
       mpack push llama8b-marlin my-org/llama8b-marlin --dry-run
       mpack push llama8b-marlin my-org/llama8b-marlin --private
       mpack push out/ my-org/llama8b-marlin --json      # out/tp2-w8a16-bfloat16/, ...
+      mpack push ./sc my-org/llama8b-marlin --base-model org/Llama-FP8 --create-pr
     """
+    from mpack import ui
     from mpack.hub import plan_push
     from mpack.hub import push as push_plan
 
-    plan = plan_push(sidecar, repo_id, revision=revision, private=private)
+    shown = not (json_out or quiet)
+    with ui.bytes_progress(shown, "push", {"check": "checking"}) as progress:
+        plan = plan_push(
+            sidecar,
+            repo_id,
+            revision=revision,
+            private=private,
+            base_model=base_model,
+            commit_message=commit_message,
+            create_pr=create_pr,
+            progress=None if progress is None else lambda d, t: progress("check", d, t),
+            select=_selection(tp, profile, act_dtype, ep),
+        )
     if dry_run:
-        _emit_push(plan.report(), dry_run=True, as_json=json_out)
+        if not quiet:  # (--json with --quiet is refused: Note [CLI habits])
+            _emit_push(plan.report(), dry_run=True, as_json=json_out)
         return
-    result = push_plan(plan, show_progress=not json_out)
-    _emit_push(result.report(), dry_run=False, as_json=json_out)
+    result = push_plan(plan, show_progress=shown)
+    if not quiet:
+        _emit_push(result.report(), dry_run=False, as_json=json_out)
 
 
 def _check_push_options(repo_id: str, json_out: bool, out: str) -> None:
@@ -590,13 +872,16 @@ def _emit_push(report: dict[str, Any], *, dry_run: bool, as_json: bool) -> None:
     files = report["files"]
     where = report["repo_id"] + (f" (branch {report['revision']})" if report["revision"] else "")
     n = len(report["targets"])
+    shared = report["bytes"] - report["unique_bytes"]
     lines = [
         f"{where}: {n} target{'s' if n > 1 else ''}, {len(files)} files, "
         f"{ui.human_bytes(report['bytes'])}"
+        + (f" ({ui.human_bytes(shared)} of them shared, sent once)" if shared else "")
     ]
     width = max(len(f["path"]) for f in files)
     lines += [
         f"  {f['path']:<{width}}  {ui.human_bytes(f['size']):>11}  {f['local'] or '(model card)'}"
+        + (f"  (same bytes as {f['same_as']})" if f.get("same_as") else "")
         for f in files
     ]
     if report["skipped"]:
@@ -606,6 +891,8 @@ def _emit_push(report: dict[str, Any], *, dry_run: bool, as_json: bool) -> None:
     else:
         lines += [f"deleted (not in this push): {p}" for p in report["deleted"]]
         lines.append(f"pushed: commit {report['commit']} {report['url'] or ''}".rstrip())
+        if report.get("pr_url"):
+            lines.append(f"pull request: {report['pr_url']}")
     # paths of a directory listing, the card's manifest strings: Note [quoting untrusted text]
     ui.write_line(sys.stdout, escaped("\n".join(lines), keep="\n"))
 
@@ -631,33 +918,98 @@ def serve(
             "$XDG_RUNTIME_DIR/mpack or /tmp/mpack-$UID]",
         ),
     ] = None,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON line per event on stdout (loading, progress, ready, attached, "
+            "detached, stopping, ...) instead of the READY line.",
+        ),
+    ] = False,
+    log_format: Annotated[
+        str,
+        typer.Option(
+            "--log-format",
+            metavar="[text|json]",
+            help="The log on stderr: text lines (RFC 3339 UTC time, level, event) or JSON lines.",
+        ),
+    ] = "text",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            metavar="PORT",
+            help="Serve Prometheus metrics at http://ADDR:PORT/metrics (0: any free port, named "
+            "in the READY line). [default: off]",
+        ),
+    ] = None,
+    metrics_addr: Annotated[
+        str,
+        typer.Option(
+            "--metrics-addr",
+            metavar="ADDR",
+            help="The address the metrics endpoint listens on (0.0.0.0: every interface).",
+        ),
+    ] = "127.0.0.1",
+    tp: SelectTpOpt = None,
+    profile: SelectProfileOpt = None,
+    act_dtype: SelectActDtypeOpt = None,
+    ep: SelectEpOpt = None,
 ) -> None:
     """Load one rank of a sidecar once and share it read-only with local processes.
 
-    Checks every checksum while loading; prints a READY line once serving. Stops cleanly on
-    SIGTERM, SIGINT or SIGHUP. Attach with mpack.runtime.attach(SIDECAR, rank=R, device=D).
+    A directory of targets (OUT/<target>/) serves its one target, or the one --tp,
+    --profile, --act-dtype and --ep name (refused, listing them, when several are left).
+
+    Checks every checksum while loading (a progress line every $MPACK_PROGRESS_EVERY seconds);
+    prints a READY line once serving. Under systemd (Type=notify) it sends READY=1 then too.
+    Stops cleanly on SIGTERM, SIGINT or SIGHUP. Attach with
+    mpack.runtime.attach(SIDECAR, rank=R, device=D).
 
     \b
     Examples:
       mpack serve llama8b-marlin --rank 0 --device cuda:0
-      mpack serve llama8b-marlin --device cpu
+      mpack serve llama8b-marlin --device cpu --json --log-format json
+      mpack serve llama8b-marlin --rank 1 --device cuda:1 --metrics-port 9400
       mpack serve my-org/llama8b-marlin@main --rank 1 --device cuda:1   # from the Hub
+      mpack serve out --tp 2 --rank 1 --device cuda:1   # out/tp2-w8a16-bfloat16/
     """
-    from mpack import ui
+    from mpack import env_number, ui
     from mpack.runtime.daemon import serve as run_daemon
 
     if rank < 0:
         raise UsageError(f"--rank must be >= 0, got {rank}")
+    select = _selection(tp, profile, act_dtype, ep)
+    if log_format not in ui.LOG_FORMATS:
+        raise UsageError(
+            f"--log-format {log_format!r}: not one of {', '.join(ui.LOG_FORMATS)}",
+            hint="--log-format text (the default) or --log-format json",
+        )
+    if metrics_port is None and metrics_addr != "127.0.0.1":
+        raise UsageError(
+            f"--metrics-addr {metrics_addr} without --metrics-port: the endpoint is off",
+            hint="add --metrics-port PORT",
+        )
+    if metrics_port is not None:
+        from mpack.runtime.metrics import check_port
+
+        check_port(metrics_port)  # before the sidecar is resolved (a repo id: a download)
+    low, high = ui.PROGRESS_EVERY_RANGE
+    every = env_number("MPACK_PROGRESS_EVERY", ui.PROGRESS_EVERY_S, low=low, high=high)
     from mpack.hub_sidecar import resolve_sidecar
 
-    sidecar = resolve_sidecar(sidecar, rank=rank)  # a repo id: this rank's files only
+    sidecar = resolve_sidecar(sidecar, rank=rank, select=select)  # a repo id: this rank's files
+    out = ui.ServeOutput(log_format=log_format, json_events=json_out)
     run_daemon(
         sidecar,
         rank=rank,
         device=device,
         socket_path=socket,
-        on_ready=ui.emit_ready,
-        on_event=ui.emit_event,
+        on_ready=out.ready,
+        on_event=out.event,
+        progress_every=every,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
     )
 
 
@@ -684,6 +1036,19 @@ def status(
             "model, or once per TP shard in order (cuda:0 then cuda:1). [default: any]",
         ),
     ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank",
+            metavar="R",
+            help="With SIDECAR: only rank R (its daemons; ready once it is served). "
+            "[default: every rank]",
+        ),
+    ] = None,
+    tp: SelectTpOpt = None,
+    profile: SelectProfileOpt = None,
+    act_dtype: SelectActDtypeOpt = None,
+    ep: SelectEpOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show the daemons serving sidecars: rank, device, memory, attached clients, uptime.
@@ -691,24 +1056,36 @@ def status(
     A socket where something answers, but not as a daemon should, is reported with the reason;
     the daemons beside it are listed all the same. With SIDECAR, a readiness probe: exits 0 once
     every rank of SIDECAR is served (until mpack status SIDECAR; do sleep 0.5; done), 2 while
-    one is not, naming it.
+    one is not, naming each missing rank; with --rank R, once rank R is. A directory of
+    targets (OUT/<target>/) is probed for its one target, or the one --tp, --profile,
+    --act-dtype and --ep name (refused, listing them, when several are left).
 
     \b
     Examples:
       mpack status
       mpack status llama8b-marlin --json
       mpack status llama8b-marlin --device cuda:0 --device cuda:1   # TP 2, ready?
+      mpack status llama8b-marlin --rank 1 --device cuda:1          # rank 1's probe
+      mpack status out --tp 2                                       # out/tp2-w8a16-bfloat16/
     """
     from mpack import ui
     from mpack.runtime.client import query_status
 
     if sidecar is not None and socket is not None:
         raise UsageError("give a SIDECAR or --socket, not both")
+    if rank is not None and rank < 0:
+        raise UsageError(f"--rank must be >= 0, got {rank}")
+    select = _selection(tp, profile, act_dtype, ep)
+    if select and sidecar is None:
+        raise UsageError(
+            f"{select.words()} names a target of SIDECAR, and none is given",
+            hint="give the directory of targets: mpack status OUT " + select.words(),
+        )
     if sidecar is not None:  # a repo id: its mpack.json (daemons are known by its digest)
         from mpack.hub_sidecar import resolve_sidecar
 
-        sidecar = resolve_sidecar(sidecar, fetch="manifest")
-    docs = query_status(sidecar=sidecar, socket=socket, devices=devices or ())
+        sidecar = resolve_sidecar(sidecar, fetch="manifest", select=select)
+    docs = query_status(sidecar=sidecar, socket=socket, devices=devices or (), rank=rank)
     ui.emit_status(docs, as_json=json_out)
 
 
@@ -873,9 +1250,11 @@ def _interrupted(signum: int) -> Interrupted:
 
 
 def _run(args: list[str], *, as_json: bool, debug: bool) -> int:
-    """Run the command ``args``; return its exit code, its error (if any) printed."""
+    """Run the command ``args``; return its exit code, its error (if any) printed. Library
+    errors name its options as flags (:data:`FLAGS`, Note [API wording] in mpack/errors.py)."""
     try:
-        result = app(args=args, prog_name="mpack", standalone_mode=False)
+        with worded(FLAGS):
+            result = app(args=args, prog_name="mpack", standalone_mode=False)
         return result if isinstance(result, int) else 0  # --help and --version return 0
     except _click_error("NoArgsIsHelpError") as e:
         _say(sys.stderr, e.ctx.get_help() if e.ctx is not None else "")  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from mpack.errors import CudaError, UsageError
+from mpack.errors import CudaError, UsageError, arg
 
 __all__ = [
     "CudaError",
@@ -52,9 +52,10 @@ _initialised = [False]
 _preloaded = [False]
 
 
-def driver(needed_by: str = "--device cuda") -> ModuleType:
+def driver(needed_by: str | None = None) -> ModuleType:
     """``cuda.bindings.driver``; raises ``UsageError`` ("``needed_by`` needs the cuda-bindings
-    package", with the install command) where it is not installed."""
+    package", with the install command) where it is not installed; ``needed_by`` defaults to
+    ``device='cuda'`` (``--device cuda`` under the CLI: Note [API wording] in mpack/errors.py)."""
     try:
         from cuda.bindings import driver as d
     except ImportError:
@@ -62,7 +63,7 @@ def driver(needed_by: str = "--device cuda") -> ModuleType:
     return d
 
 
-def nvrtc(needed_by: str = "--device cuda") -> ModuleType:
+def nvrtc(needed_by: str | None = None) -> ModuleType:
     """``cuda.bindings.nvrtc``; raises like :func:`driver`."""
     try:
         from cuda.bindings import nvrtc as n
@@ -71,8 +72,9 @@ def nvrtc(needed_by: str = "--device cuda") -> ModuleType:
     return n
 
 
-def _missing(needed_by: str) -> UsageError:
-    return UsageError(f"{needed_by} needs the cuda-bindings package", hint=INSTALL_HINT)
+def _missing(needed_by: str | None) -> UsageError:
+    what = needed_by or arg("device", "cuda")
+    return UsageError(f"{what} needs the cuda-bindings package", hint=INSTALL_HINT)
 
 
 #: Where the dynamic loader finds the driver and NVRTC on the usual Linux installs (after

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from mpack.errors import UsageError
+from mpack.errors import UsageError, arg
 
 __all__ = ["CONVERT", "KEY", "SERVE", "DeviceSpec", "Grammar", "no_cuda_here"]
 
@@ -71,8 +71,9 @@ class DeviceSpec:
     uuid: str | None = None
 
     @classmethod
-    def parse(cls, text: str, grammar: Grammar = SERVE, option: str = "--device") -> DeviceSpec:
-        """``text`` read by ``grammar``. ``option``: the flag named in the error.
+    def parse(cls, text: str, grammar: Grammar = SERVE, option: str = "device") -> DeviceSpec:
+        """``text`` read by ``grammar``. ``option``: the argument named in the error (through
+        :func:`mpack.errors.arg`: ``device`` in Python, ``--device`` under the CLI).
 
         Raises:
             UsageError: ``text`` is not one of ``grammar``'s forms.
@@ -80,12 +81,12 @@ class DeviceSpec:
         s = str(text).strip().lower() if grammar.loose else str(text)
         m = _FORM.fullmatch(s)
         if m is None or not _takes(grammar, m["kind"], m["index"], m["uuid"]):
-            raise UsageError(f"{option} must be {grammar.forms}, got {text!r}")
+            raise UsageError(f"{arg(option)} must be {grammar.forms}, got {text!r}")
         return cls(m["kind"], None if m["index"] is None else int(m["index"]), m["uuid"])
 
     @classmethod
     def of(
-        cls, device: str | DeviceSpec, grammar: Grammar = SERVE, option: str = "--device"
+        cls, device: str | DeviceSpec, grammar: Grammar = SERVE, option: str = "device"
     ) -> DeviceSpec:
         """``device`` as a spec: text read by :meth:`parse`, a spec already parsed (once, by the
         caller) taken as it is, if ``grammar`` takes its form (the same error as its text).
@@ -96,7 +97,7 @@ class DeviceSpec:
         if not isinstance(device, DeviceSpec):
             return cls.parse(device, grammar, option)
         if not _takes(grammar, device.kind, device.index, device.uuid):
-            raise UsageError(f"{option} must be {grammar.forms}, got {str(device)!r}")
+            raise UsageError(f"{arg(option)} must be {grammar.forms}, got {str(device)!r}")
         return device
 
     @property

@@ -15,7 +15,10 @@ Subclasses also derive from the closest builtin, so library users can catch ``Va
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
+from typing import Any
 
 
 class MpackError(Exception):
@@ -111,6 +114,42 @@ class ProtocolError(DaemonError):
     ``attach: auto`` falls back from like any other daemon that cannot serve us."""
 
 
+# Note [API wording]: an error raised by the library names its arguments as the Python API
+# takes them (``device='cuda:9': no CUDA device here``, hint ``use device='cpu'``); the same
+# error under the command line names the flags (``--device cuda:9``, ``use --device cpu``). A
+# message builds each such name with :func:`arg`; the CLI sets, around each command, how its
+# options are spelt (:func:`worded`, from ``FLAGS`` in mpack/cli.py), and the text comes out
+# in the user's own words either way. The wording is process-wide, not per thread: errors are
+# raised on worker threads (hashing, the pass) and in a forked child (the scheme check), and
+# each must speak as the command that started it. A whole command line in a hint (``mpack
+# convert SRC -o OUT --force``) is a command to run, and stays one.
+_NO_VALUE = object()
+#: argument name -> its words on the command line (:func:`arg`); None: the API's.
+_wording: dict[str, Any] | None = None
+
+
+def arg(name: str, value: object = _NO_VALUE) -> str:
+    """Argument ``name`` (given ``value``), as the running interface spells it (Note [API
+    wording]): ``device`` / ``device='cuda:9'`` from Python, ``--device`` / ``--device cuda:9``
+    under ``mpack``. A name the command line has no words for keeps the API's."""
+    words = _wording.get(name) if _wording else None
+    if words is not None:
+        return words(None if value is _NO_VALUE else value, value is not _NO_VALUE)
+    return name if value is _NO_VALUE else f"{name}={value!r}"
+
+
+@contextlib.contextmanager
+def worded(words: dict[str, Any]) -> Iterator[None]:
+    """Inside the block, :func:`arg` speaks as ``words`` say: name -> ``f(value, given) ->
+    str`` (the CLI's flags; Note [API wording])."""
+    global _wording
+    before, _wording = _wording, words
+    try:
+        yield
+    finally:
+        _wording = before
+
+
 #: errno values that say "the machine refused", not "mpack has a bug" (exit code 3).
 ENVIRONMENT_ERRNOS = frozenset(
     getattr(errno, n)
@@ -191,9 +230,9 @@ def environment_failure(exc: OSError, doing: str = "") -> EnvironmentFailure:
     hints = {
         "EACCES": "check the file's permissions, or run as a user that may access it",
         "EPERM": "check the file's permissions, or run as a user that may access it",
-        "EROFS": "write the output to a writable file system (-o)",
-        "ENOSPC": "free some space, or write the output to another disk (-o)",
-        "EDQUOT": "free some space, or write the output to another disk (-o)",
+        "EROFS": f"write the output to a writable file system ({arg('out')})",
+        "ENOSPC": f"free some space, or write the output to another disk ({arg('out')})",
+        "EDQUOT": f"free some space, or write the output to another disk ({arg('out')})",
         "EMFILE": "raise the open-file limit (ulimit -n)",
         "ENFILE": "raise the open-file limit (ulimit -n)",
     }

@@ -19,7 +19,8 @@ What the repo holds (Note [repo contents]):
   start, and one card at the root listing every target.
 
 This module is core (docs/ARCHITECTURE.md): it imports no other layer, and huggingface_hub only
-inside :func:`push`, so a dry run imports nothing that talks to the network.
+inside functions: its ``ModelCard`` makes the card (:func:`model_card`), and :func:`push` sends.
+A dry run makes no network call (tests/test_push.py watches every socket it could open).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import contextlib
 import html
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mpack import __version__
@@ -50,8 +51,11 @@ from mpack.fsutil import lock_held
 from mpack.sidecar import (
     COMMON_NAME,
     COPIED_FILES,
+    LICENSE_FILES,
     MANIFEST_NAME,
     RUN_LOCK,
+    is_card_fact,
+    is_commit,
     load_manifest,
     parse_run_name,
     regenerate_hint_of,
@@ -60,11 +64,19 @@ from mpack.sidecar import (
     sidecar_problems,
 )
 from mpack.target import dir_name
+from mpack.target_dirs import Selection, matching
 
 #: The model card's name: the Hub shows a repo's README.md as its card.
 CARD_NAME = "README.md"
 #: The one file the Hub makes itself in a new repo; a push keeps it (Note [repo contents]).
 GITATTRIBUTES = ".gitattributes"
+#: The distribution's name on the package index (pyproject.toml's ``[project] name``): the
+#: card's ``pip install`` line names it.
+DIST_NAME = "mpack-marlin"
+#: Files the Hub stores through LFS (its default ``.gitattributes`` sends ``*.safetensors``
+#: there, and its upload checks any file of 10 MB or more): the ones whose shared bytes a push
+#: sends once (Note [shared uploads]); smaller files go inside the commit, once per path.
+LFS_MIN_BYTES = 10 * 1000 * 1000
 #: Tags of every pushed repo (the Hub lists them on the page and filters by them).
 TAGS = ("mpack", "marlin", "fp8", "compressed-tensors", "vllm")
 #: ``namespace/name``: the Hub's repo id characters; huggingface_hub checks the finer rules.
@@ -98,11 +110,14 @@ def target_dir_name(manifest: Mapping[str, Any]) -> str:
 @dataclass(frozen=True)
 class Upload:
     """One file of the commit: where it goes in the repo, its size, and where its bytes come
-    from (``local``; None for the generated card, whose bytes are the plan's ``card``)."""
+    from (``local``; None for the generated card, whose bytes are the plan's ``card``).
+    ``same_as``: an earlier upload of the plan with the same bytes, as the manifests' digests
+    say (Note [shared uploads]); None for the first of its bytes."""
 
     path_in_repo: str
     size: int
     local: Path | None
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,8 @@ class PushPlan:
     uploads: list[Upload]  # sorted by path in the repo; the card included
     card: str
     skipped: list[str] = field(default_factory=list)  # plain files beside the target folders
+    commit_message: str = ""  # the commit's summary line
+    create_pr: bool = False  # open a pull request with the commit instead of committing to it
     #: (st_dev, st_ino, st_size, st_mtime_ns) of each local file when it was checked
     stamps: dict[Path, tuple[int, int, int, int]] = field(default_factory=dict)
 
@@ -138,12 +155,19 @@ class PushPlan:
     def total_bytes(self) -> int:
         return sum(u.size for u in self.uploads)
 
+    @property
+    def unique_bytes(self) -> int:
+        """The bytes sent: each file's bytes once (Note [shared uploads])."""
+        return sum(u.size for u in self.uploads if u.same_as is None)
+
     def report(self) -> dict[str, Any]:
         """The facts ``mpack push --json`` prints (``--dry-run`` too)."""
         return {
             "repo_id": self.repo_id,
             "revision": self.revision,
             "private": self.private,
+            "commit_message": self.commit_message,
+            "create_pr": self.create_pr,
             "targets": [
                 {
                     "folder": t.folder,
@@ -159,10 +183,12 @@ class PushPlan:
                     "path": u.path_in_repo,
                     "size": u.size,
                     "local": None if u.local is None else str(u.local),
+                    "same_as": u.same_as,
                 }
                 for u in self.uploads
             ],
             "bytes": self.total_bytes,
+            "unique_bytes": self.unique_bytes,
             "skipped": self.skipped,
             "card": self.card,
         }
@@ -176,11 +202,13 @@ class PushResult:
     commit: str | None  # the commit's sha
     url: str | None  # the commit's page on the Hub
     deleted: list[str] = field(default_factory=list)
+    pr_url: str | None = None  # the pull request's page (``create_pr``)
 
     def report(self) -> dict[str, Any]:
         return self.plan.report() | {
             "commit": self.commit,
             "url": self.url,
+            "pr_url": self.pr_url,
             "deleted": self.deleted,
         }
 
@@ -223,6 +251,12 @@ def plan_push(
     *,
     revision: str | None = None,
     private: bool = False,
+    base_model: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    select: Selection | None = None,
+    only: Collection[str] | None = None,
 ) -> PushPlan:
     """What :func:`push` would send, checked, without the network.
 
@@ -233,8 +267,19 @@ def plan_push(
     names] in mpack/sidecar.py), is refused: it may hold only some of that run's targets, and
     the push would delete the others from the repo.
 
+    ``base_model``: the source's Hub repo id for the card, where the manifests do not record it
+    (a local source that is not an HF-cache snapshot), or instead of the one they record.
+    ``commit_message``: the commit's summary (default: the targets and the source).
+    ``create_pr``: :func:`push` opens a pull request.
+    ``progress(done, total)``: bytes checked so far, of every sidecar's files.
+    ``select`` (``--tp``, ``--profile`` ...: :class:`mpack.target_dirs.Selection`) and ``only``
+    (folder names: ``convert --push`` sends the targets it made, not those it kept) push only
+    those targets of a directory of sidecars, still each in its folder; as every push, the
+    revision then holds those alone.
+
     Raises:
-        UsageError: a malformed ``repo_id`` or ``revision`` (:func:`check_revision`).
+        UsageError: a malformed ``repo_id``, ``revision`` (:func:`check_revision`),
+            ``base_model`` or an empty ``commit_message``.
         BusyError: an ``mpack convert`` is writing the sidecar(s) now.
         InputError: not a sidecar (no valid ``mpack.json``: its subclasses name the file), a
             folder beside the targets that is not a sidecar, a directory an interrupted
@@ -246,31 +291,87 @@ def plan_push(
     if revision is not None and not revision.strip():
         raise UsageError("--revision is empty; give a branch name, or leave it out for main")
     check_revision(revision)
+    if base_model is not None and not (
+        _REPO_ID.fullmatch(base_model) and is_card_fact("base_model", base_model)
+    ):
+        raise UsageError(
+            f"--base-model {quote(base_model, 100)} is not a Hub repo id of the form "
+            "namespace/name",
+            hint="name the repo the checkpoint was downloaded from, e.g. --base-model "
+            "RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8",
+        )
+    if commit_message is not None and not commit_message.strip():
+        raise UsageError("--commit-message is empty; give a summary, or leave it out")
     root = Path(sidecar)
     dirs, skipped = _sidecar_dirs(root)
+    if select or only is not None:  # Note [target layout] in mpack/target_dirs.py
+        keep = {t.path for t in matching(root, select or Selection())}  # none named: refused
+        if keep:  # (none at all: not a sidecar, which load_manifest says below)
+            dirs = [d for d in dirs if d in keep and (only is None or d == root or d.name in only)]
+    loaded = [(d, *load_manifest(d)) for d in dirs]
+    total = sum(f["size"] for _, m, _ in loaded for f in m["files"])
+    done = 0
+
+    def checked(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
     targets: list[Target] = []
     stamps: dict[Path, tuple[int, int, int, int]] = {}
-    for d in dirs:
-        m, digest = load_manifest(d)
+    for d, m, digest in loaded:
         stamps |= _stamps(d, m)  # before the checks: a file replaced after them is caught
-        _check_sidecar(d, m)
+        _check_sidecar(d, m, checked)
         targets.append(Target(d, "" if d == root else target_dir_name(m), m, digest))
     _check_targets(targets)
-    card = model_card(repo_id, targets, revision=revision)
-    uploads = [Upload(CARD_NAME, len(card.encode()), None)]
+    card = model_card(repo_id, targets, revision=revision, base_model=base_model)
+    files: list[tuple[str, int, Path | None, Any]] = [(CARD_NAME, len(card.encode()), None, None)]
     for t in targets:
         prefix = f"{t.folder}/" if t.folder else ""
-        names = [f["name"] for f in t.manifest["files"]] + [MANIFEST_NAME]
-        uploads += [Upload(prefix + n, stamps[t.sidecar / n][2], t.sidecar / n) for n in names]
+        for f in t.manifest["files"]:
+            n = f["name"]
+            files.append((prefix + n, stamps[t.sidecar / n][2], t.sidecar / n, _bytes_of(f)))
+        mf = t.sidecar / MANIFEST_NAME
+        files.append((prefix + MANIFEST_NAME, stamps[mf][2], mf, ("sha256", t.digest)))
     if targets[0].folder:  # Note [repo contents]: the model's own files at the root too
         first = targets[0]
-        uploads += [
-            Upload(f["name"], f["size"], first.sidecar / f["name"])
+        files += [
+            (f["name"], f["size"], first.sidecar / f["name"], _bytes_of(f))
             for f in first.manifest["files"]
             if f["name"] in COPIED_FILES
         ]
-    uploads.sort(key=lambda u: u.path_in_repo)
-    return PushPlan(repo_id, revision, private, targets, uploads, card, skipped, stamps)
+    files.sort(key=lambda x: x[0])
+    first_of: dict[Any, str] = {}  # Note [shared uploads]
+    uploads = []
+    for path, size, local, content in files:
+        lfs = path.endswith(".safetensors") or size >= LFS_MIN_BYTES
+        key = None if content is None or not lfs else (size, content)
+        same = first_of.setdefault(key, path) if key is not None else path
+        uploads.append(Upload(path, size, local, None if same == path else same))
+    return PushPlan(
+        repo_id,
+        revision,
+        private,
+        targets,
+        uploads,
+        card,
+        skipped,
+        commit_message=commit_message or _commit_message(targets),
+        create_pr=create_pr,
+        stamps=stamps,
+    )
+
+
+def _bytes_of(f: Mapping[str, Any]) -> tuple[str, ...]:
+    """What the files entry ``f`` says of its bytes (its digests), comparable between entries:
+    two entries of one size and equal digests are files of the same bytes."""
+    ch = f.get("chunks") or {}
+    return (
+        str(f.get("sha256")),
+        str(ch.get("bytes")),
+        *(str(d) for d in ch.get("sha256") or ()),
+    )
 
 
 def _sidecar_dirs(root: Path) -> tuple[list[Path], list[str]]:
@@ -386,10 +487,12 @@ def _stamps(d: Path, m: Mapping[str, Any]) -> dict[Path, tuple[int, int, int, in
     return out
 
 
-def _check_sidecar(d: Path, m: dict[str, Any]) -> None:
-    """Check 1 of ``mpack verify`` (:func:`mpack.sidecar.sidecar_problems`). Raises
-    ``VerificationError``."""
-    problems = sidecar_problems(d, m)[0]
+def _check_sidecar(
+    d: Path, m: dict[str, Any], progress: Callable[[int], None] | None = None
+) -> None:
+    """Check 1 of ``mpack verify`` (:func:`mpack.sidecar.sidecar_problems`; ``progress(n)``
+    after each file of ``n`` bytes). Raises ``VerificationError``."""
+    problems = sidecar_problems(d, m, progress=progress)[0]
     if problems:
         raise VerificationError(
             f"{d}: {len(problems)} problem(s), nothing pushed:{listed(problems)}",
@@ -525,60 +628,146 @@ def serve_commands(repo_id: str, t: Target, revision: str | None = None) -> list
     return [*lines, vllm]
 
 
-def model_card(repo_id: str, targets: list[Target], *, revision: str | None = None) -> str:
-    """The repo's ``README.md``: YAML front matter for the Hub, where the weights come from,
-    the targets and the commands that serve each (docs/HUB.md, "The model card")."""
+def model_card(
+    repo_id: str,
+    targets: list[Target],
+    *,
+    revision: str | None = None,
+    base_model: str | None = None,
+) -> str:
+    """The repo's ``README.md``, made with huggingface_hub's ``ModelCard``: its metadata
+    (:func:`card_data`), where the weights come from, the licence, the install line, the targets
+    and the commands that serve each (docs/HUB.md, "The model card"). ``base_model``: the
+    source's Hub repo when the manifests do not tell it (``mpack push --base-model``).
+
+    No local path is in it (Note [card text]): a local source shows as its directory's name."""
+    from huggingface_hub import ModelCard  # only the card's code: no network
+
     first = targets[0].manifest
-    base = _hub_source(first)
-    out = ["---", *_card_front_matter(first, base), "---", "", f"# {repo_id}", ""]
-    out += _card_origin(targets, base)
-    out += _card_targets(targets)
-    out += _card_serve(repo_id, targets, revision)
-    if base:
+    base = base_model or _base_model(first)
+    body = ["", f"# {repo_id}", ""]
+    body += _card_origin(targets, base)
+    body += _card_license(first, base)
+    body += _card_install(targets)
+    body += _card_targets(targets)
+    body += _card_serve(repo_id, targets, revision)
+    if _hub_source(first):
         at = f"@{revision}" if revision and revision != "main" else ""
         refs = [(f"{repo_id}/{t.folder}" if t.folder else repo_id) + at for t in targets]
-        out += [
+        body += [
             "",
             "## Check",
             "",
             "Re-derive every byte from the source checkpoint:",
             "",
             "```sh",
-            *(f"mpack verify {r} --source {base}" for r in refs),
+            *(f"mpack verify {r} --source {_hub_source(first)}" for r in refs),
             "```",
         ]
-    return "\n".join(out) + "\n"
+    data = card_data(first, base)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(body) + "\n"))
 
 
-def _card_front_matter(first: dict[str, Any], base: str | None) -> list[str]:
-    """The card's YAML front matter (less its ``---`` lines), from the first target's manifest
-    and the Hub repo of its source (``base``; None: not from the Hub)."""
-    front = [f"base_model: {base}", "base_model_relation: quantized"] if base else []
-    front.append("library_name: vllm")
-    if str((first.get("model") or {}).get("architecture", "")).endswith("ForCausalLM"):
-        front.append("pipeline_tag: text-generation")
-    front.append(f"tags: [{', '.join(TAGS)}]")
-    return front
+def card_data(first: Mapping[str, Any], base: str | None) -> Any:
+    """The card's metadata (a ``huggingface_hub.ModelCardData``), from the first target's
+    manifest and the source's Hub repo ``base`` (None: not known):
+
+    * ``base_model`` and ``base_model_relation: quantized`` when ``base`` is known: the Hub
+      lists the repo among the source's quantized variants;
+    * ``license``, ``license_name`` and ``license_link`` as the source's card gave them
+      (Note [card facts] in convert/source.py), a link to a file that is not pushed made a URL
+      into the source repo, or left out;
+    * ``library_name: vllm``, ``pipeline_tag`` for a causal LM, and :data:`TAGS`."""
+    from huggingface_hub import ModelCardData
+
+    license_ = {k: v for k in ("license", "license_name") if (v := _fact(first, k))}
+    link = _license_link(first, base)
+    if link and license_:
+        license_["license_link"] = link
+    causal = str((first.get("model") or {}).get("architecture", "")).endswith("ForCausalLM")
+    extra = {"base_model_relation": "quantized"} if base else {}
+    return ModelCardData(
+        base_model=base,
+        library_name="vllm",
+        **license_,
+        pipeline_tag="text-generation" if causal else None,
+        tags=list(TAGS),
+        **extra,
+    )
+
+
+def _root_copied(first: Mapping[str, Any]) -> list[str]:
+    """The copied files at the repo root (the first target's: Note [repo contents])."""
+    return [f["name"] for f in first["files"] if f["name"] in COPIED_FILES]
+
+
+def _license_link(first: Mapping[str, Any], base: str | None) -> str | None:
+    """The source card's ``license_link`` as the pushed card can hold it: a URL as it is, a file
+    name when that file is pushed to the root, else that file in the source repo (``base``) at
+    the recorded commit; None without one."""
+    link = _fact(first, "license_link")
+    if link is None:
+        return None
+    if link.startswith(("http://", "https://")) or link in _root_copied(first):
+        return link
+    if base is None:
+        return None
+    commit = _source_commit(first) or "main"
+    return f"https://huggingface.co/{base}/blob/{commit}/{link}"
+
+
+def _base_model(m: Mapping[str, Any]) -> str | None:
+    """The source's Hub repo id: the Hub repo it was converted from, or the one its local
+    directory is a snapshot of (``source.base_model``: Note [card facts])."""
+    return _hub_source(m) or _fact(m, "base_model")
+
+
+def _fact(m: Mapping[str, Any], key: str) -> str | None:
+    """The ``source`` key ``key`` of :data:`mpack.sidecar.SOURCE_CARD_KEYS`, when of its form."""
+    value = (m.get("source") or {}).get(key)
+    return value if is_card_fact(key, value) else None
+
+
+def _source_commit(m: Mapping[str, Any]) -> str | None:
+    """The source's commit: a Hub source's, or an HF-cache snapshot's (its folder's name)."""
+    s = m.get("source") or {}
+    if s.get("kind") == "hub":
+        return s.get("revision") if isinstance(s.get("revision"), str) else None
+    name = _local_name(s.get("path"))
+    return name if s.get("base_model") and name and is_commit(name) else None
+
+
+def _local_name(path: object) -> str | None:
+    """A local source's directory name, whatever the manifest records (its name, or its absolute
+    path under ``MPACK_SOURCE_PATH=full``): the card never shows where it was."""
+    if not isinstance(path, str):
+        return None
+    return PurePosixPath(path).name or None
 
 
 def _card_origin(targets: list[Target], base: str | None) -> list[str]:
     """The card's first paragraph and its table: where the weights come from, what made them."""
-    source = targets[0].manifest.get("source") or {}
+    first = targets[0].manifest
+    source = first.get("source") or {}
     engine = {
         card_text(f"{t.manifest['target']['engine']} {t.manifest['target']['engine_version']}")
         for t in targets
     }
     made_by = sorted({card_text(t.manifest.get("created_by", "mpack ?")) for t in targets})
-    if base:  # a checked repo id and commit (check_manifest): code spans hold them as they are
-        origin = f"`{base}` (Hugging Face Hub)"
-        commit = f"`{source.get('revision')}`"
-        if source.get("requested_revision"):
-            commit += f" (asked for: {card_text(source['requested_revision'])})"
+    commit = _source_commit(first)
+    repo = _base_model(first) or base  # what the manifest records; else --base-model's
+    if repo:  # checked repo ids and commits (check_manifest): code spans hold them as they are
+        origin = f"`{repo}` (Hugging Face Hub)"
+        if source.get("kind") != "hub":
+            origin += ", from a local copy"
+        commit_cell = f"`{commit}`" if commit else "not recorded"
+        if source.get("kind") == "hub" and source.get("requested_revision"):
+            commit_cell += f" (asked for: {card_text(source['requested_revision'])})"
     else:
-        origin = (
-            f"a local directory, {card_text(source.get('path'))}, on the machine that converted it"
-        )
-        commit = "none: not a Hub repo (each mpack.json lists the sha256 of every source file)"
+        name = _local_name(source.get("path"))
+        named = f", {card_text(name)}," if name else ""
+        origin = f"a local directory{named} on the machine that converted it"
+        commit_cell = "none: not a Hub repo (each mpack.json lists the sha256 of every source file)"
     return [
         f"Marlin FP8 weights of {origin}, packed ahead of time by "
         "[mpack](https://github.com/mpack-marlin/mpack) for "
@@ -589,10 +778,44 @@ def _card_origin(targets: list[Target], base: str | None) -> list[str]:
         "| | |",
         "| --- | --- |",
         f"| source | {origin} |",
-        f"| source commit | {commit} |",
+        f"| source commit | {commit_cell} |",
         f"| converted with | {', '.join(made_by)} |",
         f"| pushed with | mpack {__version__} |",
     ]
+
+
+def _card_license(first: Mapping[str, Any], base: str | None) -> list[str]:
+    """The card's ``License`` section: the source's licence and the licence files pushed."""
+    files = [n for n in _root_copied(first) if n in LICENSE_FILES]
+    shown_files = ", ".join(f"[`{n}`]({n})" for n in files)
+    lic = _fact(first, "license")
+    if lic:
+        name = _fact(first, "license_name")
+        said = f"`{lic}`" + (f" (`{name}`)" if name and lic == "other" else "")
+        text = f"The source's licence applies: {said}, as its model card states."
+    else:
+        text = "The source's model card metadata names no licence: the source's own terms apply."
+    if files:
+        text += f" Its licence files are copied here: {shown_files}."
+    elif base:
+        text += f" See [{base}](https://huggingface.co/{base})."
+    return ["", "## License", "", text]
+
+
+def _card_install(targets: list[Target]) -> list[str]:
+    """The card's ``Install`` section: the exact pip line for the mpack that pushed it (its
+    ``vllm`` extra brings the vLLM these weights are for and ``--load-format mpack``)."""
+    for_vllm = any(t.manifest["target"].get("fusion", "vllm") == "vllm" for t in targets)
+    extra = "[vllm]" if for_vllm else ""
+    out = ["", "## Install", "", "```sh", f"pip install '{DIST_NAME}{extra}=={__version__}'", "```"]
+    if for_vllm:
+        engines = sorted({card_text(t.manifest["target"]["engine_version"]) for t in targets})
+        out += [
+            "",
+            f"The `vllm` extra installs vLLM {' and '.join(engines)}, the version these weights "
+            "are packed for, and registers its `--load-format mpack`.",
+        ]
+    return out
 
 
 def _card_targets(targets: list[Target]) -> list[str]:
@@ -658,14 +881,32 @@ def _card_serve(repo_id: str, targets: list[Target], revision: str | None) -> li
 # --model-loader-extra-config.
 
 
+# Note [shared uploads]: the targets of one multi-target directory hold files of the same bytes:
+# ``common.safetensors`` (the pass-through tensors, unchanged from the checkpoint, under a header
+# that names no target: convert/plan.py) and the copied files, which also go to the repo root.
+# Each target's folder keeps its own copy in the repo (a loader fetches ``org/repo/<target>`` as
+# one complete sidecar: docs/HUB.md, "Loading by repo id"; the layout is not changed for this),
+# but the bytes go up once. The plan marks every upload the Hub stores through LFS
+# (:data:`LFS_MIN_BYTES`) whose manifest digests equal an earlier one's (``Upload.same_as``);
+# :func:`push` first uploads one file of each such group alone (``HfApi.preupload_lfs_files``),
+# then makes the one commit of every file: the Hub's LFS batch API answers that the other
+# copies' object is already there, and huggingface_hub skips their upload
+# (tests/test_push_hub.py counts the bytes a local stand-in of the Hub receives). Over Xet
+# (hf_xet installed, huggingface_hub's default), the copies' chunks are found already stored
+# and not sent again either; each copy is still read once locally, to be hashed. The repo's
+# storage holds one object either way. Small files the Hub keeps in git (config, tokenizer
+# files) go inside the commit, once per path: a few KB, not worth a second request.
+
+
 def push(plan: PushPlan, *, api: Any = None, show_progress: bool = False) -> PushResult:
     """Send ``plan`` as one commit: create the repo if needed (``private`` applies only then),
-    the branch if ``revision`` names a new one, then ``create_commit`` with every upload and the
-    deletions of Note [repo contents].
+    the branch if ``revision`` names a new one, upload once the bytes several files share (Note
+    [shared uploads]), then ``create_commit`` with every upload and the deletions of Note [repo
+    contents], with ``plan.commit_message``, as a pull request where ``plan.create_pr``.
 
     ``api``: an ``huggingface_hub.HfApi`` (default: a new one, which takes its token from
     ``HF_TOKEN`` or ``hf auth login`` and its endpoint from ``HF_ENDPOINT``); tests pass a
-    stand-in.
+    stand-in. ``show_progress``: huggingface_hub's own progress bars for the uploads.
 
     Raises:
         HubAuthError: no token, or one that may not write to the repo (exit 3).
@@ -688,24 +929,41 @@ def push(plan: PushPlan, *, api: Any = None, show_progress: bool = False) -> Pus
         present = api.list_repo_files(rid, revision=branch, repo_type="model")
         sent = {u.path_in_repo for u in plan.uploads}
         deleted = sorted(p for p in present if p not in sent and p != GITATTRIBUTES)
-        ops: list[Any] = [
-            CommitOperationAdd(
+        adds = {
+            u.path_in_repo: CommitOperationAdd(
                 path_in_repo=u.path_in_repo,
                 path_or_fileobj=plan.card.encode() if u.local is None else str(u.local),
             )
             for u in plan.uploads
-        ]  # each local file is read and hashed here
-        _check_unchanged(plan)  # ... so a file replaced since the checks is caught now
+        }
+        _check_unchanged(plan)  # a file replaced since the checks is caught here
+        shared = sorted({u.same_as for u in plan.uploads if u.same_as is not None})
+        if shared:  # Note [shared uploads]
+            api.preupload_lfs_files(
+                rid,
+                additions=[adds[p] for p in shared],
+                repo_type="model",
+                revision=branch,
+                create_pr=plan.create_pr,
+            )
+        ops: list[Any] = list(adds.values())
         ops += [CommitOperationDelete(path_in_repo=p) for p in deleted]
         info = api.create_commit(
             rid,
             ops,
-            commit_message=_commit_message(plan),
+            commit_message=plan.commit_message,
             commit_description=_commit_description(plan),
             revision=branch,
             repo_type="model",
+            create_pr=plan.create_pr,
         )
-    return PushResult(plan, getattr(info, "oid", None), getattr(info, "commit_url", None), deleted)
+    return PushResult(
+        plan,
+        getattr(info, "oid", None),
+        getattr(info, "commit_url", None),
+        deleted,
+        getattr(info, "pr_url", None),
+    )
 
 
 def push_sidecar(
@@ -714,12 +972,23 @@ def push_sidecar(
     *,
     revision: str | None = None,
     private: bool = False,
+    base_model: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
     api: Any = None,
     show_progress: bool = False,
 ) -> PushResult:
     """:func:`plan_push` then :func:`push`: check ``sidecar`` (nothing is sent when it fails),
     then send it to ``repo_id`` in one commit."""
-    plan = plan_push(sidecar, repo_id, revision=revision, private=private)
+    plan = plan_push(
+        sidecar,
+        repo_id,
+        revision=revision,
+        private=private,
+        base_model=base_model,
+        commit_message=commit_message,
+        create_pr=create_pr,
+    )
     return push(plan, api=api, show_progress=show_progress)
 
 
@@ -738,9 +1007,18 @@ def _check_unchanged(plan: PushPlan) -> None:
             )
 
 
-def _commit_message(plan: PushPlan) -> str:
-    names = ", ".join(t.name for t in plan.targets)
-    return f"mpack push: {names} from {shown(_source_name(plan.targets[0].manifest), 4096)}"
+def _commit_message(targets: list[Target]) -> str:
+    """The default commit summary: the targets, and the source as the card names it (a local
+    source by its directory's name only, as there)."""
+    names = ", ".join(t.name for t in targets)
+    m = targets[0].manifest
+    src = m.get("source") or {}
+    origin = (
+        _source_name(m)
+        if src.get("kind") == "hub"
+        else f"local directory {_local_name(src.get('path')) or '?'}"
+    )
+    return f"mpack push: {names} from {shown(origin, 4096)}"
 
 
 def _commit_description(plan: PushPlan) -> str:

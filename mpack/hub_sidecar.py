@@ -64,12 +64,14 @@ from mpack.errors import (
     InputError,
     SourceNotFoundError,
     UsageError,
+    arg,
     environment_failure,
     quote,
     shown,
 )
 from mpack.sidecar import MANIFEST_NAME, is_commit, load_manifest, rank_file_name
 from mpack.target import dir_name
+from mpack.target_dirs import Selection, choose, find, is_sidecar
 
 #: The folder next to ``snapshots/`` that holds the views (Note [a view of the snapshot]).
 VIEW_DIR = "mpack"
@@ -139,16 +141,23 @@ def resolve_sidecar(
     rank: int | None = None,
     fetch: str = "rank",
     target: Mapping[str, Any] | None = None,
+    select: Selection | None = None,
 ) -> Path:
     """The local sidecar directory of ``ref``: a path, or a Hub repo id (module docstring).
 
     ``rank`` and ``fetch`` say which files to fetch (Note [what a resolve fetches]).
     ``target``: a manifest-style target (``tp_size``, ``profile``, ``act_dtype``, ``fusion``)
     used where ``ref`` is a multi-target repo (or its snapshot) given without a folder: the
-    folder of that target is taken (the vLLM loader passes the engine's).
+    folder of that target is taken (the vLLM loader passes the engine's). Else a local
+    directory of targets gives its one target that ``select`` names (``--tp``, ``--profile``
+    ...; any, where it holds one), and a repo of several the folder ``select`` names whole
+    (:func:`mpack.target_dirs.choose`, Note [target layout]); a sidecar that is not the one
+    ``select`` names is refused.
 
     Raises:
-        UsageError: ``revision`` given with a local path, or twice.
+        UsageError: ``revision`` given with a local path, or twice; a directory of several
+            targets and no ``select`` that names one of them (they are listed), or a sidecar
+            of another target than ``select`` names.
         SourceNotFoundError: no such repo, revision or file, or (offline) not in the HF cache.
         InputError: the repo (or folder) holds no ``mpack.json``: not a sidecar; or a file of
             its snapshot links outside the repo's ``blobs/`` (Note [links of the snapshot]).
@@ -163,14 +172,14 @@ def resolve_sidecar(
             raise UsageError(
                 f"--revision {quote(revision)} applies to Hub repo ids, but {p} is a local path"
             )
-        local = _local_target(p, target)
+        local = _local_target(p, target, select or Selection())
         snap = _snapshot_of(local)
         return local if snap is None else _local_view(local, *snap, rank, fetch)
     hub = parse_ref(os.fspath(ref), revision)
     if hub is None:
         return p  # not a repo id: the reader says "no such directory"
     try:
-        return _fetch(hub, rank, fetch, target)
+        return _fetch(hub, rank, fetch, target, select or Selection())
     except (SourceNotFoundError, EnvironmentFailure) as e:
         # perhaps a mistyped directory, not a repo: say both (an existing one never gets here)
         e.message = f"{e.message} (and there is no local directory {p})"
@@ -178,13 +187,15 @@ def resolve_sidecar(
         raise
 
 
-def _local_target(p: Path, target: Mapping[str, Any] | None) -> Path:
+def _local_target(p: Path, target: Mapping[str, Any] | None, select: Selection) -> Path:
     """``p``, or its folder of ``target`` when ``p`` is a directory of sidecars (a multi-target
-    ``mpack convert`` output, or a repo's root) without its own manifest."""
-    if target is None or os.path.lexists(p / MANIFEST_NAME):
-        return p
-    sub = p / dir_name(target)
-    return sub if os.path.lexists(sub / MANIFEST_NAME) else p
+    ``mpack convert`` output, or a repo's root) without its own manifest; without ``target``,
+    the one sidecar of ``p`` that ``select`` names (:func:`mpack.target_dirs.choose`)."""
+    if target is not None:
+        return p if is_sidecar(p) else (find(p, target) or p)
+    if not select and is_sidecar(p):
+        return p  # the reader checks it; nothing to choose
+    return choose(p, select)
 
 
 def _snapshot_of(p: Path) -> tuple[Path, str | None] | None:
@@ -240,14 +251,28 @@ def target_folder(target: Mapping[str, Any]) -> str:
 # --- fetching ---------------------------------------------------------------------------------
 
 
-def _fetch(hub: HubRef, rank: int | None, fetch: str, target: Mapping[str, Any] | None) -> Path:
+def _fetch(
+    hub: HubRef,
+    rank: int | None,
+    fetch: str,
+    target: Mapping[str, Any] | None,
+    select: Selection,
+) -> Path:
     try:
         snap_manifest = _download(hub, MANIFEST_NAME)
     except _NoManifest as e:
-        if hub.folder is not None or target is None:
+        want = target if target is not None else select.exact()
+        if hub.folder is not None or want is None:
+            if select and hub.folder is None:  # a selection that names no folder whole
+                e.error.hint = (
+                    f"name the target's folder, {hub.repo}/<target>, or give {arg('tp')}, "
+                    f"{arg('profile')} and {arg('act_dtype')} together (the repo's model card "
+                    "lists its targets)"
+                )
             raise e.error from None
-        hub = HubRef(hub.repo, target_folder(target), hub.revision)
-        snap_manifest = _download(hub, MANIFEST_NAME, picked=True)
+        hub = HubRef(hub.repo, target_folder(want), hub.revision)
+        by = "the engine's target" if target is not None else f"the target {select.words()} names"
+        snap_manifest = _download(hub, MANIFEST_NAME, picked=by)
     commit_dir = snap_manifest.parent if hub.folder is None else snap_manifest.parent.parent
     commit = commit_dir.name
     repo_cache = commit_dir.parent.parent
@@ -256,6 +281,8 @@ def _fetch(hub: HubRef, rank: int | None, fetch: str, target: Mapping[str, Any] 
         view = view / hub.folder
     _make_dir(view)
     _link(snap_manifest, view / MANIFEST_NAME, commit_dir)
+    if select:
+        choose(view, select)  # a sidecar of another target than the one named: refused
     if fetch == "manifest":
         return view
     manifest, _ = load_manifest(view)  # the strict reader: names are plain, counts bounded
@@ -284,7 +311,7 @@ class _NoManifest(Exception):
         self.error = error
 
 
-def _download(hub: HubRef, name: str, *, picked: bool = False) -> Path:
+def _download(hub: HubRef, name: str, *, picked: str | None = None) -> Path:
     """One file of ``hub`` through the HF cache; its path in the snapshot."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import (
@@ -342,11 +369,11 @@ def _download(hub: HubRef, name: str, *, picked: bool = False) -> Path:
         raise _hub_error(hub, f"cannot download ({e})") from None
 
 
-def _not_a_sidecar(hub: HubRef, picked: bool, where: str) -> InputError:
+def _not_a_sidecar(hub: HubRef, picked: str | None, where: str) -> InputError:
     if picked:
         return InputError(
             f"{hub.repo}: no {MANIFEST_NAME} at the root of {where}, nor in folder "
-            f"{hub.folder} (the engine's target)",
+            f"{hub.folder} ({picked})",
             hint=f"name the target's folder: {hub.repo}/<target> (the repo's model card lists "
             "them), or convert and push this target",
         )

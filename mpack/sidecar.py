@@ -26,7 +26,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -64,7 +64,25 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 #: A Hugging Face checkpoint's weights: one file, or shards listed by an index.
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-#: Source files copied into the sidecar verbatim when present.
+#: A checkpoint's licence files, copied so that a pushed sidecar carries its source's terms
+#: (Apache-2.0 asks for NOTICE to travel too; Llama's licence names its USE_POLICY.md).
+LICENSE_FILES = (
+    "LICENSE",
+    "LICENSE.md",
+    "LICENSE.txt",
+    "LICENCE",
+    "LICENCE.md",
+    "LICENCE.txt",
+    "NOTICE",
+    "NOTICE.md",
+    "NOTICE.txt",
+    "USE_POLICY.md",
+)
+#: Source files copied into the sidecar verbatim when present: the one table of them. vLLM
+#: reads the config, generation and tokenizer files (``tekken.json``: Mistral's tokenizer,
+#: ``added_tokens.json`` and ``chat_template.json``: older transformers' saves) from the
+#: model's directory; ``recipe.yaml`` is llm-compressor's record of how the source was
+#: quantized; the licence files go wherever the weights go.
 COPIED_FILES = (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
@@ -72,10 +90,22 @@ COPIED_FILES = (
     "tokenizer_config.json",
     "tokenizer.model",
     "special_tokens_map.json",
+    "added_tokens.json",
     "vocab.json",
     "merges.txt",
+    "tekken.json",
     "chat_template.jinja",
+    "chat_template.json",
+    "recipe.yaml",
+    *LICENSE_FILES,
 )
+#: The source's model card: read (its ``license`` metadata, :data:`SOURCE_CARD_KEYS`) and
+#: recorded among the source files, never copied (a pushed repo's README.md is mpack's card).
+SOURCE_CARD_NAME = "README.md"
+#: Optional ``source`` keys the card of a pushed sidecar is made from (docs/FORMAT.md):
+#: ``base_model``, the Hub repo a local source is a snapshot of (an HF-cache directory), and the
+#: source card's ``license``, ``license_name`` and ``license_link``.
+SOURCE_CARD_KEYS = ("base_model", "license", "license_name", "license_link")
 #: Largest header length (the 8-byte N) a safetensors file may announce: the format's own
 #: limit, 100 MB, which the safetensors library enforces too (a longer one it refuses to load).
 MAX_HEADER = 100_000_000
@@ -683,7 +713,7 @@ def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
     """``source``: its strings are strings, and ``files``, where given, a list of entries with
     a relative path, a size and one form of digest (FORMAT.md), so that ``verify --source`` and
     a re-conversion compare them without tripping on a type."""
-    for key in ("kind", "path", "repo", "revision", "requested_revision"):
+    for key in ("kind", "path", "repo", "revision", "requested_revision", *SOURCE_CARD_KEYS):
         if src.get(key) is not None and not isinstance(src[key], str):
             raise CorruptFileError(
                 f"{where}: source {key} is {quote(src[key], 40)}, not a string",
@@ -700,6 +730,13 @@ def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
             f"{quote(src.get('revision'), 60)} is not a Hugging Face repo id at a commit",
             hint=regenerate_hint_of({"source": {}}, Path(where).parent),
         )
+    for key in SOURCE_CARD_KEYS:  # the pushed card's metadata holds them as they are
+        if src.get(key) is not None and not is_card_fact(key, src[key]):
+            raise CorruptFileError(
+                f"{where}: source {key} {quote(src[key], 100)} is not "
+                + ("a Hugging Face repo id" if key == "base_model" else "a value a card takes"),
+                hint=regenerate_hint_of({"source": {}}, Path(where).parent),
+            )
     files = src.get("files", [])
     if not isinstance(files, list):
         raise CorruptFileError(
@@ -720,6 +757,25 @@ def _check_source(src: dict[str, Any], where: str | os.PathLike) -> None:
                 "size, and sha256 or chunks, not both; a probe is a sha256)",
                 hint=regenerate_hint_of({"source": src}, Path(where).parent),
             )
+
+
+#: The forms of the licence keys of :data:`SOURCE_CARD_KEYS` (Note [card facts] in
+#: convert/source.py): a Hub licence id or name, and a URL or a plain file name of the source.
+_CARD_FACT_FORMS = {
+    "license": re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}"),
+    "license_name": re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}"),
+    "license_link": re.compile(r"https?://[^\s<>\"'`\\]{1,400}|[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}"),
+}
+
+
+def is_card_fact(key: str, value: object) -> bool:
+    """Whether ``value`` is of the form the ``source`` key ``key`` of :data:`SOURCE_CARD_KEYS`
+    takes: a repo id for ``base_model``, else :data:`_CARD_FACT_FORMS`."""
+    if not isinstance(value, str):
+        return False
+    if key == "base_model":
+        return _is_repo_id(value)
+    return bool(_CARD_FACT_FORMS[key].fullmatch(value))
 
 
 #: One part of a Hugging Face repo id: ASCII letters, digits, ``_.-``, at most 96, starting and
@@ -775,6 +831,18 @@ def load_manifest(sidecar: str | os.PathLike) -> tuple[dict[str, Any], str]:
     try:
         raw = read_capped(path, MAX_MANIFEST, what="manifest", follow=False)
     except SourceNotFoundError:
+        from mpack.target_dirs import LISTED_TARGETS, target_names
+
+        folders = target_names(sidecar)
+        if folders:  # a directory of targets (Note [target layout] in mpack/target_dirs.py)
+            more = len(folders) - LISTED_TARGETS
+            names = ", ".join(shown(n) for n in folders[:LISTED_TARGETS])
+            raise InputError(
+                f"{sidecar}: a directory of {len(folders)} sidecar target(s) ({names}"
+                + (f" and {more} more" if more > 0 else "")
+                + "), not one sidecar",
+                hint=f"give one target's folder, e.g. {sidecar / folders[0]}",
+            ) from None
         raise InputError(
             f"{sidecar}: no {MANIFEST_NAME}: not a finished mpack sidecar",
             hint=f"if {sidecar} is a checkpoint, convert it: mpack convert {sidecar} -o "
@@ -984,13 +1052,18 @@ def _file_problems(fd: int, p: Path, f: Mapping[str, Any], digests: bool = True)
 
 
 def sidecar_problems(
-    sidecar: Path, m: dict[str, Any], *, hashed_elsewhere: Iterable[str] = ()
+    sidecar: Path,
+    m: dict[str, Any],
+    *,
+    hashed_elsewhere: Iterable[str] = (),
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[list[str], dict[str, FileMap]]:
     """``mpack verify``'s checks 1, without the source: :func:`check_files`, then every
     safetensors file's header, and the rank files' tensors against the manifest
     (:func:`rank_tensor_problems`). Returns the problems and the map of every safetensors
-    file that parses. Used by ``mpack verify`` and by ``mpack push`` before it sends anything."""
-    problems = check_files(sidecar, m, hashed_elsewhere=hashed_elsewhere)
+    file that parses. Used by ``mpack verify`` and by ``mpack push`` before it sends anything.
+    ``progress(n)``: as :func:`check_files`."""
+    problems = check_files(sidecar, m, hashed_elsewhere=hashed_elsewhere, progress=progress)
     file_maps: dict[str, FileMap] = {}
     for name in safetensors_files(m):  # every rank file is listed (check_manifest)
         try:
@@ -1004,13 +1077,18 @@ def sidecar_problems(
 
 
 def check_files(
-    sidecar: str | os.PathLike, manifest: Mapping[str, Any], *, hashed_elsewhere: Iterable[str] = ()
+    sidecar: str | os.PathLike,
+    manifest: Mapping[str, Any],
+    *,
+    hashed_elsewhere: Iterable[str] = (),
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Re-hash every file listed in the manifest, and look for files it does not list; return one
     message per problem (empty = ok). Listed files must be regular files inside the sidecar
     (Note [trust model for files] in mpack/fsutil.py). ``hashed_elsewhere``: files whose size and
     kind are checked here but whose digests the caller checks as it reads them
-    (:func:`digest_problems`)."""
+    (:func:`digest_problems`). ``progress(n)`` is called after each listed file it opens, with its
+    size in the manifest: the calls add up to the sidecar's bytes when every file is there."""
     problems = []
     elsewhere = set(hashed_elsewhere)
     listed = {f["name"] for f in manifest["files"]}
@@ -1028,4 +1106,6 @@ def check_files(
             problems += _file_problems(fd, p, f, digests=f["name"] not in elsewhere)
         finally:
             os.close(fd)
+            if progress is not None:
+                progress(f["size"])
     return problems

@@ -8,7 +8,8 @@ permutation (shared by the torch layout code and the torch-free host path). ``co
 them, ``mpack.sidecar`` checks rank files against them, the runtime and the vLLM loader compare with
 them. How the bytes are arranged inside those tensors belongs to :mod:`mpack.convert.marlin`.
 
-It imports neither torch nor anything else of mpack, so every layer can use it.
+It imports neither torch nor anything else of mpack but :mod:`mpack.errors` (a leaf itself, for
+:func:`check_layout`'s refusal), so every layer can use it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from mpack.errors import UsageError, arg
 
 ENGINE = "vllm"
 ENGINE_VERSION = "0.33.0"
@@ -49,6 +52,20 @@ BLOCK_FP8_HINT = "serve this checkpoint with vLLM directly, without --load-forma
 EXPERT_PARALLEL = "expert_parallel"
 #: ``vllm``: vLLM's fused ``qkv_proj`` / ``gate_up_proj`` names; ``none``: checkpoint names.
 FUSIONS = ("vllm", "none")
+#: ``mpack convert --layout`` (Note [target layout] in mpack/target_dirs.py): ``auto`` (one
+#: target at ``OUT`` itself unless ``OUT`` already holds targets; several under
+#: ``OUT/<target>/``) or ``targets`` (always ``OUT/<target>/``).
+LAYOUTS = ("auto", "targets")
+
+
+def check_layout(layout: str) -> None:
+    """Refuse a layout that is not one of :data:`LAYOUTS` (a :class:`UsageError`)."""
+    if layout not in LAYOUTS:
+        raise UsageError(
+            f"{arg('layout')} must be one of {', '.join(LAYOUTS)}, got {layout!r}",
+            hint=f"{arg('layout', 'targets')} writes OUT/<target>/ whatever the target count",
+        )
+
 
 #: Input channels per row of the packed weight (the tile is 64 output x 16 input, SPEC §5).
 TILE_K = 16
@@ -130,6 +147,33 @@ def dir_name(target: Mapping[str, Any]) -> str:
     name = f"tp{target['tp_size']}{ep}-{target['profile']}-{target['act_dtype']}"
     fusion = target.get("fusion", "vllm")
     return name if fusion == "vllm" else f"{name}-fuse-{fusion}"
+
+
+def target_of_name(name: str) -> dict[str, Any] | None:
+    """The target keys :func:`dir_name` writes into a folder name, read back (``tp_size``,
+    ``profile``, ``act_dtype``, ``fusion`` and, for ``tp{N}ep-``, :data:`EXPERT_PARALLEL`); None
+    for a name :func:`dir_name` never makes. For folders whose manifest cannot be read yet (a
+    Hub repo's tree, an HF-cache snapshot's links): a manifest, where there is one, says more."""
+    head, _, rest = name.partition("-")
+    if not head.startswith("tp"):
+        return None
+    tp, ep = (head[2:-2], True) if head.endswith("ep") else (head[2:], False)
+    if not tp.isdigit() or tp.startswith("0"):
+        return None
+    for profile in PROFILES:
+        for act in ACT_DTYPES:
+            for fusion in FUSIONS:
+                t: dict[str, Any] = {
+                    "tp_size": int(tp),
+                    "profile": profile,
+                    "act_dtype": act,
+                    "fusion": fusion,
+                }
+                if ep:
+                    t[EXPERT_PARALLEL] = True
+                if dir_name(t) == name:
+                    return t
+    return None
 
 
 def _roundup(x: int, m: int) -> int:

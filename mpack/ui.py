@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -80,6 +81,17 @@ def _console(stderr: bool) -> Console:
 console = _console(stderr=False)
 err_console = _console(stderr=True)
 _verbose = False
+_quiet = False
+
+
+def set_quiet(quiet: bool) -> None:
+    """``-q``: nothing but errors for the rest of the command (Note [CLI habits] in
+    mpack/cli.py): both consoles silent, :func:`write_line` drops what goes to stdout and
+    stderr, and no progress display starts. Errors are printed by the CLI itself, not here;
+    the daemon's log (:func:`write_line_direct`) is the daemon's to level."""
+    global _quiet
+    _quiet = quiet
+    console.quiet = err_console.quiet = quiet
 
 
 def set_verbose(verbose: bool) -> None:
@@ -144,10 +156,39 @@ def _styled(word: str, style: str, rest: str = "") -> Text:
     return Text.assemble((word, style), rest)
 
 
+#: Decimal places of a time in a JSON document: a millisecond (``0.004``, not ``0.00412317``).
+TIME_DECIMALS = 3
+#: Significant digits of any other float in a JSON document (a logit difference, a ratio).
+FLOAT_DIGITS = 6
+
+
+def _plain(value: Any, timing: bool = False) -> Any:
+    """``value`` with its floats as a document shows them: a time (under a key ``seconds``,
+    ``*_s`` or ``*_seconds``) to :data:`TIME_DECIMALS` places, any other to
+    :data:`FLOAT_DIGITS` significant digits; no float noise in any ``--json`` output."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return value
+        return round(value, TIME_DECIMALS) if timing else float(f"{value:.{FLOAT_DIGITS}g}")
+    if isinstance(value, dict):
+        return {
+            k: _plain(
+                v,
+                timing
+                or (isinstance(k, str) and (k == "seconds" or k.endswith(("_s", "_seconds")))),
+            )
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, timing) for v in value]
+    return value
+
+
 def print_json(doc: Any) -> None:
     """Exactly one JSON document on stdout (for ``--json``); none once its reader went away
-    (Note [closed stdout])."""
-    write_line(sys.stdout, json.dumps(doc, indent=2, sort_keys=True))
+    (Note [closed stdout]). Every command's document is an object with a top-level ``ok``
+    (Note [CLI habits] in mpack/cli.py); its floats are rounded here, once (:func:`_plain`)."""
+    write_line(sys.stdout, json.dumps(_plain(doc), indent=2, sort_keys=True))
 
 
 def human_bytes(n: int) -> str:
@@ -161,7 +202,14 @@ def human_bytes(n: int) -> str:
 def emit_layout(*, n: int, k: int, np_: int, kp: int, act_dtype: str, as_json: bool) -> None:
     from mpack.sidecar import TensorSpec
 
-    doc: dict[str, Any] = {"N": n, "K": k, "Np": np_, "Kp": kp, "padded": (np_, kp) != (n, k)}
+    doc: dict[str, Any] = {
+        "ok": True,
+        "N": n,
+        "K": k,
+        "Np": np_,
+        "Kp": kp,
+        "padded": (np_, kp) != (n, k),
+    }
     for name, st, shape in target.packed_specs("", np_, kp, act_dtype, bias=True):
         dtype = "int32" if st == "I32" else act_dtype
         nbytes = TensorSpec(name, st, shape).nbytes
@@ -304,7 +352,7 @@ def convert_progress(enabled: bool):
         UsageError: a ``$MPACK_PROGRESS_EVERY`` outside :data:`PROGRESS_EVERY_RANGE`, or not a
             number (:func:`mpack.env_number`).
     """
-    if not enabled:
+    if not enabled or _quiet:
         yield None
         return
     if not err_console.is_terminal:
@@ -316,6 +364,151 @@ def convert_progress(enabled: bool):
     p = _Progress()
     with p.display:
         yield p
+
+
+class _BytesLog:
+    """:func:`bytes_progress` for a log: ``<command>: <label> <done> / <total> (<pct>%)`` after
+    the first second and every ``every`` seconds after, then once at the end of each stage."""
+
+    def __init__(self, command: str, labels: dict[str, str], every: float) -> None:
+        self.command, self.labels, self.every = command, labels, every
+        self.state: tuple[str, int, int] | None = None
+        self._shown: tuple[str, int, int] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="mpack-progress", daemon=True)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        with self._lock:
+            self.state = (stage, done, total)
+        if done >= total:
+            self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            state = self.state
+            if state is None or state == self._shown:
+                return
+            self._shown = state
+        stage, done, total = state
+        write_line(
+            sys.stderr,
+            f"{self.command}: {self.labels.get(stage, stage)} {human_bytes(done)} / "
+            f"{human_bytes(total)} ({100 * done / max(total, 1):.0f}%)",
+        )
+
+    def _tick(self) -> None:
+        wait = min(self.every, _LogProgress.FIRST_LINE_S)
+        while not self._stop.wait(wait):
+            self._write()
+            wait = self.every
+
+    def __enter__(self) -> _BytesLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def bytes_progress(enabled: bool, command: str, labels: dict[str, str]):
+    """Yield a ``progress(stage, done, total)`` callback over bytes for work other than a
+    conversion (``mpack push``'s checks): a rich bar per stage on a terminal, plain lines in a
+    log as :func:`convert_progress` writes them, ``None`` when disabled (``--json``,
+    ``--quiet``). ``labels``: what each stage is called (``{"check": "checking"}``)."""
+    if not enabled or _quiet:
+        yield None
+        return
+    if not err_console.is_terminal:
+        low, high = PROGRESS_EVERY_RANGE
+        every = env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
+        with _BytesLog(command, labels, every) as log:
+            yield log
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    display = Progress(
+        TextColumn("{task.description:13}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=False,
+    )
+    tasks: dict[str, Any] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = display.add_task(labels.get(stage, stage), total=total)
+        display.update(tasks[stage], completed=done, total=total)
+
+    with display:
+        yield update
+
+
+#: What ``mpack verify``'s progress calls its stages (:data:`mpack.verify.check.Progress`).
+VERIFY_STAGES = {"files": "checksums", "bytes": "comparing"}
+
+
+class _Deferred:
+    """A progress callback whose display starts at its first call, from whichever thread makes
+    it: verify forks its scheme check (Note [scheme check in a child] in
+    convert/scheme_check.py) before the pass that reports progress, and no thread may run in
+    the parent before that fork. Stages outside ``stages`` are dropped."""
+
+    def __init__(self, start: Any, stages: dict[str, str]) -> None:
+        self._start, self._stages = start, stages
+        self._lock = threading.Lock()
+        self._cm: Any = None
+        self._callback: Any = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self._stages:
+            return
+        with self._lock:
+            if self._cm is None:
+                self._cm = self._start()
+                self._callback = self._cm.__enter__()
+        if self._callback is not None:
+            self._callback(stage, done, total)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._cm is not None:
+                self._cm.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def verify_progress(enabled: bool):
+    """Yield ``mpack verify``'s progress callback: its checksums and its comparison with the
+    re-derived bytes, shown as :func:`bytes_progress` shows a push's checks (a bar on a
+    terminal, ``verify: comparing ...`` lines in a log), from the first byte on; ``None`` when
+    disabled (``--json``, ``-q``).
+
+    Raises:
+        UsageError: a bad ``$MPACK_PROGRESS_EVERY``, now rather than on a worker thread.
+    """
+    if not enabled or _quiet:
+        yield None
+        return
+    if not err_console.is_terminal:
+        low, high = PROGRESS_EVERY_RANGE
+        env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
+    deferred = _Deferred(lambda: bytes_progress(True, "verify", VERIFY_STAGES), VERIFY_STAGES)
+    try:
+        yield deferred
+    finally:
+        deferred.close()
 
 
 def decoder_layers(m: dict[str, Any]) -> int | None:
@@ -342,7 +535,7 @@ def convert_doc(result: Any) -> dict[str, Any]:
         "source": {k: v for k, v in m["source"].items() if k != "files"},
         "files": files,
         "bytes": sum(files.values()),
-        "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
+        "seconds": dict(result.seconds),  # rounded by print_json, as every time
         "layers": len(m["layers"]),  # linear layers (per rank), as before
         "linear_layers": len(m["layers"]),
         "decoder_layers": decoder_layers(m),
@@ -354,7 +547,7 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
     m = result.manifest
     files = {f["name"]: f["size"] for f in m["files"]}
     if as_json:
-        print_json(convert_doc(result))
+        print_json({"ok": True, **convert_doc(result)})
         return
     if quiet:
         return
@@ -382,9 +575,10 @@ def emit_convert(result: Any, *, as_json: bool, quiet: bool) -> None:
 
 
 def emit_convert_many(result: Any, *, as_json: bool, quiet: bool) -> None:
-    """A run of several targets (:class:`mpack.convert.pipeline.MultiConvertResult`): under
-    ``--json`` one document, ``targets`` holding each target as a single run reports it (plus
-    its ``name`` and ``bytes_written``), and ``skipped``; else a line per target."""
+    """A run into a directory of sidecars (:class:`mpack.convert.pipeline.MultiConvertResult`):
+    under ``--json`` one document, ``targets`` holding each target as a single run reports it
+    (plus its ``name`` and ``bytes_written``), ``skipped``, and ``kept`` (the targets already
+    there that the run did not make, left as they are); else a line per target."""
     if as_json:
         targets = [
             {"name": r.out.name, **convert_doc(r), "bytes_written": r.bytes_written}
@@ -392,10 +586,12 @@ def emit_convert_many(result: Any, *, as_json: bool, quiet: bool) -> None:
         ]
         print_json(
             {
+                "ok": True,
                 "out": str(result.out),
                 "up_to_date": result.up_to_date,
                 "targets": targets,
                 "skipped": [{"name": n, "reason": why} for n, why in result.skipped],
+                "kept": list(result.kept),
             }
         )
         return
@@ -405,6 +601,66 @@ def emit_convert_many(result: Any, *, as_json: bool, quiet: bool) -> None:
         emit_convert(r, as_json=False, quiet=False)
     for name, why in result.skipped:
         console.print(_styled("skipped", "yellow", f" {shown(name)}: {shown(why, NOTE_LIMIT)}"))
+    for name in result.kept:
+        console.print(
+            _styled(
+                "kept",
+                "yellow",
+                f" {shown(name)}: already in {shown(str(result.out), PATH_LIMIT)}, not made by "
+                "this run; left as it is (remove it yourself if it is stale)",
+            )
+        )
+
+
+def emit_targets(root: Any, found: list[Any], *, as_json: bool) -> None:
+    """``mpack inspect`` of a directory of sidecars (Note [target layout] in
+    mpack/target_dirs.py): one line per target (``found``: :class:`mpack.target_dirs.TargetDir`);
+    ``--json``: ``sidecar`` (the directory) and ``targets``, each with its ``name``, ``path``,
+    ``target``, ``manifest_digest``, ``files`` and ``bytes``."""
+    rows = []
+    for t in found:
+        files = (t.manifest or {}).get("files") or []
+        rows.append(
+            {
+                "name": t.name,
+                "path": str(t.path),
+                "target": dict(t.target),
+                "manifest_digest": t.digest,
+                "files": len(files),
+                "bytes": sum(f["size"] for f in files),
+            }
+        )
+    if as_json:
+        print_json({"ok": True, "sidecar": str(root), "targets": rows})
+        return
+    console.print(
+        _styled(
+            shown(str(root), PATH_LIMIT),
+            "bold",
+            f"  a directory of {len(found)} sidecar target(s), OUT/<target>/",
+        )
+    )
+    tt = Table()
+    for col in ("folder", "tp", "profile", "act dtype", "fusion", "files", "size", "digest"):
+        tt.add_column(col)
+    for t, row in zip(found, rows, strict=True):
+        x = t.target
+        ep = " ep" if x.get(target.EXPERT_PARALLEL) else ""
+        tt.add_row(
+            shown(t.name),
+            f"{x.get('tp_size', '?')}{ep}",
+            shown(x.get("profile", "?")),
+            shown(x.get("act_dtype", "?")),
+            shown(x.get("fusion", "?")),
+            str(row["files"]),
+            human_bytes(row["bytes"]),
+            (t.digest or "")[:16],
+        )
+    console.print(tt)
+    console.print(
+        "one target in full: mpack inspect DIR --tp N [--profile P --act-dtype D --ep on|off], "
+        "or mpack inspect DIR/<folder>"
+    )
 
 
 def file_digest_cells(f: dict[str, Any]) -> tuple[str, str]:
@@ -459,7 +715,8 @@ def emit_inspect(
     parts = model_parts(m, common)
     if as_json:
         extra = {"parts": parts} if parts is not None else {}
-        print_json({"sidecar": str(sidecar), "manifest_digest": digest, **m, **extra})
+        doc = {"sidecar": str(sidecar), "manifest_digest": digest, **m, **extra}
+        print_json({"ok": True, **doc})
         return
     t, src = m["target"], m["source"]
     origin = (
@@ -523,18 +780,39 @@ def _layer_order(item: tuple[str, dict[str, Any]]) -> tuple[int, int, str]:
     return (0, index, name) if type(index) is int else (1, 0, name)
 
 
-def emit_verify(report: dict[str, Any], *, as_json: bool) -> None:
-    fwd = report.get("forward")
+def verify_doc(result: Any) -> dict[str, Any]:
+    """``mpack verify --json``'s document for a :class:`mpack.verify.Verification`: ``ok``, its
+    :meth:`~mpack.verify.Verification.report` and the seconds of each phase."""
+    return {"ok": result.ok, **result.report(), "seconds": dict(result.seconds)}
+
+
+def emit_verify_many(root: Any, results: list[Any], *, as_json: bool) -> None:
+    """``mpack verify`` of a directory of sidecars, every target passed: ``--json`` one
+    document, ``sidecar`` (the directory), ``ok`` and ``targets`` (each as :func:`verify_doc`,
+    with its folder's ``name``); else each target's lines."""
     if as_json:
-        print_json({"ok": fwd["ok"] if fwd else True, **report})
+        docs = [{"name": os.path.basename(r.sidecar), **verify_doc(r)} for r in results]
+        print_json({"ok": all(d["ok"] for d in docs), "sidecar": str(root), "targets": docs})
         return
+    for r in results:
+        emit_verify(r, as_json=False)
+
+
+def emit_verify(result: Any, *, as_json: bool) -> None:
+    """A :class:`mpack.verify.Verification` without problems (its error, if the model outputs
+    differ, is raised after: the table says where)."""
+    if as_json:
+        print_json(verify_doc(result))
+        return
+    report = result.report()
+    fwd = report.get("forward")
     console.print(
         _styled(
             "ok",
             "green",
             f": {shown(str(report['sidecar']), PATH_LIMIT)}: {report['files_checked']} files "
             "match the manifest "
-            f"(digest {report['digest'][:16]}...)",
+            f"(digest {result.digest[:16]}...)",
         )
     )
     if report["source_checked"]:
@@ -599,8 +877,8 @@ def write_line(stream: Any, line: str) -> None:
     progress); never raises. A write that fails (the pipe's reader went away: EPIPE; a full
     disk) drops the line and silences the stream (:func:`silence`): later lines are dropped too,
     and the flush at interpreter exit cannot turn a clean stop into an error (Python exits 120
-    when it fails)."""
-    if stream is None:
+    when it fails). Under ``-q`` (:func:`set_quiet`), a line for stdout or stderr is dropped."""
+    if stream is None or (_quiet and stream in (sys.stdout, sys.stderr)):
         return
     try:
         stream.write(line + "\n")
@@ -627,12 +905,79 @@ def write_line_direct(stream: Any, line: str) -> None:
         silence(stream)
 
 
-def emit_event(event: dict[str, Any]) -> None:
-    """One log line on stderr per daemon event (attach, detach, refusals, bad requests). A value
-    may hold what a peer sent: escaped and capped (Note [quoting untrusted text])."""
-    rest = " ".join(f"{k}={shown(str(v), NOTE_LIMIT)}" for k, v in event.items() if k != "event")
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    write_line_direct(sys.stderr, f"{stamp} mpack serve: {event.get('event')} {rest}".rstrip())
+#: ``mpack serve --log-format``: the daemon's log lines on stderr.
+LOG_FORMATS = ("text", "json")
+
+
+def rfc3339(ts: float) -> str:
+    """``ts`` (seconds since the epoch) as an RFC 3339 UTC time to the millisecond:
+    ``2026-12-05T12:00:00.123Z``."""
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def event_doc(event: dict[str, Any]) -> dict[str, Any]:
+    """A daemon event (Note [the daemon's events] in runtime/daemon.py) as the JSON object of
+    ``--log-format json`` and ``serve --json``: ``ts`` (RFC 3339, UTC), ``level``, ``event``,
+    then its fields; a string from a peer capped at ``NOTE_LIMIT`` characters (``json`` escapes
+    what it holds)."""
+    from mpack.runtime.daemon import level_of
+
+    rest = {
+        k: v[:NOTE_LIMIT] if isinstance(v, str) else v
+        for k, v in event.items()
+        if k not in ("event", "ts")
+    }
+    when = event.get("ts")
+    return {
+        "ts": rfc3339(when if isinstance(when, (int, float)) else time.time()),
+        "level": level_of(event),
+        "event": str(event.get("event")),
+        **rest,
+    }
+
+
+def event_line(event: dict[str, Any], log_format: str = "text") -> str:
+    """One log line for a daemon event: ``<RFC 3339 UTC time> <LEVEL> mpack serve: <event>
+    key=value ...`` (a value may hold what a peer sent: escaped and capped, Note [quoting
+    untrusted text]), or with ``log_format="json"`` its :func:`event_doc` on one line."""
+    doc = event_doc(event)
+    if log_format == "json":
+        return json.dumps(doc, separators=(",", ":"), default=str)
+    rest = " ".join(
+        f"{k}={shown(str(v), NOTE_LIMIT)}"
+        for k, v in doc.items()
+        if k not in ("ts", "level", "event")
+    )
+    return f"{doc['ts']} {doc['level']} mpack serve: {shown(doc['event'])} {rest}".rstrip()
+
+
+def emit_event(event: dict[str, Any], log_format: str = "text") -> None:
+    """One log line on stderr per daemon event (:func:`event_line`)."""
+    write_line_direct(sys.stderr, event_line(event, log_format))
+
+
+class ServeOutput:
+    """What ``mpack serve`` prints: the log on stderr (``log_format``: ``text`` or ``json``, one
+    line per event) and on stdout either the one READY line (:func:`emit_ready`) or, with
+    ``json_events`` (``serve --json``), every event as one JSON line (:func:`event_doc`), the
+    ``ready`` one carrying the READY line's fields. ``ready`` and ``event`` are the daemon's
+    ``on_ready`` and ``on_event``."""
+
+    def __init__(self, *, log_format: str = "text", json_events: bool = False) -> None:
+        self.log_format, self.json_events = log_format, json_events
+
+    def ready(self, info: dict[str, Any]) -> None:
+        if not self.json_events:  # under --json the ``ready`` event says it
+            emit_ready(info)
+
+    def event(self, event: dict[str, Any]) -> None:
+        emit_event(event, self.log_format)
+        if self.json_events:
+            line = json.dumps(event_doc(event), separators=(",", ":"), default=str)
+            write_line_direct(sys.stdout, line)
 
 
 def _uptime(s: float) -> str:

@@ -36,7 +36,9 @@ def load(
     """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``).
 
     ``sidecar``: a directory, or a Hub repo id ``org/name[/<target>][@revision]`` (or
-    ``revision=``): only this rank's files are fetched (``mpack.hub_sidecar``, docs/HUB.md).
+    ``revision=``): only this rank's files are fetched (``mpack.hub_sidecar``, docs/HUB.md). A
+    directory of targets (``OUT/<target>/``) gives its one target; one of several is refused,
+    listing them: pass ``OUT/<target>`` (Note [target layout] in mpack/target_dirs.py).
     ``checkpoint``: the checkpoint the weights go with (a directory or a Hub repo id in the
     local HF cache); refused with ``SourceMismatchError`` unless the sidecar was made from it
     (Note [a sidecar is bound to its checkpoint] in mpack/binding.py)."""

@@ -154,6 +154,7 @@ def attach(
         sock.close()
         raise
     sock.settimeout(None)  # from here on the connection is only the lease
+    daemon_pid, _, _ = P.peer_credentials(sock)  # 0: in a PID namespace we cannot see
     return SharedWeights(
         base,
         tensors,
@@ -164,6 +165,7 @@ def attach(
         backend=_backend(dev),
         nbytes=size,
         lease=sock,
+        daemon_pid=daemon_pid or None,
     )
 
 
@@ -309,13 +311,16 @@ def query_status(
     socket: str | os.PathLike | None = None,
     *,
     devices: Sequence[str] = (),
+    rank: int | None = None,
 ) -> list[dict[str, Any]]:
     """What ``mpack status`` shows: one document per daemon.
 
     With ``socket``: that daemon. With ``sidecar``: every daemon serving it (any rank, any
     device) that this user's runtime directory knows of, and only once the sidecar is *ready*:
     every one of its ranks served (Note [ready]), on ``devices`` if given (one device for
-    every rank, or one per rank in rank order). With neither: every such daemon. A
+    every rank, or one per rank in rank order). With ``rank`` too: the daemons of that rank
+    only, ready once it is served (on the one device of ``devices``, if given). With neither:
+    every such daemon. A
     daemon is known by its socket there (under any name: one started with ``serve --socket``
     in that directory too), or, when it was started with ``serve --socket PATH`` elsewhere, by
     the pointer it wrote there (Note [pointers to --socket daemons] in protocol.py); its
@@ -330,19 +335,36 @@ def query_status(
         DaemonError: ``socket`` given and no live daemon found there (``ProtocolError`` for a
             peer that broke the protocol), or ``sidecar`` given and not ready: the message names
             each rank no daemon serves (on the device asked for).
-        UsageError: ``devices`` without ``sidecar``, as many as neither 1 nor the ranks, or
-            one that is not a device here.
+        UsageError: ``devices`` or ``rank`` without ``sidecar``, as many ``devices`` as
+            neither 1 nor the ranks (1 with ``rank``), one that is not a device here, or a
+            ``rank`` the sidecar does not have.
     """
     if devices and sidecar is None:
         raise UsageError("--device needs a SIDECAR: it says where its ranks must be served")
+    if rank is not None and sidecar is None:
+        raise UsageError(
+            f"--rank {rank} needs a SIDECAR: it asks whether that rank of it is served",
+            hint=f"mpack status SIDECAR --rank {rank}",
+        )
     if socket is not None:
         return [status_of(Path(socket))]
     digest = prefix = ""
     on: list[P.Device] | None = None  # where each rank must be served (None: anywhere)
+    ranks: list[int] = []
     if sidecar is not None:
         manifest, digest = load_manifest(sidecar)
         prefix = digest[:16] + "-"
-        on = _wanted_devices(devices, manifest["target"]["tp_size"])
+        tp = manifest["target"]["tp_size"]
+        ranks = list(range(tp))
+        if rank is not None:
+            check_rank(manifest, rank)
+            if len(devices) > 1:
+                raise UsageError(
+                    f"{len(devices)} --device values for --rank {rank}",
+                    hint="with --rank, give the one --device that rank must be served on",
+                )
+            ranks = [rank]
+        on = _wanted_devices(devices, tp)
     d = P.runtime_dir()
     paths = sorted(d.glob(f"*{P.SOCKET_SUFFIX}")) if d.is_dir() else []
     pointers = sorted(d.glob(f"{prefix}*{P.POINTER_SUFFIX}")) if d.is_dir() else []
@@ -362,7 +384,9 @@ def query_status(
             docs.append(doc)
             seen.add(doc["socket"])
     if sidecar is not None:
-        _check_ready(sidecar, manifest["target"]["tp_size"], docs, on, d)
+        _check_ready(sidecar, manifest["target"]["tp_size"], docs, on, d, ranks)
+        if rank is not None:  # that rank's daemons (and the sockets that failed to answer)
+            docs = [doc for doc in docs if doc["state"] != "serving" or doc["rank"] == rank]
     return docs
 
 
@@ -371,7 +395,9 @@ def query_status(
 # rank. So the sidecar is ready only when every rank 0 .. tp_size-1 of it has a daemon of its
 # manifest digest answering status, on the device asked for (``--device``: one for all ranks
 # or one per rank; without it, any device). Until then status exits 2, naming each rank that
-# is missing and what serves the others; one daemon of a TP-2 sidecar is not "ready".
+# is missing and what serves the others; one daemon of a TP-2 sidecar is not "ready". The
+# probe of one daemon (the readinessProbe of the container serving rank R) asks for its rank
+# alone: `mpack status SIDECAR --rank R [--device D]`.
 
 
 def _wanted_devices(specs: Sequence[str], tp: int) -> list[P.Device] | None:
@@ -394,12 +420,14 @@ def _check_ready(
     docs: list[dict[str, Any]],
     wanted: list[P.Device] | None,
     where: Path,
+    ranks: Sequence[int] | None = None,
 ) -> None:
-    """Raise unless every rank of ``sidecar`` is served (on ``wanted``): Note [ready]."""
+    """Raise unless every rank of ``sidecar`` (or each of ``ranks``) is served (on
+    ``wanted``): Note [ready]."""
     serving = [doc for doc in docs if doc["state"] == "serving"]
     missing: list[str] = []
     starts: list[str] = []
-    for r in range(tp):
+    for r in range(tp) if ranks is None else ranks:
         mine = [doc for doc in serving if doc["rank"] == r]
         want = wanted[r] if wanted is not None else None
         if mine and (want is None or any(doc["device"] == want.key for doc in mine)):

@@ -40,7 +40,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from mpack.cudadrv import check, device, init, on_device, preload
-from mpack.runtime.loader import CHUNK, DEPTH, FillStats, fill
+from mpack.runtime.loader import CHUNK, DEPTH, FillStats, Progress, fill
 
 if TYPE_CHECKING:
     import torch
@@ -222,8 +222,11 @@ class DeviceExport:
         self.ordinal, self.handle, self.fd, self.size, self.stats = ordinal, handle, fd, size, stats
 
     @classmethod
-    def create(cls, plan: Allocation, ordinal: int) -> DeviceExport:
-        """Allocate (rounded up to the granularity), fill while verifying, export.
+    def create(
+        cls, plan: Allocation, ordinal: int, progress: Progress | None = None
+    ) -> DeviceExport:
+        """Allocate (rounded up to the granularity), fill while verifying (``progress`` as
+        ``loader.fill`` takes it), export.
 
         Raises what ``loader.fill`` raises, or ``CudaError`` for a failed driver call.
         """
@@ -256,7 +259,9 @@ class DeviceExport:
                 raise
         try:  # the driver alone copies (Note [torch-free daemon fill])
             piece = max(1, min(CHUNK, plan.size))  # no read is longer than a file
-            stats = fill(plan, DriverDest(rw.ptr, ordinal, depth=DEPTH, piece=piece))
+            stats = fill(
+                plan, DriverDest(rw.ptr, ordinal, depth=DEPTH, piece=piece), progress=progress
+            )
         except BaseException:
             rw.unmap()
             os.close(fd)

@@ -39,6 +39,17 @@ later ones. A stopping daemon waits at most ``LOG_DRAIN_S`` for its log. The cal
 ``mpack serve`` uses writes to the descriptor directly (``ui.emit_event``), not through
 ``sys.stderr``'s buffer, whose lock a thread blocked in ``write`` would hold through the
 interpreter's exit.
+
+Note [the daemon's events]: everything the daemon has to say is an event, a dict ``{"event":
+NAME, ...fields}`` handed to the ``on_event`` callback with its time (``ts``, seconds since the
+epoch, taken when it happened, not when the log thread wrote it). In order of a life:
+``loading`` (what, how many bytes), ``progress`` (every ``progress_every`` seconds of a load
+that takes longer than a second), ``ready`` (the READY fields), ``attached`` / ``detached``
+(one per lease), the refusals (:data:`EVENT_LEVELS`), ``stopping`` (the signal) and ``stopped``.
+``mpack serve`` writes each as one log line on stderr (text or JSON, with its level) and, under
+``--json``, as one JSON line on stdout; the metrics endpoint (runtime/metrics.py) counts them
+before they are queued, and a service manager hears of ``loading``, ``progress``, ``ready`` and
+``stopping`` through ``sd_notify`` (runtime/sdnotify.py).
 """
 
 from __future__ import annotations
@@ -57,12 +68,16 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpack import __version__, fsutil
 from mpack.errors import DaemonError
 from mpack.runtime import protocol as P
 from mpack.runtime.allocation import Allocation, plan_rank, tensors_to_wire
+from mpack.runtime.sdnotify import Notifier, status_line
+
+if TYPE_CHECKING:
+    from mpack.runtime.metrics import ServeMetrics
 
 Callback = Callable[[dict[str, Any]], None]
 # Each stops the daemon cleanly (socket and lock removed, exit 0). SIGHUP too: a closed terminal
@@ -70,6 +85,27 @@ Callback = Callable[[dict[str, Any]], None]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LOG_QUEUE_EVENTS = 1024  # events waiting for the log thread before more are dropped
 LOG_DRAIN_S = 2.0  # how long a stopping daemon waits for its log to be written
+PROGRESS_EVERY_S = 5.0  # seconds between ``progress`` events of a load (the CLI's default too)
+FIRST_PROGRESS_S = 1.0  # a load that takes less than this says nothing between loading and ready
+
+#: The level of each event in the log (Note [the daemon's events]); any other is ``INFO``.
+EVENT_LEVELS = {
+    "refused": "WARNING",
+    "busy": "WARNING",
+    "bad-request": "WARNING",
+    "dropped": "WARNING",
+    "accept-failed": "WARNING",
+    "no-pointer": "WARNING",
+    "no-rank-lock": "WARNING",
+    "log-dropped": "WARNING",
+    "notify-failed": "WARNING",
+    "internal-error": "ERROR",
+}
+
+
+def level_of(event: dict[str, Any]) -> str:
+    """``INFO``, ``WARNING`` or ``ERROR``: how much an event matters (:data:`EVENT_LEVELS`)."""
+    return EVENT_LEVELS.get(str(event.get("event")), "INFO")
 
 
 class EventLog:
@@ -88,7 +124,8 @@ class EventLog:
         """Queue ``event`` (after a ``log-dropped`` event, if some were dropped); never waits."""
         try:
             if self.dropped:
-                self._queue.put_nowait({"event": "log-dropped", "lines": self.dropped})
+                lost = {"event": "log-dropped", "lines": self.dropped, "ts": time.time()}
+                self._queue.put_nowait(lost)
                 self.dropped = 0
             self._queue.put_nowait(event)
         except queue.Full:
@@ -127,11 +164,14 @@ class Served:
     started: float = field(default_factory=time.time)
 
     def status(self) -> dict[str, Any]:
+        target = self.plan.manifest.get("target", {})
         return {
             "sidecar": str(self.plan.sidecar.resolve()),
             "digest": self.plan.digest,
             "rank": self.plan.rank,
             "tp_size": self.plan.tp_size,
+            "engine": target.get("engine"),  # the engine the sidecar was made for (vllm)
+            "engine_version": target.get("engine_version"),
             "device": self.device.key,
             "device_label": self.device.label,
             "backend": self.export.backend,
@@ -160,9 +200,10 @@ class Daemon:
     """The accept/serve loop over one ``Served`` allocation at ``path``.
 
     ``owner_uid`` is the only uid allowed to connect (default: this process's own).
-    ``on_event`` receives ``{"event": ..., ...}`` dicts for the log (attach, detach, refusals);
-    while ``run`` runs, it is called on a thread of its own (Note [logging never blocks
-    serving]).
+    ``on_event`` receives ``{"event": ..., ...}`` dicts for the log (Note [the daemon's
+    events]); while ``run`` runs, it is called on a thread of its own (Note [logging never
+    blocks serving]). ``metrics`` counts every event first, on the serving thread; ``notifier``
+    tells a service manager ``READY=1`` once the socket listens and ``STOPPING=1`` on a signal.
     """
 
     def __init__(
@@ -173,8 +214,12 @@ class Daemon:
         owner_uid: int | None = None,
         on_event: Callback | None = None,
         advertise: bool = False,
+        metrics: ServeMetrics | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.served, self.path = served, path
+        self.metrics, self.notifier = metrics, notifier
+        self.metrics_url = metrics.url if metrics is not None else None
         self.advertise = advertise  # write a pointer for `mpack status` (a --socket daemon)
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self._log = on_event
@@ -183,6 +228,7 @@ class Daemon:
         self.conns: dict[int, _Conn] = {}
         self.sel = selectors.DefaultSelector()
         self._stop = False
+        self._signal: int | None = None  # the stop signal that came
         self._attached: bytes | None = None  # the encoded ATTACHED reply
         self._listener: socket.socket | None = None
 
@@ -199,7 +245,7 @@ class Daemon:
                 log, self._event_log = self._event_log, None
                 if self._listener is not None:  # it served: say it stopped
                     lost = {"log_dropped": log.dropped_total} if log.dropped_total else {}
-                    log({"event": "stopped", "pid": os.getpid(), **lost})
+                    log({"event": "stopped", "pid": os.getpid(), **lost, "ts": time.time()})
                 log.close()
 
     def _run(self, on_ready: Callback | None) -> None:
@@ -212,8 +258,16 @@ class Daemon:
         try:
             self.sel.register(self._listener, selectors.EVENT_READ, "listen")
             self.sel.register(wake_r, selectors.EVENT_READ, "wake")
+            info = {"socket": str(self.path), "pid": os.getpid(), **self.served.status()}
+            if self.metrics_url is not None:
+                info["metrics"] = self.metrics_url
+            if self.metrics is not None:
+                self.metrics.loaded(self.status())
             if on_ready:
-                on_ready({"socket": str(self.path), "pid": os.getpid(), **self.served.status()})
+                on_ready(info)
+            self.on_event({"event": "ready", **info})
+            if self.notifier is not None:
+                self.notifier.send("READY=1", status_line(self._serving_line()))
             while not self._stop:
                 for key, events in self.sel.select(self._timeout()):
                     if key.data == "listen":
@@ -224,6 +278,10 @@ class Daemon:
                     else:
                         self._serve_conn(key.data, events)
                 self._expire()
+            name = signal.Signals(self._signal).name if self._signal else "?"
+            self.on_event({"event": "stopping", "signal": name, "clients": self._n_clients()})
+            if self.notifier is not None:
+                self.notifier.send("STOPPING=1", status_line(f"stopping ({name})"))
         finally:
             for conn in list(self.conns.values()):
                 self._drop(conn, None)
@@ -262,9 +320,23 @@ class Daemon:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
+        if self._signal is None:
+            self._signal = signum
+
+    def _serving_line(self) -> str:
+        """What ``systemctl status`` shows while the daemon serves."""
+        s = self.served
+        return (
+            f"serving rank {s.plan.rank} of {s.plan.sidecar} on {s.device.label} "
+            f"({s.export.size} bytes, loaded in {s.export.stats.seconds:.2f} s)"
+        )
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """Hand ``event`` to the log; never waits for it (Note [logging never blocks serving])."""
+        """Count ``event`` (metrics) and hand it to the log, stamped with its time; never waits
+        for the log (Note [logging never blocks serving])."""
+        event.setdefault("ts", time.time())
+        if self.metrics is not None:
+            self.metrics.observe(event)
         if self._event_log is not None:
             self._event_log(event)
 
@@ -580,26 +652,42 @@ def serve(
     socket_path: str | os.PathLike | None = None,
     on_ready: Callback | None = None,
     on_event: Callback | None = None,
+    progress_every: float = PROGRESS_EVERY_S,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
 ) -> None:
     """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command).
 
     Order: manifest and headers checked (format version, rank; a layout that fits in a reply
-    a client takes) -> socket path -> lock -> fill while verifying checksums -> listen ->
-    (``socket_path`` given) a pointer for ``mpack status`` in the runtime directory ->
-    ``on_ready`` -> serve. Any failure before listening raises (nothing is served and no
-    socket is left behind). The pointer is best effort (Note [pointers to --socket daemons] in
-    protocol.py): an ``on_event`` ``no-pointer`` says why there is none; a clean stop removes
-    it with the socket.
+    a client takes) -> socket path -> lock -> (``metrics_port`` given) the metrics endpoint ->
+    fill while verifying checksums -> listen -> (``socket_path`` given) a pointer for ``mpack
+    status`` in the runtime directory -> ``on_ready`` -> serve. Any failure before listening
+    raises (nothing is served and no socket is left behind). The pointer is best effort (Note
+    [pointers to --socket daemons] in protocol.py): an ``on_event`` ``no-pointer`` says why
+    there is none; a clean stop removes it with the socket.
+
+    ``on_event`` gets every event of Note [the daemon's events], ``progress`` ones every
+    ``progress_every`` seconds of the load. With ``$NOTIFY_SOCKET`` set (systemd's
+    ``Type=notify``), the service manager gets ``STATUS=`` lines while loading, ``READY=1``
+    once the socket listens and ``STOPPING=1`` on a stop signal (runtime/sdnotify.py; a failed
+    send is a ``notify-failed`` event). ``metrics_port`` (0: any free port) serves Prometheus
+    metrics at ``http://metrics_addr:PORT/metrics`` (runtime/metrics.py); the ready event and
+    READY line name it as ``metrics``.
 
     Raises:
         FormatVersionError, CorruptFileError, VerificationError: an unusable sidecar.
-        UsageError: a bad rank or device (a CUDA device this machine does not have).
+        UsageError: a bad rank or device (a CUDA device this machine does not have), a bad
+            ``metrics_port`` or ``metrics_addr``.
         InputError: a ``--socket`` directory others can write, or a lock file that is a symlink,
             not ours or not mode 0600 (Note [trust model for the socket directory]).
         DaemonError: another daemon serves the same thing, the socket cannot be made (a
-            file in its place that is not a socket of ours), or the rank has more tensors than
-            a client takes (``protocol.MAX_TENSORS``).
+            file in its place that is not a socket of ours), the rank has more tensors than
+            a client takes (``protocol.MAX_TENSORS``), or the metrics port cannot be bound.
     """
+    if metrics_port is not None:
+        from mpack.runtime.metrics import check_port
+
+        check_port(metrics_port)
     plan = plan_rank(sidecar, rank)
     _check_reply_fits(plan)
     dev = P.resolve_device(device)
@@ -611,27 +699,109 @@ def serve(
         fsutil.check_safe_dir(path.parent, purpose=f"the daemon's socket {path.name}")
     P.check_socket_path(path)
     _raise_fd_limit()
+    emit = _stamped(on_event)
+    notifier = Notifier(lambda why: emit({"event": "notify-failed", "error": why[:300]}))
     what = f"{sidecar} rank {rank} on {dev.label}"
-    with _locked(path, (plan.digest, rank, dev.key), what, on_event):
-        if dev.kind == "cpu":
-            from mpack.runtime.memfd import HostExport
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_locked(path, (plan.digest, rank, dev.key), what, emit))
+        metrics = None
+        if metrics_port is not None:
+            from mpack.runtime.metrics import ServeMetrics
 
-            export: Any = HostExport.create(plan, f"{plan.digest[:16]}-r{rank}")
-        else:
-            from mpack.runtime.cuda_vmm import DeviceExport
+            metrics = ServeMetrics()
+            metrics.start(metrics_port, metrics_addr)
+            stack.callback(metrics.close)
+        loading = {
+            "event": "loading",
+            "sidecar": str(plan.sidecar.resolve()),
+            "rank": rank,
+            "tp_size": plan.tp_size,
+            "device": dev.label,
+            "bytes": plan.size,
+            "files": len(plan.regions),
+        }
+        emit(loading)
+        notifier.send(status_line(f"loading rank {rank} of {plan.sidecar} on {dev.label}"))
+        with _LoadProgress(plan.size, progress_every, emit, notifier) as progress:
+            if dev.kind == "cpu":
+                from mpack.runtime.memfd import HostExport
 
-            assert dev.ordinal is not None
-            export = DeviceExport.create(plan, dev.ordinal)
-        try:
-            daemon = Daemon(
-                Served(plan, dev, export),
-                path,
-                on_event=on_event,
-                advertise=socket_path is not None,
-            )
-            daemon.run(on_ready)
-        finally:
-            export.close()
+                export: Any = HostExport.create(plan, f"{plan.digest[:16]}-r{rank}", progress)
+            else:
+                from mpack.runtime.cuda_vmm import DeviceExport
+
+                assert dev.ordinal is not None
+                export = DeviceExport.create(plan, dev.ordinal, progress)
+        stack.callback(export.close)
+        daemon = Daemon(
+            Served(plan, dev, export),
+            path,
+            on_event=on_event,
+            advertise=socket_path is not None,
+            metrics=metrics,
+            notifier=notifier,
+        )
+        daemon.run(on_ready)
+
+
+def _stamped(on_event: Callback | None) -> Callback:
+    """``on_event`` for the events of a daemon not yet serving (no log thread yet): each
+    stamped with its time, as ``Daemon.on_event`` does; a no-op without a callback."""
+
+    def emit(event: dict[str, Any]) -> None:
+        event.setdefault("ts", time.time())
+        if on_event is not None:
+            on_event(event)
+
+    return emit
+
+
+class _LoadProgress:
+    """The load's ``progress`` events: the fill calls it with each piece's byte count (from its
+    worker threads), and a thread of its own reports the count after ``FIRST_PROGRESS_S``, then
+    every ``every`` seconds, to the log and as a ``STATUS=`` line. A reader that stalls the log
+    stalls this thread, never the fill; it is not waited for past ``LOG_DRAIN_S``."""
+
+    def __init__(self, total: int, every: float, emit: Callback, notifier: Notifier) -> None:
+        self.total, self.every, self.emit, self.notifier = total, every, emit, notifier
+        self.done = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="mpack-serve-progress", daemon=True)
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+
+    def event(self) -> dict[str, Any]:
+        with self._lock:
+            done = self.done
+        elapsed = time.monotonic() - self._t0
+        return {
+            "event": "progress",
+            "bytes": done,
+            "total": self.total,
+            "percent": round(100 * done / max(self.total, 1), 1),
+            "elapsed_s": round(elapsed, 1),
+            "mb_per_s": round(done / 1e6 / elapsed, 1) if elapsed > 0 else 0.0,
+        }
+
+    def _run(self) -> None:
+        wait = min(self.every, FIRST_PROGRESS_S)
+        while not self._stop.wait(wait):
+            ev = self.event()
+            self.emit(ev)
+            self.notifier.send(status_line(f"loading: {ev['percent']:.0f}% of {self.total} bytes"))
+            wait = self.every
+
+    def __enter__(self) -> _LoadProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(LOG_DRAIN_S)
 
 
 def _check_reply_fits(plan: Allocation) -> None:

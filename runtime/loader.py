@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol
@@ -103,8 +104,18 @@ class FillStats:
     seconds: float
 
 
+#: Called with the byte count of each piece once it is read, checked and handed to the
+#: destination (from the fill's worker threads too): the daemon's load progress.
+Progress = Callable[[int], None]
+
+
 def fill(
-    plan: Allocation, dest: Destination, *, chunk: int = CHUNK, depth: int = DEPTH
+    plan: Allocation,
+    dest: Destination,
+    *,
+    chunk: int = CHUNK,
+    depth: int = DEPTH,
+    progress: Progress | None = None,
 ) -> FillStats:
     """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
 
@@ -113,6 +124,7 @@ def fill(
     fits in one ``chunk``-byte read is read, handed to ``dest`` and hashed by one of
     ``HASH_WORKERS`` threads, several at once (:func:`_fill_parallel`); a larger one is read in
     order and hashed piece by piece on one thread (:class:`mpack.iokit.ChunkDigester`).
+    ``progress(n)``, if given, is called for every ``n`` bytes done, from any of those threads.
 
     Raises:
         VerificationError: a chunk whose sha256 differs from the manifest.
@@ -127,10 +139,10 @@ def fill(
                 with open_regular_file(r.path, buffering=0) as f:  # no symlink, FIFO or device
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     if r.chunk_bytes <= chunk:
-                        got, k = _fill_parallel(r, f.fileno(), dest, pool, pending, k)
+                        got, k = _fill_parallel(r, f.fileno(), dest, pool, pending, k, progress)
                     else:
                         digester = ChunkDigester(r.chunk_bytes, r.size, pool=pool, ordered=ordered)
-                        k = _fill_region(r, f, dest, digester, pending, k, chunk)
+                        k = _fill_region(r, f, dest, digester, pending, k, chunk, progress)
                         got = digester.digests()
                     for i, p in enumerate(pending):  # the file's last pieces
                         if p is not None:
@@ -175,7 +187,13 @@ def _check_head(r: Region, pos: int, view: memoryview) -> None:
 
 
 def _fill_parallel(
-    r: Region, fd: int, dest: Destination, pool: Executor, pending: list[Future | None], k: int
+    r: Region,
+    fd: int,
+    dest: Destination,
+    pool: Executor,
+    pending: list[Future | None],
+    k: int,
+    progress: Progress | None = None,
 ) -> tuple[list[str], int]:
     """Fill ``r``, one chunk per job on ``pool`` (Note [parallel fill]); its chunk digests, and
     the next slot's ``k``."""
@@ -186,13 +204,21 @@ def _fill_parallel(
         if pending[i] is not None:
             pending[i].result()
         dest.wait(i)
-        pending[i] = job = pool.submit(_fill_chunk, r, fd, dest, i, a, b - a)
+        pending[i] = job = pool.submit(_fill_chunk, r, fd, dest, i, a, b - a, progress)
         jobs.append(job)
         k += 1
     return [j.result() for j in jobs], k
 
 
-def _fill_chunk(r: Region, fd: int, dest: Destination, i: int, pos: int, n: int) -> str:
+def _fill_chunk(
+    r: Region,
+    fd: int,
+    dest: Destination,
+    i: int,
+    pos: int,
+    n: int,
+    progress: Progress | None = None,
+) -> str:
     """Read bytes ``[pos, pos + n)`` of ``r`` into slot ``i`` and hand them to ``dest``; their
     sha256."""
     view = dest.slot(i, r.offset + pos, n)
@@ -200,7 +226,10 @@ def _fill_chunk(r: Region, fd: int, dest: Destination, i: int, pos: int, n: int)
         raise CorruptFileError(f"{r.path}: file became shorter while loading")
     _check_head(r, pos, view)
     dest.submit(i, r.offset + pos, n)
-    return hashlib.sha256(view).hexdigest()
+    digest = hashlib.sha256(view).hexdigest()
+    if progress is not None:
+        progress(n)
+    return digest
 
 
 def _fill_region(
@@ -211,6 +240,7 @@ def _fill_region(
     pending: list[Future | None],
     k: int,
     chunk: int,
+    progress: Progress | None = None,
 ) -> int:
     """Read ``r`` from ``f`` in order into ring slots ``k, k + 1, ...`` (mod ``depth``) in pieces
     that never cross a chunk boundary, each handed to ``digester``; the next slot's ``k``."""
@@ -230,6 +260,8 @@ def _fill_region(
         pending[i] = digester.add(view)  # still reads the slot until it is done
         pos += n
         k += 1
+        if progress is not None:
+            progress(n)
     return k
 
 

@@ -22,7 +22,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from mpack import fsutil
-from mpack.runtime.loader import FillStats, HostDest, fill
+from mpack.runtime.loader import FillStats, HostDest, Progress, fill
 
 if TYPE_CHECKING:
     import torch
@@ -44,15 +44,16 @@ class HostExport:
         self.stats = stats
 
     @classmethod
-    def create(cls, plan: Allocation, name: str) -> HostExport:
-        """Allocate, fill (verifying checksums) and seal. Raises what ``loader.fill`` raises."""
+    def create(cls, plan: Allocation, name: str, progress: Progress | None = None) -> HostExport:
+        """Allocate, fill (verifying checksums; ``progress`` as ``loader.fill`` takes it) and
+        seal. Raises what ``loader.fill`` raises."""
         size = plan.size
         fd = os.memfd_create(MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             try:
-                stats = fill(plan, HostDest(memoryview(mm)))
+                stats = fill(plan, HostDest(memoryview(mm)), progress=progress)
             finally:
                 # After a failed fill a traceback may still hold a view; the writable mapping
                 # then goes with it (and the memfd is closed below, unsealed and unserved).

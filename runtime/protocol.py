@@ -33,7 +33,7 @@ from typing import Any
 
 from mpack import fsutil
 from mpack.device import KEY, DeviceSpec
-from mpack.errors import DaemonError, MpackError, ProtocolError, UsageError
+from mpack.errors import DaemonError, MpackError, ProtocolError, UsageError, arg
 
 PROTOCOL_VERSION = 1
 MAGIC = b"MPAK"
@@ -296,15 +296,15 @@ def _check_count(spec: str, ordinal: int, n: int, who: str) -> None:
     """Refuse ``cuda:<ordinal>`` where ``who`` counts ``n`` CUDA devices."""
     if ordinal < n:
         return
-    label = str(spec).strip()
+    given = arg("device", str(spec).strip())  # Note [API wording] in mpack/errors.py
     if n == 0:
         raise UsageError(
-            f"--device {label}: no CUDA device here ({who} reports none)",
-            hint="use --device cpu (or run on a machine with a GPU and its driver)",
+            f"{given}: no CUDA device here ({who} reports none)",
+            hint=f"use {arg('device', 'cpu')} (or run on a machine with a GPU and its driver)",
         )
     raise UsageError(
-        f"--device {label}: no such CUDA device here ({who} reports {n}: cuda:0 to cuda:{n - 1})",
-        hint=f"use --device cuda:0 .. cuda:{n - 1}, or --device cpu",
+        f"{given}: no such CUDA device here ({who} reports {n}: cuda:0 to cuda:{n - 1})",
+        hint=f"use {arg('device', 'cuda:0')} .. cuda:{n - 1}, or {arg('device', 'cpu')}",
     )
 
 

@@ -8,15 +8,17 @@
     # leaving the block: SIGTERM, and SIGKILL if it has not stopped within STOP_TIMEOUT_S
 
 The child is ``python -m mpack.cli serve SIDECAR ...``: the process a user starts by hand. Its
-stdout (the READY line, nothing else) and stderr (the event log, or the error that stopped it)
-go to files, never to a pipe it could fill: named files in ``log_dir``, else unnamed temporary
-ones, read through the handle (``stdout()``, ``stderr()``). The READY line's format is defined
-here (``READY_KEYS``, ``format_ready``) and parsed here only (``parse_ready``).
+stdout (the READY line, nothing else; with ``serve --json``, one JSON line per event, the
+``ready`` one among them) and stderr (the event log, or the error that stopped it) go to files,
+never to a pipe it could fill: named files in ``log_dir``, else unnamed temporary ones, read
+through the handle (``stdout()``, ``stderr()``). The READY line's format is defined here
+(``READY_KEYS``, ``format_ready``) and parsed here only (``parse_ready``), in both forms.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +36,8 @@ from mpack.errors import DaemonError
 READY = "READY"
 #: The fields of ``READY key=value ...``, in the order ``mpack serve`` prints them.
 READY_KEYS = ("socket", "pid", "device", "backend", "bytes", "load_s", "rank", "digest")
+#: Printed after them when the daemon has one: ``metrics``, the URL of its Prometheus endpoint.
+READY_OPTIONAL_KEYS = ("metrics",)
 READY_TIMEOUT_S = 900.0  # a cold 8B load from a slow disk, after a cold torch and CUDA start
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.005  # how often the stdout file is read while waiting for READY
@@ -55,23 +59,37 @@ class Ready:
     rank: int
     digest: str  # the sidecar's manifest digest
     fields: dict[str, str]
+    metrics: str | None = None  # ``serve --metrics-port``: http://ADDR:PORT/metrics
 
 
 def format_ready(info: Mapping[str, Any]) -> str:
     """The READY line for the daemon's ``on_ready`` fields (the ``READY_KEYS`` it has)."""
-    return " ".join([READY, *(f"{k}={info[k]}" for k in READY_KEYS if k in info)])
+    keys = READY_KEYS + READY_OPTIONAL_KEYS
+    return " ".join([READY, *(f"{k}={info[k]}" for k in keys if k in info)])
 
 
 def parse_ready(line: str) -> Ready | None:
-    """The fields of a READY line; None for any other line.
+    """The fields of a READY line, or of the ``ready`` event line of ``serve --json`` (a JSON
+    object with ``"event": "ready"``); None for any other line.
 
     Raises:
         DaemonError: a READY line that lacks one of ``READY_KEYS`` or has a malformed number.
     """
-    head, _, rest = line.strip().partition(" ")
-    if head != READY:
-        return None
-    fields = dict(kv.split("=", 1) for kv in rest.split() if "=" in kv)
+    text = line.strip()
+    if text.startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return None
+        if not (isinstance(doc, dict) and doc.get("event") == "ready"):
+            return None
+        keys = READY_KEYS + READY_OPTIONAL_KEYS
+        fields = {k: str(doc[k]) for k in keys if k in doc and doc[k] is not None}
+    else:
+        head, _, rest = text.partition(" ")
+        if head != READY:
+            return None
+        fields = dict(kv.split("=", 1) for kv in rest.split() if "=" in kv)
     try:
         return Ready(
             socket=Path(fields["socket"]),
@@ -83,6 +101,7 @@ def parse_ready(line: str) -> Ready | None:
             rank=int(fields["rank"]),
             digest=fields["digest"],
             fields=fields,
+            metrics=fields.get("metrics"),
         )
     except (KeyError, ValueError) as e:
         raise DaemonError(

@@ -52,7 +52,9 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
 
     A ``Mapping[str, torch.Tensor]``; also ``manifest`` (the sidecar's mpack.json), ``digest``,
     ``rank``, ``device`` (``cpu`` or ``cuda:N``), ``backend`` (``private`` for :func:`load`,
-    ``host`` or ``cuda`` for :func:`attach`) and ``nbytes`` (bytes of the allocation).
+    ``host`` or ``cuda`` for :func:`attach`), ``nbytes`` (bytes of the allocation) and, when
+    attached, ``daemon_pid`` (the daemon's process id, as the kernel reports the peer; None for
+    a private load, or a daemon in a PID namespace this process cannot see).
     Attached tensors are read-only: a write fails in the writing process only. Use ``close()``
     or a ``with`` block; see Note [lifetime of a mapping]. Views are made on first lookup (Note
     [views on first use]).
@@ -70,6 +72,7 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
         backend: str,
         nbytes: int,
         lease: socket.socket | None = None,
+        daemon_pid: int | None = None,
     ) -> None:
         self._base: torch.Tensor | None = base
         self._entries = {e.name: e for e in tensors}
@@ -80,6 +83,7 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
         self.device = device
         self.backend = backend
         self.nbytes = nbytes
+        self.daemon_pid = daemon_pid  # attached: the serving daemon's pid (SO_PEERCRED)
         self._lease = lease
 
     def _live(self) -> torch.Tensor:

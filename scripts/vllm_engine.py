@@ -53,6 +53,7 @@ from typing import Any
 # keeps a script's own folder off sys.path (tests/test_device_scripts.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import drop_caches, marlin_8b, mpack_spawn  # noqa: E402
+from real_checkpoints import answer_text  # noqa: E402
 
 SCHEMES = {"FP8": "tensor", "FP8_DYNAMIC": "channel"}
 DTYPES = ("bfloat16", "float16")
@@ -307,11 +308,12 @@ def engine_kwargs(run: dict[str, Any]) -> dict[str, Any]:
         max_model_len=run.get("max_model_len", 256),
         max_num_seqs=N_PROMPTS,
         seed=0,
-        linear_backend="marlin",
         kv_cache_memory_bytes=run.get("kv_bytes", 256 << 20),
         enable_prefix_caching=False,
         gpu_memory_utilization=0.3,
     )
+    if not run.get("unquantized"):  # the bf16 reference of a real model has no FP8 linear
+        kw["linear_backend"] = "marlin"
     if run["mode"] != "ordinary":
         extra = {
             "sidecar": run["sidecar"],
@@ -329,27 +331,39 @@ def engine_kwargs(run: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def generate(llm: Any, vocab: int) -> dict[str, Any]:
-    """Greedy generation of ``prompts(vocab)``: token ids and the top logprobs of every step."""
+def generate(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
+    """Greedy generation of the run's prompts (``prompt_ids``, else ``prompts(vocab)``): token
+    ids and the top logprobs of every step, and with a ``tokenizer`` the text of each."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    ids = run.get("prompt_ids") or prompts(run["vocab"])
     sp = SamplingParams(
-        max_tokens=MAX_TOKENS,
+        max_tokens=run.get("max_tokens", MAX_TOKENS),
         temperature=0.0,
         logprobs=TOP_LOGPROBS,
         detokenize=False,
         ignore_eos=True,
     )
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts(vocab)], sp, use_tqdm=False
-    )
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
     tokens, logprobs = [], []
     for o in outs:
         c = o.outputs[0]
         tokens.append(list(c.token_ids))
         logprobs.append([{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs])
-    return {"tokens": tokens, "logprobs": logprobs}
+    out: dict[str, Any] = {"tokens": tokens, "logprobs": logprobs}
+    if run.get("tokenizer"):
+        out["texts"] = texts_of(run["tokenizer"], tokens)
+    return out
+
+
+def texts_of(tokenizer: str, tokens: list[list[int]]) -> list[str]:
+    """Each token sequence as the answer's text (``answer_text``; the comparison covers every
+    generated token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return [answer_text(tok, seq) for seq in tokens]
 
 
 def _model_facts(model: Any) -> dict[str, Any]:
@@ -401,7 +415,7 @@ def build_and_generate(run: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     llm = LLM(**engine_kwargs(run))
     built = time.perf_counter() - t0
     t1 = time.perf_counter()
-    out = generate(llm, run["vocab"])
+    out = generate(llm, run)
     out.update(build_s=round(built, 3), generate_s=round(time.perf_counter() - t1, 3))
     out["facts"] = engine_facts(llm)
     return llm, out
@@ -470,7 +484,7 @@ def engine_one(spec: Path, out: Path, ctl: Path) -> None:
             break
         for n in [c for c in cmds if c.isdigit() and c not in done]:
             done.add(n)
-            Path(f"{out}.{n}").write_text(json.dumps(generate(llm, run["vocab"])))
+            Path(f"{out}.{n}").write_text(json.dumps(generate(llm, run)))
         time.sleep(0.05)
     release(llm)
 

@@ -113,6 +113,16 @@ DEVICE_MM = (
     "referencing",
     "rpds-py",
 )
+#: What `vllm serve` (the OpenAI server) imports beyond DEVICE_LACKS, and the loaders it is
+#: compared with (scripts/vllm_serve.py): ``.vllmdev/serve``, carried by RUN=serve's call.
+DEVICE_SERVE = (
+    "fastsafetensors",
+    "orjson",
+    "prometheus-fastapi-instrumentator",
+    "runai-model-streamer",
+    "uvicorn",
+    "watchfiles",
+)
 # llguidance 1.7.6 is built for manylinux_2_31 only. The device's glibc is not listed; its Python
 # 3.12.3 is Ubuntu 24.04's (glibc 2.39), and the earlier run loaded vLLM's manylinux_2_28 ops.
 PLATFORMS = (
@@ -341,6 +351,41 @@ def size_of(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def cut_pieces(data: bytes, room: int, dest: Path, name: str) -> int:
+    """``data`` in pieces of at most ``room`` bytes, ``dest/NAME-NN/piece`` beside
+    ``data.sha256`` (the digest of the whole, ``name`` and the piece count); how many pieces."""
+    n = -(-len(data) // room)
+    for old in dest.glob(f"{name}-*"):
+        shutil.rmtree(old)
+    digest = hashlib.sha256(data).hexdigest()
+    for i in range(n):
+        d = dest / f"{name}-{i:02d}"
+        d.mkdir(parents=True)
+        (d / "piece").write_bytes(data[i * room : (i + 1) * room])
+        (d / "data.sha256").write_text(f"{digest} {name} {n}\n")
+    return n
+
+
+def pack_data(archive: Path, limit: int) -> int:
+    """``archive`` in pieces, ``.vllmdev/data/NAME-NN/piece`` (one call each, carry
+    ``.vllmdev/data/NAME-NN``; NAME: the archive's name up to its first dot), each beside
+    ``data.sha256``, the whole archive's digest and its piece count: PHASE=data joins them on
+    the device once all have come, checks the digest and unpacks the archive (a tar, compressed
+    or not: tar tells) into /tmp/real."""
+    room = limit - tree_bytes() - (64 << 10)  # the digest file and some slack
+    if room <= 0:
+        fail(f"the tree alone fills a call's {limit / MIB:g} MiB", 3)
+    data = archive.read_bytes()
+    name = archive.name.split(".")[0]
+    n = cut_pieces(data, room, DEV / "data", name)
+    print(f"{archive}: {len(data) / MIB:.2f} MiB in {n} pieces of at most {room / MIB:.2f} MiB")
+    print(
+        "calls: PHASE=data, carry one each: "
+        + " ".join(f".vllmdev/data/{name}-{i:02d}" for i in range(n))
+    )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wheel-dir", type=Path, default=Path("/tmp/vllmwhl"))
@@ -349,8 +394,24 @@ def main() -> int:
     ap.add_argument(
         "--moe-only", action="store_true", help="only .vllmdev/moe (the MoE ops, PHASE=moe)"
     )
+    ap.add_argument(
+        "--serve-only", action="store_true", help="only .vllmdev/serve (RUN=serve's wheels)"
+    )
+    ap.add_argument(
+        "--data",
+        type=Path,
+        help="only .vllmdev/data: FILE (an archive of checkpoints) cut into one piece per call "
+        "(PHASE=data), each as large as the tree leaves room for",
+    )
     args = ap.parse_args()
     limit = int(args.limit_mib * MIB)
+    if args.data:
+        return pack_data(args.data, limit)
+    if args.serve_only:
+        shutil.rmtree(DEV / "serve", ignore_errors=True)
+        get_wheels(DEV / "serve", DEVICE_SERVE)
+        print(f"  {size_of(DEV / 'serve') / MIB:6.2f} MiB  .vllmdev/serve")
+        return 0
     if args.fa_only or args.moe_only:
         with zipfile.ZipFile(get_wheel(args.wheel_dir)) as z:
             (pack_fa if args.fa_only else pack_moe)(z, wheel_record(z))

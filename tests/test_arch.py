@@ -72,17 +72,17 @@ def test_row_parallel_linears_have_no_row_slices() -> None:
         (GOLDEN_DIMS, 1, None),
         (GOLDEN_DIMS, 2, None),
         (GOLDEN_DIMS, 4, None),
-        (GOLDEN_DIMS, 3, "--tp 3 does not divide num_attention_heads=4"),
-        (GOLDEN_DIMS, 8, "--tp 8 does not divide num_attention_heads=4"),
-        (Dims(4, 2, 64, 510), 4, "--tp 4 does not divide intermediate_size=510"),
-        (Dims(6, 3, 32, 512), 2, "--tp 2 does not fit num_key_value_heads=3"),  # T <= Hkv
+        (GOLDEN_DIMS, 3, "tp=3 does not divide num_attention_heads=4"),
+        (GOLDEN_DIMS, 8, "tp=8 does not divide num_attention_heads=4"),
+        (Dims(4, 2, 64, 510), 4, "tp=4 does not divide intermediate_size=510"),
+        (Dims(6, 3, 32, 512), 2, "tp=2 does not fit num_key_value_heads=3"),  # T <= Hkv
         (Dims(6, 3, 32, 516), 3, None),
         (Dims(6, 3, 32, 516), 6, None),  # T > Hkv and T % Hkv == 0: replicated
         (Dims(12, 4, 32, 512), 2, None),
-        (Dims(12, 4, 32, 516), 6, "--tp 6 does not fit num_key_value_heads=4"),  # T > Hkv
+        (Dims(12, 4, 32, 516), 6, "tp=6 does not fit num_key_value_heads=4"),  # T > Hkv
         (Dims(8, 4, 32, 512), 8, None),
         (Dims(9, 3, 64, 1536), 3, None),  # SmolLM2-135M
-        (Dims(9, 3, 64, 1536), 9, "--tp 9 does not divide intermediate_size=1536"),
+        (Dims(9, 3, 64, 1536), 9, "tp=9 does not divide intermediate_size=1536"),
     ],
 )
 def test_tp_problem_follows_spec_1(dims: Dims, tp: int, problem: str | None) -> None:
@@ -303,7 +303,7 @@ def test_moe_layers_and_their_mlp_linears_follow_vllms_rule() -> None:
         {**sizes, "intermediate_size": 512, "shared_expert_intermediate_size": 90},
     )
     assert (
-        arch.tp_problem(odd, 4) == "--tp 4 does not divide the shared_expert's intermediate size 90"
+        arch.tp_problem(odd, 4) == "tp=4 does not divide the shared_expert's intermediate size 90"
     )
 
 

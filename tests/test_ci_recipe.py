@@ -223,11 +223,12 @@ def test_the_workflow_steps_run(
     assert r.returncode == 0, f"build exits {r.returncode}\n{r.stdout}\n{r.stderr}"
     convert = json.loads((ws / "reports" / "convert.json").read_text())
     names = {t["name"] for t in convert["targets"]}
-    assert names == targets_of(entry) and convert["skipped"] == []
-    for t in convert["targets"]:
+    assert names == targets_of(entry) and convert["skipped"] == [] and convert["kept"] == []
+    verified = json.loads((ws / "reports" / "verify.json").read_text())  # every target, one run
+    assert verified["ok"] and {v["name"] for v in verified["targets"]} == names
+    for t, v in zip(convert["targets"], verified["targets"], strict=True):
         assert Path(t["out"]) == (ws / "out" / t["name"]).resolve()
         assert t["source"]["repo"] == entry["model"] and t["source"]["revision"] == commit
-        v = json.loads((ws / "reports" / f"verify-{t['name']}.json").read_text())
         assert v["ok"] and v["source_checked"] and v["tensors_compared"] > 0, v
     # the restored cache was made usable, and the scheme's verdict kept in it for the next run
     assert not cache.stat().st_mode & 0o022
@@ -265,13 +266,13 @@ def test_a_target_left_from_another_run_stops_the_build(
     r = subprocess.run(run, cwd=ws, env={**env, **first}, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert {p.name for p in (ws / "out").iterdir()} >= {"tp1-w8a16-bfloat16", "tp2-w8a16-bfloat16"}
-    (ws / "reports" / "verify-tp1-w8a16-bfloat16.json").unlink()
+    (ws / "reports" / "verify.json").unlink()
     second = {**first, "TP": "1", "PROFILE": "w8a16,w8a8-marlin"}
     r = subprocess.run(run, cwd=ws, env={**env, **second}, capture_output=True, text=True)
     assert r.returncode != 0
     assert "holds targets this run did not make: tp2-w8a16-bfloat16" in r.stderr
     # stopped before verifying anything
-    assert not (ws / "reports" / "verify-tp1-w8a16-bfloat16.json").exists()
+    assert not (ws / "reports" / "verify.json").exists()
 
 
 def test_the_script_needs_a_model(tmp_path: Path) -> None:

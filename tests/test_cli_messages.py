@@ -17,7 +17,7 @@ from mpack.device import no_cuda_here
 from mpack.errors import SourceNotFoundError, UnsupportedSchemeError
 from mpack.fixtures import make_checkpoint
 from mpack.verify import verify
-from tests.convert.helpers import cli, explain
+from tests.convert.helpers import cli, explain, messages
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_require_source_fails_without_one(moved) -> None:
     r = cli("verify", sc, "--require-source")
     assert r.returncode == 2, explain(r)
     assert r.stdout == ""  # no "ok" line for a check that was required and did not run
-    first, hint = r.stderr.splitlines()[:2]
+    first, hint = messages(r.stderr).splitlines()[:2]
     assert first.startswith(
         f"error: {sc}: --require-source: source not checked: the recorded source directory {ck} "
         "is not there"
@@ -75,11 +75,12 @@ def test_require_source_passes_with_one(moved) -> None:
 def test_require_source_in_python(moved) -> None:
     _, ck, sc = moved
     assert verify(sc).ok  # as before: the checksums alone pass
-    with pytest.raises(SourceNotFoundError, match="--require-source: source not checked"):
+    # the API's words (Note [API wording]); the CLI says --require-source
+    with pytest.raises(SourceNotFoundError, match="require_source=True: source not checked"):
         verify(sc, require_source=True)
-    with pytest.raises(SourceNotFoundError, match="--require-source: source not checked"):
+    with pytest.raises(SourceNotFoundError, match="require_source=True: source not checked"):
         mc.verify(sc, require_source=True)
-    assert mc.verify(sc, source=ck, require_source=True)["source_checked"] is True
+    assert mc.verify(sc, source=ck, require_source=True).source_checked is True
 
 
 # --- hints --------------------------------------------------------------------------------------
@@ -92,9 +93,9 @@ def test_the_fuse_none_hint_says_vllm_cannot_load_it(tmp_path) -> None:
     (ck / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedSchemeError) as e:
         mc.convert(ck, tmp_path / "out", device="cpu")
-    hint = e.value.hint or ""
-    assert "--fuse none --tp 1" in hint
-    assert "--load-format mpack cannot load such a sidecar (it needs --fuse vllm)" in hint
+    hint = e.value.hint or ""  # the API's words (Note [API wording]): convert(fuse=...)
+    assert "fuse='none' tp=1" in hint
+    assert "--load-format mpack cannot load such a sidecar (it needs fuse='vllm')" in hint
 
 
 # --- a GPU where there is none --------------------------------------------------------------------
@@ -131,8 +132,8 @@ def test_a_gpu_asked_for_where_there_is_none_fails_up_front(tmp_path, device) ->
         text=True,
         timeout=120,
     )
-    assert said.stdout.strip() == (
-        f"--device {device}: no CUDA device here | use --device cpu (identical bytes) | False"
+    assert said.stdout.strip() == (  # the API's words in Python (Note [API wording])
+        f"device={device!r}: no CUDA device here | use device='cpu' (identical bytes) | False"
     ), said.stderr  # refused before torch was imported
     assert os.listdir(tmp_path) == ["ck"]
 

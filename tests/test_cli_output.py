@@ -71,7 +71,12 @@ def test_verify_and_status_help():
     v = " ".join(run("verify", "--help").stdout.split())
     assert "[default: the recorded local path" in v
     s = run("status", "-h").stdout
-    assert "--socket PATH" in s and "rank" not in s.split("Options:")[1].lower()
+    options = " ".join(s.split("Options:")[1].split())
+    assert "--socket PATH" in s
+    # --rank: the readiness probe of one rank, with SIDECAR (status --rank), listed once
+    assert options.count("--rank") == 1, options
+    assert "--rank R With SIDECAR: only rank R (its daemons; ready once it is served). " in options
+    assert "[default: every rank]" in options
 
 
 def test_python_dash_m_mpack_runs_the_cli():

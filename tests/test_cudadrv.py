@@ -27,7 +27,7 @@ def test_missing_bindings_is_one_usage_error(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails as if not installed
     with pytest.raises(UsageError) as e:
         cudadrv.driver()
-    assert str(e.value) == "--device cuda needs the cuda-bindings package"
+    assert str(e.value) == "device='cuda' needs the cuda-bindings package"  # the API's words
     assert e.value.hint == cudadrv.INSTALL_HINT and exit_code_for(e.value) == 2
     with pytest.raises(UsageError, match="^the kernel needs the cuda-bindings package$"):
         cudadrv.nvrtc("the kernel")

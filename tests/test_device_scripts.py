@@ -187,3 +187,76 @@ def test_the_list_covers_mpacks_dependencies() -> None:
     missing = sorted(names - {"torch", "numpy"} - set(pins))
     assert not missing, f"{WHEELS} lacks {missing}"
     assert int(pins["huggingface-hub"].split(".")[0]) < 2
+
+
+# --- checkpoints in pieces (device_vllm.sh PHASE=data) -----------------------------------------
+
+
+def _load_script(name: str):  # noqa: ANN202
+    import importlib.util
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        assert spec and spec.loader
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def _data_call(root: Path, tmp_path: Path, *pieces: str) -> subprocess.CompletedProcess[str]:
+    """One PHASE=data call whose tree holds ``pieces`` (of root/all), as the device keeps what
+    earlier calls left beside what this one carries."""
+    import shutil
+
+    dev = root / ".vllmdev" / "data"
+    shutil.rmtree(dev, ignore_errors=True)
+    for p in pieces:
+        shutil.copytree(root / "all" / p, dev / p)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PHASE": "data",
+        "OUT": str(tmp_path / "out"),
+        "VDATA": str(tmp_path / "vdata"),
+        "REAL_DIR": str(tmp_path / "real"),
+    }
+    return subprocess.run(
+        ["bash", "scripts/device_vllm.sh"], cwd=root, env=env, capture_output=True, text=True
+    )
+
+
+def test_checkpoints_travel_in_pieces_and_unpack_once_all_came(tmp_path: Path) -> None:
+    """scripts/vllm_pack.py cuts an archive into pieces; device_vllm.sh PHASE=data unpacks it
+    only when every piece has come (in any order, an earlier call's pieces still in the tree),
+    after checking the whole archive's digest; a corrupt piece is refused."""
+    import tarfile
+
+    src = tmp_path / "src" / "fp8-dynamic"
+    src.mkdir(parents=True)
+    payload = os.urandom(5000)
+    (src / "model.safetensors").write_bytes(payload)
+    archive = tmp_path / "ck.tar.xz"
+    with tarfile.open(archive, "w:xz") as t:
+        t.add(src, arcname="fp8-dynamic")
+    root = tmp_path / "root"
+    (root / "scripts").mkdir(parents=True)
+    for f in ("device_vllm.sh", "device_python_env.sh"):
+        (root / "scripts" / f).write_text((SCRIPTS / f).read_text())
+    n = _load_script("vllm_pack").cut_pieces(archive.read_bytes(), 1500, root / "all", "ck")
+    assert n == -(-archive.stat().st_size // 1500) and n >= 3
+    names = sorted(p.name for p in (root / "all").iterdir())
+    real = tmp_path / "real" / "fp8-dynamic" / "model.safetensors"
+    r = _data_call(root, tmp_path, names[-1])
+    assert r.returncode == 0 and f"ck: 1 of {n} pieces" in r.stdout, r.stderr
+    r = _data_call(root, tmp_path, names[-1], *names[:-2])  # all but one
+    assert r.returncode == 0 and f"{n - 1} of {n}" in r.stdout and not real.exists(), r.stderr
+    r = _data_call(root, tmp_path, names[-2])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert real.read_bytes() == payload
+
+    bad = root / "all" / names[0] / "piece"
+    bad.write_bytes(b"x" + bad.read_bytes()[1:])
+    r = _data_call(root, tmp_path, *names)
+    assert r.returncode != 0 and "FAILED" in r.stdout + r.stderr, r.stdout

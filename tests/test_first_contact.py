@@ -417,4 +417,4 @@ def test_the_public_verify_survives_its_own_import(tmp_path: Path) -> None:
     mc.convert(ck, tmp_path / "sc", device="cpu")
     for _ in range(2):
         report = mc.verify(tmp_path / "sc", source=ck)
-        assert report["source_checked"] is True and callable(mc.verify)
+        assert report.source_checked is True and callable(mc.verify)

@@ -29,6 +29,7 @@ from mpack.sidecar import (
     COMMON_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    SOURCE_CARD_KEYS,
     digest_of,
     load_manifest,
     rank_file_name,
@@ -157,6 +158,30 @@ def test_hub_source_matches_the_schema(sidecars: dict[str, Path], validator) -> 
         assert not list(validator.iter_errors(hub))
 
 
+def test_card_keys_match_the_schema_and_the_reader(
+    sidecars: dict[str, Path], validator, tmp_path: Path
+) -> None:
+    """The optional ``source`` keys of Note [card facts]: the schema and ``check_manifest``
+    take the same values, and refuse the same."""
+    from mpack.errors import CorruptFileError
+    from mpack.sidecar import check_manifest
+
+    m = _manifest(next(iter(sidecars.values())))
+    facts = {
+        "base_model": "org/Llama-FP8",
+        "license": "other",
+        "license_name": "llama3.1",
+        "license_link": "https://huggingface.co/org/Llama-FP8/blob/main/LICENSE",
+    }
+    ok = {**m, "source": {**m["source"], **facts}}
+    assert not list(validator.iter_errors(ok))
+    check_manifest(ok, tmp_path / MANIFEST_NAME)
+    bad = {**m, "source": {**m["source"], "license": "mit\n## Serve"}}
+    assert not validator.is_valid(bad)
+    with pytest.raises(CorruptFileError, match="source license"):
+        check_manifest(bad, tmp_path / MANIFEST_NAME)
+
+
 def test_source_files_by_chunks_match_the_schema(sidecars: dict[str, Path], validator) -> None:
     """Note [source digests]: a source file is recorded by sha256 or by chunks, never both or
     neither."""
@@ -225,7 +250,12 @@ def test_header_metadata_is_as_documented(sidecars: dict[str, Path]) -> None:
             assert meta == {**base, "rank": str(r)}
         if (sidecar / COMMON_NAME).is_file():
             common = read_file_map(sidecar / COMMON_NAME).metadata
-            assert common == {**base, "content": "pass-through"}
+            # no target keys: the same bytes in every target (Note [shared uploads])
+            assert common == {
+                "format": "mpack-sidecar",
+                "format_version": "2",
+                "content": "pass-through",
+            }
 
 
 # --- (b) the stdlib reader -----------------------------------------------------------------
@@ -490,7 +520,8 @@ def test_key_tables_list_the_real_keys(sidecars: dict[str, Path]) -> None:
             ),
             [],
         )
-        assert set(source) == set(m["source"]) | set(hub), case
+        # the card's keys are optional: written only when found (Note [card facts])
+        assert set(source) == set(m["source"]) | set(hub) | set(SOURCE_CARD_KEYS), case
 
 
 def test_moe_manifest_matches_the_schema(validator, tmp_path: Path) -> None:

@@ -197,6 +197,30 @@ def test_multi_target_repo(offline: dict[str, Any]) -> None:
     assert resolve_sidecar(snap / tp2, fetch="manifest") == view
 
 
+def test_a_selection_names_the_folder_of_a_multi_target_repo(offline: dict[str, Any]) -> None:
+    """Note [target layout]: --tp, --profile and --act-dtype together name a repo's folder; fewer
+    cannot (the repo's folders are not listed), and a sidecar of another target is refused."""
+    from mpack.target_dirs import Selection
+
+    tp2 = next(n for n in offline["folders"] if n.startswith("tp2-"))
+    whole = Selection(tp=2, profile="w8a16", act_dtype="bfloat16")
+    view = resolve_sidecar(MULTI, fetch="manifest", select=whole)
+    assert view.name == tp2 and load_manifest(view)[0]["target"]["tp_size"] == 2
+    with pytest.raises(InputError) as e:
+        resolve_sidecar(MULTI, fetch="manifest", select=Selection(tp=2))
+    hint = e.value.hint or ""
+    assert "tp, profile and act_dtype together" in hint and f"{MULTI}/<target>" in hint
+    with pytest.raises(UsageError, match="is the sidecar of target tp2-w8a16-bfloat16; tp=1"):
+        resolve_sidecar(REPO, fetch="manifest", select=Selection(tp=1))
+
+
+def test_inspect_a_multi_target_repo_by_selection(hub: dict[str, Any]) -> None:
+    p = cli(hub, "inspect", MULTI, "--tp", "1", "--profile", "w8a16", "--act-dtype", "bfloat16")
+    assert p.returncode == 0 and "tp 1" in p.stdout, p.stderr
+    p = cli(hub, "inspect", MULTI, "--tp", "1")
+    assert p.returncode == 2 and "--tp, --profile and --act-dtype together" in p.stderr, p.stderr
+
+
 # --- the commands and the runtime --------------------------------------------------------------
 
 

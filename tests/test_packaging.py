@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import mpack
 from tests.conftest import NO_GPU_MESSAGE, REPO
 
 DIST_NAME = "mpack-marlin"
@@ -138,7 +139,7 @@ def test_wheel_in_fresh_venv(built: tuple[Path, str], tmp_path: Path) -> None:
         text=True,
         cwd=tmp_path,
     )
-    assert version.strip() == "0.1.0"
+    assert version.strip() == mpack.__version__  # pyproject.toml reads it from there
     r = subprocess.run(
         [str(py), "-m", "mpack.cli", "--help"], capture_output=True, text=True, cwd=tmp_path
     )

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
+import mpack
 from tests.conftest import REPO
 
-NAME = "mpack_marlin-0.1.0"
+NAME = f"mpack_marlin-{mpack.__version__}"
 URL = "https://github.com/mpack-marlin/mpack"
 # LICENSE is the Apache License 2.0 as published, unmodified: apache.org's LICENSE-2.0.txt
 # (sha256 cfc7749b..., Debian's /usr/share/common-licenses/Apache-2.0) less its first, blank line,
@@ -178,8 +179,10 @@ def test_long_description_is_the_index_page_with_absolute_links(built: dict) -> 
     targets = re.findall(r"\]\(([^)]+)\)", body)
     assert targets, "the page links to the repository"
     assert [t for t in targets if not t.startswith("https://")] == [], targets
-    # It says plainly that the index has no release yet, and how to install until it has.
-    assert "`pip install mpack-marlin` finds nothing" in body
+    # It is the index's page of a published release: it installs from the index, with the vLLM
+    # extra, and says nothing that is true only before the first upload.
+    assert "pip install mpack-marlin " in body and "pip install 'mpack-marlin[vllm]'" in body
+    assert not re.search(r"no release|finds nothing|until one is", body, re.I), body
 
 
 @pytest.mark.slow

@@ -311,3 +311,73 @@ def test_autofp8_cases_are_weight_only_autofp8_checkpoints(script: Any, tmp_path
         qc = json.loads((ck / "config.json").read_text())["quantization_config"]
         assert qc["quant_method"] == "fp8"
         assert qc["activation_scheme"] == script.AUTOFP8[c["scheme"]]
+
+
+# --- the real model (scripts/vllm_real.py) ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_script() -> Any:
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "vllm_real", REPO / "scripts" / "vllm_real.py"
+        )
+        assert spec and spec.loader
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
+def test_real_plan_runs_three_engines_per_checkpoint_the_bf16_model_and_a_control(
+    real_script: Any, script: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3], [4, 5]]))
+    real = tmp_path / "r"
+    (real / "bf16").mkdir(parents=True)
+    (real / "bf16" / "config.json").write_text("{}")
+    runs = {r["key"]: r for r in real_script.plan(real, tmp_path)}
+    assert set(runs) == {
+        "fp8-dynamic/ordinary", "fp8-dynamic/private", "fp8-dynamic/attached",
+        "fp8-static/ordinary", "fp8-static/private", "fp8-static/attached", "bf16", "control",
+    }  # fmt: skip
+    assert all(
+        r["prompt_ids"] == [[1, 2, 3], [4, 5]] and r["max_tokens"] == 32 for r in runs.values()
+    )
+    # the control: fp8-dynamic's checkpoint, fp8-static's sidecar, unbound on purpose
+    assert runs["control"]["model"] == str(real / "fp8-dynamic")
+    assert runs["control"]["sidecar"].endswith("sc-fp8-static")
+    assert runs["control"]["check_source"] is False
+    kw = {k: script.engine_kwargs(r) for k, r in runs.items()}
+    assert "linear_backend" not in kw["bf16"] and "load_format" not in kw["bf16"]
+    assert kw["fp8-static/ordinary"]["linear_backend"] == "marlin"
+    assert kw["fp8-static/attached"]["model_loader_extra_config"]["attach"] == "require"
+    assert kw["fp8-static/private"]["model_loader_extra_config"]["attach"] == "never"
+
+
+def test_real_summary_needs_every_engine_equal_and_the_control_to_differ(
+    real_script: Any,
+) -> None:
+    def run(lp: float) -> dict[str, Any]:
+        return {**_run([[5, 6], [7, 8]], lp), "texts": ["Paris.", "blue"]}
+
+    results = {f"{n}/{m}": run(-0.5) for n in ("fp8-dynamic", "fp8-static")
+               for m in ("ordinary", "private", "attached")}  # fmt: skip
+    results["bf16"] = run(-0.4)
+    results["control"] = run(-0.7)
+    s = real_script.summarize(results)
+    assert s["all_equal"] and s["control_differs"] and s["bf16_texts"] == ["Paris.", "blue"]
+    assert "all three" in real_script.text_table(s)
+
+    off = dict(results)
+    off["fp8-static/attached"] = run(-0.5 + 2**-20)  # one logprob, one ulp-ish off
+    assert not real_script.summarize(off)["all_equal"]
+    same = {**results, "control": run(-0.5)}
+    assert not real_script.summarize(same)["control_differs"]
+    gone = {k: v for k, v in results.items() if k != "fp8-dynamic/private"}
+    s = real_script.summarize(gone)
+    assert not s["all_equal"] and s["checkpoints"]["fp8-dynamic"]["errors"]["private"] == "missing"

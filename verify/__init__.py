@@ -2,9 +2,11 @@
 (docs/ARCHITECTURE.md).
 
 One entry point, :func:`verify`, returning a :class:`Verification` (what was checked, every
-problem found); ``mpack verify`` prints it. The layer may use the core, ``mpack.convert`` (to
-re-derive what a conversion writes) and ``mpack.runtime`` (to load a sidecar as an engine
-would); neither of those imports it (``mpack.convert.verify`` forwards here, on each call).
+problem found), and its form for the targets of a directory of sidecars,
+:func:`verify_targets` (one read of the source for them all); ``mpack verify`` prints them.
+The layer may use the core, ``mpack.convert`` (to re-derive what a conversion writes) and
+``mpack.runtime`` (to load a sidecar as an engine would); neither of those imports it
+(``mpack.convert.verify`` forwards here, on each call).
 
 * :mod:`mpack.verify.check`: the entry point and the file checks (no torch at import);
 * :mod:`mpack.verify.rederive`: finding the source, re-deriving every tensor from it;
@@ -15,6 +17,6 @@ would); neither of those imports it (``mpack.convert.verify`` forwards here, on 
 * :mod:`mpack.verify.forward`: its outputs against transformers on the source checkpoint.
 """
 
-from mpack.verify.check import Verification, verify
+from mpack.verify.check import Verification, check_arguments, verify, verify_targets
 
-__all__ = ["Verification", "verify"]
+__all__ = ["Verification", "check_arguments", "verify", "verify_targets"]

@@ -40,7 +40,7 @@ from mpack.arch import (
     distinct_ranks,
     family_of,
 )
-from mpack.errors import CorruptFileError, UnsupportedSchemeError, UsageError
+from mpack.errors import CorruptFileError, UnsupportedSchemeError, UsageError, arg
 from mpack.fsutil import parse_json
 from mpack.sidecar import CONFIG_NAME, torch_dtype
 from mpack.target import BIAS, SCALE, WEIGHT, act_dtype
@@ -208,7 +208,8 @@ def _place_passthrough(
             continue
         else:
             raise UsageError(
-                f"{sidecar}: the sidecar has no tensor {pname} (converted with --no-passthrough?)"
+                f"{sidecar}: the sidecar has no tensor {pname} (converted with "
+                f"{arg('passthrough', False)}?)"
             )
     if cfg.tie_word_embeddings and "lm_head.weight" not in common:
         model.lm_head.weight = model.get_input_embeddings().weight

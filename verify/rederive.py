@@ -28,11 +28,23 @@ the transform left them, by the backend's own ``read_back`` (the host and driver
 memory, the torch backend on its device): the comparison proves them equal to the sidecar's, so
 this is the check of the sidecar's own bytes. A layer whose bytes differ is read back from the
 sidecar afterwards to say which of its tensors does not unpack.
+
+Note [verify many targets]: ``mpack verify OUT`` of a directory of targets (Note [target layout]
+in mpack/target_dirs.py) re-derives them all from one read of the source, as the conversion made
+them (Note [many targets] in mpack/convert/pipeline.py): :func:`rederive_many` plans every target
+from one parse of the headers and one scheme check, hashes the source files once, streams each
+unit once through every target's backend into every target's comparers (a
+:class:`~mpack.convert.stream.Sink` each), and copies the pass-through tensors once into every
+``common.safetensors`` comparer. Targets that recorded other source files, another fusion, or
+pass-through where the others have none, are another group, and another read
+(:func:`group_key`); the targets of one ``mpack convert`` run are one group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -53,17 +65,17 @@ from mpack.convert.source import (
 )
 from mpack.convert.stream import Sink, Streamer
 from mpack.convert.timeline import Timeline
-from mpack.errors import CorruptFileError, SourceNotFoundError, shown
+from mpack.errors import CorruptFileError, SourceNotFoundError, arg, listed, shown
 from mpack.fsutil import open_regular_file
 from mpack.iokit import copy_tensors, pread_pieces
 from mpack.sidecar import COMMON_NAME, FileMap, rank_file_name, torch_dtype
-from mpack.target import EXPERT_PARALLEL
+from mpack.target import EXPERT_PARALLEL, dir_name
 from mpack.verify.compare import SidecarComparer
 
 if TYPE_CHECKING:  # the torch backend imports it on use (Note [verify without torch])
     import torch
 
-__all__ = ["Rederived", "find_source", "rederive"]
+__all__ = ["Rederived", "find_source", "group_key", "rederive", "rederive_many"]
 
 
 def find_source(
@@ -110,7 +122,7 @@ def _recorded_source(
             return None, (
                 f"the manifest records the source directory's name ({shown(path, 4096)}), not "
                 "where it is, and it was not converted here; only the files were checked. Pass "
-                "--source DIR to re-derive every tensor"
+                f"{arg('source', 'DIR')} to re-derive every tensor"
             )
         path = str(kept)
     repo, rev = rec.get("repo"), rec.get("revision")
@@ -121,18 +133,18 @@ def _recorded_source(
             return None, (
                 f"{e.message} (looked offline); only the files were checked. To re-derive "
                 f"every tensor, download it (hf download {repo} --revision {rev}) or pass "
-                "--source DIR"
+                f"{arg('source', 'DIR')}"
             )
     if kind == "local" and isinstance(path, str) and path:
         if Path(path).is_dir():
             return resolve_source(path), None
         return None, (
             f"the recorded source directory {path} is not there; only the files were checked. "
-            "Pass --source DIR (or a Hub repo id) to re-derive every tensor"
+            f"Pass {arg('source', 'DIR')} (or a Hub repo id) to re-derive every tensor"
         )
     return None, (
         "the manifest records no source mpack can find; only the files were checked. Pass "
-        "--source DIR (or a Hub repo id) to re-derive every tensor"
+        f"{arg('source', 'DIR')} (or a Hub repo id) to re-derive every tensor"
     )
 
 
@@ -142,12 +154,15 @@ class Rederived:
 
     ``file_problems``: the compared files' digests that differ from the manifest (the wording
     of :func:`mpack.sidecar.check_files`); when there are any, the rest is left empty: a file
-    that fails its digests is reported as such, as without a source. ``problems``: the source
-    files and every tensor that differs. ``layers``: packed layers re-derived, once per rank;
-    ``tensors``: tensors compared; ``device``: where the transform ran.
+    that fails its digests is reported as such, as without a source. ``source_problems``: the
+    source files that differ from those the manifest records (then the source is another
+    checkpoint, whatever the tensors say). ``problems``: every tensor that differs.
+    ``layers``: packed layers re-derived, once per rank; ``tensors``: tensors compared;
+    ``device``: where the transform ran.
     """
 
     file_problems: list[str] = field(default_factory=list)
+    source_problems: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     layers: int = 0
     tensors: int = 0
@@ -162,6 +177,8 @@ def rederive(
     device: str = "auto",
     tl: Timeline | None = None,
     backend: str = "auto",
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Rederived:
     """Re-derive every tensor of ``sidecar`` from ``src`` on ``device`` and compare, checking the
     digests of the files read on the way (Note [verify as a conversion]).
@@ -175,51 +192,133 @@ def rederive(
         tl: gets a ``main`` span for each phase (``plan``, ``pass``, ``wait-source-hashes``,
             ``wait-scheme-check``, ``tensor-problems``).
         backend: ``auto`` or the backend to re-derive on (:data:`mpack.convert.backends.BACKENDS`).
+        progress: ``(stage, done, total)`` as the pass goes, as a conversion's: ``"bytes"`` of
+            the sidecar compared, ``"layers"`` (units) re-derived.
 
-    Long on purpose: the phases of a re-derivation (plan, open, the pass, the source's digests,
-    the scheme verdict, the tensors) in the order they run, each a call, with their spans.
+    The one-sidecar case of :func:`rederive_many`, which runs the phases.
 
     Raises:
+        SourceNotFoundError: the source lacks a file the manifest records (checked first).
         MpackError: the source cannot be opened or planned, or its config is refused (the
             errors a conversion of it raises).
     """
+    return rederive_many([(sidecar, m, file_maps)], src, device, tl, backend, progress=progress)[0]
+
+
+def group_key(m: dict[str, Any], file_maps: dict[str, FileMap]) -> tuple[str, ...]:
+    """What sidecars re-derived from one read must share (Note [verify many targets]): the
+    source files recorded, the fusion, and whether they have ``common.safetensors``."""
+    import json
+
+    files = json.dumps(m["source"].get("files", []), sort_keys=True)
+    return (files, str(m["target"].get("fusion")), str(COMMON_NAME in file_maps))
+
+
+def rederive_many(
+    sidecars: list[tuple[Path, dict[str, Any], dict[str, FileMap]]],
+    src: ResolvedSource,
+    device: str = "auto",
+    tl: Timeline | None = None,
+    backend: str = "auto",
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[Rederived]:
+    """:func:`rederive` of each ``(sidecar, manifest, file maps)`` of ``sidecars``, all from one
+    read of ``src`` (Note [verify many targets]); they must share :func:`group_key`. Arguments,
+    result (per sidecar, in order) and errors as :func:`rederive`'s; ``progress`` counts the
+    bytes of every sidecar.
+
+    Long on purpose: the phases of a re-derivation (plan, open, the pass, the source's digests,
+    the scheme verdict, the tensors) in the order they run, each a call, with their spans.
+    """
     tl = tl or Timeline()
+    _, m0, maps0 = sidecars[0]
+    if any(group_key(m, fm) != group_key(m0, maps0) for _, m, fm in sidecars):
+        raise ValueError("rederive_many: sidecars of different groups (group_key)")
+    recorded = m0["source"].get("files", [])  # hashed in the forms the manifest records
+    names, forms = sorted(f["name"] for f in recorded), record_forms(recorded)
+    _check_source_files(src, names, sidecars[0][0])
     check = SchemeCheck(src.path)  # forked before any thread of this run starts
     try:
         with tl.span("main", "plan"):
-            ck, plan = _plan(src, check, m["target"], COMMON_NAME in file_maps)
-        recorded = m["source"].get("files", [])  # hashed in the forms the manifest records
-        names, forms = sorted(f["name"] for f in recorded), record_forms(recorded)
+            targets = [m["target"] for _, m, _ in sidecars]
+            ck, plans = _plans(src, check, targets, COMMON_NAME in maps0)
         with hashing(src, names, forms=forms) as hashed, contextlib.ExitStack() as on:
-            be = open_backend(
-                device,
-                plan,
-                backend=backend,
-                option="--rederive-device",
-                tl=tl,
-                spans=("open-gpu", "import-torch"),
-            )  # the hashing runs meanwhile
-            on.callback(be.close)
-            where = be.where
-            # the pass: read, re-derive, compare and digest both sides
-            with _Comparers(sidecar, m, file_maps, plan) as cmp, tl.span("main", "pass"):
-                checker = _run(plan, cmp.files, be)
-                file_problems = cmp.finish(m)
-            if file_problems:
-                return Rederived(file_problems=file_problems, device=where)
+            opened: list[Backend] = []
+            backends: list[Backend] = []  # each plan's: one opened once for every plan it takes
+            for plan in plans:  # the hashing runs meanwhile
+                be = open_backend(
+                    device,
+                    plan,
+                    backend=backend,
+                    option="--rederive-device",
+                    tl=tl,
+                    spans=("open-gpu", "import-torch"),
+                    opened=opened,
+                )
+                if all(be is not o for o in opened):
+                    opened.append(be)
+                    on.callback(be.close)
+                backends.append(be)
+            cmps = [
+                on.enter_context(_Comparers(sc, m, fm, plan))
+                for (sc, m, fm), plan in zip(sidecars, plans, strict=True)
+            ]
+            # the pass: read once, re-derive for every target, compare and digest both sides
+            with tl.span("main", "pass"):
+                checkers = _run(plans, [c.files for c in cmps], backends, _Counter(progress, plans))
+                file_problems = [c.finish(m) for c, (_, m, _) in zip(cmps, sidecars, strict=True)]
+            if all(file_problems):
+                return [
+                    Rederived(file_problems=fp, device=b.where)
+                    for fp, b in zip(file_problems, backends, strict=True)
+                ]
             with tl.span("main", "wait-source-hashes"):
-                problems = _source_problems(m, hashed.result())
+                source_problems = _source_problems(m0, hashed.result())
         with tl.span("main", "wait-scheme-check"):
             check.agree(ck)  # its verdict; the same layers as the headers
+        out = []
         with tl.span("main", "tensor-problems"):
-            problems += _tensor_problems(sidecar, plan, cmp.files, checker, file_maps)
+            for i, ((sc, _, fm), plan) in enumerate(zip(sidecars, plans, strict=True)):
+                where = backends[i].where
+                if file_problems[i]:
+                    out.append(Rederived(file_problems=file_problems[i], device=where))
+                    continue
+                problems = _tensor_problems(sc, plan, cmps[i].files, checkers[i], fm)
+                compared = sum(
+                    len(ly.file_specs(plan.act_dtype)) for unit in plan.units for ly in unit
+                )
+                if COMMON_NAME in cmps[i].files:
+                    common = cmps[i].files[COMMON_NAME]
+                    compared += len(common.file_map.entries) - len(common.unmatched)
+                layers = len(plan.units) * plan.tp
+                out.append(Rederived([], source_problems, problems, layers, compared, where))
     finally:
         check.cancel()
-    compared = sum(len(ly.file_specs(plan.act_dtype)) for unit in plan.units for ly in unit)
-    if COMMON_NAME in cmp.files:
-        common = cmp.files[COMMON_NAME]
-        compared += len(common.file_map.entries) - len(common.unmatched)
-    return Rederived([], problems, len(plan.units) * plan.tp, compared, where)
+    return out
+
+
+def _check_source_files(src: ResolvedSource, names: list[str], sidecar: Path) -> None:
+    """Refuse, before any work, a source that lacks a file the manifest records (``names``): it
+    is not the checkpoint the sidecar was made from, or not all of it. The error's ``file`` is
+    the first missing one."""
+    missing = [n for n in names if not (src.path / n).is_file()]
+    if not missing:
+        return
+    given = shown(src.display, 4096)
+    if len(missing) == 1:
+        what = f"no {shown(missing[0])}, a file"
+    else:
+        what = f"{len(missing)} of the files"
+    err = SourceNotFoundError(
+        f"{given}: {what} the sidecar {sidecar} was made from (its mpack.json records "
+        f"{len(names)} source files)"
+        + (f"; missing:{listed([shown(n) for n in missing])}" if len(missing) > 1 else ""),
+        hint=f"pass as {arg('source')} the checkpoint directory (or Hub repo id) that the "
+        "sidecar was converted from, with all of its files",
+    )
+    err.file = str(src.path / missing[0])  # type: ignore[attr-defined]
+    raise err
 
 
 # Note [verify without torch]: verify re-derives on the backend a conversion would open for
@@ -230,14 +329,20 @@ def rederive(
 # the torch backend runs. Each backend reads the layout backwards itself (``read_back``).
 
 
-def _plan(
-    src: ResolvedSource, check: SchemeCheck, t: dict[str, Any], passthrough: bool
-) -> tuple[Checkpoint, Plan]:
-    """The plan from the shard headers, as a conversion to the sidecar's target makes it
-    (:func:`mpack.convert.plan.open_and_plan`, the conversion's own)."""
-    spec = TargetSpec(t["tp_size"], t["profile"], t["act_dtype"], bool(t.get(EXPERT_PARALLEL)))
-    ck, plans, _ = open_and_plan(src.path, check, [spec], fuse=t["fusion"], passthrough=passthrough)
-    return ck, plans[0]
+def _plans(
+    src: ResolvedSource, check: SchemeCheck, targets: list[dict[str, Any]], passthrough: bool
+) -> tuple[Checkpoint, list[Plan]]:
+    """A plan per target (of one fusion), from one parse of the shard headers, as a conversion
+    to those targets makes them (:func:`mpack.convert.plan.open_and_plan`, the conversion's
+    own); two sidecars of one target share its plan."""
+    specs = [
+        TargetSpec(t["tp_size"], t["profile"], t["act_dtype"], bool(t.get(EXPERT_PARALLEL)))
+        for t in targets
+    ]
+    fuse = targets[0]["fusion"]
+    ck, plans, _ = open_and_plan(src.path, check, specs, fuse=fuse, passthrough=passthrough)
+    by_name = {dir_name(p.target): p for p in plans}
+    return ck, [by_name[dir_name(t)] for t in targets]
 
 
 def _source_problems(m: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
@@ -292,17 +397,31 @@ class _Comparers:
         self._stack.close()
 
 
-def _run(plan: Plan, files: dict[str, SidecarComparer], backend: Backend) -> _Checker:
-    """Stream every unit through ``backend``'s transform into ``files``, and the pass-through
-    tensors into ``common.safetensors``'s comparer meanwhile; the checker holds the
-    layout-backwards checks."""
-    checker = _Checker(backend)
-    streamer = Streamer([Sink(plan, files, backend, transform=checker)])  # type: ignore[arg-type]
+def _run(
+    plans: list[Plan],
+    files: list[dict[str, SidecarComparer]],
+    backends: list[Backend],
+    count: _Counter,
+) -> list[_Checker]:
+    """Stream every unit, read once, through each target's backend into its ``files``, and the
+    pass-through tensors (read once) into every ``common.safetensors`` comparer meanwhile; a
+    checker per target holds its layout-backwards checks. ``count`` is told of every byte
+    compared and unit done."""
+    checkers = [_Checker(b) for b in backends]
+    sinks = [
+        Sink(plan, fs, b, transform=c)  # type: ignore[arg-type]
+        for plan, fs, b, c in zip(plans, files, backends, checkers, strict=True)
+    ]
+    streamer = Streamer(sinks, count.add_bytes, count.unit_done)
     with iokit.pool("copy", 1) as copier:
         copied = None
-        if COMMON_NAME in files:
-            into = [(files[COMMON_NAME], files[COMMON_NAME].file_map.entries)]
-            copied = copier.submit(copy_tensors, plan.ckpt.read_into, into, _ignore, Timeline())
+        into = [
+            (fs[COMMON_NAME], fs[COMMON_NAME].file_map.entries) for fs in files if COMMON_NAME in fs
+        ]
+        if into:
+            copied = copier.submit(
+                copy_tensors, plans[0].ckpt.read_into, into, count.add_bytes, Timeline()
+            )
         try:
             streamer.run()
         except BaseException:
@@ -311,12 +430,31 @@ def _run(plan: Plan, files: dict[str, SidecarComparer], backend: Backend) -> _Ch
             raise
         if copied is not None:
             copied.result()
-    checker.settle()
-    return checker
+    for c in checkers:
+        c.settle()
+    return checkers
 
 
-def _ignore(_: int) -> None:
-    pass
+class _Counter:
+    """Feeds ``progress`` (None: nobody listens) as a conversion's counter does: bytes compared,
+    from the streamer's and the copier's threads, and units done."""
+
+    def __init__(self, progress: Callable[[str, int, int], None] | None, plans: list[Plan]) -> None:
+        self.progress, self.units = progress, len(plans[0].units)
+        # the tensors' bytes, which are what is counted (a file's header and padding are not)
+        self.total = sum(e.nbytes for p in plans for fm in p.files.values() for e in fm.entries)
+        self.done = 0
+        self._lock = threading.Lock()
+
+    def add_bytes(self, n: int) -> None:
+        if self.progress is not None:
+            with self._lock:
+                self.done += n
+                self.progress("bytes", self.done, self.total)
+
+    def unit_done(self, i: int) -> None:
+        if self.progress is not None:
+            self.progress("layers", i, self.units)
 
 
 class _Checker:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mpack import env_flag, iokit
 from mpack.convert.options import BACKENDS, check_backend_name
 from mpack.device import CONVERT, DeviceSpec, no_cuda_here
-from mpack.errors import UsageError
+from mpack.errors import UsageError, arg
 
 if TYPE_CHECKING:
     import threading
@@ -218,7 +218,7 @@ def open_backend(
     *,
     backend: str = "auto",
     disabled: frozenset[str] | None = None,
-    option: str = "--device",
+    option: str = "device",
     tl: Timeline | None = None,
     spans: tuple[str, str] = ("driver", "torch"),
     opened: list[Backend] | None = None,
@@ -231,7 +231,8 @@ def open_backend(
             parsed into (:data:`mpack.device.CONVERT`), which is not parsed again.
         backend: ``auto`` (the first that can), or one of :data:`BACKENDS` (that one or an error).
         disabled: what is turned off (default: :func:`disabled_by_env`).
-        option: the flag an error names (``--device``; verify's ``--rederive-device``).
+        option: the argument an error names (``device``; verify's ``rederive_device``), as
+            :func:`mpack.errors.arg` words it (Note [API wording]).
         tl: gets ``main`` spans named ``spans``: opening the GPU for the driver backend, and
             importing torch (and checking its device) for the torch backend.
         opened: backends this run already opened (several targets): a candidate among them
@@ -267,15 +268,17 @@ def open_backend(
         _log.debug("%s", describe(chosen))
         return chosen
     if not refused:
+        where = "a GPU" if backend == "driver" else "the CPU"
         raise UsageError(
-            f"--backend {backend} does not run on {option} {device}",
-            hint=f"the {backend} backend runs on "
-            + ("a GPU: use --device cuda" if backend == "driver" else "the CPU: use --device cpu"),
+            f"{arg('backend', backend)} does not run on {arg(option, str(device))}",
+            hint=f"the {backend} backend runs on {where}: use "
+            + arg(option, "cuda" if backend == "driver" else "cpu"),
         )
     why = "; ".join(f"{k}: {v}" for k, v in refused.items())
     raise UsageError(
-        f"--backend {backend} cannot convert this checkpoint with {option} {device}: {why}",
-        hint="leave --backend at auto (every backend writes the same bytes)",
+        f"{arg('backend', backend)} cannot convert this checkpoint with "
+        f"{arg(option, str(device))}: {why}",
+        hint=f"leave {arg('backend')} at auto (every backend writes the same bytes)",
     )
 
 
@@ -303,26 +306,27 @@ def _open(
         return torch.open_torch(spec if cand.gpu else _CPU, plan, off, option)
 
 
-def check_device_here(device: str | DeviceSpec, option: str = "--device") -> None:
+def check_device_here(device: str | DeviceSpec, option: str = "device") -> None:
     """Refuse a ``device`` that is not one of convert's names (:data:`mpack.device.CONVERT`), or
     a CUDA one on a machine surely without CUDA (:func:`mpack.device.no_cuda_here`), before any
     work: no torch, no CUDA call, no output. Where there may be a GPU, the count is checked once
-    a backend opens (the same ``UsageError``). ``option``: the flag named in the error;
+    a backend opens (the same ``UsageError``). ``option``: the argument named in the error;
     ``device``: text or a parsed :class:`DeviceSpec` (:meth:`DeviceSpec.of`)."""
     if DeviceSpec.of(device, CONVERT, option).kind == "cuda" and no_cuda_here():
         check_cuda_here(device, 0, option)
 
 
-def check_cuda_here(device: str | DeviceSpec, count: int, option: str = "--device") -> None:
+def check_cuda_here(device: str | DeviceSpec, count: int, option: str = "device") -> None:
     """Raise ``UsageError`` where ``device`` (``cuda`` or ``cuda:i``, as text or a parsed
     :class:`DeviceSpec`) names a CUDA device that is not among the ``count`` here; ``option``:
-    the flag named."""
+    the argument named."""
     if count == 0:
         raise UsageError(
-            f"{option} {device}: no CUDA device here", hint=f"use {option} cpu (identical bytes)"
+            f"{arg(option, str(device))}: no CUDA device here",
+            hint=f"use {arg(option, 'cpu')} (identical bytes)",
         )
     if DeviceSpec.of(device, CONVERT, option).ordinal >= count:
-        raise UsageError(f"{option} {device}: only {count} CUDA device(s)")
+        raise UsageError(f"{arg(option, str(device))}: only {count} CUDA device(s)")
 
 
 def prefetch_files(device: str | DeviceSpec) -> list[Path]:

@@ -48,7 +48,7 @@ Piece = tuple[np.ndarray, tuple[int, int], tuple[int, int]]
 
 
 def open_driver(
-    spec: DeviceSpec, plan: Plan, off: frozenset[str], option: str = "--device"
+    spec: DeviceSpec, plan: Plan, off: frozenset[str], option: str = "device"
 ) -> DriverBackend:
     """The driver backend for ``plan`` on ``spec``'s GPU (``auto``: ``cuda:0``), or
     :class:`Refused` and why.

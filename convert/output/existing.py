@@ -13,7 +13,7 @@ from typing import Any
 from mpack.convert.output.lock import _DIR_FLAGS, _entries
 from mpack.convert.source import ResolvedSource, provenance, record_forms
 from mpack.convert.timeline import Timeline
-from mpack.errors import InputError, OutputExistsError, shown
+from mpack.errors import InputError, OutputExistsError, arg, shown
 from mpack.sidecar import COMMON_NAME, MANIFEST_NAME, load_manifest
 
 #: ``files(forms=None)``: the source's file records (:func:`existing_state`)
@@ -164,26 +164,29 @@ def _current(
     if there.state == "foreign":
         raise OutputExistsError(
             f"{out} already holds files that are not an mpack sidecar",
-            hint="choose another -o directory, or remove it yourself (mpack does not "
+            hint=f"choose another {arg('out')} directory, or remove it yourself (mpack does not "
             "delete what it did not write)",
         )
     if there.state == "other-sidecar" and files is not None:
         how = f" ({', '.join(there.differences)})" if there.differences else ""
         raise OutputExistsError(
             f"{out} already holds a different sidecar{how}",
-            hint="pass --force to replace it, or choose another -o directory",
+            hint=f"pass {arg('force', True)} to replace it, or choose another {arg('out')} "
+            "directory",
         )
     if there.state == "other-sidecar":  # --force: only a sidecar, nothing else of anyone's
         why = _not_a_sidecar(out)
         if why is not None:
-            raise OutputExistsError(f"{out} is not only an mpack sidecar: {why}", hint=_KEEP_HINT)
+            raise OutputExistsError(f"{out} is not only an mpack sidecar: {why}", hint=keep_hint())
     return None
 
 
-_KEEP_HINT = (
-    "--force replaces only an mpack sidecar; move the other files away, or choose another -o "
-    "directory (mpack does not delete what it did not write)"
-)
+def keep_hint() -> str:
+    """The hint where ``force`` meets more than an mpack sidecar."""
+    return (
+        f"{arg('force', True)} replaces only an mpack sidecar; move the other files away, or "
+        f"choose another {arg('out')} directory (mpack does not delete what it did not write)"
+    )
 
 
 def _not_a_sidecar(d: Path | int) -> str | None:

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpack.errors import BusyError, EnvironmentFailure, SourceNotFoundError, shown
+from mpack.errors import BusyError, EnvironmentFailure, SourceNotFoundError, arg, shown
 from mpack.fsutil import LockFile, LockHeld, os_error
 from mpack.sidecar import (
     COMMON_NAME,
@@ -106,8 +106,8 @@ class OutputParent:
 
     def moved(self) -> EnvironmentFailure:
         return EnvironmentFailure(
-            f"{self.out.parent}: the directory of -o was moved or removed during the run; "
-            f"nothing was written to {self.out}",
+            f"{self.out.parent}: the directory of {arg('out')} was moved or removed during the "
+            f"run; nothing was written to {self.out}",
             hint="leave the output's directory in place while mpack convert runs",
         )
 
@@ -280,7 +280,7 @@ def _takes_no_files(path: Path) -> EnvironmentFailure:
     return EnvironmentFailure(
         f"{path.parent}: this file system takes no new files (creating {path.name} there "
         "failed: no such file or directory)",
-        hint="write the output to a directory on an ordinary file system (-o)",
+        hint=f"write the output to a directory on an ordinary file system ({arg('out')})",
     )
 
 

@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from mpack.errors import UsageError, shown
+from mpack.errors import UsageError, arg, shown
 from mpack.sidecar import COMMON_NAME, COPIED_FILES, MANIFEST_NAME, MAX_TP, rank_file_name
 
 
@@ -29,7 +29,9 @@ def output_path(out: str | os.PathLike) -> Path:
     """
     raw = os.fspath(out)
     if not raw:
-        raise UsageError("-o is empty", hint="name a new directory, e.g. -o ./sidecar")
+        raise UsageError(
+            f"{arg('out')} is empty", hint=f"name a new directory, e.g. {arg('out', './sidecar')}"
+        )
     try:
         expanded = Path(raw).expanduser()
     except RuntimeError:  # ~user of no such user, or ~ without HOME: pathlib gives up
@@ -37,7 +39,7 @@ def output_path(out: str | os.PathLike) -> Path:
     p = Path(os.path.realpath(expanded))
     _check_lengths(raw, p)  # before the first stat, which would fail with ENAMETOOLONG
     if p.is_symlink():
-        raise UsageError(f"-o {raw}: a symbolic link that does not resolve (a loop?)")
+        raise UsageError(f"{arg('out', raw)}: a symbolic link that does not resolve (a loop?)")
     try:
         cwd = Path(os.path.realpath(os.getcwd()))
     except FileNotFoundError:  # the current directory was removed: -o is absolute, or fails later
@@ -45,13 +47,14 @@ def output_path(out: str | os.PathLike) -> Path:
     if cwd is not None and (p == cwd or p in cwd.parents):
         what = "is the current directory" if p == cwd else "contains the current directory"
         raise UsageError(
-            f"-o {raw} ({p}) {what}; the sidecar would replace it",
-            hint="name a new directory, e.g. -o ./sidecar",
+            f"{arg('out', raw)} ({p}) {what}; the sidecar would replace it",
+            hint=f"name a new directory, e.g. {arg('out', './sidecar')}",
         )
     if is_mount_point(p):
         raise UsageError(
-            f"-o {raw} ({p}) is a mount point, which a finished sidecar cannot be renamed onto",
-            hint=f"use a subdirectory of it, e.g. -o {p / 'sidecar'}",
+            f"{arg('out', raw)} ({p}) is a mount point, which a finished sidecar cannot be "
+            "renamed onto",
+            hint=f"use a subdirectory of it, e.g. {arg('out', str(p / 'sidecar'))}",
         )
     return p
 
@@ -60,7 +63,7 @@ def _no_home(raw: str) -> UsageError:
     first = raw.split("/", 1)[0]
     who = f"no user {shown(first[1:])}" if len(first) > 1 else "no home directory (HOME unset)"
     return UsageError(
-        f"-o {shown(raw)}: {shown(first)} names a home directory, but there is {who} here",
+        f"{arg('out', shown(raw))}: {shown(first)} names a home directory, but there is {who} here",
         hint=f"write the path out in full (./{shown(raw)} names a directory called "
         f"{shown(first)} in the current one)",
     )
@@ -83,8 +86,8 @@ def _check_lengths(raw: str, p: Path) -> None:
         n = len(os.fsencode(part))
         if n > name_max:
             raise UsageError(
-                f"-o {shown(raw, 60)}: the name {shown(part, 40)} is {n} bytes long, more than the "
-                f"{name_max} a file name may have here",
+                f"{arg('out', shown(raw, 60))}: the name {shown(part, 40)} is {n} bytes long, "
+                f"more than the {name_max} a file name may have here",
                 hint="choose a shorter name for the output directory",
             )
     path_max = _pathconf(base, "PC_PATH_MAX", 4096)
@@ -97,8 +100,8 @@ def _check_lengths(raw: str, p: Path) -> None:
     )
     if longest >= path_max:
         raise UsageError(
-            f"-o {shown(raw, 60)}: a path of {len(os.fsencode(p))} bytes, too long for the "
-            f"sidecar's files in it (a path may have at most {path_max - 1} bytes here)",
+            f"{arg('out', shown(raw, 60))}: a path of {len(os.fsencode(p))} bytes, too long for "
+            f"the sidecar's files in it (a path may have at most {path_max - 1} bytes here)",
             hint="choose a shorter path for the output directory",
         )
 
@@ -138,7 +141,7 @@ def check_apart(out: Path, source: Path, given: str | os.PathLike | None = None)
     """Refuse an output inside the source, or a source inside the output (both resolved;
     ``given``: the path as it was named, shown beside ``out`` where the two differ)."""
     src = Path(os.path.realpath(source))
-    named = f"-o {out}" if given is None or Path(given) == out else f"{given} ({out})"
+    named = arg("out", str(out)) if given is None or Path(given) == out else f"{given} ({out})"
     if out == src or src in out.parents:
         raise UsageError(
             f"{named} lies inside the source checkpoint {src}; choose another output directory",

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpack.convert.output.existing import _KEEP_HINT, SourceRecords, _current, _not_a_sidecar
+from mpack.convert.output.existing import SourceRecords, _current, _not_a_sidecar, keep_hint
 from mpack.convert.output.lock import (
     _DIR_FLAGS,
     OutputParent,
@@ -56,6 +56,7 @@ from mpack.errors import (
     MpackError,
     OutputExistsError,
     UsageError,
+    arg,
     environment_failure,
 )
 from mpack.fsutil import exchange_at, kind_of
@@ -147,10 +148,11 @@ def staged_sidecar(
             raise
 
 
-_MOVE_HINT = (
-    "move it away and run again, or choose another -o directory (mpack does not delete what "
-    "it did not write)"
-)
+def _move_hint() -> str:
+    return (
+        f"move it away and run again, or choose another {arg('out')} directory (mpack does not "
+        "delete what it did not write)"
+    )
 
 
 class _WorkDir:
@@ -296,9 +298,9 @@ class _WorkDir:
         out = self.parent.out
         if e.errno == errno.EBUSY:
             return UsageError(
-                f"-o {out} became a mount point during the run; a finished sidecar cannot be "
-                "renamed onto it, and it was left as it was",
-                hint=f"use a subdirectory of it, e.g. -o {out / 'sidecar'}",
+                f"{arg('out', str(out))} became a mount point during the run; a finished sidecar "
+                "cannot be renamed onto it, and it was left as it was",
+                hint=f"use a subdirectory of it, e.g. {arg('out', str(out / 'sidecar'))}",
             )
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             return self._appeared(None)
@@ -310,7 +312,7 @@ class _WorkDir:
         """OUT holds what the swap may not replace (``why``: how it is not a sidecar)."""
         out = self.parent.out
         what = why or _describe(self.parent.fd, out.name)
-        hint = _KEEP_HINT if why else _MOVE_HINT
+        hint = keep_hint() if why else _move_hint()
         return OutputExistsError(
             f"{out} changed during the run and now holds what the sidecar may not replace "
             f"({what}); it was left as it was, and the new sidecar was not kept",
@@ -342,4 +344,8 @@ def _describe(dir_fd: int, name: str) -> str:
         why = _not_a_sidecar(fd)
     finally:
         os.close(fd)
-    return f"a directory: {why}" if why else "an mpack sidecar; pass --force to replace it"
+    return (
+        f"a directory: {why}"
+        if why
+        else f"an mpack sidecar; pass {arg('force', True)} to replace it"
+    )

@@ -6,7 +6,8 @@
 #
 #   usage: prebake.sh [all|build|push]
 #
-#   build  mpack convert, then mpack verify --require-source for each target
+#   build  mpack convert --layout targets, then mpack verify OUT --require-source (every
+#          target, from one read of the source)
 #   push   mpack push OUT PUSH_REPO, after build: a separate step, so that only it needs the
 #          Hub token
 #   all    build, then push (the default)
@@ -20,9 +21,11 @@
 #   ACT_DTYPE      bfloat16 and/or float16, a comma list (default: the checkpoint's dtype)
 #   SKIP_INVALID   1: leave out the targets this model cannot have (a TP that does not divide
 #                  its heads) instead of failing the run
-#   OUT            where the sidecars go (default out): OUT/<target>/, or OUT itself for one target
+#   OUT            where the sidecars go (default out): OUT/<target>/, however many targets
+#                  (--layout targets: the Hub paths org/repo/<target> stay the same from one
+#                  target to several and back)
 #   REPORTS        where mpack's JSON documents go (default reports): convert.json,
-#                  verify-<target>.json, push.json
+#                  verify.json, push.json
 #   PUSH_REPO      the Hub repo to push to, namespace/name. Required for push.
 #   PUSH_REVISION  the branch to push to (default: the repo's main)
 #   PUSH_DRY_RUN   1 or true: check the sidecars and print the files and the card; send nothing
@@ -56,24 +59,23 @@ import json, sys
 from pathlib import Path
 
 what, doc = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
-if what == "targets":  # convert.json -> the sidecar of each target, one a line
-    out = Path(sys.argv[3]).resolve()
-    targets = doc["targets"] if "targets" in doc else [doc]
-    made = {Path(t["out"]).resolve() for t in targets}
-    for t in doc.get("skipped", []):
+if what == "targets":  # convert.json (--layout targets) -> the sidecar of each target
+    out = Path(sys.argv[3])
+    for t in doc["skipped"]:
         print(f"prebake: skipped {t['name']}: {t['reason']}", file=sys.stderr)
     # A target folder this run did not make (a self-hosted runner's OUT from an earlier run
-    # with other targets) would go to the Hub with the rest: stop before verifying anything.
-    stale = sorted(d.name for d in (out.iterdir() if out.is_dir() else ())
-                   if d.is_dir() and (d / "mpack.json").is_file() and d.resolve() not in made)
-    if out not in made and stale:
-        sys.exit(f"prebake: {out} holds targets this run did not make: {', '.join(stale)}; "
-                 "remove them, or start from an empty OUT")
-    for t in targets:
+    # with other targets; convert keeps it, and says so) would go to the Hub with the rest:
+    # stop before verifying anything.
+    if doc["kept"]:
+        sys.exit(f"prebake: {out} holds targets this run did not make: "
+                 f"{', '.join(doc['kept'])}; remove them (rm -r {out}/<target>), or start "
+                 "from an empty OUT")
+    for t in doc["targets"]:
         print(t["out"])
-elif what == "verify":
-    print(f"prebake: verified {doc['sidecar']}: {doc['tensors_compared']} tensors re-derived "
-          f"from {doc['source']}")
+elif what == "verify":  # verify.json: every target of OUT
+    for t in doc["targets"]:
+        print(f"prebake: verified {t['sidecar']}: {t['tensors_compared']} tensors re-derived "
+              f"from {t['source']}")
 elif what == "push":
     done = "would send" if doc.get("dry_run") else "sent"
     print(f"prebake: {done} {len(doc['files'])} files, {doc['bytes']} bytes, to "
@@ -89,25 +91,19 @@ build() {
   : "${MODEL:?set MODEL to a Hub repo id (org/name) or a checkpoint directory}"
   trust_cache
   mkdir -p "$REPORTS"
-  local args=(convert "$MODEL" -o "$OUT" --tp "${TP:-1}" --profile "${PROFILE:-w8a16}" --json)
+  local args=(convert "$MODEL" -o "$OUT" --layout targets --tp "${TP:-1}"
+    --profile "${PROFILE:-w8a16}" --json)
   if [ -n "${ACT_DTYPE:-}" ]; then args+=(--act-dtype "$ACT_DTYPE"); fi
   if [ -n "${REVISION:-}" ]; then args+=(--revision "$REVISION"); fi
   if is_true "${SKIP_INVALID:-0}"; then args+=(--skip-invalid); fi
   echo "+ mpack ${args[*]}" >&2
   mpack "${args[@]}" >"$REPORTS/convert.json"
-  local targets dirs dir
-  targets=$(report targets "$REPORTS/convert.json" "$OUT")
-  mapfile -t dirs <<<"$targets"
-  # verify takes one sidecar: each target is re-derived from the source on its own (one read
-  # of the source each; the source is in the HF cache by now, and verify --source reads the
-  # commit the manifest records, not whatever main is now).
-  for dir in "${dirs[@]}"; do
-    [ -n "$dir" ] || continue # every target skipped
-    echo "+ mpack verify $dir --source $MODEL --require-source --json" >&2
-    mpack verify "$dir" --source "$MODEL" --require-source --json \
-      >"$REPORTS/verify-$(basename "$dir").json"
-    report verify "$REPORTS/verify-$(basename "$dir").json"
-  done
+  report targets "$REPORTS/convert.json" "$OUT" >/dev/null
+  # every target of OUT, re-derived from one read of the source (it is in the HF cache by now,
+  # and verify --source reads the commit the manifests record, not whatever main is now)
+  echo "+ mpack verify $OUT --source $MODEL --require-source --json" >&2
+  mpack verify "$OUT" --source "$MODEL" --require-source --json >"$REPORTS/verify.json"
+  report verify "$REPORTS/verify.json"
 }
 
 push() {

@@ -15,11 +15,34 @@ that imports vLLM (docs/VLLM.md):
 
 Importing the package imports neither vLLM nor torch (it imports nothing beyond
 ``mpack.runtime``): the entry point costs nothing until vLLM calls it.
+
+Note [one logger]: everything ``--load-format mpack`` logs goes through one logger,
+:data:`LOGGER_NAME`, got from :func:`logger` and nowhere else. Its name is under ``vllm.``, so
+in an engine its lines go through the handler vLLM configures on ``vllm`` (its format: process,
+pid, level, time, file and line; its ``VLLM_LOGGING_LEVEL``, ``VLLM_CONFIGURE_LOGGING`` and
+logging config file), and it is vLLM's ``init_logger`` that makes it (its ``info_once`` and
+friends) whenever vLLM is loaded in the process. Without vLLM (the source tests) it is the plain
+``logging`` logger of the same name.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+
 LOAD_FORMAT = "mpack"
+#: The one logger name of the loader (Note [one logger]).
+LOGGER_NAME = "vllm.mpack"
+
+
+def logger() -> logging.Logger:
+    """The loader's logger (Note [one logger]): vLLM's ``init_logger(LOGGER_NAME)`` once vLLM is
+    imported in this process, else ``logging.getLogger(LOGGER_NAME)``; never imports vLLM."""
+    if "vllm" in sys.modules:
+        from vllm.logger import init_logger
+
+        return init_logger(LOGGER_NAME)
+    return logging.getLogger(LOGGER_NAME)
 
 
 def register() -> None:
@@ -36,4 +59,4 @@ def register() -> None:
         warm(device)
 
 
-__all__ = ["LOAD_FORMAT", "register"]
+__all__ = ["LOAD_FORMAT", "LOGGER_NAME", "logger", "register"]

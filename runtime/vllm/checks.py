@@ -29,10 +29,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mpack import arch
+from mpack import __version__, arch
 from mpack.errors import InputError, UnsupportedSchemeError, UsageError, quote, shown
-from mpack.sidecar import MANIFEST_NAME, MODEL_DIMS
-from mpack.target import BLOCK_FP8, BLOCK_FP8_HINT, EXPERT_PARALLEL, QUANT_METHODS
+from mpack.sidecar import MANIFEST_NAME, MODEL_DIMS, regenerate_hint_of
+from mpack.target import (
+    BLOCK_FP8,
+    BLOCK_FP8_HINT,
+    ENGINE_VERSION,
+    EXPERT_PARALLEL,
+    QUANT_METHODS,
+)
 
 ATTACH_MODES = ("auto", "require", "never")
 #: The keys ``--model-loader-extra-config`` may hold for ``--load-format mpack``.
@@ -195,17 +201,49 @@ def _check_expert_placement(engine: dict[str, Any], where: Path) -> None:
             )
 
 
+def engine_version_hint(version: str) -> str:
+    """The ways out of an engine whose vLLM is ``version``, not the one this mpack targets:
+    converting again does not help (this mpack writes sidecars for its own vLLM only)."""
+    return (
+        f"three ways out: install vLLM {ENGINE_VERSION} (pip install vllm=={ENGINE_VERSION}); "
+        f"or install an mpack-marlin release that targets vLLM {shown(version)}, and convert the "
+        "sidecar again with it; or serve the model without --load-format mpack (vLLM then "
+        "repacks the checkpoint itself)"
+    )
+
+
+def check_engine_version(version: str, where: Path) -> None:
+    """The engine is the vLLM this mpack targets (:data:`mpack.target.ENGINE_VERSION`): its
+    loader hooks into that version's classes, and its sidecars hold that version's Marlin
+    layout. Checked before the sidecar's own target (:func:`check_target`).
+
+    Raises:
+        EngineMismatchError: another vLLM, naming both versions and the ways out.
+    """
+    if version != ENGINE_VERSION:
+        raise EngineMismatchError(
+            f"{where}: this engine runs vLLM {shown(version)}, and mpack {__version__} works "
+            f"with vLLM {ENGINE_VERSION} only (its loader and the Marlin layout of its sidecars "
+            "are that version's)",
+            hint=engine_version_hint(version),
+        )
+
+
 def check_target(manifest: dict[str, Any], engine: dict[str, Any], where: Path) -> None:
     """Every fact of the sidecar's target and model that the engine fixes, compared; one error
-    naming both values for the first that differs (docs/VLLM.md, "What is refused")."""
+    naming both values for the first that differs (docs/VLLM.md, "What is refused"). The
+    engine's vLLM comes first (:func:`check_engine_version`): with another version, no sidecar
+    this mpack writes can load, and converting again would not help."""
+    check_engine_version(engine["version"], where)
     t = manifest["target"]
+    again = regenerate_hint_of(manifest, where).removeprefix("regenerate it: ")
     checks = [
-        (
+        (  # the engine is ENGINE_VERSION: the sidecar was written by an mpack for another
             "engine version",
             t["engine_version"],
             engine["version"],
-            f"convert it for this vLLM: mpack convert SOURCE -o {where} --force (mpack targets "
-            f"vLLM {shown(t['engine_version'])})",
+            f"convert it again with this mpack (mpack {__version__}, for vLLM {ENGINE_VERSION}): "
+            + again,
         ),
         (
             "tensor-parallel size",
@@ -496,6 +534,7 @@ __all__ = [
     "check_layers",
     "check_model_config",
     "check_shards",
+    "check_engine_version",
     "check_target",
     "decoder_linears",
     "family",

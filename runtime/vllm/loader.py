@@ -58,7 +58,7 @@ from mpack.errors import (
     UsageError,
     shown,
 )
-from mpack.runtime.vllm import moe
+from mpack.runtime.vllm import logger, moe
 from mpack.runtime.vllm.checks import (
     OTHER_MODEL_HINT,
     EngineMismatchError,
@@ -492,11 +492,9 @@ class MpackModelLoader(DefaultModelLoader):
 
 def _log_passthrough(r: dict[str, Any]) -> None:
     """One line per rank: the pass-through tensors used in place, and those copied, named."""
-    import logging
-
     copied = r["copied"]
     named = f": {', '.join(copied[:4])}{' ...' if len(copied) > 4 else ''}" if copied else ""
-    logging.getLogger("vllm.mpack").info(
+    logger().info(
         "mpack pass-through: %d tensors (%.1f MiB) used in place, %d copied (%.1f MiB)%s",
         r["in_place"],
         r["in_place_bytes"] / 2**20,

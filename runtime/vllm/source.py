@@ -7,16 +7,16 @@ The loader (runtime/vllm/loader.py) calls these; they import neither vLLM nor to
 
 from __future__ import annotations
 
-import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from mpack.errors import DaemonError, InputError, shown
+from mpack.runtime.vllm import logger
 from mpack.runtime.vllm.checks import Options
 from mpack.sidecar import MANIFEST_NAME
 from mpack.target import dir_name
-
-log = logging.getLogger("mpack.vllm")
+from mpack.target_dirs import target_names
 
 
 def sidecar_dir(
@@ -64,10 +64,7 @@ def not_a_sidecar(
     """The error for ``path`` (``given`` by the user: the ``"sidecar"`` key when ``named``, else
     the model) holding no ``mpack.json``: the folder of the engine's ``target`` it looked for,
     and the targets' folders the directory has (a multi-target ``mpack convert`` output)."""
-    try:
-        found = sorted(d.name for d in path.iterdir() if (d / MANIFEST_NAME).is_file())
-    except OSError:
-        found = []
+    found = target_names(path)  # Note [target layout] in mpack/target_dirs.py
     what = f"{shown(given)}: not an mpack sidecar (no {MANIFEST_NAME}"
     if target:
         what += f", nor a folder {dir_name(target)} (the engine's target) holding one"
@@ -97,13 +94,26 @@ def not_a_sidecar(
 
 
 def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
-    """The rank's ``SharedWeights``: attached (zero-copy) or loaded privately, per ``attach``."""
+    """The rank's ``SharedWeights``: attached (zero-copy) or loaded privately, per ``attach``;
+    one INFO line on vLLM's log says which, and how long it took (Note [one logger])."""
     from mpack.runtime import attach, load
 
+    log = logger()
+    t0 = time.perf_counter()
     if opts.attach != "never":
         try:
             w = attach(sidecar, rank=rank, device=device, socket=opts.socket)
-            log.info("mpack: rank %d attached zero-copy (%d bytes on %s)", rank, w.nbytes, device)
+            pid = w.daemon_pid if w.daemon_pid is not None else "unknown (another PID namespace)"
+            log.info(
+                "mpack: rank %d attached zero-copy to daemon pid %s: %d bytes (%.2f GiB) on %s "
+                "in %.3f s",
+                rank,
+                pid,
+                w.nbytes,
+                w.nbytes / 2**30,
+                device,
+                time.perf_counter() - t0,
+            )
             return w
         except DaemonError as e:
             if opts.attach == "require":
@@ -112,8 +122,17 @@ def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
                     hint=f"start it: mpack serve {sidecar} --rank {rank} --device {device}",
                 ) from None
             log.warning("mpack: rank %d loads privately: %s", rank, e.message)
+    t0 = time.perf_counter()
     w = load(sidecar, rank=rank, device=device)
-    log.info("mpack: rank %d loaded privately (%d bytes on %s)", rank, w.nbytes, device)
+    log.info(
+        "mpack: rank %d loaded privately (verified, no daemon): %d bytes (%.2f GiB) on %s "
+        "in %.3f s",
+        rank,
+        w.nbytes,
+        w.nbytes / 2**30,
+        device,
+        time.perf_counter() - t0,
+    )
     return w
 
 

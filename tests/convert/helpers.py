@@ -136,8 +136,10 @@ def tmp_dirs(out: Path) -> list[Path]:
 
 
 def messages(stderr: str) -> str:
-    """``stderr`` without the progress lines a run prints when stderr is not a terminal."""
-    return "".join(line for line in stderr.splitlines(True) if not line.startswith("convert: "))
+    """``stderr`` without the progress lines a run prints when stderr is not a terminal
+    (``convert: ...``, ``verify: ...``)."""
+    progress = ("convert: ", "verify: ")
+    return "".join(line for line in stderr.splitlines(True) if not line.startswith(progress))
 
 
 def assert_refused(r: Proc, out: Path, *expect: str, exists: bool = False) -> None:

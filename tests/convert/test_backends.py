@@ -176,13 +176,14 @@ def test_cpu_tries_host_then_torch_and_says_why(models, monkeypatch):
 
 def test_a_backend_asked_for_that_cannot_run_is_a_usage_error(models):
     plan = plan_of(models["tensor"])
-    with pytest.raises(UsageError, match="--backend host cannot .*MPACK_NO_HOST_REPACK") as e:
+    # the API's words (Note [API wording]); the CLI says --backend host, --device cpu
+    with pytest.raises(UsageError, match="backend='host' cannot .*MPACK_NO_HOST_REPACK") as e:
         open_backend("cpu", plan, backend="host", disabled=frozenset({"native-repack"}))
-    assert e.value.exit_code == 2 and "leave --backend at auto" in (e.value.hint or "")
-    with pytest.raises(UsageError, match="--backend driver does not run on --device cpu") as e:
+    assert e.value.exit_code == 2 and "leave backend at auto" in (e.value.hint or "")
+    with pytest.raises(UsageError, match="backend='driver' does not run on device='cpu'") as e:
         open_backend("cpu", plan, backend="driver")
-    assert "--device cuda" in (e.value.hint or "")
-    with pytest.raises(UsageError, match="--backend must be auto or one of"):
+    assert "device='cuda'" in (e.value.hint or "")
+    with pytest.raises(UsageError, match="backend must be auto or one of"):
         open_backend("cpu", plan, backend="rocm")
     with pytest.raises(UsageError, match="cannot turn off"):
         open_backend("cpu", plan, disabled=frozenset({"everything"}))

@@ -239,7 +239,7 @@ def test_scales_up_to_the_fold_limit_of_each_act_dtype(ckpts: dict[str, Path], a
     with pytest.raises(UnsupportedSchemeError, match=rf"\[9\] = .* exceeds {limit} .* {act}") as e:
         check_scale_values(ck, module, scale, act)
     other = target.act_dtype("float16").fold_limit
-    assert (f"--act-dtype float16 (limit {other})" in e.value.hint) is (act == "bfloat16")
+    assert (f"use act_dtype='float16' (limit {other})" in e.value.hint) is (act == "bfloat16")
 
 
 def test_real_scales_pass_and_read_as_float32(ckpts: dict[str, Path]) -> None:

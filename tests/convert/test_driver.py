@@ -89,7 +89,7 @@ def test_no_gpu_here_is_a_usage_error(models):
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = python_c(code, str(models["tensor"]), env=env, timeout=180)
-    assert "--device cuda:0: no CUDA device here" in out
+    assert "device='cuda:0': no CUDA device here" in out  # the API's words (Note [API wording])
 
 
 def _libc_alloc():

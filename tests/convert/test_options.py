@@ -87,16 +87,17 @@ def test_one_value_and_a_list_of_one_are_the_same_options() -> None:
 
 
 BAD_OPTIONS = [  # (keywords, what the UsageError says): refused when the options are built
-    (dict(profile="w4a16"), "--profile must be one of"),
-    (dict(profile=["w8a16", "w8a8"]), "--profile must be one of"),
-    (dict(act_dtype="float32"), "--act-dtype must be"),
-    (dict(tp=0), "--tp must be at least 1"),
-    (dict(tp=[1, -2]), "--tp must be at least 1"),
-    (dict(tp=[]), "--tp is empty"),
-    (dict(fuse="all"), "--fuse must be one of"),
-    (dict(fuse="none", tp=2), "--fuse none packs layers"),
-    (dict(backend="rocm"), "--backend must be auto or one of"),
-    (dict(device="gpu"), "--device must be"),
+    (dict(profile="w4a16"), "^profile must be one of w8a16, w8a8-marlin, got 'w4a16'$"),
+    (dict(profile=["w8a16", "w8a8"]), "^profile must be one of .* got 'w8a8'$"),
+    (dict(act_dtype="float32"), "^act_dtype must be bfloat16 or float16, got 'float32'$"),
+    (dict(tp=0), "^tp must be at least 1, got 0$"),
+    (dict(tp=[1, -2]), "^tp must be at least 1, got -2$"),
+    (dict(tp=[]), "^tp is empty"),
+    (dict(fuse="all"), "^fuse must be one of vllm, none, got 'all'$"),
+    (dict(fuse="none", tp=2), r"^fuse='none' packs layers .* needs tp=1 \(got tp=2\)$"),
+    (dict(backend="rocm"), "^backend must be auto or one of .* got 'rocm'$"),
+    (dict(device="gpu"), "^device must be .* got 'gpu'$"),
+    (dict(layout="flat"), "^layout must be one of auto, targets, got 'flat'$"),
 ]
 
 

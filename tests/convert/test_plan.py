@@ -292,16 +292,16 @@ def test_every_rank_file_lays_out_its_units_tensors(ckpts: dict[str, Path]) -> N
 @pytest.mark.parametrize(
     "name, tp, problem",
     [
-        ("llama", 3, "--tp 3 does not divide num_attention_heads=4"),
-        ("llama", 8, "--tp 8 does not divide num_attention_heads=4"),
-        ("padded", 3, "--tp 3 does not divide intermediate_size=160"),
+        ("llama", 3, "tp=3 does not divide num_attention_heads=4"),
+        ("llama", 8, "tp=8 does not divide num_attention_heads=4"),
+        ("padded", 3, "tp=3 does not divide intermediate_size=160"),
     ],
 )
 def test_a_tp_that_does_not_fit_names_config_json(ckpts, name: str, tp: int, problem: str) -> None:
     with pytest.raises(UnsupportedSchemeError) as e:
         plan_of(ckpts[name], tp=tp)
     assert str(e.value) == f"{ckpts[name] / 'config.json'}: {problem}"
-    assert e.value.hint == "choose a --tp that divides them"
+    assert e.value.hint == "choose a tp that divides them"  # the API's words (Note [API wording])
 
 
 def test_an_unknown_architecture_names_config_json(ckpts: dict[str, Path]) -> None:
@@ -310,13 +310,13 @@ def test_an_unknown_architecture_names_config_json(ckpts: dict[str, Path]) -> No
     with pytest.raises(UnsupportedSchemeError, match="architecture 'GPT2LMHeadModel' has no") as e:
         make_plan(ck, profile="w8a16", act_dtype="bfloat16", tp=1, fusion="vllm")
     assert str(e.value).startswith(f"{ckpts['llama'] / 'config.json'}: ")
-    assert "--fuse none --tp 1" in e.value.hint
+    assert "fuse='none' tp=1" in e.value.hint
     plan = make_plan(ck, profile="w8a16", act_dtype="bfloat16", tp=1, fusion="none")
     assert len(plan.units) == 14
 
 
 def test_fuse_none_with_tp_2_is_a_usage_error(ckpts: dict[str, Path]) -> None:
-    with pytest.raises(UsageError, match=r"needs --tp 1 \(got --tp 2\)"):
+    with pytest.raises(UsageError, match=r"needs tp=1 \(got tp=2\)"):
         plan_of(ckpts["llama"], tp=2, fusion="none")
 
 

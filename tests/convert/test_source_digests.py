@@ -73,7 +73,7 @@ def test_large_files_recorded_by_chunks_small_by_sha256(converted) -> None:
 
 def test_verify_source_checks_chunks_and_reports_a_changed_shard(converted) -> None:
     src, out = converted
-    assert run_verify(out, source=src)["source_checked"]
+    assert run_verify(out, source=src).source_checked
     shard = next(src.glob("*.safetensors"))
     file_map = read_file_map(shard)
     flip_byte(shard, file_map.entries[-1].offset, mask=0x01)  # the last tensor: not re-derived
@@ -86,7 +86,7 @@ def test_verify_and_up_to_date_accept_whole_file_records(converted) -> None:
     as_whole_file_records(out, src)
     m, _ = load_manifest(out)
     assert all("chunks" not in r for r in m["source"]["files"])
-    assert run_verify(out, source=src)["source_checked"]
+    assert run_verify(out, source=src).source_checked
     again = run_convert(src, out, ConvertOptions(device="cpu"))
     assert again.up_to_date  # same source, recorded the older way: nothing to redo
     assert json.loads((out / "mpack.json").read_text()) == m

@@ -219,7 +219,7 @@ def test_convert_and_verify_refuse_with_a_planted_verdict(
     before = files_under(shared)
 
     out = tmp_path / "out"
-    refused = cli("-v", "convert", bad, "-o", out, "--device", "cpu", "--quiet", env=env)
+    refused = cli("-v", "convert", bad, "-o", out, "--device", "cpu", env=env)  # -v -q: refused
     assert refused.returncode == 2, refused.stderr
     assert "weight strategy 'group'" in refused.stderr
     assert f"cache entry verdicts/{name} ignored" in refused.stderr

@@ -316,18 +316,20 @@ def test_a_symlinked_output_into_the_source_is_refused_for_one_target_or_several
         out = tmp_path / "out"
         out.mkdir()
         (out / "tp1-w8a16-bfloat16").symlink_to(src / "sub")
-        named = f"{out / 'tp1-w8a16-bfloat16'} ({src / 'sub'})"
+        named = flag = f"{out / 'tp1-w8a16-bfloat16'} ({src / 'sub'})"
     else:
         out = tmp_path / "link"
         out.symlink_to(src / "sub")
-        named = f"-o {src / 'sub'}"
+        named = f"out={str(src / 'sub')!r}"  # the library's own words (Note [API wording])
+        flag = f"-o {src / 'sub'}"  # the same error under the command line
     with pytest.raises(UsageError) as e:
         run_convert(src, out, ConvertOptions(device="cpu", tp=tp))
     assert str(e.value).startswith(f"{named} lies inside the source checkpoint {src}")
     assert e.value.exit_code == 2 and "symbolic link" in (e.value.hint or "")
     assert snapshot(src) == before and sorted(os.listdir(src)) == sorted(before)
     p = cli("convert", src, "-o", out, "--tp", ",".join(map(str, tp)), "--device", "cpu")
-    assert p.returncode == 2 and "lies inside the source checkpoint" in p.stderr, p.stderr
+    assert p.returncode == 2, p.stderr
+    assert f"{flag} lies inside the source checkpoint {src}" in p.stderr, p.stderr
     assert sorted(os.listdir(src)) == sorted(before)
 
 
@@ -337,7 +339,7 @@ def test_source_inside_the_output_is_refused(ckpt: Path, tmp_path: Path) -> None
     run_convert(ckpt, sc, ConvertOptions(device="cpu", tp=2))
     src = Path(shutil.copytree(ckpt, sc / "ckpt"))
     before = snapshot(sc)
-    with pytest.raises(UsageError, match=f"the source checkpoint {src} lies inside -o {sc}"):
+    with pytest.raises(UsageError, match=f"the source checkpoint {src} lies inside out='{sc}'"):
         run_convert(src, sc, ConvertOptions(device="cpu", force=True))
     assert snapshot(sc) == before
 
@@ -346,9 +348,9 @@ def test_empty_output_is_refused(ckpt: Path, tmp_path: Path, monkeypatch) -> Non
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    with pytest.raises(UsageError, match="-o is empty") as ei:
+    with pytest.raises(UsageError, match="out is empty") as ei:  # the API's words
         run_convert(ckpt, "", ConvertOptions(device="cpu"))
-    assert "-o ./sidecar" in (ei.value.hint or "")
+    assert "out='./sidecar'" in (ei.value.hint or "")
     assert os.listdir(cwd) == []
 
 

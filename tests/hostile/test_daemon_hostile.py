@@ -66,7 +66,8 @@ def _serve_expecting_refusal(sc: Path, sock: Path, env: dict, cwd: Path) -> tupl
 
 def _assert_clean_refusal(rc: int, err: str, *needles: str) -> None:
     assert rc == 2, (rc, err)
-    assert err.startswith("error: ") and "Traceback" not in err and "internal error" not in err
+    said = "".join(x for x in err.splitlines(True) if " mpack serve: " not in x)  # its log
+    assert said.startswith("error: ") and "Traceback" not in err and "internal error" not in err
     for needle in needles:
         assert needle in err, (needle, err)
 
@@ -107,8 +108,9 @@ def test_the_daemon_outlives_the_reader_of_its_output(sc, env, tmp_path):
         cwd=tmp_path,
     )
     try:
-        assert _read_line(proc.stdout).startswith(b"READY ")
-        proc.stdout.close()  # what `head -1` does after its line
+        while not (line := _read_line(proc.stdout)).startswith(b"READY "):
+            assert b" mpack serve: " in line, line  # the log (2>&1) before READY: loading
+        proc.stdout.close()  # what `head` does after its line
         _attach_twice(sc, sock)  # each attach and detach writes a log line into the dead pipe
         assert proc.poll() is None, "the daemon died writing a log line"
         assert status_of(sock)["pid"] == proc.pid
@@ -334,11 +336,11 @@ def test_serve_on_a_missing_cuda_device_is_a_usage_error(sc, env, tmp_path):
 def test_load_and_attach_on_a_missing_cuda_device_are_usage_errors(sc, env, how, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", env["XDG_RUNTIME_DIR"])
     who = "torch" if how == "load" else "the CUDA driver"  # attach asks the driver, as serve
-    no_device = rf"--device cuda:0: no CUDA device here \({who} reports none\)"
+    no_device = rf"device='cuda:0': no CUDA device here \({who} reports none\)"  # API words
     with pytest.raises(UsageError, match=no_device) as e:
         (load if how == "load" else attach)(sc, device="cuda:0")
-    assert "--device cpu" in (e.value.hint or "")
-    with pytest.raises(UsageError, match="--device cuda: no CUDA device here"):
+    assert "device='cpu'" in (e.value.hint or "")
+    with pytest.raises(UsageError, match="device='cuda': no CUDA device here"):
         (load if how == "load" else attach)(sc, device="cuda")
 
 

@@ -95,7 +95,7 @@ def test_a_sidecar_at_a_snapshot_shaped_path_is_used_as_it_is(
     p = cli("verify", snap, "--json", env=env)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert doc["ok"] is True and doc["digest"] == digest and doc["sidecar"] == str(snap)
+    assert doc["ok"] is True and doc["manifest_digest"] == digest and doc["sidecar"] == str(snap)
     assert os.listdir(env["HF_HUB_CACHE"]) == []  # nothing looked up, nothing cached
 
 

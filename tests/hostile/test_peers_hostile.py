@@ -260,13 +260,14 @@ def test_a_two_million_entry_tensor_list_is_refused_by_its_length(sc, digest, tm
 @pytest.mark.parametrize("kind", HOSTILE)
 def test_the_vllm_loader_falls_back_from_a_hostile_peer(sc, digest, tmp_path, kind, caplog):
     """`attach: auto` loads privately; `attach: require` fails with a DaemonError."""
+    from mpack.runtime.vllm import LOGGER_NAME
     from mpack.runtime.vllm.checks import Options
     from mpack.runtime.vllm.source import rank_weights
 
     reply, says = hostile_replies(digest)[kind]
     path = tmp_path / "peer.sock"
     with FakePeer(path, reply):
-        with caplog.at_level(logging.WARNING, logger="mpack.vllm"):
+        with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
             w = rank_weights(sc, Options(attach="auto", socket=str(path)), 0, "cpu")
         with w:
             assert w.backend == "private" and len(w) > 0

@@ -652,14 +652,19 @@ def test_markup_in_a_path_is_printed_verbatim(sc, tmp_path, name):
         assert name in r.stdout, (cmd, r.stdout)
 
 
-@pytest.mark.parametrize("where", ["inspect", "verify", "error"])
+@pytest.mark.parametrize("where", ["inspect", "verify", "targets", "error"])
 def test_an_escape_in_a_path_is_never_printed_raw(sc, tmp_path, where):
-    """A directory named with ESC [31m (round 2's finding): inspect, verify and an error message
-    show the path escaped (\\x1b), never the raw escape that would colour the terminal."""
+    """A directory named with ESC [31m (round 2's finding): inspect, verify, the listing of a
+    directory of targets and an error message show the path escaped (\\x1b), never the raw
+    escape that would colour the terminal."""
     odd = tmp_path / "red\x1b[31mdir"
     shutil.copytree(sc, odd / "sc")
-    target = odd if where == "error" else odd / "sc"  # the directory above: no mpack.json
-    r = mpack_cli("verify" if where == "verify" else "inspect", target, env={"COLUMNS": "400"})
+    # the directory above (no mpack.json) is a directory of one target (Note [target layout]);
+    # --tp 4 names none of it: refused, naming the directory
+    target = odd / "sc" if where in ("inspect", "verify") else odd
+    extra = ["--tp", "4"] if where == "error" else []
+    cmd = "verify" if where == "verify" else "inspect"
+    r = mpack_cli(cmd, target, *extra, env={"COLUMNS": "400"})
     assert r.returncode == (2 if where == "error" else 0), r.stderr
     out = r.stderr if where == "error" else r.stdout
     assert "\x1b" not in r.stdout + r.stderr, (r.stdout, r.stderr)

@@ -331,7 +331,8 @@ def test_a_parent_renamed_during_the_run_leaves_nothing_behind(ckpt: Path, tmp_p
             ckpt, out, ConvertOptions(device="cpu"), progress=once(lambda: parent.rename(moved))
         )
     assert ei.value.exit_code == 3
-    assert f"{parent}: the directory of -o was moved or removed during the run" in str(ei.value)
+    # the library names its argument (Note [API wording]); the command line says -o
+    assert f"{parent}: the directory of out was moved or removed during the run" in str(ei.value)
     assert os.listdir(tmp_path) == ["P2"]
     assert os.listdir(moved) == [], "a work directory or the lock was left in the moved parent"
 

@@ -29,17 +29,13 @@ from typing import Any
 
 import pytest
 
+from scripts.real_checkpoints import CHAT_PROMPTS, CHAT_STEPS, FP8_CHECKPOINTS
 from tests.conftest import REPO
 
 REAL = Path(os.environ.get("MPACK_REAL_DIR", REPO / ".real"))
-CHECKPOINTS = ("fp8-dynamic", "fp8-static")
-PROMPTS = (
-    "What is the capital of France?",
-    "Name three colors of the rainbow.",
-    "What is 2 + 2?",
-    "Write one sentence about the ocean.",
-)
-STEPS = 32
+CHECKPOINTS = FP8_CHECKPOINTS
+PROMPTS = CHAT_PROMPTS
+STEPS = CHAT_STEPS
 #: What a sensible answer to each prompt holds (case-insensitive), checked on every output.
 EXPECT = {0: "paris"}
 TARGETS = [(tp, profile) for tp in (1, 3) for profile in ("w8a16", "w8a8-marlin")]

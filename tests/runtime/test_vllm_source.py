@@ -59,6 +59,19 @@ def test_a_directory_without_the_engines_target_names_it_and_the_targets_it_has(
         assert e.value.exit_code == 2
 
 
+def test_a_renamed_target_folder_is_found_by_its_manifest(multi: Path, tmp_path: Path) -> None:
+    """Note [target layout]: the engine's target is found by the manifests, not only by the
+    folder's name (a directory holding one target, as ``--layout targets`` writes it)."""
+    import shutil
+
+    tp2 = multi / "tp2-w8a16-bfloat16"
+    target: dict[str, Any] = load_manifest(tp2)[0]["target"]
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tp2, renamed / "production")
+    for opts, model in _ways(renamed):
+        assert sidecar_dir(opts, model, target=target) == renamed / "production"
+
+
 def test_a_missing_sidecar_directory_is_left_to_the_reader(tmp_path: Path) -> None:
     gone = tmp_path / "gone"
     assert sidecar_dir(Options(sidecar=str(gone)), "unused", target=TP4) == gone

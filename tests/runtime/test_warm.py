@@ -45,7 +45,7 @@ def test_warm_refuses_a_bad_device_like_attach() -> None:
     from mpack.errors import UsageError
     from mpack.runtime import warm
 
-    with pytest.raises(UsageError, match="--device"):
+    with pytest.raises(UsageError, match="^device must be"):  # the API's words, not --device
         warm("gpu0")
 
 

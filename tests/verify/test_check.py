@@ -21,7 +21,7 @@ def test_the_compatible_forward_is_callable_twice_and_agrees(converted) -> None:
     assert result.source_checked and result.tensors_compared > 0
     for _ in range(2):  # the function each time, not a submodule that replaced it
         assert callable(mc.verify)
-        assert mc.verify(sc, source=ck) == result.report()
+        assert mc.verify(sc, source=ck).report() == result.report()  # a Verification too
     assert "forward" not in result.report() and result.report()["source_path"] == str(ck)
 
 
@@ -53,7 +53,7 @@ def test_the_error_lists_the_first_problems_and_counts_the_rest() -> None:
 
 def test_a_revision_needs_a_source(converted) -> None:
     _, sc = converted
-    with pytest.raises(UsageError, match="revision main applies to a given source"):
+    with pytest.raises(UsageError, match="revision='main' applies to a given source"):
         verify(sc, revision="main")
 
 
@@ -65,5 +65,5 @@ def test_forward_without_a_source_is_a_usage_error(tmp_path) -> None:
     ck.rename(tmp_path / "moved")
     result = verify(tmp_path / "sc")
     assert result.ok and not result.source_checked and "is not there" in result.source_note
-    with pytest.raises(UsageError, match="--forward needs the source checkpoint"):
+    with pytest.raises(UsageError, match="forward=True needs the source checkpoint"):
         verify(tmp_path / "sc", forward=True)
