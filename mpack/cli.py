@@ -974,7 +974,7 @@ def serve(
       mpack serve my-org/llama8b-marlin@main --rank 1 --device cuda:1   # from the Hub
       mpack serve out --tp 2 --rank 1 --device cuda:1   # out/tp2-w8a16-bfloat16/
     """
-    from mpack import env_number, ui
+    from mpack import ui
     from mpack.runtime.daemon import serve as run_daemon
 
     if rank < 0:
@@ -994,8 +994,7 @@ def serve(
         from mpack.runtime.metrics import check_port
 
         check_port(metrics_port)  # before the sidecar is resolved (a repo id: a download)
-    low, high = ui.PROGRESS_EVERY_RANGE
-    every = env_number("MPACK_PROGRESS_EVERY", ui.PROGRESS_EVERY_S, low=low, high=high)
+    every = env.progress_every()
     from mpack.hub_sidecar import resolve_sidecar
 
     sidecar = resolve_sidecar(sidecar, rank=rank, select=select)  # a repo id: this rank's files

@@ -7,7 +7,8 @@
   collect-env`` (short): mpack, the vLLM version it targets and the one installed, the native
   repack, cuda-bindings, torch, Python.
 
-This module imports only the standard library. The report finds the other packages' versions in
+This module imports only the standard library and the package itself (:func:`mpack.env_number`).
+The report finds the other packages' versions in
 their installed metadata and the native repack by its file, importing none of them: ``mpack
 --version`` stays fast and never initialises CUDA (tests/test_lean_import.py).
 """
@@ -21,7 +22,33 @@ import platform
 import sys
 from dataclasses import dataclass
 
-__all__ = ["VARIABLES", "Variable", "help_entries", "report"]
+__all__ = [
+    "PROGRESS_EVERY_RANGE",
+    "PROGRESS_EVERY_S",
+    "VARIABLES",
+    "Variable",
+    "help_entries",
+    "progress_every",
+    "report",
+]
+
+#: ``$MPACK_PROGRESS_EVERY``: seconds between progress lines in a log (convert, push, verify,
+#: and the daemon's load); the default, and the range it may take (a tenth of a second at the
+#: least: 0 would flood the log).
+PROGRESS_EVERY_S = 5.0
+PROGRESS_EVERY_RANGE = (0.1, 86400.0)
+
+
+def progress_every() -> float:
+    """``$MPACK_PROGRESS_EVERY``, checked (:func:`mpack.env_number`).
+
+    Raises:
+        UsageError: not a number in :data:`PROGRESS_EVERY_RANGE`, naming the value (exit 2).
+    """
+    from mpack import env_number
+
+    low, high = PROGRESS_EVERY_RANGE
+    return env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,8 @@ def choose(root: Path, select: Selection = Selection()) -> Path:
             the options, or the folder, that take one).
     """
     root = Path(root)
+    if not select and is_sidecar(root):  # the common case: the reader reads the manifest itself
+        return root
     hits = matching(root, select)
     if not hits:
         return root
@@ -229,10 +231,9 @@ def find(root: Path, target: Mapping[str, Any]) -> Path | None:
     root = Path(root)
     if is_sidecar(root):
         return None
-    sub = root / dir_name(target)
-    if is_sidecar(sub):
-        return sub
     want = dir_name(target)
+    if is_sidecar(root / want):
+        return root / want
     for n in target_names(root):
         try:
             if _target_dir(root / n, n).label == want:

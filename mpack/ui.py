@@ -19,8 +19,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mpack import arch, env_number, target
+from mpack import arch, target
+from mpack.env import progress_every
 from mpack.errors import shown
+from mpack.periodic import Periodic
 
 #: How much of a sentence that may quote a manifest's strings is shown (:func:`emit_verify`).
 NOTE_LIMIT = 2000
@@ -29,10 +31,6 @@ PATH_LIMIT = 4096
 #: Width of output that goes to a pipe or a file: wide enough that no digest or path is broken
 #: across lines (a table still takes only the width its cells need).
 PIPE_WIDTH = 4096
-#: ``$MPACK_PROGRESS_EVERY``: seconds between progress lines in a log; the default, and the
-#: range it may take (a tenth of a second at the least: 0 would flood the log).
-PROGRESS_EVERY_S = 5.0
-PROGRESS_EVERY_RANGE = (0.1, 86400.0)
 
 
 # Note [closed stdout]: ``mpack inspect SC | head -1`` closes the pipe while mpack still
@@ -278,21 +276,19 @@ class _Progress:
         )
 
 
-class _LogProgress:
+class _LogProgress(Periodic):
     """Progress for a log (stderr is not a terminal: CI): one plain line when the run starts and
     one every ``every`` seconds after, with bytes, rate, ETA and layers; never a bar."""
 
     FIRST_LINE_S = 1.0
 
     def __init__(self, every: float) -> None:
-        self.every = every
+        super().__init__(every, self.FIRST_LINE_S, name="mpack-progress")
         self.state: dict[str, tuple[int, int]] = {}
         self._t0 = time.perf_counter()
         self._first: float | None = None  # when the first byte was reported
         self._last = 0.0  # when the latest byte count was reported
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._tick, name="mpack-progress", daemon=True)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         with self._lock:
@@ -325,40 +321,26 @@ class _LogProgress:
             out += f", {state['layers'][0]} / {state['layers'][1]} linear layers"
         return out
 
-    def _tick(self) -> None:
-        # the first line after FIRST_LINE_S (a run refused at once prints only its error), then
-        # one every ``every`` seconds
-        wait = min(self.every, self.FIRST_LINE_S)
-        while not self._stop.wait(wait):
-            write_line(sys.stderr, self.line())  # a reader that went away is not an error
-            wait = self.every
-
-    def __enter__(self) -> _LogProgress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def tick(self) -> None:
+        # the first line after FIRST_LINE_S (a run refused at once prints only its error)
+        write_line(sys.stderr, self.line())  # a reader that went away is not an error
 
 
 @contextlib.contextmanager
 def convert_progress(enabled: bool):
     """Yield a progress callback: a live display on a terminal, plain periodic lines otherwise
-    (every ``$MPACK_PROGRESS_EVERY`` seconds, :data:`PROGRESS_EVERY_S` unless set), or ``None``
-    when disabled.
+    (every ``$MPACK_PROGRESS_EVERY`` seconds: :func:`mpack.env.progress_every`), or ``None`` when
+    disabled.
 
     Raises:
-        UsageError: a ``$MPACK_PROGRESS_EVERY`` outside :data:`PROGRESS_EVERY_RANGE`, or not a
-            number (:func:`mpack.env_number`).
+        UsageError: a ``$MPACK_PROGRESS_EVERY`` outside :data:`mpack.env.PROGRESS_EVERY_RANGE`, or
+            not a number (:func:`mpack.env.progress_every`).
     """
     if not enabled or _quiet:
         yield None
         return
     if not err_console.is_terminal:
-        low, high = PROGRESS_EVERY_RANGE
-        every = env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
-        with _LogProgress(every) as lp:
+        with _LogProgress(progress_every()) as lp:
             yield lp
         return
     p = _Progress()
@@ -366,17 +348,16 @@ def convert_progress(enabled: bool):
         yield p
 
 
-class _BytesLog:
+class _BytesLog(Periodic):
     """:func:`bytes_progress` for a log: ``<command>: <label> <done> / <total> (<pct>%)`` after
     the first second and every ``every`` seconds after, then once at the end of each stage."""
 
     def __init__(self, command: str, labels: dict[str, str], every: float) -> None:
-        self.command, self.labels, self.every = command, labels, every
+        super().__init__(every, _LogProgress.FIRST_LINE_S, name="mpack-progress")
+        self.command, self.labels = command, labels
         self.state: tuple[str, int, int] | None = None
         self._shown: tuple[str, int, int] | None = None
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._tick, name="mpack-progress", daemon=True)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         with self._lock:
@@ -397,19 +378,8 @@ class _BytesLog:
             f"{human_bytes(total)} ({100 * done / max(total, 1):.0f}%)",
         )
 
-    def _tick(self) -> None:
-        wait = min(self.every, _LogProgress.FIRST_LINE_S)
-        while not self._stop.wait(wait):
-            self._write()
-            wait = self.every
-
-    def __enter__(self) -> _BytesLog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def tick(self) -> None:
+        self._write()
 
 
 @contextlib.contextmanager
@@ -422,9 +392,7 @@ def bytes_progress(enabled: bool, command: str, labels: dict[str, str]):
         yield None
         return
     if not err_console.is_terminal:
-        low, high = PROGRESS_EVERY_RANGE
-        every = env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
-        with _BytesLog(command, labels, every) as log:
+        with _BytesLog(command, labels, progress_every()) as log:
             yield log
         return
     from rich.progress import (
@@ -502,8 +470,7 @@ def verify_progress(enabled: bool):
         yield None
         return
     if not err_console.is_terminal:
-        low, high = PROGRESS_EVERY_RANGE
-        env_number("MPACK_PROGRESS_EVERY", PROGRESS_EVERY_S, low=low, high=high)
+        progress_every()  # checked now, not on the thread that starts the display
     deferred = _Deferred(lambda: bytes_progress(True, "verify", VERIFY_STAGES), VERIFY_STAGES)
     try:
         yield deferred

@@ -71,7 +71,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpack import __version__, fsutil
+from mpack.env import PROGRESS_EVERY_S
 from mpack.errors import DaemonError
+from mpack.periodic import Periodic
 from mpack.runtime import protocol as P
 from mpack.runtime.allocation import Allocation, plan_rank, tensors_to_wire
 from mpack.runtime.sdnotify import Notifier, status_line
@@ -85,7 +87,6 @@ Callback = Callable[[dict[str, Any]], None]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LOG_QUEUE_EVENTS = 1024  # events waiting for the log thread before more are dropped
 LOG_DRAIN_S = 2.0  # how long a stopping daemon waits for its log to be written
-PROGRESS_EVERY_S = 5.0  # seconds between ``progress`` events of a load (the CLI's default too)
 FIRST_PROGRESS_S = 1.0  # a load that takes less than this says nothing between loading and ready
 
 #: The level of each event in the log (Note [the daemon's events]); any other is ``INFO``.
@@ -756,19 +757,18 @@ def _stamped(on_event: Callback | None) -> Callback:
     return emit
 
 
-class _LoadProgress:
+class _LoadProgress(Periodic):
     """The load's ``progress`` events: the fill calls it with each piece's byte count (from its
     worker threads), and a thread of its own reports the count after ``FIRST_PROGRESS_S``, then
     every ``every`` seconds, to the log and as a ``STATUS=`` line. A reader that stalls the log
     stalls this thread, never the fill; it is not waited for past ``LOG_DRAIN_S``."""
 
     def __init__(self, total: int, every: float, emit: Callback, notifier: Notifier) -> None:
-        self.total, self.every, self.emit, self.notifier = total, every, emit, notifier
+        super().__init__(every, FIRST_PROGRESS_S, name="mpack-serve-progress", join_s=LOG_DRAIN_S)
+        self.total, self.emit, self.notifier = total, emit, notifier
         self.done = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="mpack-serve-progress", daemon=True)
 
     def __call__(self, n: int) -> None:
         with self._lock:
@@ -787,21 +787,10 @@ class _LoadProgress:
             "mb_per_s": round(done / 1e6 / elapsed, 1) if elapsed > 0 else 0.0,
         }
 
-    def _run(self) -> None:
-        wait = min(self.every, FIRST_PROGRESS_S)
-        while not self._stop.wait(wait):
-            ev = self.event()
-            self.emit(ev)
-            self.notifier.send(status_line(f"loading: {ev['percent']:.0f}% of {self.total} bytes"))
-            wait = self.every
-
-    def __enter__(self) -> _LoadProgress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(LOG_DRAIN_S)
+    def tick(self) -> None:
+        ev = self.event()
+        self.emit(ev)
+        self.notifier.send(status_line(f"loading: {ev['percent']:.0f}% of {self.total} bytes"))
 
 
 def _check_reply_fits(plan: Allocation) -> None:

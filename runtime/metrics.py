@@ -47,9 +47,9 @@ REASONS = (
     "dropped",
     "internal-error",
 )
-#: Events that end a connection without a lease, and the reason each counts under (a
-#: ``bad-request`` counts under its protocol error code).
-_FAILURES = {"refused": "refused", "busy": "busy"}
+#: Events that end a connection without a lease and count under their own name as the reason
+#: (a ``bad-request`` counts under its protocol error code).
+_FAILURES = ("refused", "busy")
 
 
 def check_port(port: int) -> int:
@@ -166,7 +166,7 @@ class ServeMetrics:
         elif kind == "internal-error":
             self.failures.labels(reason="internal-error").inc()
         elif kind in _FAILURES:
-            self.failures.labels(reason=_FAILURES[kind]).inc()
+            self.failures.labels(reason=kind).inc()
 
     def close(self) -> None:
         """Stop answering (the port is free again)."""

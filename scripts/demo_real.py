@@ -21,7 +21,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_checkpoints import CHAT_PROMPTS, CHAT_STEPS, FP8_CHECKPOINTS, answer_text  # noqa: E402
+from real_checkpoints import (  # noqa: E402
+    CHAT_PROMPTS,
+    CHAT_STEPS,
+    FP8_CHECKPOINTS,
+    answer_text,
+    chat_ids,
+)
 
 TP, PROFILE = 3, "w8a16"
 
@@ -60,10 +66,8 @@ def generate(ck: Path, sc: Path) -> int:
     ref = reference_model(ck, manifest, torch.float32)
     ours = build_model([load(sc, rank=r, device="cpu") for r in range(TP)], sc, dtype=torch.float32)
     same = True
-    for p in CHAT_PROMPTS:
-        msgs = [{"role": "user", "content": p}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
-        ids = torch.tensor([ids["input_ids"]])
+    for p, prompt_ids in zip(CHAT_PROMPTS, chat_ids(tok), strict=True):
+        ids = torch.tensor([prompt_ids])
         want, _ = greedy_generate(ref, ids, CHAT_STEPS)
         got, _ = greedy_generate(ours, ids, CHAT_STEPS)
         same &= bool(torch.equal(want, got))

@@ -86,6 +86,17 @@ CHAT_PROMPTS = (
 CHAT_STEPS = 32
 
 
+def chat_ids(tok: object) -> list[list[int]]:
+    """The token ids of each of :data:`CHAT_PROMPTS` as a user turn through the model's chat
+    template, ready for the assistant's answer. ``tok``: a transformers tokenizer."""
+    return [
+        tok.apply_chat_template(  # type: ignore[attr-defined]
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for p in CHAT_PROMPTS
+    ]
+
+
 def answer_text(tok: object, seq: list[int]) -> str:
     """Generated token ids as a reader sees the answer: up to the first end-of-turn or other
     special token (greedy decoding without a stop goes on past it), as text. ``tok``: a

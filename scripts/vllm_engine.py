@@ -584,9 +584,49 @@ def _prompt_space(case: dict[str, Any]) -> dict[str, Any]:
     return {"vocab": 1000}
 
 
+def run_plan(
+    a: argparse.Namespace, runs: list[dict[str, Any]], sidecars: list[Path], name: str, t0: float
+) -> tuple[int, dict[str, Any]]:
+    """``runs`` in one engine process (``engine-many``, vLLM's environment), with one
+    ``mpack serve`` per sidecar of ``sidecars`` on the GPU (for the attached runs) from before
+    the first engine to after the last; its log ``OUT/NAME.log``, its results
+    ``OUT/NAME-raw.json``. The engine process's exit code, and the results by run key."""
+    plan = a.work / f"{name}-plan.json"
+    plan.write_text(json.dumps(runs))
+    menv, res = _env(a.mpack_env), a.out / f"{name}-raw.json"
+    sp = mpack_spawn(a.mpack_env)
+    with contextlib.ExitStack() as stack:
+        daemons = [
+            stack.enter_context(
+                sp.DaemonHandle(
+                    sc,
+                    device="cuda:0",
+                    env=menv,
+                    cwd=a.work,
+                    log_dir=a.work,
+                    timeout=READY_TIMEOUT_S,
+                )
+            )
+            for sc in sidecars
+        ]
+        for d in daemons:
+            d.wait_ready()
+        print(f"{len(daemons)} daemons ready: {time.time() - t0:.0f} s", flush=True)
+        with open(a.out / f"{name}.log", "w") as log:
+            rc = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "engine-many",
+                 "--plan", str(plan), "--res", str(res)],
+                env=_env(a.vllm_env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=a.timeout,
+            ).returncode  # fmt: skip
+    return rc, json.loads(res.read_text()) if res.exists() else {}
+
+
 def tokens(a: argparse.Namespace) -> int:
     me = [sys.executable, str(Path(__file__).resolve())]
-    menv, venv = _env(a.mpack_env), _env(a.vllm_env)
+    menv = _env(a.mpack_env)
     work = a.work
     sel = selected(a.only)
     if not sel:
@@ -624,36 +664,8 @@ def tokens(a: argparse.Namespace) -> int:
             "check_source": False,
         }
     )
-    plan = work / "plan.json"
-    plan.write_text(json.dumps(runs))
-    sp = mpack_spawn(a.mpack_env)
-    with contextlib.ExitStack() as stack:
-        daemons = [
-            stack.enter_context(
-                sp.DaemonHandle(
-                    work / f"sc-{c['name']}-s0",
-                    device="cuda:0",
-                    env=menv,
-                    cwd=work,
-                    log_dir=work,
-                    timeout=READY_TIMEOUT_S,
-                )
-            )
-            for c in sel
-        ]
-        for d in daemons:
-            d.wait_ready()
-        print(f"{len(daemons)} daemons ready: {time.time() - t:.0f} s", flush=True)
-        res = a.out / "engine-tokens-raw.json"
-        with open(a.out / "engine-tokens.log", "w") as log:
-            rc = subprocess.run(
-                [*me, "engine-many", "--plan", str(plan), "--res", str(res)],
-                env=venv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=a.timeout,
-            ).returncode
-    results = json.loads(res.read_text()) if res.exists() else {}
+    sidecars = [work / f"sc-{c['name']}-s0" for c in sel]
+    rc, results = run_plan(a, runs, sidecars, "engine-tokens", t)
     summary = {
         "engine_rc": rc,
         "runs": len(results),

@@ -27,7 +27,6 @@ texts of every engine beside the bf16 model's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -36,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # PYTHONSAFEPATH=1 on the device
-from benchutil import mpack_spawn  # noqa: E402
-from real_checkpoints import BF16, CHAT_PROMPTS, CHAT_STEPS, FP8_CHECKPOINTS  # noqa: E402
-from vllm_engine import MODES, READY_TIMEOUT_S, _env, compare  # noqa: E402
+from real_checkpoints import BF16, CHAT_PROMPTS, CHAT_STEPS, FP8_CHECKPOINTS, chat_ids  # noqa: E402
+from vllm_engine import MODES, _env, compare, run_plan  # noqa: E402
 
 #: vLLM's profile for these checkpoints on a GPU with native FP8 and ``linear_backend="marlin"``:
 #: they keep their input activations, so CompressedTensorsW8A8Fp8 on Marlin.
@@ -61,16 +59,7 @@ def prepare(real: Path, work: Path) -> None:
         sc = sidecar_of(work, name)
         if not (sc / "mpack.json").is_file():
             convert(real / name, sc, profile=PROFILE, device="auto")
-    tok = AutoTokenizer.from_pretrained(real / FP8_CHECKPOINTS[0])  # the three share it
-    ids = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )["input_ids"]
-        for p in CHAT_PROMPTS
-    ]
+    ids = chat_ids(AutoTokenizer.from_pretrained(real / FP8_CHECKPOINTS[0]))  # the three share it
     (work / "prompts.json").write_text(json.dumps(ids))
     print(f"prepared {len(FP8_CHECKPOINTS)} sidecars and {len(ids)} prompts in {work}", flush=True)
 
@@ -166,46 +155,16 @@ def text_table(summary: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     me = [sys.executable, str(Path(__file__).resolve())]
-    engine = [sys.executable, str(Path(__file__).resolve().with_name("vllm_engine.py"))]
-    menv, venv = _env(a.mpack_env), _env(a.vllm_env)
     work = a.work
     missing = [n for n in FP8_CHECKPOINTS if not (a.real / n / "config.json").is_file()]
     if missing:
         print(f"{a.real}: no {', '.join(missing)}; send them with PHASE=data", file=sys.stderr)
         return 2
     t = time.time()
-    subprocess.run([*me, "prepare", "--real", str(a.real), "--work", str(work)], env=menv,
-                   check=True)  # fmt: skip
-    runs = plan(a.real, work)
-    (work / "plan.json").write_text(json.dumps(runs))
-    sp = mpack_spawn(a.mpack_env)
-    res = a.out / "engine-real-raw.json"
-    with contextlib.ExitStack() as stack:
-        daemons = [
-            stack.enter_context(
-                sp.DaemonHandle(
-                    sidecar_of(work, n),
-                    device="cuda:0",
-                    env=menv,
-                    cwd=work,
-                    log_dir=work,
-                    timeout=READY_TIMEOUT_S,
-                )
-            )
-            for n in FP8_CHECKPOINTS
-        ]
-        for d in daemons:
-            d.wait_ready()
-        print(f"{len(daemons)} daemons ready: {time.time() - t:.0f} s", flush=True)
-        with open(a.out / "engine-real.log", "w") as log:
-            rc = subprocess.run(
-                [*engine, "engine-many", "--plan", str(work / "plan.json"), "--res", str(res)],
-                env=venv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=a.timeout,
-            ).returncode
-    results = json.loads(res.read_text()) if res.exists() else {}
+    subprocess.run([*me, "prepare", "--real", str(a.real), "--work", str(work)],
+                   env=_env(a.mpack_env), check=True)  # fmt: skip
+    sidecars = [sidecar_of(work, n) for n in FP8_CHECKPOINTS]
+    rc, results = run_plan(a, plan(a.real, work), sidecars, "engine-real", t)
     summary = {"engine_rc": rc, "runs": len(results), **summarize(results)}
     (a.out / "engine-real.json").write_text(json.dumps(summary, indent=1))
     table = text_table(summary)

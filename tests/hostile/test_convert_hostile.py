@@ -515,10 +515,10 @@ def test_numeric_environment_variables_have_one_checked_parse(
     value: str, expect: float | None, monkeypatch
 ) -> None:
     import mpack
-    from mpack import cli, ui
+    from mpack import cli, env
 
     monkeypatch.setenv("MPACK_PROGRESS_EVERY", value)
-    low, high = ui.PROGRESS_EVERY_RANGE
+    low, high = env.PROGRESS_EVERY_RANGE
     assert f"{low:g} to {high:g}" in cli.ENVIRONMENT["MPACK_PROGRESS_EVERY=S"]  # the help says it
     read = functools.partial(mpack.env_number, "MPACK_PROGRESS_EVERY", 5.0, low=low, high=high)
     if expect is not None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from scripts.real_checkpoints import CHAT_PROMPTS, CHAT_STEPS, FP8_CHECKPOINTS
+from scripts.real_checkpoints import CHAT_PROMPTS, CHAT_STEPS, FP8_CHECKPOINTS, chat_ids
 from tests.conftest import REPO
 
 REAL = Path(os.environ.get("MPACK_REAL_DIR", REPO / ".real"))
@@ -88,19 +88,7 @@ def _chat_ids(tok: Any) -> Any:
     """Each prompt through the chat template, one at a time (no padding)."""
     import torch
 
-    return [
-        torch.tensor(
-            [
-                tok.apply_chat_template(
-                    [{"role": "user", "content": p}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                )["input_ids"]
-            ]
-        )
-        for p in PROMPTS
-    ]
+    return [torch.tensor([ids]) for ids in chat_ids(tok)]
 
 
 #: The checkpoint's greedy tokens per prompt, by (checkpoint, profile): the reference is the same

@@ -27,6 +27,13 @@ def child_env(runtime_root: Path) -> dict[str, str]:
     return {**os.environ, "XDG_RUNTIME_DIR": str(runtime_root), "PYTHONUNBUFFERED": "1"}
 
 
+def private_runtime(root: Path) -> dict[str, str]:
+    """:func:`child_env` with a new private runtime directory, ``root/xdg`` (0700)."""
+    xdg = root / "xdg"
+    xdg.mkdir(mode=0o700)
+    return child_env(xdg)
+
+
 class DaemonProc(DaemonHandle):
     """``python -m mpack.cli serve SIDECAR --device D *extra`` (``mpack.runtime.spawn``'s
     handle), not waited for: ``wait_ready()`` waits up to ``READY_TIMEOUT_S``.

@@ -19,16 +19,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mpack.runtime import attach
 from mpack.sidecar import load_manifest
-from tests.runtime.rt_helpers import DaemonProc, child_env, frame, raw_exchange, wait_for
+from tests.runtime.rt_helpers import (
+    DaemonProc,
+    frame,
+    private_runtime,
+    raw_exchange,
+    wait_for,
+)
 from tests.runtime.sidecar_factory import make_sidecar
 
 
 @pytest.fixture
 def world(tmp_path):
-    xdg = tmp_path / "xdg"
-    xdg.mkdir(mode=0o700)
     sc = make_sidecar(tmp_path / "sc", layers=2, hidden=256, inter=512)
-    return tmp_path, child_env(xdg), sc
+    return tmp_path, private_runtime(tmp_path), sc
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -22,7 +22,7 @@ import pytest
 from mpack.runtime import sdnotify
 from mpack.runtime.client import status_of
 from tests.conftest import flip_byte
-from tests.runtime.rt_helpers import DaemonProc, child_env
+from tests.runtime.rt_helpers import DaemonProc, private_runtime
 from tests.runtime.sidecar_factory import make_sidecar
 
 
@@ -66,9 +66,7 @@ class Manager:
 
 @pytest.fixture
 def world(tmp_path):
-    xdg = tmp_path / "xdg"
-    xdg.mkdir(mode=0o700)
-    return tmp_path, child_env(xdg)
+    return tmp_path, private_runtime(tmp_path)
 
 
 # --- the protocol ------------------------------------------------------------------------------

@@ -26,7 +26,13 @@ from mpack.runtime.daemon import _LoadProgress, level_of
 from mpack.runtime.loader import HostDest, fill
 from mpack.runtime.sdnotify import Notifier
 from mpack.runtime.spawn import parse_ready
-from tests.runtime.rt_helpers import DaemonProc, child_env, frame, raw_exchange, wait_for
+from tests.runtime.rt_helpers import (
+    DaemonProc,
+    frame,
+    private_runtime,
+    raw_exchange,
+    wait_for,
+)
 from tests.runtime.sidecar_factory import make_sidecar
 
 TEXT_LINE = re.compile(
@@ -37,10 +43,8 @@ TEXT_LINE = re.compile(
 
 @pytest.fixture
 def world(tmp_path):
-    xdg = tmp_path / "xdg"
-    xdg.mkdir(mode=0o700)
     sc = make_sidecar(tmp_path / "sc", layers=2, hidden=256, inter=512)
-    return tmp_path, child_env(xdg), sc
+    return tmp_path, private_runtime(tmp_path), sc
 
 
 def utc(ts: str) -> datetime.datetime:
