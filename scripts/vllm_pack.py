@@ -115,11 +115,16 @@ DEVICE_MM = (
 )
 #: What `vllm serve` (the OpenAI server) imports beyond DEVICE_LACKS, and the loaders it is
 #: compared with (scripts/vllm_serve.py): ``.vllmdev/serve``, carried by RUN=serve's call.
+#: model-hosting-container-standards (and its jmespath and supervisor) is imported only when the
+#: server builds its app, after the engine is up: the H200 run of 2026-12-05 failed there.
 DEVICE_SERVE = (
     "fastsafetensors",
+    "jmespath",
+    "model-hosting-container-standards",
     "orjson",
     "prometheus-fastapi-instrumentator",
     "runai-model-streamer",
+    "supervisor",
     "uvicorn",
     "watchfiles",
 )

@@ -183,10 +183,11 @@ class Server:
         self.log.close()
 
 
-def parts(s: Server, ttfc: float) -> dict[str, Any]:
+def parts(s: Server, ttfc: float | None) -> dict[str, Any]:
     """The start broken into parts (s): before vLLM's first line (interpreter, imports, argument
     parsing), engine set-up, model init, load, compile, profiling and KV cache, CUDA graphs, the
-    server's own start, and the first request."""
+    server's own start, and the first request (``ttfc`` None: no answer came; the parts seen
+    before the failure are kept)."""
     at = {k: v["at_s"] for k, v in s.marks.items()}
     own = {k: v.get("vllm") for k, v in s.marks.items()}
     got: dict[str, Any] = {"first_line": s.first_line}
@@ -196,7 +197,7 @@ def parts(s: Server, ttfc: float) -> dict[str, Any]:
     for name, a, b in chain:
         if a in at and b in at:
             got[name] = round(at[b] - at[a], 3)
-    if "server_up" in at:
+    if "server_up" in at and ttfc is not None:
         got["first_request"] = round(ttfc - at["server_up"], 3)
     got["vllm"] = {k: v for k, v in own.items() if v is not None}
     got["compile_cache"] = (
@@ -257,7 +258,7 @@ def main() -> int:
             r = {"first_completion_s": ttfc, "dropped_caches": dropped, **parts(s, ttfc),
                  "memory": s.memory(), "answer": s.answer.get("text")}  # fmt: skip
         except Exception as e:  # noqa: BLE001  (recorded; the next start goes on)
-            r = {"error": f"{type(e).__name__}: {e}"[:500]}
+            r = {"error": f"{type(e).__name__}: {e}"[:500], **parts(s, None)}
             keep = False
         rec[name] = r
         save()

@@ -206,7 +206,9 @@ def _load_script(name: str):  # noqa: ANN202
         sys.path.remove(str(SCRIPTS))
 
 
-def _data_call(root: Path, tmp_path: Path, *pieces: str) -> subprocess.CompletedProcess[str]:
+def _data_call(
+    root: Path, tmp_path: Path, *pieces: str, vdata: str = "vdata"
+) -> subprocess.CompletedProcess[str]:
     """One PHASE=data call whose tree holds ``pieces`` (of root/all), as the device keeps what
     earlier calls left beside what this one carries."""
     import shutil
@@ -219,7 +221,7 @@ def _data_call(root: Path, tmp_path: Path, *pieces: str) -> subprocess.Completed
         "PATH": "/usr/bin:/bin",
         "PHASE": "data",
         "OUT": str(tmp_path / "out"),
-        "VDATA": str(tmp_path / "vdata"),
+        "VDATA": str(tmp_path / vdata),
         "REAL_DIR": str(tmp_path / "real"),
     }
     return subprocess.run(
@@ -255,8 +257,11 @@ def test_checkpoints_travel_in_pieces_and_unpack_once_all_came(tmp_path: Path) -
     r = _data_call(root, tmp_path, names[-2])
     assert r.returncode == 0, r.stdout + r.stderr
     assert real.read_bytes() == payload
+    real.unlink()  # a later call that still holds the pieces does not unpack them again
+    r = _data_call(root, tmp_path, *names)
+    assert r.returncode == 0 and not real.exists(), r.stdout + r.stderr
 
     bad = root / "all" / names[0] / "piece"
     bad.write_bytes(b"x" + bad.read_bytes()[1:])
-    r = _data_call(root, tmp_path, *names)
+    r = _data_call(root, tmp_path, *names, vdata="vdata-2")
     assert r.returncode != 0 and "FAILED" in r.stdout + r.stderr, r.stdout
