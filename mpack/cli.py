@@ -64,7 +64,11 @@ _EPILOG = (
 # command has them without a word. -q is the output sink's (:func:`mpack.ui.set_quiet`): nothing
 # but errors, no progress. --json and -q, and -v and -q, contradict each other: refused (exit 2).
 # Every --json document is one object with a top-level ``ok``, the manifest digest is
-# ``manifest_digest`` wherever it appears, and floats carry no noise (:func:`mpack.ui.print_json`).
+# ``manifest_digest`` wherever it appears, and floats carry no noise (:func:`mpack.ui.print_json`):
+# ``status`` prints ``{"ok": true, "daemons": [...]}``, ``serve`` one such object per event line
+# (:func:`mpack.ui.event_doc`). A command that fails prints one document, the error's
+# (:func:`error_document`), holding what it found before it failed (``MpackError.facts``:
+# verify's), never a result and an error.
 # Library errors name the library's arguments; here they read as flags (:data:`FLAGS`).
 
 #: -v and -q: name -> (flags, help) (Note [CLI habits]).
@@ -721,9 +725,11 @@ def verify(
                 require_source=require_source,
                 progress=progress,
             )
-        if not any(r.problems for r in results):  # as for one: shown when the outputs differ
-            ui.emit_verify_many(sidecar, results, as_json=json_out)
         err = targets_error(sidecar, results)
+        if json_out and err is not None:  # one document: the error's, with what was checked
+            err.facts = ui.verify_many_doc(sidecar, results)
+        elif not any(r.problems for r in results):  # as for one: shown when outputs differ
+            ui.emit_verify_many(sidecar, results, as_json=json_out)
         if err is not None:
             raise err
         return
@@ -738,9 +744,13 @@ def verify(
             require_source=require_source,
             progress=progress,
         )
-    if not result.problems:  # what matched; also shown when the model outputs differ
+    err = result.error()
+    if json_out and err is not None:  # one document: the error's, with what was checked
+        err.facts = ui.verify_doc(result)
+    elif not result.problems:  # what matched; also shown when the model outputs differ
         ui.emit_verify(result, as_json=json_out)
-    result.raise_for_failure()
+    if err is not None:
+        raise err
 
 
 # --- mpack push (mpack/hub.py, docs/HUB.md) -------------------------------------------------
@@ -1110,7 +1120,13 @@ def error_document(exc: BaseException, code: int) -> dict[str, object]:
         if isinstance(exc, MpackError)
         else "this is a bug in mpack; rerun with MPACK_DEBUG=1"
     )
+    facts = exc.facts if isinstance(exc, MpackError) and exc.facts else {}
+    if facts:  # what the command found before it failed (a verification's), rounded as ever
+        from mpack.ui import plain_floats
+
+        facts = plain_floats(facts)
     return {
+        **facts,
         "ok": False,
         "error": {
             "code": kind,

@@ -25,6 +25,9 @@ class MpackError(Exception):
     """Base class. ``exit_code`` 1 unless a subclass says the input is at fault."""
 
     exit_code = 1
+    #: What the command had found when it failed (a verification's facts), for the one JSON
+    #: document ``--json`` prints: the error document then holds them beside ``error``.
+    facts: dict[str, Any] | None = None
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)

@@ -160,7 +160,7 @@ TIME_DECIMALS = 3
 FLOAT_DIGITS = 6
 
 
-def _plain(value: Any, timing: bool = False) -> Any:
+def plain_floats(value: Any, timing: bool = False) -> Any:
     """``value`` with its floats as a document shows them: a time (under a key ``seconds``,
     ``*_s`` or ``*_seconds``) to :data:`TIME_DECIMALS` places, any other to
     :data:`FLOAT_DIGITS` significant digits; no float noise in any ``--json`` output."""
@@ -170,7 +170,7 @@ def _plain(value: Any, timing: bool = False) -> Any:
         return round(value, TIME_DECIMALS) if timing else float(f"{value:.{FLOAT_DIGITS}g}")
     if isinstance(value, dict):
         return {
-            k: _plain(
+            k: plain_floats(
                 v,
                 timing
                 or (isinstance(k, str) and (k == "seconds" or k.endswith(("_s", "_seconds")))),
@@ -178,15 +178,23 @@ def _plain(value: Any, timing: bool = False) -> Any:
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
-        return [_plain(v, timing) for v in value]
+        return [plain_floats(v, timing) for v in value]
     return value
+
+
+def one_name(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with the manifest digest under its one ``--json`` name, ``manifest_digest``
+    (Note [CLI habits] in mpack/cli.py): the daemon's status reply and events call it ``digest``,
+    as the protocol and the READY line do."""
+    return {("manifest_digest" if k == "digest" else k): v for k, v in doc.items()}
 
 
 def print_json(doc: Any) -> None:
     """Exactly one JSON document on stdout (for ``--json``); none once its reader went away
     (Note [closed stdout]). Every command's document is an object with a top-level ``ok``
-    (Note [CLI habits] in mpack/cli.py); its floats are rounded here, once (:func:`_plain`)."""
-    write_line(sys.stdout, json.dumps(_plain(doc), indent=2, sort_keys=True))
+    (Note [CLI habits] in mpack/cli.py); its floats are rounded here, once
+    (:func:`plain_floats`)."""
+    write_line(sys.stdout, json.dumps(plain_floats(doc), indent=2, sort_keys=True))
 
 
 def human_bytes(n: int) -> str:
@@ -753,13 +761,19 @@ def verify_doc(result: Any) -> dict[str, Any]:
     return {"ok": result.ok, **result.report(), "seconds": dict(result.seconds)}
 
 
+def verify_many_doc(root: Any, results: list[Any]) -> dict[str, Any]:
+    """``mpack verify --json``'s document for a directory of sidecars: ``ok``, ``sidecar`` (the
+    directory) and ``targets``, each as :func:`verify_doc` with its folder's ``name``."""
+    docs = [{"name": os.path.basename(r.sidecar), **verify_doc(r)} for r in results]
+    return {"ok": all(d["ok"] for d in docs), "sidecar": str(root), "targets": docs}
+
+
 def emit_verify_many(root: Any, results: list[Any], *, as_json: bool) -> None:
     """``mpack verify`` of a directory of sidecars, every target passed: ``--json`` one
     document, ``sidecar`` (the directory), ``ok`` and ``targets`` (each as :func:`verify_doc`,
     with its folder's ``name``); else each target's lines."""
     if as_json:
-        docs = [{"name": os.path.basename(r.sidecar), **verify_doc(r)} for r in results]
-        print_json({"ok": all(d["ok"] for d in docs), "sidecar": str(root), "targets": docs})
+        print_json(verify_many_doc(root, results))
         return
     for r in results:
         emit_verify(r, as_json=False)
@@ -888,8 +902,10 @@ def rfc3339(ts: float) -> str:
 def event_doc(event: dict[str, Any]) -> dict[str, Any]:
     """A daemon event (Note [the daemon's events] in runtime/daemon.py) as the JSON object of
     ``--log-format json`` and ``serve --json``: ``ts`` (RFC 3339, UTC), ``level``, ``event``,
-    then its fields; a string from a peer capped at ``NOTE_LIMIT`` characters (``json`` escapes
-    what it holds)."""
+    ``ok`` (true: every ``--json`` document has it; a failure that stops the daemon is the error
+    document, ``ok`` false), then its fields, as every ``--json`` document names and rounds them
+    (``manifest_digest``, floats without noise); a string from a peer capped at ``NOTE_LIMIT``
+    characters (``json`` escapes what it holds)."""
     from mpack.runtime.daemon import level_of
 
     rest = {
@@ -902,7 +918,8 @@ def event_doc(event: dict[str, Any]) -> dict[str, Any]:
         "ts": rfc3339(when if isinstance(when, (int, float)) else time.time()),
         "level": level_of(event),
         "event": str(event.get("event")),
-        **rest,
+        "ok": True,  # the daemon runs; a failure that stops it is the error document
+        **plain_floats(one_name(rest)),
     }
 
 
@@ -916,7 +933,7 @@ def event_line(event: dict[str, Any], log_format: str = "text") -> str:
     rest = " ".join(
         f"{k}={shown(str(v), NOTE_LIMIT)}"
         for k, v in doc.items()
-        if k not in ("ts", "level", "event")
+        if k not in ("ts", "level", "event", "ok")
     )
     return f"{doc['ts']} {doc['level']} mpack serve: {shown(doc['event'])} {rest}".rstrip()
 
@@ -956,8 +973,11 @@ def _uptime(s: float) -> str:
 
 
 def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
+    """``mpack status``: a table of the daemons, then the sockets where none answers as one
+    should; ``--json``: ``{"ok": true, "daemons": [...]}``, each daemon's status document with
+    the digest as ``manifest_digest`` (:func:`one_name`)."""
     if as_json:
-        print_json(docs)
+        print_json({"ok": True, "daemons": [one_name(d) for d in docs]})
         return
     live = [d for d in docs if d.get("state") == "serving"]
     stale = [d for d in docs if d.get("state") != "serving"]

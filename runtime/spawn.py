@@ -83,6 +83,7 @@ def parse_ready(line: str) -> Ready | None:
             return None
         if not (isinstance(doc, dict) and doc.get("event") == "ready"):
             return None
+        doc["digest"] = doc.get("manifest_digest")  # its name in every --json document
         keys = READY_KEYS + READY_OPTIONAL_KEYS
         fields = {k: str(doc[k]) for k in keys if k in doc and doc[k] is not None}
     else:

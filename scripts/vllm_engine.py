@@ -816,7 +816,7 @@ def restart(a: argparse.Namespace) -> int:
                 capture_output=True,
                 text=True,
             )
-            res["status_two_engines"] = json.loads(st.stdout or "[]")
+            res["status_two_engines"] = json.loads(st.stdout or '{"daemons": []}')["daemons"]
             engines["a"].kill()  # SIGKILL: no detach, no goodbye
             time.sleep(0.5)
             res["b_after_a_killed"] = engines["b"].generate_again(1)

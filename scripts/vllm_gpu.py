@@ -404,6 +404,8 @@ def bench_one(ck: Path, sc: Path, path: str) -> None:
     # what this process holds itself (an attached engine: what it did not map from the daemon)
     res["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
     res["passthrough"] = getattr(model, "_mpack_passthrough", None)
+    # the loader's own phases (host seconds) and what its build did not allocate
+    res["mpack_load"] = getattr(model, "_mpack_load", None)
     print(json.dumps(res | {k: round(v, 4) for k, v in prep.items()}), flush=True)
 
 
@@ -550,7 +552,8 @@ def run(a: argparse.Namespace) -> int:
             text=True,
         )
         clients = {
-            d.get("sidecar"): len(d.get("clients", [])) for d in json.loads(status.stdout or "[]")
+            d.get("sidecar"): len(d.get("clients", []))
+            for d in json.loads(status.stdout or '{"daemons": []}')["daemons"]
         }
         go.write_text("1")
         rcs = {r: w.wait(timeout=400) for r, w in workers.items()}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,10 @@ from mpack import cli as mpack_cli
 from mpack import env
 from mpack.errors import UnsupportedSchemeError, UsageError, arg
 from mpack.fixtures import make_checkpoint
-from tests.convert.helpers import cli, explain, messages
+from mpack.runtime import attach
+from mpack.runtime.spawn import spawn
+from tests.convert.helpers import cli, cli_env, explain, messages
+from tests.runtime.rt_helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,9 +119,27 @@ def _floats(doc: Any, key: str = "") -> list[tuple[str, float]]:
     return []
 
 
+#: Every ``--json`` document the fixture below collects: one per command and form.
+DOCUMENTS = [
+    "layout",
+    "convert",
+    "convert-many",
+    "inspect",
+    "inspect-many",
+    "verify",
+    "verify-many",
+    "push",
+    "status",
+    "status-sidecar",
+    "status-socket",
+    "serve",
+]
+
+
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    """The ``--json`` document of every command that has one, on one small checkpoint."""
+    """The ``--json`` document of every command that has one, on one small checkpoint; for
+    ``serve``, every event line of a real daemon's life, with ``status`` asked meanwhile."""
     root = tmp_path_factory.mktemp("json")
     ck = make_checkpoint(root / "ck", arch="llama", scheme="FP8", layers=1)
     runs = {
@@ -124,7 +147,9 @@ def documents(tmp_path_factory) -> dict[str, dict[str, Any]]:
         "convert": ("convert", ck, "-o", root / "sc"),
         "convert-many": ("convert", ck, "-o", root / "many", "--tp", "1,2"),
         "inspect": ("inspect", root / "sc"),
+        "inspect-many": ("inspect", root / "many"),
         "verify": ("verify", root / "sc", "--source", ck),
+        "verify-many": ("verify", root / "many", "--source", ck),
         "push": ("push", root / "sc", "org/name", "--dry-run"),
     }
     docs = {}
@@ -132,16 +157,52 @@ def documents(tmp_path_factory) -> dict[str, dict[str, Any]]:
         r = cli(*args, "--json")
         assert r.returncode == 0, explain(r)
         docs[name] = json.loads(r.stdout)
+    xdg = root / "xdg"
+    xdg.mkdir(mode=0o700)
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    asks = {"status": (), "status-sidecar": (root / "sc",), "status-socket": ("--socket",)}
+    # a daemon, and a client of it: for the status documents and the events
+    with (
+        spawn(root / "sc", args=["--json"], env=child_env(xdg), log_dir=root) as d,
+        attach(root / "sc", device="cpu", socket=d.socket),
+    ):
+        for name, args in asks.items():
+            extra = (d.socket,) if name == "status-socket" else ()
+            r = cli("status", *args, *extra, "--json", env=env)
+            assert r.returncode == 0, explain(r)
+            docs[name] = json.loads(r.stdout)
+    assert d.proc.returncode == 0 and d.out_path is not None
+    lines = d.out_path.read_text().splitlines()
+    docs["serve"] = {"ok": True, "lines": [json.loads(line) for line in lines]}
     return docs
 
 
-@pytest.mark.parametrize("name", ["layout", "convert", "convert-many", "inspect", "verify", "push"])
+@pytest.mark.parametrize("name", DOCUMENTS)
 def test_every_document_is_an_object_with_ok(documents, name) -> None:
     doc = documents[name]
     assert isinstance(doc, dict) and doc["ok"] is True, doc
 
 
-@pytest.mark.parametrize("name", ["convert", "convert-many", "inspect", "verify", "push"])
+def test_status_lists_its_daemons_under_one_key(documents) -> None:
+    digest = documents["inspect"]["manifest_digest"]
+    for name in ("status", "status-sidecar", "status-socket"):
+        (daemon,) = documents[name]["daemons"]
+        assert set(documents[name]) == {"ok", "daemons"}, documents[name]
+        assert daemon["state"] == "serving" and daemon["manifest_digest"] == digest, daemon
+        assert len(daemon["clients"]) == 1, daemon
+
+
+def test_every_serve_event_line_is_a_document(documents) -> None:
+    lines = documents["serve"]["lines"]
+    assert [x["event"] for x in lines][:2] == ["loading", "ready"], lines
+    assert {"attached", "detached", "stopping", "stopped"} <= {x["event"] for x in lines}
+    for line in lines:
+        assert line["ok"] is True, line
+    (ready,) = [x for x in lines if x["event"] == "ready"]
+    assert ready["manifest_digest"] == documents["inspect"]["manifest_digest"], ready
+
+
+@pytest.mark.parametrize("name", [n for n in DOCUMENTS if n != "layout"])
 def test_the_manifest_digest_has_one_name(documents, name) -> None:
     keys = _keys(documents[name])
     leaves = {k.rpartition(".")[2] for k in keys}
@@ -151,20 +212,62 @@ def test_the_manifest_digest_has_one_name(documents, name) -> None:
     for k in named:
         value = documents[name]
         for part in k.split("."):
-            value = value[part] if isinstance(value, dict) else [v[part] for v in value]
+            # in a list (targets, daemons, event lines), the items that have it
+            value = (
+                value[part] if isinstance(value, dict) else [v[part] for v in value if part in v]
+            )
         for v in value if isinstance(value, list) else [value]:
             assert re.fullmatch(r"[0-9a-f]{64}", v), (k, v)
 
 
-@pytest.mark.parametrize("name", ["convert", "convert-many", "verify"])
-def test_no_float_noise(documents, name) -> None:
-    floats = _floats(documents[name])
-    assert floats, documents[name]  # the timings, at least
+def _noiseless(floats: list[tuple[str, float]]) -> None:
+    """Times (``.seconds.``, ``*_s``) to the millisecond, any other float to 6 digits."""
     for key, x in floats:
-        if ".seconds." in key + ".":
+        if ".seconds." in key + "." or key.endswith("_s"):
             assert round(x, 3) == x, (key, x)
         else:
             assert float(f"{x:.6g}") == x, (key, x)
+
+
+@pytest.mark.parametrize(
+    "name", ["convert", "convert-many", "verify", "verify-many", "status", "serve"]
+)
+def test_no_float_noise(documents, name) -> None:
+    floats = _floats(documents[name])
+    assert floats, documents[name]  # the timings, at least
+    _noiseless(floats)
+
+
+def test_a_failure_after_the_work_is_one_document_with_the_facts(documents, tmp_path) -> None:
+    """``verify --forward`` whose model outputs differ (a tolerance below any difference): one
+    document, the error's, with what was compared; not the result and then an error."""
+    sc = Path(documents["verify"]["sidecar"])
+    code = (
+        "import sys; from mpack.verify import forward; from mpack.cli import main; "
+        "forward.REL_TOL.update(dict.fromkeys(forward.REL_TOL, -1.0)); "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    source = documents["verify"]["source"]
+    for target in (sc, sc.parent / "many"):  # one sidecar, and a directory of two targets
+        argv = ["verify", str(target), "--source", source, "--forward", "--json"]
+        r = subprocess.run(
+            [sys.executable, "-c", code, *argv],
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            timeout=300,
+        )
+        assert r.returncode == 2, explain(r)
+        doc = json.loads(r.stdout)  # exactly one document
+        assert doc["ok"] is False and doc["error"]["code"] == "VerificationError", doc
+        assert "model outputs from the sidecar differ" in doc["error"]["message"], doc
+        runs = [doc] if target == sc else doc["targets"]
+        assert len(runs) == (1 if target == sc else 2), doc
+        for one in runs:
+            assert one["forward"]["ok"] is False and one["ok"] is False, one
+            assert re.fullmatch(r"[0-9a-f]{64}", one["manifest_digest"]), one
+        assert "digest" not in {k.rpartition(".")[2] for k in _keys(doc)}
+        _noiseless(_floats(doc))
 
 
 def test_the_rounding_rule() -> None:
@@ -177,7 +280,7 @@ def test_the_rounding_rule() -> None:
         "n": 3,
         "nan": math.nan,
     }
-    got = ui._plain(doc)
+    got = ui.plain_floats(doc)
     assert got["seconds"] == {"total": 0.123} and got["load_s"] == 2.0 and got["x"] == 0.333333
     assert got["n"] == 3 and math.isnan(got["nan"])
 

@@ -325,7 +325,7 @@ def test_status_finds_a_daemon_started_with_socket(rt) -> None:
     try:
         r = _status_cli(rt, "--json")
         assert r.returncode == 0, r.stderr
-        (doc,) = json.loads(r.stdout)
+        (doc,) = json.loads(r.stdout)["daemons"]
         assert doc["state"] == "serving" and doc["pid"] == d.pid
         assert doc["socket"] == str(rt["sock"])
         (ptr,) = rt["rdir"].glob(f"*{P.POINTER_SUFFIX}")

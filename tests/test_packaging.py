@@ -259,3 +259,15 @@ def test_readme_lists_every_mpack_variable_the_code_reads() -> None:
     listed = re.findall(r"^\| `(MPACK_\w+)", section, re.M)
     assert len(listed) == len(set(listed)), listed
     assert set(listed) == read, f"README lists {sorted(listed)}, the code reads {sorted(read)}"
+
+
+def test_the_index_page_installs_every_extra() -> None:
+    """docs/PYPI.md, the page the index shows, has an install line for each extra a user picks
+    (``cuda`` for ``--device cuda``, ``vllm`` for ``--load-format mpack``; not ``dev``)."""
+    toml = (REPO / "pyproject.toml").read_text()  # no tomllib: it is 3.11+, mpack takes 3.10
+    section = toml.split("\n[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    extras = [e for e in re.findall(r"^(\w+) = \[", section, re.M) if e != "dev"]
+    assert {"cuda", "vllm"} <= set(extras), extras
+    page = (REPO / "docs" / "PYPI.md").read_text()
+    for extra in extras:
+        assert re.search(rf"^pip install '{DIST_NAME}\[{extra}\]' +# ", page, re.M), extra

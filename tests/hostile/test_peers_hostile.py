@@ -449,7 +449,7 @@ def test_status_lists_the_healthy_daemon_and_reports_each_bad_socket(sc, env, rd
         d.wait_ready()
         r = _cli(env, tmp_path, "status", "--json")
         assert r.returncode == 0, r.stderr
-        docs = {Path(x["socket"]).name: x for x in json.loads(r.stdout)}
+        docs = {Path(x["socket"]).name: x for x in json.loads(r.stdout)["daemons"]}
         assert docs[d.socket.name]["state"] == "serving" and docs[d.socket.name]["pid"] == d.pid
         for name, (_, says) in BAD_PEERS.items():
             assert docs[name]["state"] == "error", docs[name]
@@ -492,10 +492,10 @@ def test_status_sidecar_finds_a_daemon_with_a_custom_socket_name(sc, env, rdir, 
         r = _cli(env, tmp_path, "status", str(sc))  # `until mpack status SIDECAR; do ...`
         assert r.returncode == 0 and str(d.pid) in r.stdout, r.stdout + r.stderr
         r = _cli(env, tmp_path, "status", str(sc), "--json")
-        (doc,) = json.loads(r.stdout)
+        (doc,) = json.loads(r.stdout)["daemons"]
         assert doc["state"] == "serving" and doc["socket"] == str(sock) and doc["pid"] == d.pid
         other = make_sidecar(tmp_path / "other", seed=1)
-        assert load_manifest(other)[1] != doc["digest"]
+        assert load_manifest(other)[1] != doc["manifest_digest"] == load_manifest(sc)[1]
         assert _cli(env, tmp_path, "status", str(other)).returncode == 2  # serves sc, not other
         assert d.stop() == 0
     finally:

@@ -646,7 +646,7 @@ def test_status_shows_what_is_served(world, served):
     assert p.read()["event"] == "attached"
     r = _cli(world, "status", "--json")
     assert r.returncode == 0, r.stderr
-    (doc,) = [x for x in json.loads(r.stdout) if x.get("socket") == str(d.socket)]
+    (doc,) = [x for x in json.loads(r.stdout)["daemons"] if x.get("socket") == str(d.socket)]
     assert doc["state"] == "serving" and doc["pid"] == d.pid
     assert (
         doc["rank"] == 0
@@ -659,7 +659,7 @@ def test_status_shows_what_is_served(world, served):
     r = _cli(world, "status", str(sc))
     assert r.returncode == 0 and str(p.pid) in r.stdout and str(d.pid) in r.stdout, r.stdout
     r = _cli(world, "status", "--socket", str(d.socket), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)[0]["pid"] == d.pid
+    assert r.returncode == 0 and json.loads(r.stdout)["daemons"][0]["pid"] == d.pid
     r = _cli(world, "status", str(world.sidecar(9)))
     assert r.returncode == 2 and "no daemon serves" in r.stderr
     assert p.finish() == 0

@@ -131,6 +131,10 @@ def test_log_format_json(world):
         assert {doc["level"] for doc in docs} == {"INFO", "WARNING"}
         for doc in docs:
             utc(doc["ts"])
+        # the objects of serve --json: ``ok``, the digest under its one --json name
+        assert all(doc["ok"] is True and "digest" not in doc for doc in docs), docs
+        ready = parse_ready(d.stdout())
+        assert ready is not None and docs[1]["manifest_digest"] == ready.digest
         assert d.stdout().startswith("READY ")
     finally:
         d.close()

@@ -67,7 +67,7 @@ def test_one_rank_of_two_is_not_ready_and_rank_asks_for_one(world):
     assert r.returncode == 0, r.stderr
     r = status(world, sc, "--rank", "0", "--device", "cpu", "--json")
     assert r.returncode == 0, r.stderr
-    docs = json.loads(r.stdout)
+    docs = json.loads(r.stdout)["daemons"]
     assert [(doc["rank"], doc["pid"]) for doc in docs] == [(0, d0.pid)]
 
     r = status(world, sc, "--rank", "1")
@@ -79,10 +79,10 @@ def test_one_rank_of_two_is_not_ready_and_rank_asks_for_one(world):
         r = status(world, sc, *args)
         assert r.returncode == 0, (args, r.stderr)
     r = status(world, sc, "--json")
-    docs = json.loads(r.stdout)
+    docs = json.loads(r.stdout)["daemons"]
     assert sorted((doc["rank"], doc["pid"]) for doc in docs) == [(0, d0.pid), (1, d1.pid)]
     r = status(world, sc, "--rank", "1", "--json")
-    assert [doc["pid"] for doc in json.loads(r.stdout)] == [d1.pid]
+    assert [doc["pid"] for doc in json.loads(r.stdout)["daemons"]] == [d1.pid]
 
 
 def test_status_json_names_the_engine_version(world):
@@ -91,11 +91,11 @@ def test_status_json_names_the_engine_version(world):
         serve(world, 0)
     r = status(world, "--json")
     assert r.returncode == 0, r.stderr
-    docs = [doc for doc in json.loads(r.stdout) if doc.get("state") == "serving"]
+    docs = [doc for doc in json.loads(r.stdout)["daemons"] if doc.get("state") == "serving"]
     assert docs and all(doc["engine_version"] == target.ENGINE_VERSION for doc in docs), docs
     assert all(doc["engine"] == target.ENGINE for doc in docs)
     r = status(world, sc, "--rank", "0", "--json")
-    assert json.loads(r.stdout)[0]["engine_version"] == target.ENGINE_VERSION
+    assert json.loads(r.stdout)["daemons"][0]["engine_version"] == target.ENGINE_VERSION
 
 
 @pytest.mark.parametrize(
