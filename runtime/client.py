@@ -293,6 +293,25 @@ def status_of(path: Path, *, timeout: float = 5.0) -> dict[str, Any]:
     return {"state": "serving", **{k: v for k, v in reply.items() if k not in ("v", "type")}}
 
 
+def served_bytes(
+    sidecar: str | os.PathLike,
+    *,
+    rank: int = 0,
+    device: str = "cpu",
+    socket: str | os.PathLike | None = None,
+) -> int:
+    """The bytes the daemon serving ``sidecar``'s ``rank`` on ``device`` holds (at the socket
+    :func:`attach` would use, or ``socket``), or 0 when no daemon of that sidecar answers there:
+    what an engine that attaches will find outside its own memory."""
+    manifest, digest = load_manifest(sidecar)
+    check_rank(manifest, rank)
+    dev = P.resolve_device(device)
+    doc = probe(Path(socket) if socket is not None else P.socket_path(digest, rank, dev.key))
+    if doc["state"] != "serving" or doc["digest"] != digest or doc["rank"] != rank:
+        return 0
+    return int(doc["bytes"])
+
+
 def probe(path: Path) -> dict[str, Any]:
     """``status_of(path)``, or a document saying why not: ``{"state": "stale", "socket"}``
     when nothing listens (its daemon died), ``{"state": "error", "socket", "reason"}`` when

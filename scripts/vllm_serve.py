@@ -239,6 +239,14 @@ def main() -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
     menv, venv = _env(a.mpack_env), _env(a.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    # the server's imports first: a missing package fails here in seconds, not after an engine
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm.entrypoints.openai.api_server"],
+        env=venv, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        print("vLLM's API server does not import:\n" + probe.stderr[-3000:], flush=True)
+        return 2
     t = time.time()
     ck, sc = marlin_8b(a.work, a.layers, menv)
     print(f"8B-shaped checkpoint and sidecar: {time.time() - t:.0f} s", flush=True)

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpack.runtime.vllm.placeholders import Placeholders
+
 
 @dataclass
 class InPlace:
@@ -48,6 +50,9 @@ class InPlace:
     copied: list[str] = field(default_factory=list)
     copied_bytes: int = 0
     _names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
+    #: The parameters built without memory (runtime/vllm/placeholders.py): one that vLLM's
+    #: loader copies into gets its memory first.
+    placeholders: Placeholders = field(default_factory=Placeholders)
 
     @contextlib.contextmanager
     def loading(self, model: nn.Module, skip: Iterable[nn.Module]) -> Iterator[None]:
@@ -69,11 +74,13 @@ class InPlace:
                     vocab = isinstance(module, VocabParallelEmbedding) and p is module.weight
                     plain = original is None or original is default_weight_loader
                     loader = self._loader(module, original or default_weight_loader, plain, vocab)
+                    name = f"{prefix}.{pname}" if prefix else pname
                     try:
                         p.weight_loader = loader
                     except AttributeError:  # a vLLM parameter class's read-only loader: copies
+                        self.placeholders.materialize(p, name)
                         continue
-                    self._names[id(p)] = f"{prefix}.{pname}" if prefix else pname
+                    self._names[id(p)] = name
                     restore.append((p, original))
             yield
         finally:
@@ -124,6 +131,7 @@ class InPlace:
                 if name not in self.copied:  # a fused parameter is loaded part by part
                     self.copied.append(name)
                     self.copied_bytes += param.numel() * param.element_size()
+                self.placeholders.materialize(param, name)
                 return original(param, loaded, *args, **kwargs)
             param.data = view
             self.in_place += 1

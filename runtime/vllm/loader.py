@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ from mpack.runtime.vllm.checks import (
     scheme_class,
 )
 from mpack.runtime.vllm.inplace import InPlace
+from mpack.runtime.vllm.placeholders import Placeholders, building
 from mpack.runtime.vllm.source import rank_weights, sidecar_dir
 from mpack.sidecar import (
     COMMON_NAME,
@@ -370,6 +372,22 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     return Checked(sidecar, manifest, dims, engine["tied"], engine["quant_method"], skip)
 
 
+class Phases:
+    """Where a load spends its time: host seconds per named phase, for the log and the
+    benchmarks (``model._mpack_load``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - t0, 4)
+
+
 class MpackModelLoader(DefaultModelLoader):
     """``--load-format mpack`` (Note [loading from a sidecar] in the module docstring)."""
 
@@ -382,6 +400,40 @@ class MpackModelLoader(DefaultModelLoader):
                 load_config, load_format="safetensors", model_loader_extra_config={}
             )
         )
+
+    def get_external_weight_memory(self, vllm_config: Any) -> int:
+        """The bytes of this rank's weights held outside the engine, by the daemon it will
+        attach to: vLLM counts them inside ``--gpu-memory-utilization`` (as it does for its own
+        weight cache), so that the fraction means what it means for an ordinary engine, and an
+        engine beside a daemon holding most of the GPU still starts. 0 when the engine will load
+        privately (``attach: never``, or no daemon serves the sidecar); a sidecar the engine would
+        refuse is ``load_model``'s to refuse, with its full error."""
+        from mpack.runtime.client import served_bytes
+
+        if self.options.attach == "never":
+            return 0
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        model_config = vllm_config.model_config
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        rank = get_tensor_model_parallel_rank()
+        try:
+            engine = _engine_facts(vllm_config, model_config)
+            sidecar = sidecar_dir(
+                self.options,
+                model_config.model,
+                model_config.revision,
+                rank=rank,
+                target=engine_target(engine),
+            )
+            return served_bytes(
+                sidecar,
+                rank=rank,
+                device=_device_label(torch.device(load_device)),
+                socket=self.options.socket,
+            )
+        except MpackError:
+            return 0
 
     def download_model(self, model_config: Any) -> None:
         """Fetch the sidecar ahead of ``load_model`` (every rank's files: this call has no
@@ -411,11 +463,14 @@ class MpackModelLoader(DefaultModelLoader):
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        checked = checked_sidecar(self.options, vllm_config, model_config)
+        phases = Phases()
+        with phases("checks"):
+            checked = checked_sidecar(self.options, vllm_config, model_config)
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         target = torch.device(load_device)
         rank = get_tensor_model_parallel_rank()
-        weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
+        with phases("weights"):
+            weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
         try:
             if checked.skip is None:  # the tensors loaded are those whose header was checked
                 check_common(
@@ -427,18 +482,30 @@ class MpackModelLoader(DefaultModelLoader):
                     checked.sidecar / COMMON_NAME,
                 )
             with set_default_torch_dtype(model_config.dtype):
-                with target:
+                with phases("build"), target, building(checked.skip is None) as ph:
                     model = self.create_model(vllm_config, model_config, prefix)
                 model._mpack_weights = weights  # the lease and mappings live with the model
                 model._mpack_checked = checked
-                layers = _swap_in(
-                    model, checked.manifest, weights, checked.sidecar, checked.quant_method
-                )
-                self._load_rest(model, model_config, checked, weights, layers)
-                _process_others(model, layers, model_config, target, process_weights_after_loading)
+                with phases("marlin"):
+                    layers = _swap_in(
+                        model, checked.manifest, weights, checked.sidecar, checked.quant_method
+                    )
+                with phases("rest"):
+                    self._load_rest(model, model_config, checked, weights, layers, ph)
+                with phases("process"):
+                    _process_others(
+                        model, layers, model_config, target, process_weights_after_loading
+                    )
+                ph.check_replaced(model)
         except BaseException:
             weights.close()
             raise
+        model._mpack_load = {
+            "seconds": phases.seconds,
+            "placeholder_bytes": ph.bytes_saved,
+            "materialized": list(ph.materialized),
+        }
+        logger().debug("mpack: load phases (s): %s", phases.seconds)
         return model.eval()
 
     def _load_rest(
@@ -448,6 +515,7 @@ class MpackModelLoader(DefaultModelLoader):
         checked: Checked,
         weights: Any,
         layers: dict[str, nn.Module] | None = None,
+        placeholders: Placeholders | None = None,
     ) -> None:
         """Every non-Marlin tensor, through vLLM's own weight loaders; then, at load time
         (``layers`` given), every parameter of the model must have been loaded."""
@@ -455,7 +523,11 @@ class MpackModelLoader(DefaultModelLoader):
         last: list[str] = []  # the tensor vLLM was given last: the one it failed on
         # the sidecar's pass-through tensors used in place where vLLM would copy them as they
         # are (runtime/vllm/inplace.py); a checkpoint's (--no-passthrough) are vLLM's to copy
-        in_place = InPlace() if checked.skip is None and layers is not None else None
+        in_place = (
+            InPlace(placeholders=placeholders or Placeholders())
+            if checked.skip is None and layers is not None
+            else None
+        )
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in _rest_of_model(self, model, model_config, checked, weights):

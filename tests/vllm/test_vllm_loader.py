@@ -708,3 +708,44 @@ def test_pass_through_tensors_are_used_in_place(world: dict[str, Any], case: Cas
             assert copied_embedding == pads, what
             if case.ckpt in IN_PLACE_VOCAB and not cast:
                 assert report["copied"] == [] and report["copied_bytes"] == 0, what
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_the_build_allocates_nothing_the_sidecar_fills(world: dict[str, Any], case: Case) -> None:
+    """While vLLM builds the model, the parameters the sidecar fills hold a one-element
+    placeholder (runtime/vllm/placeholders.py): at least every rank-file tensor's bytes, plus the
+    embeddings used in place, were never allocated. A placeholder vLLM's loader copies into (an
+    embedding with padding rows) got its memory first, and is named; the models still equal
+    vLLM's own load (test_same_model_as_default_loader)."""
+    for rank, res in enumerate(ranks(world, case.tp)):
+        for path in ("mpack-require", "mpack-never"):
+            got = ok(res[f"{case.name}/{path}"])
+            load, report = got["load"], got["passthrough"]
+            what = f"{case.name} {path} rank {rank}"
+            assert load is not None and got["marlin_bytes"] > 0, what
+            assert load["placeholder_bytes"] >= got["marlin_bytes"], what
+            embeddings = [
+                n for n in report["copied"] if n.endswith(("embed_tokens.weight", "lm_head.weight"))
+            ]
+            assert sorted(load["materialized"]) == sorted(embeddings), what
+            assert set(load["seconds"]) == {
+                "checks",
+                "weights",
+                "build",
+                "marlin",
+                "rest",
+                "process",
+            }
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_vllm_counts_the_daemons_weights_as_external(world: dict[str, Any], case: Case) -> None:
+    """vLLM's worker asks the loader for the weights held outside the engine before it sizes its
+    memory (``get_external_weight_memory``): an engine that attaches answers the daemon's bytes
+    for its rank (its mapping's size), one that loads privately 0, as vLLM's own load does."""
+    for rank, res in enumerate(ranks(world, case.tp)):
+        attached = ok(res[f"{case.name}/mpack-require"])
+        what = f"{case.name} rank {rank}"
+        assert attached["external_weight_memory"] == attached["weights"]["nbytes"] > 0, what
+        assert ok(res[f"{case.name}/mpack-never"])["external_weight_memory"] == 0, what
+        assert ok(res[f"{case.name}/default"])["external_weight_memory"] == 0, what

@@ -221,6 +221,18 @@ def outside_sidecar(model: nn.Module) -> list[str] | None:
     return out
 
 
+def marlin_bytes(model: nn.Module) -> int | None:
+    """The bytes of the model's parameters that are the rank file's tensors (the Marlin layers'
+    and MoE blocks'); None for vLLM's own load."""
+    weights = getattr(model, "_mpack_weights", None)
+    if weights is None:
+        return None
+    from mpack.sidecar import expected_rank_tensors
+
+    in_rank_file = expected_rank_tensors(weights.manifest)
+    return sum(p.nbytes for n, p in model.named_parameters() if n in in_rank_file)
+
+
 class LinearCount:
     """Counts vLLM ``LinearBase`` layers built: a model refused before allocation built none."""
 
@@ -289,13 +301,24 @@ def build(cfg: Any) -> nn.Module:
         )
 
 
+def external_weight_memory(cfg: Any) -> int:
+    """What vLLM's worker asks the loader before it loads: the bytes held outside the engine."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    with set_current_vllm_config(cfg):
+        return get_model_loader(cfg.load_config).get_external_weight_memory(cfg)
+
+
 def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     LinearCount.n = 0
     model = None
     try:
         with env(load.get("env")):
-            model = build(engine_config(load, tp))
+            cfg = engine_config(load, tp)
+            external = external_weight_memory(cfg)
+            model = build(cfg)
             seconds = time.perf_counter() - t0
             info, views = marlin_views(model, load.get("sidecar"))
             return {
@@ -307,6 +330,9 @@ def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
                 "marlin": views,
                 "passthrough": getattr(model, "_mpack_passthrough", None),
                 "outside_sidecar": outside_sidecar(model),
+                "load": getattr(model, "_mpack_load", None),
+                "external_weight_memory": external,
+                "marlin_bytes": marlin_bytes(model),
             }
     except Exception as e:
         return {
