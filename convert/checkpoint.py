@@ -31,7 +31,7 @@ from mpack.errors import (
     shown,
 )
 from mpack.fsutil import parse_json
-from mpack.iokit import pread_pieces
+from mpack.iokit import PREAD_PIECE, pread_full, pread_pieces
 from mpack.sidecar import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -139,21 +139,46 @@ class Checkpoint:
         Large reads run as several preads at once (:func:`mpack.iokit.pread_pieces`). Raises
         ``CorruptFileError`` if the file is truncated.
         """
-        t = self.tensors[name]
-        path = self.root / t.file
-        at = []
-        for out, skip in pieces:
+        self.read_parts([(name, out, skip) for out, skip in pieces])
+
+    def read_parts(self, parts: list[tuple[str, Any, int]]) -> None:
+        """Fill each ``(tensor name, buffer, skip)`` with that tensor's bytes from ``skip`` on:
+        many tensors with one open per shard (a MoE batch's experts, every scale of a model).
+
+        Where a shard's part is ``PREAD_PIECE`` bytes or more, its preads run at once
+        (:func:`mpack.iokit.pread_pieces`); smaller parts, one after another here (a pool hand-off
+        costs more than a pread of a few KB). Raises ``CorruptFileError`` if a file is
+        truncated.
+        """
+        by_file: dict[str, list[tuple[str, memoryview, int]]] = {}
+        for name, out, skip in parts:
+            t = self.tensors[name]
             view = memoryview(out).cast("B")
             if skip + len(view) > t.nbytes:
                 raise ValueError(f"{name}: {len(view)} bytes from {skip} pass the end ({t.nbytes})")
             if len(view):
-                at.append((view, t.offset + skip))
-        if not at:
-            return
-        with open(path, "rb", buffering=0) as f:
-            short = pread_pieces(f.fileno(), at)
-        if short is not None:
-            raise CorruptFileError(f"{path}: tensor {name!r} is truncated at byte {short}")
+                by_file.setdefault(t.file, []).append((name, view, t.offset + skip))
+        for file, named in by_file.items():
+            path = self.root / file
+            at = [(view, offset) for _, view, offset in named]
+            with open(path, "rb", buffering=0) as f:
+                if sum(len(v) for v, _ in at) >= PREAD_PIECE:
+                    short = pread_pieces(f.fileno(), at)
+                else:
+                    short = _pread_each(f.fileno(), at)
+            if short is not None:
+                name = next(n for n, v, o in named if o <= short < o + len(v))
+                raise CorruptFileError(f"{path}: tensor {name!r} is truncated at byte {short}")
+
+
+def _pread_each(fd: int, at: list[tuple[memoryview, int]]) -> int | None:
+    """Each ``(buffer, file offset)`` of ``at`` by one pread after another on this thread: None,
+    or the file offset at which the file ended first (as :func:`mpack.iokit.pread_pieces`)."""
+    for view, offset in at:
+        got = pread_full(fd, view, offset)
+        if got < len(view):
+            return offset + got
+    return None
 
 
 # --- quantization config ------------------------------------------------------------------
@@ -535,8 +560,17 @@ def read_scale(ck: Checkpoint, module: str) -> torch.Tensor:
 
 def read_scale_array(ck: Checkpoint, module: str) -> np.ndarray:
     """:func:`read_scale` as a numpy float32 array, without torch."""
-    name = f"{module}.{SCALE}"
-    return float32_values(ck.read_bytes(name), ck.tensors[name].dtype)
+    return read_scale_arrays(ck, [module])[module]
+
+
+def read_scale_arrays(ck: Checkpoint, modules: list[str]) -> dict[str, np.ndarray]:
+    """:func:`read_scale_array` of each of ``modules``, read with one open per shard."""
+    names = [f"{m}.{SCALE}" for m in modules]
+    raw = {n: np.empty(ck.tensors[n].nbytes, dtype=np.uint8) for n in names}
+    ck.read_parts([(n, memoryview(a), 0) for n, a in raw.items()])
+    return {
+        m: float32_values(raw[n], ck.tensors[n].dtype) for m, n in zip(modules, names, strict=True)
+    }
 
 
 def float32_values(raw: np.ndarray, dtype: str) -> np.ndarray:

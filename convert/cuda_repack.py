@@ -298,7 +298,10 @@ def _bytes_2d(wck: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weight_cuda(
-    wck: torch.Tensor, np_: int | None = None, kp: int | None = None
+    wck: torch.Tensor,
+    np_: int | None = None,
+    kp: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Zero-pad to ``(Np, Kp)`` and repack in one kernel; same bytes as ``marlin.pack_weight``.
 
@@ -307,6 +310,8 @@ def pack_weight_cuda(
             slice ``w[:, a:b]`` is read in place); any other layout is copied to contiguous.
         np_, kp: padded dims, ``np_ % 64 == 0``, ``kp % 16 == 0``, at least ``(N, K)``; default
             :func:`mpack.convert.marlin.marlin_padded_nk` ``(N, K)``.
+        out: where to write (int32 ``[Kp/16, 4*Np]``, contiguous, on ``wck``'s device: an
+            expert's slice of a stacked tensor); default a new tensor.
 
     Returns:
         int32 ``[Kp/16, 4*Np]`` on ``wck``'s device, written on torch's current stream.
@@ -325,7 +330,19 @@ def pack_weight_cuda(
     if k > 1 and w.stride(1) != 1:
         w = w.contiguous()
     ordinal = w.device.index if w.device.index is not None else torch.cuda.current_device()
-    out = torch.empty((kp // 16, 4 * np_), dtype=torch.int32, device=w.device)
+    shape = (kp // 16, 4 * np_)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32, device=w.device)
+    elif (
+        tuple(out.shape) != shape
+        or out.dtype != torch.int32
+        or out.device != w.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be contiguous int32 {shape} on {w.device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
     if out.numel() == 0:
         return out
     ld = w.stride(0) if n > 1 else max(k, 1)

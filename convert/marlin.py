@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 
+import numpy as np
 import torch
 
 from mpack import target
@@ -42,6 +43,8 @@ __all__ = [
     "pack_scales",
     "pack_weight",
     "repack",
+    "lookup",
+    "requant_tables",
     "requantize",
     "requantize_shards",
     "unpack_bias",
@@ -338,8 +341,10 @@ def unpack_bias(packed: torch.Tensor, n: int) -> torch.Tensor:
     return _permute_groups(packed.reshape(-1), inverse=True)[:n].contiguous()
 
 
-def _f32_scalar(x: float | torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.float32, device="cpu").reshape(())
+def _f32(x: float | torch.Tensor) -> torch.Tensor:
+    """float32 on the CPU: a scalar (0-dim) when one value, else as shaped."""
+    t = torch.as_tensor(x, dtype=torch.float32, device="cpu")
+    return t.reshape(()) if t.numel() == 1 else t
 
 
 def requantize(
@@ -354,14 +359,15 @@ def requantize(
 
     Args:
         wck: float8_e4m3fn or uint8 ``[...]`` (any shape).
-        s_shard, s_max: the shard's and the layer's float32 scales (scalars).
+        s_shard, s_max: the shard's and the layer's float32 scales: scalars, or CPU tensors
+            broadcast against ``wck`` (:func:`requant_tables` passes columns, one row per pair).
 
     Returns:
-        uint8, same shape and device as ``wck``.
+        uint8 on ``wck``'s device, of ``wck``'s shape (broadcast with the scales').
     """
     dev = wck.device
-    s16 = _f32_scalar(s_shard).to(torch.float16).to(torch.float32)  # exact fp16 value as fp32
-    inv = torch.reciprocal(_f32_scalar(s_max))  # correctly rounded 1/s_max, computed on CPU
+    s16 = _f32(s_shard).to(torch.float16).to(torch.float32)  # exact fp16 value as fp32
+    inv = torch.reciprocal(_f32(s_max))  # correctly rounded 1/s_max, computed on CPU
     w = _as_bytes(wck).view(torch.float8_e4m3fn).to(torch.float32)  # exact widening
     dq = (w * s16.to(dev)).to(torch.float16)  # the fp32 product is exact; one RNE to fp16
     x = dq.to(torch.float32) * inv.to(dev)  # one fp32 multiply by the reciprocal
@@ -369,10 +375,55 @@ def requantize(
     return x.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+# Note [requantization tables]: requantizing a shard maps each fp8 byte to a byte, the same
+# function of the byte for the whole shard (its scale and the layer's largest are fixed). So
+# :func:`requantize` runs once on the 256 codes per shard, on the CPU, and the shard's bytes go
+# through that table: the same bytes as the arithmetic on every byte (the golden's requant vectors
+# are such tables, and the GPU tests hold CUDA's arithmetic to them), for a lookup per byte
+# instead of eight float passes, and on a GPU without the two scalars copied to the device per
+# shard (a copy from pageable memory waits for the stream). On the CPU the lookup is
+# ``bytes.translate``; on a GPU one gather for every shard of a layer, or of a batch of experts,
+# the tables uploaded from pinned memory without a wait. Figures: docs/BENCHMARKS.md, section 18.
+_CODES = torch.arange(256, dtype=torch.uint8)
+
+
+def requant_tables(scales: torch.Tensor, s_max: float | torch.Tensor) -> torch.Tensor:
+    """uint8 ``[S, 256]`` on the CPU: row ``i`` maps each fp8 byte of a shard of scale
+    ``scales[i]`` to that byte requantized to ``s_max`` (one scale, or one per shard: ``[S]``;
+    Note [requantization tables])."""
+    s_max = _f32(s_max)
+    col = s_max.reshape(-1, 1) if s_max.dim() else s_max
+    return requantize(_CODES, scales.reshape(-1, 1), col).reshape(-1, 256)
+
+
+def lookup(w: torch.Tensor, tables: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """uint8 ``[R, K]`` (a new tensor on ``w``'s device): the rows of ``w`` (uint8 ``[R, K]``,
+    contiguous) mapped through ``tables`` (uint8 ``[T, 256]``, CPU), run by run: ``(table,
+    rows)`` pairs, in row order, their rows summing to ``R``."""
+    if sum(r for _, r in runs) != w.shape[0]:
+        raise ValueError(f"runs {list(runs)} do not cover {w.shape[0]} rows")
+    if w.is_cuda:
+        which = torch.tensor([256 * t for t, _ in runs], dtype=torch.int32)
+        first = torch.repeat_interleave(which, torch.tensor([r for _, r in runs]))  # int32 [R]
+        flat, first = (x.pin_memory().to(w.device, non_blocking=True) for x in (tables, first))
+        index = w.to(torch.int32)  # int32 [R, K]: into the flat tables, once offset
+        index += first.reshape(-1, 1)
+        return flat.reshape(-1).index_select(0, index.reshape(-1)).reshape(w.shape)
+    out = torch.empty(w.shape, dtype=torch.uint8)
+    rows_in, rows_out = w.reshape(w.shape[0], -1).numpy(), out.reshape(w.shape[0], -1).numpy()
+    at = 0
+    for t, r in runs:
+        mapped = rows_in[at : at + r].tobytes().translate(tables[t].numpy().tobytes())
+        rows_out[at : at + r] = np.frombuffer(mapped, dtype=np.uint8).reshape(r, -1)
+        at += r
+    return out
+
+
 def requantize_shards(
     wck: torch.Tensor, scales: Sequence[float] | torch.Tensor, widths: Sequence[int]
 ) -> tuple[torch.Tensor, float]:
-    """Requantize each row-shard of a fused layer to the largest shard scale (SPEC §4).
+    """Requantize each row-shard of a fused layer to the largest shard scale (SPEC §4), through
+    a table per shard (Note [requantization tables]).
 
     Args:
         wck: float8_e4m3fn or uint8 ``[N, K]``; shard ``i`` is the next ``widths[i]`` rows.
@@ -388,8 +439,5 @@ def requantize_shards(
             f"{s.numel()} scales / widths {list(widths)} do not match N={wck.shape[0]}"
         )
     s_max = s.max()
-    pieces = [
-        requantize(part, s[i], s_max)
-        for i, part in enumerate(torch.split(_as_bytes(wck), list(widths), dim=0))
-    ]
-    return torch.cat(pieces, dim=0), float(s_max)
+    w = _as_bytes(wck).contiguous()
+    return lookup(w, requant_tables(s, s_max), list(enumerate(widths))), float(s_max)

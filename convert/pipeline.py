@@ -57,9 +57,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mpack.cache import remember_source_dir
 from mpack.convert.backends import Backend, check_device_here, open_backend, report, turned_off
-from mpack.convert.checkpoint import Checkpoint, check_scale_values, read_scale_array
+from mpack.convert.checkpoint import Checkpoint, check_scale_values, read_scale_arrays
 from mpack.convert.options import ConvertOptions
 from mpack.convert.output import (
     check_apart,
@@ -99,7 +101,7 @@ from mpack.sidecar import (
     new_manifest,
     open_writer,
 )
-from mpack.target import dir_name
+from mpack.target import ACT_DTYPES, SCALE, dir_name
 from mpack.target_dirs import target_names, uses_target_dirs
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): "bytes" / "layers"
@@ -432,11 +434,38 @@ def _started(
 
 def validate_values(ck: Checkpoint, acts: set[str]) -> None:
     """Every layer's scale values (SPEC §1), read once, for each activation dtype; before any
-    heavy work."""
+    heavy work. A few MB of them are read at a time, with one open per shard, and checked
+    together; only a group with a bad value is checked layer by layer, for the error that names
+    it (a MoE model has tens of thousands of scale tensors: one open and one check each was
+    most of this step)."""
+    limit = min(ACT_DTYPES[act].fold_limit for act in acts)
+    for group in _scale_groups(ck):
+        values = np.concatenate(list(group.values()))
+        if np.isfinite(values).all() and (values > 0).all() and (values <= limit).all():
+            continue
+        for module, scale in group.items():
+            for act in sorted(acts):
+                check_scale_values(ck, module, scale, act)
+
+
+#: Bytes of scale tensors :func:`validate_values` reads and checks at a time.
+SCALE_READ_BYTES = 16 << 20
+
+
+def _scale_groups(ck: Checkpoint) -> Iterator[dict[str, np.ndarray]]:
+    """Every layer's float32 scales, ``{module: scales}`` of about :data:`SCALE_READ_BYTES` at a
+    time, in layer order."""
+    group: list[str] = []
+    size = 0
     for module in ck.layers:
-        scale = read_scale_array(ck, module)
-        for act in sorted(acts):
-            check_scale_values(ck, module, scale, act)
+        nbytes = ck.tensors[f"{module}.{SCALE}"].nbytes
+        if group and size + nbytes > SCALE_READ_BYTES:
+            yield read_scale_arrays(ck, group)
+            group, size = [], 0
+        group.append(module)
+        size += nbytes
+    if group:
+        yield read_scale_arrays(ck, group)
 
 
 # --- stream into the stage ----------------------------------------------------------------

@@ -6,7 +6,9 @@ returns, every file of the sidecar is mapped and every rejection has already hap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,17 +236,14 @@ def check_decoder_layers(ck: Checkpoint) -> None:
             f"{cfg}: {what}, not a positive whole number of decoder layers",
             hint="use the checkpoint's own config.json",
         )
-    found: dict[int, str] = {}  # layer -> its first tensor
-    for name in sorted(ck.tensors, key=arch.natural_key):
-        i = lay.decoder_index(name)
-        if i is not None:
-            found.setdefault(i, name)
-    extra = [i for i in found if i >= n]
+    found = {i for i in map(lay.decoder_index, ck.tensors) if i is not None}
+    extra = sorted(i for i in found if i >= n)
     if not extra and len(found) == n:
         return
     held = _spans(sorted(found)) or "none"
     if extra:
-        first = found[extra[0]]
+        held_by = (t for t in ck.tensors if lay.decoder_index(t) == extra[0])
+        first = min(held_by, key=arch.natural_key)  # the layer's first tensor, as people sort
         why = f"{ck.root / ck.tensors[first].file} holds {first}"
     else:
         gap = next(i for i in range(n) if i not in found)
@@ -601,6 +600,25 @@ def act_dtype_of(ck: Checkpoint, requested: str | None) -> str:
     )
 
 
+# Note [planning without the cyclic collector]: planning a MoE model makes some hundred
+# thousand small objects that live on (a header entry and a SourceTensor per tensor, an OutLayer
+# and its Pieces per expert and rank), and CPython's cyclic collector walks every live object
+# each time its oldest generation grows by a quarter: seven full walks while planning
+# Qwen3-30B-A3B's 48 layers (56,000 tensors), which free nothing (the plan holds no cycles) and
+# took a third of the planning (figures: docs/BENCHMARKS.md, section 18). So the collector is off
+# while :func:`open_and_plan` runs, and back as it was after (reference counting frees as
+# always).
+@contextlib.contextmanager
+def _no_cyclic_collector() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def open_and_plan(
     root: Path,
     check: SchemeCheck,
@@ -619,9 +637,10 @@ def open_and_plan(
     With the scheme check in a child (``check``), its error comes first: the same order as
     inline. Errors of the checkpoint itself (every target hits them) are raised as they are;
     a target that cannot be planned refuses the run, naming it, unless ``skip_invalid`` and
-    another can. The scale values are checked later, once a backend is open.
+    another can. The scale values are checked later, once a backend is open. Python's cyclic
+    collector is off meanwhile (Note [planning without the cyclic collector]).
     """
-    with check.errors_first():
+    with check.errors_first(), _no_cyclic_collector():
         ck = open_checkpoint(root, scheme=not check.deferred)
         find_layers(ck)
         check_decoder_layers(ck)

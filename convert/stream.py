@@ -16,7 +16,7 @@ module is the same for all of them, and for one target or many (a :class:`Sink` 
 Note [one read for every target]: the targets of one run share their fusion, so unit i is the
 same checkpoint modules for all of them (:func:`mpack.convert.plan.open_and_plan` checks it).
 Where every target is converted by one backend at one activation dtype (one target; or several
-TP sizes on the host), that backend reads the unit its own way (``Backend.read_unit``: into its
+TP sizes on the host), that backend reads the unit its own way (``Backend.read_units``: into its
 recycled or page-locked arrays, or, for torch on a GPU, through its pinned ring onto the
 device) and every target transforms from those. Otherwise the unit is read as stored
 (:func:`read_raw`, into the page-locked arrays of a driver backend where there is one) and each
@@ -38,7 +38,7 @@ import numpy as np
 
 from mpack import iokit
 from mpack.convert.backends.host import Buffers
-from mpack.convert.checkpoint import Checkpoint, read_scale_array
+from mpack.convert.checkpoint import Checkpoint, read_scale_arrays
 from mpack.convert.plan import OutLayer, Plan
 from mpack.convert.timeline import Timeline
 from mpack.iokit import Aborted, get_or_abort, put_or_abort
@@ -48,7 +48,22 @@ from mpack.target import BIAS, SCALE, WEIGHT
 if TYPE_CHECKING:
     from mpack.convert.backends import Backend
 
-UNITS_AHEAD = 3  # units read (and on their way to the device) before the transform needs them
+UNITS_AHEAD = 3  # batches read (and on their way to the device) before the transform needs them
+#: Checkpoint weight bytes of one batch of experts, at most (Note [expert batches]).
+BATCH_BYTES = 64 << 20
+
+# Note [expert batches]: a MoE model is thousands of small expert layers (Qwen3-30B-A3B: 128
+# experts x 3 linears x 48 layers of 1.5 MB each) where a dense one is a few hundred layers of
+# tens of MB, and each layer the stream moves costs the same whatever its size: Python in every
+# stage, a read per tensor, a write per result, and on a GPU copies in and out through 16 MiB
+# pinned pieces and the launches and waits of its transform. So consecutive units that are
+# experts of one stacked tensor (the same layer name on the same ranks, consecutive indices) go
+# through the stream as one batch of at most BATCH_BYTES of checkpoint weights: read together
+# (``Backend.read_units``: one open per shard, the pieces filled), transformed together into
+# their part of the stacked tensors (``Backend.transform_stack``), and written as one piece per
+# stacked tensor. Every other unit is a batch of its own. The plan's units do not change, so
+# neither does the manifest (its layer indices) nor a byte of what is written. A sink whose
+# transform is not its backend's (verify's, which reads each layer back) takes unit by unit.
 
 #: ``(layer, the unit's arrays, act dtype) -> results``: the backend's transform, or one that
 #: wraps it (verify's, which reads the layout back too).
@@ -76,21 +91,55 @@ class Sink:
     transform: Transform | None = field(default=None)
 
     def __post_init__(self) -> None:
+        self.stacks = self.transform is None  # the backend's own: batches of experts too
         if self.transform is None:
             self.transform = self.backend.transform
 
 
-def read_raw(ck: Checkpoint, unit: list[OutLayer], buffers: Buffers) -> dict[str, Any]:
-    """A unit's checkpoint tensors as they are stored, for backends to adopt (Note [one read
+def batches(plans: list[Plan], limit: int = BATCH_BYTES) -> list[range]:
+    """The units of ``plans`` (the targets of one run: the same checkpoint modules unit by
+    unit) cut into batches (Note [expert batches]): runs of consecutive experts of one stacked
+    tensor in every plan, each of at most ``limit`` bytes of checkpoint weights (0: every unit
+    alone), and every other unit alone."""
+    ck = plans[0].ckpt
+    out: list[range] = []
+    size = 0
+    for i, unit in enumerate(plans[0].units):
+        nbytes = sum(ck.tensors[f"{m}.{WEIGHT}"].nbytes for m in unit[0].modules())
+        joins = all(_follows(p.units[i - 1], p.units[i]) for p in plans) if i else False
+        if out and size + nbytes <= limit and joins:
+            out[-1] = range(out[-1].start, i + 1)
+            size += nbytes
+        else:
+            out.append(range(i, i + 1))
+            size = nbytes
+    return out
+
+
+def _follows(prev: list[OutLayer], unit: list[OutLayer]) -> bool:
+    """Whether ``unit`` is the next expert after ``prev`` in the same stacked tensors, on the
+    same ranks."""
+    return len(prev) == len(unit) and all(
+        a.stack is not None
+        and b.stack is not None
+        and (a.name, a.rank) == (b.name, b.rank)
+        and b.stack.index == a.stack.index + 1
+        for a, b in zip(prev, unit, strict=True)
+    )
+
+
+def read_raw(ck: Checkpoint, units: list[list[OutLayer]], buffers: Buffers) -> dict[str, Any]:
+    """A batch's checkpoint tensors as they are stored, for backends to adopt (Note [one read
     for every target]): weights uint8 ``[N, K]`` (into ``buffers``' arrays), scales float32,
     biases ``(bytes, dtype)``."""
-    src: dict[str, Any] = {}
-    for module in unit[0].modules():
-        wname = f"{module}.{WEIGHT}"
-        t = ck.tensors[wname]
-        src[wname] = ck.read_bytes(wname, buffers.take(t.nbytes)).reshape(t.shape)
-        src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
-        if unit[0].has_bias:
+    modules = [m for unit in units for m in unit[0].modules()]
+    weights = {m: ck.tensors[f"{m}.{WEIGHT}"] for m in modules}
+    arrays = {m: buffers.take(t.nbytes) for m, t in weights.items()}
+    ck.read_parts([(t.name, arrays[m], 0) for m, t in weights.items()])  # one open per shard
+    src: dict[str, Any] = {t.name: arrays[m].reshape(t.shape) for m, t in weights.items()}
+    src.update((f"{m}.{SCALE}", s) for m, s in read_scale_arrays(ck, modules).items())
+    for unit in units:
+        for module in unit[0].modules() if unit[0].has_bias else ():
             bname = f"{module}.{BIAS}"
             src[bname] = (ck.read_bytes(bname), ck.tensors[bname].dtype)
     return src
@@ -125,22 +174,31 @@ class Streamer:
             if own is None:
                 self._made = Buffers()
             self.buffers = own.buffers if own is not None else self._made  # type: ignore[attr-defined]
+        plans = [s.plan for s in sinks]
+        self.batches = batches(plans, BATCH_BYTES if all(s.stacks for s in sinks) else 0)
         self._units: queue.Queue = queue.Queue(UNITS_AHEAD)
         # bounded by the backends that bound it (0: one that bounds its results itself, its ring)
         bounds = [b.write_queue for b in self.backends if b.write_queue]
+        # each file's entries by name (FileMap.entry looks through them one by one)
+        self._entries = {
+            id(w): {e.name: e for e in w.file_map.entries}
+            for sink in sinks
+            for w in sink.writers.values()
+        }
         self._writes: queue.Queue = queue.Queue(min(bounds, default=0))
 
     # --- read ---------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        act = self.sinks[0].plan.act_dtype
+        plan = self.sinks[0].plan
         try:
-            for unit in self.sinks[0].plan.units:
+            for batch in self.batches:
                 t = time.perf_counter()
+                units = [plan.units[i] for i in batch]
                 if self.reader is not None:
-                    src, ready = self.reader.read_unit(self.ckpt, unit, act)
+                    src, ready = self.reader.read_units(self.ckpt, units, plan.act_dtype)
                 else:
-                    src, ready = read_raw(self.ckpt, unit, self.buffers), None  # type: ignore[arg-type]
+                    src, ready = read_raw(self.ckpt, units, self.buffers), None  # type: ignore[arg-type]
                 self.timeline.add("read", "unit", t, time.perf_counter())
                 put_or_abort(self._units, (src, ready), self.abort)
             put_or_abort(self._units, None, self.abort)
@@ -184,13 +242,16 @@ class Streamer:
             self.abort.set()
             raise
 
-    def _emit(self, sink: Sink, layer: OutLayer, outs: list[Any]) -> None:
-        """Queue a layer's results for the writer, piece by piece as the backend hands them."""
+    def _emit(self, sink: Sink, layers: list[OutLayer], outs: list[Any]) -> None:
+        """Queue the results of a layer, or of a run of experts of one stacked tensor (their
+        slots one after another), for the writer, piece by piece as the backend hands them."""
         plan = sink.plan
-        w = sink.writers[rank_file_name(layer.rank, plan.tp)]
-        for spec, result in zip(layer.tensor_specs(plan.act_dtype), outs, strict=True):
-            entry = w.file_map.entry(spec.name)
-            start, nbytes = layer.slot(entry.offset, entry.nbytes)
+        first = layers[0]
+        w = sink.writers[rank_file_name(first.rank, plan.tp)]
+        for spec, result in zip(first.tensor_specs(plan.act_dtype), outs, strict=True):
+            entry = self._entries[id(w)][spec.name]
+            start, one = first.slot(entry.offset, entry.nbytes)
+            nbytes = one * len(layers)
             got = 0
             for offset, data, ready, done in sink.backend.pieces(result):
                 item = WriteItem(w, start + offset, data, ready, done)
@@ -213,13 +274,13 @@ class Streamer:
             reader = pool.submit(self._read_loop)
             writer = pool.submit(self._write_loop)
             try:
-                for i, (src, ready) in enumerate(self._incoming()):
+                for batch, (src, ready) in zip(self.batches, self._incoming(), strict=True):
                     t = time.perf_counter()
-                    self._transform_unit(i, src, ready)
+                    self._transform_batch(batch, src, ready)
                     del src
                     self.timeline.add("transform", "unit", t, time.perf_counter())
                     if self.on_unit:
-                        self.on_unit(i + 1)
+                        self.on_unit(batch.stop)
                 put_or_abort(self._writes, None, self.abort)
             except BaseException:
                 self.abort.set()
@@ -241,9 +302,10 @@ class Streamer:
                 return
             yield item
 
-    def _transform_unit(self, i: int, src: dict[str, Any], ready: Any) -> None:
-        """Unit ``i`` for every target, from the arrays read once (Note [one read for every
-        target]); they are handed back once every target has transformed it."""
+    def _transform_batch(self, batch: range, src: dict[str, Any], ready: Any) -> None:
+        """The units of ``batch`` for every target, from the arrays read once (Note [one read
+        for every target]); they are handed back once every target has transformed them. A
+        batch of experts goes to the backend as one stack per rank (Note [expert batches])."""
         adopted: dict[tuple[int, str], dict[str, Any]] = {}
         for sink in self.sinks:
             be, act = sink.backend, sink.plan.act_dtype
@@ -253,12 +315,16 @@ class Streamer:
                 if key not in adopted:
                     adopted[key] = be.from_raw(src, self.ckpt, act)
                 mine = adopted[key]
+            units = [sink.plan.units[i] for i in batch]
             with be.on_unit(mine, ready):
-                for layer in sink.plan.units[i]:
+                for layers in zip(*units, strict=True):  # one rank's layers of the batch
                     t = time.perf_counter()
-                    outs = sink.transform(layer, mine, act)  # type: ignore[misc]
+                    if len(layers) == 1:
+                        outs = sink.transform(layers[0], mine, act)  # type: ignore[misc]
+                    else:
+                        outs = be.transform_stack(list(layers), mine, act)
                     self.timeline.add("transform", "compute", t, time.perf_counter())
-                    self._emit(sink, layer, outs)
+                    self._emit(sink, list(layers), outs)
         if self.reader is not None:
             self.reader.done_with(src)
         else:

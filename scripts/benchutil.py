@@ -195,13 +195,26 @@ def synth(
     print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)
 
 
-def timed_run(cmd: list[str], env: dict[str, str], cold: bool) -> dict[str, Any]:
+def timed_run(
+    cmd: list[str], env: dict[str, str], cold: bool, json_out: bool = False
+) -> dict[str, Any]:
     """``cmd`` (a shell line for a string) after the page cache is dropped when ``cold`` (and
-    this process may): its seconds, and whether the cache was dropped."""
+    this process may): its seconds, and whether the cache was dropped; ``json_out``: the JSON
+    document it prints too (``doc``)."""
     dropped = drop_caches() if cold else False
     t = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, shell=isinstance(cmd, str))
-    return {"seconds": round(time.perf_counter() - t, 3), "cold": dropped}
+    r = subprocess.run(
+        cmd,
+        env=env,
+        check=True,
+        shell=isinstance(cmd, str),
+        stdout=subprocess.PIPE if json_out else None,
+        text=True,
+    )
+    res: dict[str, Any] = {"seconds": round(time.perf_counter() - t, 3), "cold": dropped}
+    if json_out:
+        res["doc"] = json.loads(r.stdout)
+    return res
 
 
 def moe_30b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path, dict[str, Any]]:
@@ -225,11 +238,19 @@ def moe_30b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path, d
     res: dict[str, Any] = {"layers": layers, "checkpoint_bytes": dir_bytes(ck)}
     res["cp_r_sync"] = timed_run(f"cp -r '{ck}' '{copy}' && sync", env, cold=True)
     shutil.rmtree(copy)
-    convert = [sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q"]
-    res["convert_cuda"] = timed_run(
-        [*convert, "--profile", "w8a8-marlin", "--device", "cuda"], env, cold=True
+    convert = [sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "--json"]
+    run = timed_run(
+        [*convert, "--profile", "w8a8-marlin", "--device", "cuda"], env, cold=True, json_out=True
     )
-    res["convert_vs_cp"] = round(res["convert_cuda"]["seconds"] / res["cp_r_sync"]["seconds"], 3)
+    doc = run.pop("doc")
+    # where the time went: the run's phases (ConvertResult.seconds: busy and wait seconds of the
+    # read, transform, write and pass-through lanes, the main thread's steps), the process's
+    # start outside them, and the backend that ran
+    run["phases"] = doc["seconds"]
+    run["outside_run_s"] = round(run["seconds"] - doc["seconds"].get("total", 0.0), 3)
+    run["backend"] = {k: doc["backend"][k] for k in ("name", "device", "detail")}
+    res["convert_cuda"] = run
+    res["convert_vs_cp"] = round(run["seconds"] / res["cp_r_sync"]["seconds"], 3)
     res["sidecar_bytes"] = dir_bytes(sc)
     print(json.dumps(res), flush=True)
     return ck, sc, res

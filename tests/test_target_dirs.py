@@ -212,11 +212,12 @@ def test_verify_checks_every_target_from_one_read(multi: Path, ck: Path, monkeyp
     from mpack.verify import verify_targets
 
     read: dict[str, int] = {}
-    real_read = Checkpoint.read_pieces
+    real_read = Checkpoint.read_parts  # every read of tensor bytes goes through it
 
-    def counting(self, name, pieces):
-        read[name] = read.get(name, 0) + sum(len(v) for v, _ in pieces)
-        return real_read(self, name, pieces)
+    def counting(self, parts):
+        for name, buf, _ in parts:
+            read[name] = read.get(name, 0) + memoryview(buf).nbytes
+        return real_read(self, parts)
 
     hashed: list[list[str]] = []
     real_hashing = rederive.hashing
@@ -232,7 +233,7 @@ def test_verify_checks_every_target_from_one_read(multi: Path, ck: Path, monkeyp
         checks.append(a)
         real_init(self, *a, **kw)
 
-    monkeypatch.setattr(Checkpoint, "read_pieces", counting)
+    monkeypatch.setattr(Checkpoint, "read_parts", counting)
     monkeypatch.setattr(rederive, "hashing", hashing)
     monkeypatch.setattr(SchemeCheck, "__init__", init)
     results = verify_targets([multi / TP1, multi / TP2], source=ck, rederive_device="cpu")

@@ -124,24 +124,32 @@ class Backend(Protocol):
         ``abort`` stops a wait inside, ``tl`` gets its waits."""
         ...
 
-    def read_unit(
-        self, ck: Checkpoint, unit: list[OutLayer], act: str
+    def read_units(
+        self, ck: Checkpoint, units: list[list[OutLayer]], act: str
     ) -> tuple[dict[str, Any], Any]:
-        """A unit's checkpoint arrays, as :meth:`transform` takes them for activation dtype
-        ``act``, and what the transform waits for before it reads them (None: nothing)."""
+        """The checkpoint arrays of a batch of units (one unit, or consecutive experts: Note
+        [expert batches] in mpack/convert/stream.py), as :meth:`transform` takes them for
+        activation dtype ``act``, and what the transform waits for before it reads them (None:
+        nothing)."""
         ...
 
     def from_raw(self, raw: dict[str, Any], ck: Checkpoint, act: str) -> dict[str, Any]:
-        """What :meth:`read_unit` gives, from a unit read once for several targets
+        """What :meth:`read_units` gives, from a batch read once for several targets
         (:func:`mpack.convert.stream.read_raw`)."""
         ...
 
     def on_unit(self, src: dict[str, Any], ready: Any) -> AbstractContextManager[None]:
-        """Around the transforms of one unit read by :meth:`read_unit`."""
+        """Around the transforms of one batch read by :meth:`read_units`."""
         ...
 
     def transform(self, layer: OutLayer, src: dict[str, Any], act: str) -> list[Any]:
         """One rank's Marlin tensors for ``layer``, in the order of its tensor specs."""
+        ...
+
+    def transform_stack(self, layers: list[OutLayer], src: dict[str, Any], act: str) -> list[Any]:
+        """One rank's part of stacked tensors for ``layers``, experts of one stacked tensor with
+        consecutive indices: per tensor spec, the results :meth:`transform` gives for each
+        layer, one after another (``[len(layers), ...]``)."""
         ...
 
     def read_back(

@@ -16,8 +16,10 @@ GPU, through cuda-bindings:
   pitched) into a device buffer ``[N, K]``, the kernel writes the Marlin tiles into a second
   one, and ``cuMemcpyDtoHAsync`` brings them back into a page-locked array for the writer;
   then the stream is synchronised (a layer's round trip is a few milliseconds: the transform
-  thread is not what bounds the run);
-* the device buffers grow to the largest layer and are reused.
+  thread is not what bounds the run). A batch of experts (Note [expert batches] in
+  mpack/convert/stream.py) is one round trip: every expert's copies and launch, then one copy
+  back into the stacked array and one wait;
+* the device buffers grow to the largest layer (or batch) and are reused.
 
 The bytes are the host backend's and the torch backend's: :func:`open_driver` checks the kernel
 against the native repack on fused and column-sliced pieces before it is used, and the tests
@@ -93,7 +95,7 @@ class DriverBackend(HostBackend):
 
     def __init__(self, gpu: GpuRepack) -> None:
         what = "weights repacked by the fused repack kernel"
-        super().__init__(gpu.buffers(), gpu.pack, f"cuda:{gpu.ordinal}", what)
+        super().__init__(gpu.buffers(), gpu.pack_many, f"cuda:{gpu.ordinal}", what)
         self.gpu = gpu
 
     def close(self) -> None:
@@ -152,19 +154,41 @@ class GpuRepack:
         n = sum(r1 - r0 for _, (r0, r1), _ in pieces)
         np_, kp = cuda_repack.check_dims(n, k, np_, kp)
         out = host_repack.packed_out(np_, kp, out)
+        self.pack_many([pieces], k, np_, kp, out.reshape(1, *out.shape))
+        return out
+
+    def pack_many(
+        self, jobs: list[list[Piece]], k: int, np_: int, kp: int, out: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`pack` of each job (the pieces of one layer; every layer of the same shape) into
+        ``out[j]``, int32 ``[len(jobs), Kp/16, 4*Np]`` C-contiguous, in one round trip: every
+        copy and launch queued, one copy back, one wait (a MoE batch of experts: Note [expert
+        batches] in mpack/convert/stream.py)."""
+        n = sum(r1 - r0 for _, (r0, r1), _ in jobs[0])
+        np_, kp = cuda_repack.check_dims(n, k, np_, kp)
+        shape = (len(jobs), *target.packed_weight_shape(np_, kp))
+        if out.shape != shape or out.dtype != np.int32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous int32 {shape}, got {out.dtype} {out.shape}")
+        one = out.nbytes // len(jobs)
         with self._lock, cudadrv.on_device(self.ordinal) as d:
-            src = self._buffer(d, "in", max(n * k, 1))
+            src = self._buffer(d, "in", max(len(jobs) * n * k, 1))
             dst = self._buffer(d, "out", out.nbytes)
-            row = 0
-            for a, (r0, r1), (c0, c1) in pieces:
-                if a.ndim != 2 or a.itemsize != 1 or a.strides[1] != 1 or c1 - c0 != k:
-                    raise ValueError(f"a piece must be [rows, >= {k}] bytes, got {a.shape}")
-                if r1 > r0:
-                    self._copy_rows(d, a, r0, r1, c0, src + row * k, k)
-                row += r1 - r0
-            vec = cuda_repack.load_width(src, k, k)
             stream = int(self._stream)
-            cuda_repack.launch(self._funcs[vec], self.ordinal, src, k, dst, (n, k, np_, kp), stream)
+            for j, pieces in enumerate(jobs):
+                base, row = src + j * n * k, 0
+                for a, (r0, r1), (c0, c1) in pieces:
+                    if a.ndim != 2 or a.itemsize != 1 or a.strides[1] != 1 or c1 - c0 != k:
+                        raise ValueError(f"a piece must be [rows, >= {k}] bytes, got {a.shape}")
+                    if r1 > r0:
+                        self._copy_rows(d, a, r0, r1, c0, base + row * k, k)
+                    row += r1 - r0
+                if row != n:
+                    raise ValueError(f"layer {j} has {row} rows, layer 0 {n}")
+                vec = cuda_repack.load_width(base, k, k)
+                shape4 = (n, k, np_, kp)
+                cuda_repack.launch(
+                    self._funcs[vec], self.ordinal, base, k, dst + j * one, shape4, stream
+                )
             cudadrv.check(
                 d.cuMemcpyDtoHAsync(out.ctypes.data, dst, out.nbytes, self._stream),
                 "cuMemcpyDtoHAsync",

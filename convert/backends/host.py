@@ -30,7 +30,7 @@ import numpy as np
 from mpack import target
 from mpack.convert import host_repack
 from mpack.convert.backends import Piece, Refused
-from mpack.convert.checkpoint import Checkpoint, float32_values, read_scale_array
+from mpack.convert.checkpoint import Checkpoint, float32_values, read_scale_arrays
 from mpack.convert.plan import OutLayer, Plan
 from mpack.target import BIAS, SCALE, WEIGHT
 
@@ -46,12 +46,14 @@ __all__ = [
     "bias_bits",
     "bias_vector",
     "f16_bits",
+    "gpu_pieces",
     "open_host",
     "pack_bias",
     "pack_scales",
     "read_unit",
+    "read_units",
     "scale_vector",
-    "transform",
+    "transform_stack",
     "unpack_bias",
     "unpack_scales",
     "unsupported",
@@ -61,8 +63,9 @@ __all__ = [
 #: Results that may wait for the writer: each holds its arrays until written.
 WRITE_QUEUE = 16
 
-#: The weight repack of a layer: ``(pieces, k, Np, Kp, out) -> int32 [Kp/16, 4*Np]``, each piece
-#: ``(rows [R, >= K] uint8, (r0, r1), (c0, c1))`` (the driver backend's GPU).
+#: The weight repack of layers of one shape: ``(jobs, k, Np, Kp, out)`` fills ``out``, int32
+#: ``[len(jobs), Kp/16, 4*Np]``, job ``j`` the pieces of layer ``j``, each ``(rows [R, >= K]
+#: uint8, (r0, r1), (c0, c1))`` (:func:`gpu_pieces`; the driver backend's GPU).
 PackPieces = Callable[..., np.ndarray]
 
 _BIAS_DTYPES = ("BF16", "F16", "F32")
@@ -172,6 +175,15 @@ class Buffers:
                 self._release(handle)
 
 
+def _root(x: Any) -> np.ndarray | None:
+    """The array a numpy array views (itself if it owns its memory); None for anything else."""
+    if not isinstance(x, np.ndarray):
+        return None
+    while isinstance(x.base, np.ndarray):
+        x = x.base
+    return x
+
+
 # --- casts ------------------------------------------------------------------------------------
 
 
@@ -209,12 +221,14 @@ def _bits_to_f32(bits: np.ndarray, act: str) -> np.ndarray:
 
 
 def _pad_permute(bits: np.ndarray, np_: int) -> np.ndarray:
-    """Zero-pad to ``np_`` and permute every group of 32 (SPEC §7.3-7.4)."""
-    if bits.size > np_:
-        raise ValueError(f"{bits.size} channels do not fit in Np={np_}")
-    out = np.zeros(np_, dtype=np.uint16)
-    out[: bits.size] = bits
-    return out.reshape(-1, 32)[:, _PERM].reshape(-1)
+    """Zero-pad the last axis to ``np_`` and permute every group of 32 (SPEC §7.3-7.4); the
+    leading axes (several layers' values) stay."""
+    n, lead = bits.shape[-1], bits.shape[:-1]
+    if n > np_:
+        raise ValueError(f"{n} channels do not fit in Np={np_}")
+    out = np.zeros((*lead, np_), dtype=np.uint16)
+    out[..., :n] = bits
+    return out.reshape(*lead, -1, 32)[..., _PERM].reshape(*lead, np_)
 
 
 # --- the packed tensors -----------------------------------------------------------------------
@@ -224,14 +238,16 @@ def pack_scales(scale_n: np.ndarray, act: str, np_: int) -> np.ndarray:
     """float32 ``[N]`` -> the bits of ``weight_scale`` (uint16 ``[1, Np]``): cast, padded,
     permuted, then multiplied by the exponent fold (SPEC §7). The fold is a power of two, so the
     product is exact in float32 and its cast back exact too (inf past the fold limit, which
-    :func:`mpack.convert.checkpoint.check_scale_values` refuses first)."""
+    :func:`mpack.convert.checkpoint.check_scale_values` refuses first). Several layers' at once:
+    ``[m, N]`` -> ``[m, 1, Np]``."""
+    scale_n = np.asarray(scale_n)
     s = _pad_permute(act_bits(scale_n, act), np_)
     folded = _bits_to_f32(s, act) * np.float32(target.act_dtype(act).exp_fold)
-    return act_bits(folded, act).reshape(1, np_)
+    return act_bits(folded, act).reshape(*scale_n.shape[:-1], 1, np_)
 
 
 def pack_bias(bias_bits: np.ndarray, np_: int) -> np.ndarray:
-    """Bias bits in the activation dtype (:func:`read_unit`) -> ``bias`` (uint16 ``[Np]``):
+    """Bias bits in the activation dtype (:func:`read_units`) -> ``bias`` (uint16 ``[Np]``):
     padded and permuted, no fold (SPEC §8)."""
     return _pad_permute(bias_bits, np_)
 
@@ -250,62 +266,89 @@ def bias_bits(raw: np.ndarray, dtype: str, act: str) -> np.ndarray:
 def read_unit(
     ck: Checkpoint, unit: list[OutLayer], act: str, buffers: Buffers | None = None
 ) -> dict[str, np.ndarray]:
-    """The checkpoint arrays the unit's layers need: weights as uint8 ``[N, K]`` (into arrays
-    from ``buffers`` when given), scales as float32, biases already cast to ``act`` (uint16 bits;
-    the cast is elementwise, so it commutes with fusing and slicing)."""
+    """The checkpoint arrays the unit's layers need: :func:`read_units` of one unit."""
+    return read_units(ck, [unit], act, buffers)
+
+
+def read_units(
+    ck: Checkpoint, units: list[list[OutLayer]], act: str, buffers: Buffers | None = None
+) -> dict[str, np.ndarray]:
+    """The checkpoint arrays the layers of a batch of units need (Note [expert batches] in
+    mpack/convert/stream.py): weights as uint8 ``[N, K]``, views of one array (from ``buffers``
+    when given) read with one open per shard, scales as float32, biases already cast to ``act``
+    (uint16 bits; the cast is elementwise, so it commutes with fusing and slicing)."""
+    modules = [m for unit in units for m in unit[0].modules()]
+    weights = [ck.tensors[f"{m}.{WEIGHT}"] for m in modules]
+    total = sum(t.nbytes for t in weights)
+    flat = buffers.take(total) if buffers is not None else np.empty(total, dtype=np.uint8)
     src: dict[str, np.ndarray] = {}
-    for module in dict.fromkeys(p.module for p in unit[0].pieces):
-        wname = f"{module}.{WEIGHT}"
-        t = ck.tensors[wname]
-        w = ck.read_bytes(wname, buffers.take(t.nbytes) if buffers is not None else None)
-        src[wname] = w.reshape(t.shape)
-        src[f"{module}.{SCALE}"] = read_scale_array(ck, module)
-        if unit[0].has_bias:
+    parts = []
+    at = 0
+    for t in weights:
+        view = flat[at : at + t.nbytes]
+        parts.append((t.name, view, 0))
+        src[t.name] = view.reshape(t.shape)
+        at += t.nbytes
+    ck.read_parts(parts)
+    src.update((f"{m}.{SCALE}", s) for m, s in read_scale_arrays(ck, modules).items())
+    for unit in units:
+        for module in unit[0].modules() if unit[0].has_bias else ():
             bname = f"{module}.{BIAS}"
             src[bname] = bias_bits(ck.read_bytes(bname), ck.tensors[bname].dtype, act)
     return src
 
 
-def transform(
-    layer: OutLayer,
+def transform_stack(
+    layers: list[OutLayer],
     src: dict[str, np.ndarray],
     act_dtype: str,
     pool: Executor | None = None,
     buffers: Buffers | None = None,
     pack: PackPieces | None = None,
 ) -> list[np.ndarray]:
-    """One rank's Marlin tensors for ``layer`` from :func:`read_unit`'s arrays, in the order
-    of its tensor specs: ``[weight int32 [Kp/16, 4Np], weight_scale [1, Np], (bias [Np])]``
-    (the last two as the uint16 bits of the activation dtype). The weight goes into an array
-    from ``buffers`` when given, repacked by ``pack`` when given (the driver backend's GPU), else
-    by the native repack on ``pool``'s threads."""
-    shape = target.packed_weight_shape(layer.np_, layer.kp)
-    dst = None
-    if buffers is not None:
-        dst = buffers.take(4 * shape[0] * shape[1]).view(np.int32).reshape(shape)
+    """The Marlin tensors of ``layers`` (of one shape: one layer, or experts of one stacked
+    tensor) from :func:`read_units`'s arrays, in the order of their tensor specs, each stacked:
+    ``[weight int32 [m, Kp/16, 4Np], weight_scale [m, 1, Np], (bias [m, Np])]`` (the last two
+    as the uint16 bits of the activation dtype; one layer's: ``[0]`` of each). The weights go
+    into one array from ``buffers`` when given, repacked by ``pack`` when given (the driver
+    backend's GPU, every layer in one round trip), else by the native repack on ``pool``'s
+    threads."""
+    first = layers[0]
+    shape = (len(layers), *target.packed_weight_shape(first.np_, first.kp))
+    nbytes = 4 * shape[0] * shape[1] * shape[2]
+    raw = buffers.take(nbytes) if buffers is not None else np.empty(nbytes, dtype=np.uint8)
+    dst = raw.view(np.int32).reshape(shape)
     if pack is not None:
-        pieces = []
-        for p in layer.pieces:
-            w = src[f"{p.module}.{WEIGHT}"]
-            if p.head:  # rows in rotary order: the kernel reads row ranges
-                pieces.append((np.ascontiguousarray(w[p.take]), (0, p.width), p.cols))
-            else:
-                pieces.append((w, p.rows, p.cols))
-            if p.pad:
-                pieces.append((np.zeros((p.pad, layer.k), np.uint8), (0, p.pad), (0, layer.k)))
-        out = [pack(pieces, layer.k, layer.np_, layer.kp, dst)]
+        pack([gpu_pieces(ly, src) for ly in layers], first.k, first.np_, first.kp, dst)
     else:
-        rows = weight_rows(layer, src)
-        out = [host_repack.pack_rows(rows, layer.k, layer.np_, layer.kp, pool, dst)]
-    out.append(pack_scales(scale_vector(layer, src), act_dtype, layer.np_))
-    if layer.has_bias:
-        out.append(pack_bias(bias_vector(layer, src), layer.np_))
+        for ly, d in zip(layers, dst, strict=True):
+            host_repack.pack_rows(weight_rows(ly, src), ly.k, ly.np_, ly.kp, pool, d)
+    scales = np.stack([scale_vector(ly, src) for ly in layers])  # float32 [m, rows]
+    out = [dst, pack_scales(scales, act_dtype, first.np_)]
+    if first.has_bias:
+        out.append(pack_bias(np.stack([bias_vector(ly, src) for ly in layers]), first.np_))
     return out
+
+
+def gpu_pieces(layer: OutLayer, src: dict[str, np.ndarray]) -> list[tuple[Any, ...]]:
+    """The layer's rows as pieces for a GPU repack (:data:`PackPieces`): each checkpoint piece
+    (its rows in rotary order copied out: the kernel reads row ranges), and rows of zeros for
+    its padding (:attr:`mpack.convert.plan.Piece.pad`)."""
+    pieces: list[tuple[Any, ...]] = []
+    for p in layer.pieces:
+        w = src[f"{p.module}.{WEIGHT}"]
+        if p.head:
+            pieces.append((np.ascontiguousarray(w[p.take]), (0, p.width), p.cols))
+        else:
+            pieces.append((w, p.rows, p.cols))
+        if p.pad:
+            pieces.append((np.zeros((p.pad, layer.k), np.uint8), (0, p.pad), (0, layer.k)))
+    return pieces
 
 
 def weight_rows(layer: OutLayer, src: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The addresses of the layer's rows, piece by piece (fused in order, sliced in place):
-    :func:`mpack.convert.host_repack.rows_of` of :func:`read_unit`'s arrays, and a row of zeros
+    :func:`mpack.convert.host_repack.rows_of` of :func:`read_units`'s arrays, and a row of zeros
     for each padding row (:attr:`mpack.convert.plan.Piece.pad`)."""
     out = []
     for p in layer.pieces:
@@ -318,7 +361,7 @@ def weight_rows(layer: OutLayer, src: dict[str, np.ndarray]) -> list[np.ndarray]
 
 def scale_vector(layer: OutLayer, src: dict[str, np.ndarray]) -> np.ndarray:
     """The layer's float32 scale per row ``[rows]`` (0 on padding rows), from
-    :func:`read_unit`'s arrays."""
+    :func:`read_units`'s arrays."""
     if layer.strategy == "channel":
         v = np.concatenate([src[f"{p.module}.{SCALE}"][p.take] for p in layer.pieces])
     else:  # one scale per shard, each over its rows (requantized layers are not taken here)
@@ -373,10 +416,10 @@ def backwards(
     act_dtype: str,
     pool: Executor | None = None,
 ) -> list[tuple[str, bool]]:
-    """The layout read backwards on one rank's packed tensors (:func:`transform`'s order):
-    ``(what, differs)`` for the weight (unpacked by the native code, to the checkpoint rows
-    ``src`` holds), the scales and the bias (to the checkpoint values cast to ``act_dtype``).
-    The words of ``mpack verify``'s torch path (:mod:`mpack.verify.rederive`)."""
+    """The layout read backwards on one rank's packed tensors (:func:`transform_stack`'s order,
+    one layer): ``(what, differs)`` for the weight (unpacked by the native code, to the
+    checkpoint rows ``src`` holds), the scales and the bias (to the checkpoint values cast to
+    ``act_dtype``). The words of ``mpack verify``'s torch path (:mod:`mpack.verify.rederive`)."""
     rows = weight_rows(layer, src)
     want_scales = act_bits(scale_vector(layer, src), act_dtype)
     out = [
@@ -438,13 +481,13 @@ class HostBackend:
     def streaming(self, abort: threading.Event, tl: Timeline) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    def read_unit(
-        self, ck: Checkpoint, unit: list[OutLayer], act: str
+    def read_units(
+        self, ck: Checkpoint, units: list[list[OutLayer]], act: str
     ) -> tuple[dict[str, np.ndarray], None]:
-        return read_unit(ck, unit, act, self.buffers), None
+        return read_units(ck, units, act, self.buffers), None
 
     def from_raw(self, raw: dict[str, Any], ck: Checkpoint, act: str) -> dict[str, np.ndarray]:
-        """What :meth:`read_unit` gives, from a unit read once for several targets (weights and
+        """What :meth:`read_units` gives, from a batch read once for several targets (weights and
         scales as arrays, biases as ``(bytes, dtype)``): the biases cast to ``act``."""
         return {n: bias_bits(*x, act) if isinstance(x, tuple) else x for n, x in raw.items()}
 
@@ -452,8 +495,13 @@ class HostBackend:
         return contextlib.nullcontext()
 
     def transform(self, layer: OutLayer, src: dict[str, np.ndarray], act: str) -> list[np.ndarray]:
+        return [x[0] for x in self.transform_stack([layer], src, act)]
+
+    def transform_stack(
+        self, layers: list[OutLayer], src: dict[str, np.ndarray], act: str
+    ) -> list[np.ndarray]:
         pool = None if self._pack is not None else self.pool()
-        return transform(layer, src, act, pool, self.buffers, self._pack)
+        return transform_stack(layers, src, act, pool, self.buffers, self._pack)
 
     def read_back(
         self, layer: OutLayer, src: dict[str, np.ndarray], outs: list[np.ndarray], act: str
@@ -468,9 +516,11 @@ class HostBackend:
         yield 0, flat, None, functools.partial(self.buffers.give, result)
 
     def done_with(self, src: dict[str, Any]) -> None:
-        for x in src.values():
-            if isinstance(x, np.ndarray):
-                self.buffers.give(x)
+        # each array once: a batch's weights are views of one (given twice, it could be handed
+        # out twice)
+        roots = {id(r): r for r in map(_root, src.values()) if r is not None}
+        for r in roots.values():
+            self.buffers.give(r)
 
     def close(self) -> None:
         """Stop the threads, then release the arrays (nothing reads them any more)."""

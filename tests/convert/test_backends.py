@@ -99,6 +99,48 @@ def test_golden_case_on_each_backend(row: Row, case_dir: Path, tmp_path: Path):
             assert same_bytes(got[k], exp[k]), f"{row.id} {name}: {k}"
 
 
+def _moe_cases() -> list[Path]:
+    root = _golden_dir().parent / "golden-moe" / "cases"
+    return sorted(p for p in root.iterdir() if (p / "case.json").is_file())
+
+
+@pytest.mark.parametrize("batch", ["default", "mixed", "none"])
+@pytest.mark.parametrize("row", [r.param() for r in ROWS])
+@pytest.mark.parametrize("case_dir", _moe_cases(), ids=lambda p: p.name)
+def test_moe_golden_case_on_each_backend(
+    row: Row, case_dir: Path, batch: str, tmp_path: Path, monkeypatch
+):
+    """vLLM's MoE tensors from every backend, with the experts in batches of the whole block
+    (``default``), of 3 down projections and 1 gate/up pair (``mixed``: batches that end inside
+    a block, and batches of one; on a GPU through 8 KiB pinned pieces, 3 to a ring, so that a
+    piece holds parts of several experts), and one by one (``none``): Note [expert batches] in
+    mpack/convert/stream.py. Per-tensor experts are requantized: the torch backend's."""
+    from mpack.convert import stream
+
+    case = json.loads((case_dir / "case.json").read_text())
+    make = case["make"]
+    limits = {"default": stream.BATCH_BYTES, "mixed": 3 * make["hidden"] * make["moe_intermediate"]}
+    monkeypatch.setattr(stream, "BATCH_BYTES", limits.get(batch, 0))
+    if batch == "mixed" and row.gpu and row.backend == "torch":
+        from mpack.convert.backends import torch as torch_backend
+
+        for name, value in (("PIECE", 8192), ("IN_PIECES", 3), ("OUT_PIECES", 3)):
+            monkeypatch.setattr(torch_backend, name, value)
+    opts = row.options(profile=case["profile"], act_dtype=case["act_dtype"], tp=case["tp"])
+    out = tmp_path / "out"
+    if make["scheme"] == "FP8" and row.backend != "torch":
+        with pytest.raises(UsageError, match="requantizing per-tensor shards"):
+            run_convert(case_dir / "input", out, opts)
+        return
+    r = run_convert(case_dir / "input", out, opts)
+    _ran(r, row)
+    name = "rank-00-of-01.safetensors"
+    got, want = tensors(out / name), tensors(case_dir / "expected" / name)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bytes(got[k], want[k]), f"{row.id} {case_dir.name}: {k}"
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("backends")

@@ -282,7 +282,7 @@ def test_backwards_names_each_damaged_tensor(models):
     unit = next(u for u in plan.units if len(u[0].pieces) > 1 and u[0].has_bias)
     src = host.read_unit(ck, unit, "bfloat16")
     layer = unit[1]
-    outs = host.transform(layer, src, "bfloat16")
+    outs = [x[0] for x in host.transform_stack([layer], src, "bfloat16")]
     assert [d for _, d in host.backwards(layer, src, outs, "bfloat16")] == [False] * 3
     for i, what in enumerate(["weight", "weight_scale", "bias"]):
         bad = [o.copy() for o in outs]

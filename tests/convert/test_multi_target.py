@@ -125,13 +125,14 @@ def test_one_run_matches_both_golden_profiles(tmp_path, path):
 
 def test_the_source_is_read_once(ckpts, tmp_path, monkeypatch):
     read: dict[str, int] = {}
-    real = Checkpoint.read_pieces
+    real = Checkpoint.read_parts  # every read of tensor bytes goes through it
 
-    def counting(self, name, pieces):
-        read[name] = read.get(name, 0) + sum(len(v) for v, _ in pieces)
-        return real(self, name, pieces)
+    def counting(self, parts):
+        for name, buf, _ in parts:
+            read[name] = read.get(name, 0) + memoryview(buf).nbytes
+        return real(self, parts)
 
-    monkeypatch.setattr(Checkpoint, "read_pieces", counting)
+    monkeypatch.setattr(Checkpoint, "read_parts", counting)
     r = convert(
         ckpts["llama"], tmp_path / "out", tp=[1, 2], profile=["w8a16", "w8a8-marlin"], device="cpu"
     )
