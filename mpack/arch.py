@@ -3,8 +3,9 @@
 The one owner of these rules (SPEC §6): which architectures have them, which checkpoint modules
 fuse into which vLLM linear and in what row order, which linears are row-parallel, the order of
 the linears in a decoder layer, how the model dimensions are read from a (text) config, which TP
-sizes fit them, and which rows of the K/V heads each rank holds. ``convert``'s planner, the
-verification model and the vLLM loader all use them.
+sizes fit them, which rows of the K/V heads each rank holds, and which decoder layers each
+pipeline stage runs. ``convert``'s planner, the verification model and the vLLM loader all use
+them.
 
 It imports neither torch nor anything else of mpack.
 """
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mpack.errors import arg
+from mpack.errors import UsageError, arg
 
 
 @dataclass(frozen=True)
@@ -589,3 +590,72 @@ def expected_rows(dims: Dims) -> dict[str, int]:
 def expected_cols(dims: Dims) -> dict[str, int]:
     """Input channels (K) of each row-parallel linear of the whole (TP 1) model."""
     return {"o_proj": dims.heads * dims.head_dim, "down_proj": dims.intermediate}
+
+
+# --- pipeline parallelism ------------------------------------------------------------------------
+
+#: vLLM's variable that gives each pipeline stage's layer count by hand (``"17,15"``), which
+#: :func:`pp_partition` reads as vLLM 0.33.0's ``get_pp_indices`` does.
+PP_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def pp_partition(num_layers: int, pp_size: int, spec: str | None = None) -> list[int]:
+    """How many decoder layers each of ``pp_size`` pipeline stages runs, by vLLM 0.33.0's rule
+    (``vllm.distributed.utils.get_pp_indices``, which ``make_layers`` asks while it builds a
+    model): ``spec``, the value of :data:`PP_PARTITION_ENV`, when set; else ``num_layers //
+    pp_size`` each, and the remainder one more each to the stages before the last, from the
+    second-to-last backwards (32 layers over 3 stages: ``[11, 11, 10]``; 3 over 2: ``[2, 1]``).
+
+    Raises:
+        UsageError: a ``spec`` that is not ``pp_size`` integers adding up to ``num_layers``
+            (vLLM refuses it too, with a ``ValueError``).
+    """
+    if spec is None:
+        per, extra = divmod(num_layers, pp_size)
+        counts = [per] * pp_size
+        for i in range(2, extra + 2):
+            counts[-i] += 1
+        return counts
+    example = f"e.g. {PP_PARTITION_ENV}={','.join(map(str, pp_partition(num_layers, pp_size)))}"
+    try:
+        counts = [int(n) for n in spec.split(",")]
+    except ValueError:
+        raise UsageError(
+            f"{PP_PARTITION_ENV}={spec!r} is not a comma-separated list of layer counts",
+            hint=example,
+        ) from None
+    if len(counts) != pp_size or sum(counts) != num_layers:
+        raise UsageError(
+            f"{PP_PARTITION_ENV}={spec!r} gives {len(counts)} stages of {sum(counts)} layers; "
+            f"the engine has {pp_size} stages and the model {num_layers} decoder layers",
+            hint=example,
+        )
+    return counts
+
+
+def pp_layers(num_layers: int, pp_rank: int, pp_size: int, spec: str | None = None) -> range:
+    """The decoder layers pipeline stage ``pp_rank`` of ``pp_size`` runs (:func:`pp_partition`):
+    vLLM 0.33.0's ``range(*get_pp_indices(num_layers, pp_rank, pp_size))``.
+
+    Raises:
+        UsageError: ``pp_rank`` outside ``0..pp_size-1``, or a bad ``spec``.
+    """
+    if not (type(pp_size) is int and pp_size >= 1 and type(pp_rank) is int):
+        raise UsageError(f"pipeline stage {pp_rank!r} of {pp_size!r}: not integers, or size < 1")
+    if not 0 <= pp_rank < pp_size:
+        raise UsageError(f"pipeline stage {pp_rank} is out of range: there are {pp_size} stages")
+    counts = pp_partition(num_layers, pp_size, spec)
+    start = sum(counts[:pp_rank])
+    return range(start, start + counts[pp_rank])
+
+
+def stage_layers(layers: Mapping[str, Any], span: range, prefix: str = DECODER_PREFIX) -> dict:
+    """The entries of ``layers`` (by vLLM name: a manifest's ``layers``) that a stage running
+    decoder layers ``span`` holds: those in its decoder layers, and any outside the decoder
+    layers (every stage builds those)."""
+    out = {}
+    for name, value in layers.items():
+        i = decoder_index(name, prefix)
+        if i is None or i in span:
+            out[name] = value
+    return out

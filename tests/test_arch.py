@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from mpack import arch
 from mpack.arch import Dims
+from mpack.errors import UsageError
 
 GOLDEN_DIMS = Dims(heads=4, kv_heads=2, head_dim=64, intermediate=512)
 QKV = "model.layers.0.self_attn.qkv_proj"
@@ -324,3 +325,51 @@ def test_llama4_q_and_k_pieces_take_rows_in_vllms_rotary_order() -> None:
         p = Piece("q_proj", (r0, r1), (0, 16), head=8)
         assert p.take == vllm[r0:r1].tolist()
     assert Piece("v_proj", (8, 16), (0, 16)).take == slice(8, 16)
+
+
+# --- pipeline stages (vLLM's get_pp_indices; compared with vLLM itself in
+# tests/vllm/test_vllm_pipeline.py) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layers", "size", "spec", "want"),
+    [
+        (32, 1, None, [32]),
+        (32, 2, None, [16, 16]),
+        (3, 2, None, [2, 1]),  # the remainder goes to the stages before the last
+        (32, 3, None, [11, 11, 10]),
+        (10, 4, None, [2, 3, 3, 2]),  # from the second-to-last backwards
+        (2, 3, None, [1, 1, 0]),
+        (32, 2, "17,15", [17, 15]),
+        (3, 2, "0,3", [0, 3]),
+    ],
+)
+def test_pp_partition(layers: int, size: int, spec: str | None, want: list[int]) -> None:
+    assert arch.pp_partition(layers, size, spec) == want
+    spans = [arch.pp_layers(layers, r, size, spec) for r in range(size)]
+    assert [i for s in spans for i in s] == list(range(layers))  # each layer once, in order
+    assert [len(s) for s in spans] == want
+
+
+@pytest.mark.parametrize("spec", ["16,15", "8,8,16", "a,b", ""])
+def test_pp_partition_refuses_a_spec_that_does_not_fit(spec: str) -> None:
+    with pytest.raises(UsageError, match=arch.PP_PARTITION_ENV) as e:
+        arch.pp_partition(32, 2, spec)
+    assert "16,16" in (e.value.hint or "")
+
+
+@pytest.mark.parametrize(("rank", "size"), [(2, 2), (-1, 2), (0, 0)])
+def test_pp_layers_refuses_a_stage_out_of_range(rank: int, size: int) -> None:
+    with pytest.raises(UsageError, match="stage"):
+        arch.pp_layers(4, rank, size)
+
+
+def test_stage_layers_keeps_the_stages_decoder_layers() -> None:
+    names = [f"model.layers.{i}.{leaf}" for i in range(4) for leaf in ("a", "b")]
+    layers = {n: i for i, n in enumerate(names)} | {"visual.merger.x": -1}
+    got = arch.stage_layers(layers, range(1, 3))
+    assert sorted(got) == sorted([*names[2:6], "visual.merger.x"])
+    wrapped = {"language_model.model.layers.3.a": 0, "language_model.model.layers.0.a": 1}
+    assert list(arch.stage_layers(wrapped, range(3, 4), "language_model.model.layers")) == [
+        "language_model.model.layers.3.a"
+    ]

@@ -11,6 +11,7 @@ layer dims) are not repeated here.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import random
 import struct
@@ -455,3 +456,34 @@ def test_each_digest_is_checked_once(sidecar: Path, tmp_path: Path, monkeypatch)
     with pytest.raises(FormatVersionError):
         load_manifest(copy_dir)
     assert len(calls) == 2
+
+
+def test_a_stages_tensors_are_one_byte_range_of_each_rank_file(tmp_path: Path) -> None:
+    """Note [a layer range per stage] in docs/FORMAT.md: a pipeline stage's Marlin tensors are
+    one contiguous byte range of each rank file, the stages' ranges in stage order, for every
+    split of the decoder layers (the writer's order is layer by layer)."""
+    from mpack import arch
+
+    ck = make_checkpoint(
+        tmp_path / "ck", hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=128, layers=5
+    )
+    convert(ck, tmp_path / "sc", tp=2, device="cpu")
+    manifest, _ = load_manifest(tmp_path / "sc")
+    for rank in range(2):
+        entries = read_file_map(tmp_path / "sc" / rank_file_name(rank, 2)).entries
+        for size in range(1, 6):
+            ends = []
+            for pp_rank in range(size):
+                span = arch.pp_layers(5, pp_rank, size)
+                held = arch.stage_layers(manifest["layers"], span)
+                mine = sorted(
+                    (e.offset, e.offset + e.nbytes)
+                    for e in entries
+                    if e.name.rpartition(".")[0] in held
+                )
+                assert len(mine) == 2 * len(held)  # weight, weight_scale (no bias)
+                for (_, end), (start, _) in itertools.pairwise(mine):
+                    assert start == end, (size, pp_rank)  # no other stage's bytes between
+                ends.append((mine[0][0], mine[-1][1]))
+            for (_, end), (start, _) in itertools.pairwise(ends):
+                assert start == end  # stage after stage

@@ -23,7 +23,9 @@ What :class:`MpackModelLoader` does, in order (Note [loading from a sidecar]):
    loaded privately with :func:`mpack.runtime.load` (``never``, or ``auto`` with no daemon):
    :func:`~mpack.runtime.vllm.source.rank_weights`.
 3. **The model, built as vLLM builds it** (``create_model``), on the target device.
-4. **Every Marlin layer** gets the sidecar's ``weight``, ``weight_scale`` and ``bias`` as its
+4. **Every Marlin layer** of the rank's pipeline stage (all of them at PP 1; the decoder layers
+   vLLM's ``get_pp_indices`` gives the stage: :func:`pp_stage`, Note [a layer range per stage]
+   in docs/FORMAT.md) gets the sidecar's ``weight``, ``weight_scale`` and ``bias`` as its
    parameters' data (the attached views themselves: no copy), loses ``input_scale`` as Marlin's
    own processing would, and is left out of ``process_weights_after_loading``. Every layer vLLM
    built with a quantization scheme must be one of them, and each must have exactly those
@@ -300,19 +302,15 @@ class Checked:
     #: whose tensors vLLM must skip when it reads the checkpoint; None: the sidecar has its own
     #: ``common.safetensors``.
     skip: frozenset[str] | None
+    #: The manifest's ``layers`` this pipeline stage runs (Note [a layer range per stage] in
+    #: docs/FORMAT.md): all of them at pipeline-parallel size 1.
+    layers: dict[str, Any]
 
 
 def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Checked:
     """The sidecar to load, once everything the engine fixes agrees with it, before any model
     memory (Note [the loader trusts nothing in the sidecar] in runtime/vllm/checks.py); the
     model's FP8 linears are then put on Marlin."""
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp != 1:
-        raise UsageError(
-            f"--load-format mpack does not support pipeline parallelism "
-            f"(--pipeline-parallel-size {pp})",
-            hint="use tensor parallelism (mpack convert --tp N)",
-        )
     from vllm.distributed import get_tensor_model_parallel_rank
 
     engine = _engine_facts(vllm_config, model_config)
@@ -344,6 +342,7 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         model_config.hf_config.get_text_config().to_dict(),
     )
     check_layers(manifest, expected, sidecar)
+    stage = pp_stage(dims["num_hidden_layers"])
     experts = any("experts" in ly for ly in manifest["layers"].values())
     has_common = COMMON_NAME in {f["name"] for f in manifest["files"]}
     skip = None
@@ -369,7 +368,26 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
     if experts:
         moe.force_marlin_moe(vllm_config)
     force_marlin(vllm_config)
-    return Checked(sidecar, manifest, dims, engine["tied"], engine["quant_method"], skip)
+    return Checked(
+        sidecar,
+        manifest,
+        dims,
+        engine["tied"],
+        engine["quant_method"],
+        skip,
+        arch.stage_layers(manifest["layers"], stage, lay.decoder_prefix),
+    )
+
+
+def pp_stage(num_layers: int) -> range:
+    """The decoder layers this rank's pipeline stage runs: vLLM's own ``get_pp_indices``, the
+    rule its ``make_layers`` builds the model by (``VLLM_PP_LAYER_PARTITION`` included; mpack's
+    copy of it is :func:`mpack.arch.pp_layers`). Every layer at pipeline-parallel size 1."""
+    from vllm.distributed import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    pp = get_pp_group()
+    return range(*get_pp_indices(num_layers, pp.rank_in_group, pp.world_size))
 
 
 class Phases:
@@ -487,9 +505,8 @@ class MpackModelLoader(DefaultModelLoader):
                 model._mpack_weights = weights  # the lease and mappings live with the model
                 model._mpack_checked = checked
                 with phases("marlin"):
-                    layers = _swap_in(
-                        model, checked.manifest, weights, checked.sidecar, checked.quant_method
-                    )
+                    stage = {**checked.manifest, "layers": checked.layers}
+                    layers = _swap_in(model, stage, weights, checked.sidecar, checked.quant_method)
                 with phases("rest"):
                     self._load_rest(model, model_config, checked, weights, layers, ph)
                 with phases("process"):
@@ -798,4 +815,5 @@ __all__ = [
     "engine_target",
     "force_marlin",
     "marlin_layer_names",
+    "pp_stage",
 ]

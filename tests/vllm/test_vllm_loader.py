@@ -384,20 +384,23 @@ def jobs(paths: dict[str, Path], no_daemon_dir: Path) -> dict[int, list[dict[str
     return by_tp
 
 
-def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path) -> dict:
-    """Every rank of every job at once; ``{tp: {rank: {load id: result}}}``."""
+def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path, pp: int = 1) -> dict:
+    """Every rank of every job at once, each job over ``pp`` pipeline stages; ``{tp: {rank:
+    {load id: result}}}``, rank ``r`` being TP rank ``r % tp`` of stage ``r // tp``."""
     procs = []
     for tp, loads in by_tp.items():
-        out_dir = work / f"results-tp{tp}"
+        name = f"tp{tp}" + (f"-pp{pp}" if pp > 1 else "")
+        out_dir = work / f"results-{name}"
         out_dir.mkdir()
-        job = work / f"job-tp{tp}.json"
+        job = work / f"job-{name}.json"
         job.write_text(
             json.dumps(
-                {"tp": tp, "port": free_port(), "out_dir": str(out_dir), "loads": loads}, indent=1
+                {"tp": tp, "pp": pp, "port": free_port(), "out_dir": str(out_dir), "loads": loads},
+                indent=1,
             )
         )
-        for rank in range(tp):
-            log = work / f"worker-tp{tp}-r{rank}.log"
+        for rank in range(tp * pp):
+            log = work / f"worker-{name}-r{rank}.log"
             with open(log, "w") as f:
                 p = subprocess.Popen(
                     [sys.executable, str(WORKER), str(job), str(rank)],
@@ -430,6 +433,36 @@ def run_workers(by_tp: dict[int, list[dict[str, Any]]], env: dict, work: Path) -
     return results
 
 
+def serve_and_run(
+    served: list[tuple[Path, int]],
+    by_tp: dict[int, list[dict[str, Any]]],
+    work: Path,
+    runtime: Path,
+    pp: int = 1,
+) -> dict:
+    """:func:`run_workers` while the main venv's ``mpack serve SIDECAR --rank R --device cpu``
+    serves each ``(SIDECAR, R)`` of ``served`` in the runtime directory ``runtime``."""
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(runtime),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    daemons = [
+        DaemonProc(sidecar, "cpu", env, work, "--rank", str(rank), python=main_python())
+        for sidecar, rank in served
+    ]
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for d in daemons:
+            d.wait_ready(max(0.0, deadline - time.monotonic()))
+        return run_workers(by_tp, env, work, pp)
+    finally:
+        for d in daemons:
+            d.stop(timeout=20)  # SIGKILL if it has not stopped by then
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import importlib.util
@@ -446,28 +479,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     paths = make_sidecars(work)
     t_made = time.monotonic()
 
-    env = {
-        **os.environ,
-        "XDG_RUNTIME_DIR": str(runtime),
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    daemons = [  # the main venv's `mpack serve SIDECAR --rank R --device cpu`
-        DaemonProc(
-            paths["sc:" + c.name], "cpu", env, work, "--rank", str(rank), python=main_python()
-        )
-        for c in CASES
-        for rank in range(c.tp)
-    ]
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for d in daemons:
-            d.wait_ready(max(0.0, deadline - time.monotonic()))
-        results = run_workers(jobs(paths, no_daemon), env, work)
-    finally:
-        for d in daemons:
-            d.stop(timeout=20)  # SIGKILL if it has not stopped by then
+    served = [(paths["sc:" + c.name], rank) for c in CASES for rank in range(c.tp)]
+    results = serve_and_run(served, jobs(paths, no_daemon), work, runtime)
     t_done = time.monotonic()
     print(
         f"\nvLLM loader suite: checkpoints + sidecars {t_made - t0:.1f} s, daemons + workers "

@@ -2,10 +2,12 @@
 
 usage: python vllm_worker.py JOB.json RANK
 
-The parent (test_vllm_loader.py) starts one process per rank of ``job["tp"]``, all with the same
-job; they meet over gloo on ``127.0.0.1:job["port"]``. The job::
+The parent (test_vllm_loader.py) starts one process per rank of ``job["tp"]`` times
+``job["pp"]`` (pipeline stages, 1 when absent), all with the same job; they meet over gloo on
+``127.0.0.1:job["port"]``, and vLLM's ``initialize_model_parallel`` makes rank ``R`` TP rank
+``R % tp`` of stage ``R // tp``, as a multiprocessing engine does. The job::
 
-    {"tp": 2, "port": 29517, "out_dir": DIR,
+    {"tp": 2, "pp": 1, "port": 29517, "out_dir": DIR,
      "loads": [{"id": "llama-t/default",          # a name for the results
                 "model": CKPT_OR_SIDECAR_DIR,      # EngineArgs(model=...)
                 "profile": "w8a16",                # capability the engine sees (cpu_standins)
@@ -233,6 +235,13 @@ def marlin_bytes(model: nn.Module) -> int | None:
     return sum(p.nbytes for n, p in model.named_parameters() if n in in_rank_file)
 
 
+def built_layers(model: nn.Module) -> list[int] | None:
+    """The decoder layers ``[start, end)`` the model's pipeline stage built (vLLM's
+    ``make_layers``); None for a model that keeps them elsewhere (a wrapper's)."""
+    inner = getattr(model, "model", None)
+    return [inner.start_layer, inner.end_layer] if hasattr(inner, "start_layer") else None
+
+
 class LinearCount:
     """Counts vLLM ``LinearBase`` layers built: a model refused before allocation built none."""
 
@@ -310,13 +319,13 @@ def external_weight_memory(cfg: Any) -> int:
         return get_model_loader(cfg.load_config).get_external_weight_memory(cfg)
 
 
-def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
+def run_load(load: dict[str, Any], tp: int, pp: int = 1) -> dict[str, Any]:
     t0 = time.perf_counter()
     LinearCount.n = 0
     model = None
     try:
         with env(load.get("env")):
-            cfg = engine_config(load, tp)
+            cfg = engine_config(load, tp, **({"pipeline_parallel_size": pp} if pp > 1 else {}))
             external = external_weight_memory(cfg)
             model = build(cfg)
             seconds = time.perf_counter() - t0
@@ -333,6 +342,7 @@ def run_load(load: dict[str, Any], tp: int) -> dict[str, Any]:
                 "load": getattr(model, "_mpack_load", None),
                 "external_weight_memory": external,
                 "marlin_bytes": marlin_bytes(model),
+                "layers": built_layers(model),
             }
     except Exception as e:
         return {
@@ -362,7 +372,7 @@ WARMED = ("mpack.hub_sidecar", "mpack.runtime.client", "mpack.runtime.memfd")
 def main(job_path: str, rank: int) -> int:
     cpu_standins.install()  # before anything imports vLLM
     job = json.loads(Path(job_path).read_text())
-    tp = job["tp"]
+    tp, pp = job["tp"], job.get("pp", 1)
     torch.set_num_threads(1)  # one process per rank on a small machine
 
     t0 = time.perf_counter()
@@ -372,7 +382,8 @@ def main(job_path: str, rank: int) -> int:
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     first = dict(job["loads"][0], load_format="auto", extra=None)  # any config will do
-    cfg = engine_config(first, tp)  # EngineArgs loads vLLM's general plugins
+    # EngineArgs loads vLLM's general plugins
+    cfg = engine_config(first, tp, **({"pipeline_parallel_size": pp} if pp > 1 else {}))
     plugin_registered = "mpack" in _LOAD_FORMAT_TO_MODEL_LOADER
     warmed = [m for m in WARMED if m in sys.modules]  # by the plugin, before any load
     from mpack.runtime.vllm import register
@@ -380,13 +391,13 @@ def main(job_path: str, rank: int) -> int:
     register()
     with set_current_vllm_config(cfg):
         init_distributed_environment(
-            world_size=tp,
+            world_size=tp * pp,
             rank=rank,
             local_rank=rank,
             distributed_init_method=f"tcp://127.0.0.1:{job['port']}",
             backend="gloo",
         )
-        initialize_model_parallel(tensor_model_parallel_size=tp)
+        initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     setup = time.perf_counter() - t0
 
     results: dict[str, Any] = {
@@ -395,7 +406,7 @@ def main(job_path: str, rank: int) -> int:
         "_warmed": warmed,
     }
     for load in job["loads"]:
-        results[load["id"]] = run_load(load, tp)
+        results[load["id"]] = run_load(load, tp, pp)
     out = Path(job["out_dir"]) / f"rank-{rank}.json"
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=1))
