@@ -659,3 +659,110 @@ def stage_layers(layers: Mapping[str, Any], span: range, prefix: str = DECODER_P
         if i is None or i in span:
             out[name] = value
     return out
+
+
+def pp_partition_spec(environ: Mapping[str, str]) -> str | None:
+    """The value of :data:`PP_PARTITION_ENV` in ``environ`` as vLLM 0.33.0 reads it
+    (``if partition_list_str := envs.VLLM_PP_LAYER_PARTITION``): None when unset or empty."""
+    return environ.get(PP_PARTITION_ENV) or None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Pipeline stage ``rank`` of a split of the decoder layers: ``split`` holds each stage's
+    layer count (:func:`pp_partition`; ``len(split)`` stages, ``sum(split)`` layers). A split of
+    one stage is the whole model: what a daemon without ``--pp-rank`` serves."""
+
+    rank: int
+    split: tuple[int, ...]
+
+    @classmethod
+    def of(cls, num_layers: int, pp_rank: int, pp_size: int, spec: str | None = None) -> Stage:
+        """Stage ``pp_rank`` of vLLM's split of ``num_layers`` over ``pp_size`` stages
+        (``spec``: :data:`PP_PARTITION_ENV`'s value, if set).
+
+        Raises:
+            UsageError: ``pp_rank`` outside ``0..pp_size-1``, or a bad ``spec``.
+        """
+        pp_layers(num_layers, pp_rank, pp_size, spec)  # its checks
+        return cls(pp_rank, tuple(pp_partition(num_layers, pp_size, spec)))
+
+    @property
+    def size(self) -> int:
+        return len(self.split)
+
+    @property
+    def layers(self) -> range:
+        """The decoder layers this stage runs."""
+        start = sum(self.split[: self.rank])
+        return range(start, start + self.split[self.rank])
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def whole(self) -> bool:
+        """Whether this is the only stage (every layer, every pass-through tensor)."""
+        return self.size == 1
+
+    def __str__(self) -> str:
+        span = self.layers
+        held = f"layers {span.start}..{span.stop - 1}" if span else "no layers"
+        return f"stage {self.rank} of {self.size} ({held}; split {list(self.split)})"
+
+
+#: The language models whose vLLM 0.33.0 class builds the embeddings, the final norm and
+#: lm_head on every pipeline stage, not as ``PPMissingLayer`` (gemma2.py, gemma3.py,
+#: mixtral.py, qwen2_moe.py, qwen3_moe.py: ``self.embed_tokens``, ``self.norm`` and
+#: ``self.lm_head`` built unconditionally). Every other architecture of :data:`FAMILIES` builds
+#: them as llama.py does: the embeddings on the first stage (and on the last when tied, for its
+#: lm_head), the final norm and lm_head on the last.
+ENDS_ON_EVERY_STAGE = frozenset(
+    {
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
+
+
+def stage_holds(vllm_name: str, lay: Layout, stage: Stage, tied: bool | None) -> bool:
+    """Whether pipeline ``stage`` builds the module of tensor ``vllm_name`` (vLLM's name: a
+    rank file's tensors have it, ``common.safetensors``' map to it by :meth:`Layout.vllm_name`),
+    so a server of that stage alone must hold it (Note [a layer range per stage] in
+    docs/FORMAT.md). The one rule, for the daemon and the loader alike:
+
+    - a decoder layer's tensor: its layer is in ``stage.layers``;
+    - the embeddings (``model.embed_tokens``): the first stage, and the last when ``tied``;
+      the final norm (``model.norm``) and ``lm_head``: the last stage; all three on every stage
+      for :data:`ENDS_ON_EVERY_STAGE`. ``tied`` None (config.json does not say): the first and
+      the last, as if tied (the last may hold the embeddings for nothing, never lack them);
+    - anything else (a wrapper's vision tower and projector, which vLLM 0.33.0 builds on every
+      stage but under Model Runner V2): every stage.
+    """
+    if stage.whole:
+        return True
+    i = decoder_index(vllm_name, lay.decoder_prefix)
+    if i is not None:
+        return i in stage.layers
+    text = lay.text_prefix
+    end = next(
+        (m for m in ("model.embed_tokens", "model.norm", "lm_head") if _under(vllm_name, text + m)),
+        None,
+    )
+    if end is None or lay.text_architecture in ENDS_ON_EVERY_STAGE:
+        return True
+    if end == "model.embed_tokens":
+        return stage.first or (stage.last and tied is not False)
+    return stage.last
+
+
+def _under(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")

@@ -912,12 +912,53 @@ def _emit_push(report: dict[str, Any], *, dry_run: bool, as_json: bool) -> None:
 DeviceOpt = Annotated[
     str, typer.Option("--device", metavar="[cpu|cuda|cuda:N]", help="Where the rank is loaded.")
 ]
+PpSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--pp-size",
+        metavar="N",
+        help="Pipeline-parallel size of the engine (vLLM's --pipeline-parallel-size): its "
+        "decoder layers split as vLLM splits them, VLLM_PP_LAYER_PARTITION included.",
+    ),
+]
+
+
+def _pp_options(pp_rank: int | None, pp_size: int | None, *, rank_needed: bool) -> None:
+    """Refuse a ``--pp-rank`` / ``--pp-size`` pair that names no stage, before any work."""
+    if pp_size is not None and pp_size < 1:
+        raise UsageError(f"--pp-size must be >= 1, got {pp_size}")
+    if pp_rank is not None and pp_size is None:
+        raise UsageError(
+            f"--pp-rank {pp_rank} without --pp-size: a stage is one of a split",
+            hint=f"add --pp-size N (the engine's --pipeline-parallel-size), e.g. --pp-rank "
+            f"{pp_rank} --pp-size {max(2, pp_rank + 1)}",
+        )
+    if rank_needed and pp_size is not None and pp_rank is None:
+        raise UsageError(
+            f"--pp-size {pp_size} without --pp-rank: a daemon serves one stage",
+            hint=f"add --pp-rank P (0..{pp_size - 1}), one daemon per stage; or leave out "
+            "--pp-size to serve the whole rank",
+        )
+    if pp_rank is not None and pp_size is not None and not 0 <= pp_rank < pp_size:
+        raise UsageError(
+            f"--pp-rank {pp_rank} is out of range: --pp-size {pp_size} has stages 0..{pp_size - 1}"
+        )
 
 
 @command
 def serve(
     sidecar: Sidecar,
     rank: Annotated[int, typer.Option("--rank", help="Tensor-parallel rank to serve.")] = 0,
+    pp_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--pp-rank",
+            metavar="P",
+            help="Serve pipeline stage P of --pp-size only: its decoder layers and the "
+            "pass-through tensors it builds. [default: the whole rank]",
+        ),
+    ] = None,
+    pp_size: PpSizeOpt = None,
     device: DeviceOpt = "cpu",
     socket: Annotated[
         Path | None,
@@ -976,9 +1017,14 @@ def serve(
     Stops cleanly on SIGTERM, SIGINT or SIGHUP. Attach with
     mpack.runtime.attach(SIDECAR, rank=R, device=D).
 
+    With --pp-rank P --pp-size N it holds only pipeline stage P of an engine at
+    --pipeline-parallel-size N (vLLM's split of the decoder layers; VLLM_PP_LAYER_PARTITION
+    is read as vLLM reads it): an engine whose split differs is refused on attach.
+
     \b
     Examples:
       mpack serve llama8b-marlin --rank 0 --device cuda:0
+      mpack serve llama8b-marlin --rank 0 --pp-rank 1 --pp-size 2 --device cuda:2
       mpack serve llama8b-marlin --device cpu --json --log-format json
       mpack serve llama8b-marlin --rank 1 --device cuda:1 --metrics-port 9400
       mpack serve my-org/llama8b-marlin@main --rank 1 --device cuda:1   # from the Hub
@@ -989,6 +1035,7 @@ def serve(
 
     if rank < 0:
         raise UsageError(f"--rank must be >= 0, got {rank}")
+    _pp_options(pp_rank, pp_size, rank_needed=True)
     select = _selection(tp, profile, act_dtype, ep)
     if log_format not in ui.LOG_FORMATS:
         raise UsageError(
@@ -1008,10 +1055,20 @@ def serve(
     from mpack.hub_sidecar import resolve_sidecar
 
     sidecar = resolve_sidecar(sidecar, rank=rank, select=select)  # a repo id: this rank's files
+    stage = None
+    if pp_rank is not None and pp_size is not None:
+        from mpack import arch
+        from mpack.runtime.allocation import sidecar_stage
+        from mpack.sidecar import load_manifest
+
+        manifest, _ = load_manifest(sidecar)
+        partition = arch.pp_partition_spec(os.environ)
+        stage = sidecar_stage(manifest, sidecar, pp_rank, pp_size, partition)
     out = ui.ServeOutput(log_format=log_format, json_events=json_out)
     run_daemon(
         sidecar,
         rank=rank,
+        stage=stage,
         device=device,
         socket_path=socket,
         on_ready=out.ready,
@@ -1054,6 +1111,15 @@ def status(
             "[default: every rank]",
         ),
     ] = None,
+    pp_size: PpSizeOpt = None,
+    pp_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--pp-rank",
+            metavar="P",
+            help="With --pp-size: only stage P (ready once it is served). [default: every stage]",
+        ),
+    ] = None,
     tp: SelectTpOpt = None,
     profile: SelectProfileOpt = None,
     act_dtype: SelectActDtypeOpt = None,
@@ -1069,12 +1135,18 @@ def status(
     targets (OUT/<target>/) is probed for its one target, or the one --tp, --profile,
     --act-dtype and --ep name (refused, listing them, when several are left).
 
+    With --pp-size N, ready once every (rank, stage) of the engine's grid is served: by the
+    daemon of that stage (the same split) or of the whole rank; --device then once, or once
+    per GPU in vLLM's rank order (stage 0's ranks, then stage 1's).
+
     \b
     Examples:
       mpack status
       mpack status llama8b-marlin --json
       mpack status llama8b-marlin --device cuda:0 --device cuda:1   # TP 2, ready?
       mpack status llama8b-marlin --rank 1 --device cuda:1          # rank 1's probe
+      mpack status llama8b-marlin --pp-size 2                       # TP x PP 2, ready?
+      mpack status llama8b-marlin --rank 0 --pp-rank 1 --pp-size 2  # one stage's probe
       mpack status out --tp 2                                       # out/tp2-w8a16-bfloat16/
     """
     from mpack import ui
@@ -1084,6 +1156,7 @@ def status(
         raise UsageError("give a SIDECAR or --socket, not both")
     if rank is not None and rank < 0:
         raise UsageError(f"--rank must be >= 0, got {rank}")
+    _pp_options(pp_rank, pp_size, rank_needed=False)
     select = _selection(tp, profile, act_dtype, ep)
     if select and sidecar is None:
         raise UsageError(
@@ -1094,7 +1167,17 @@ def status(
         from mpack.hub_sidecar import resolve_sidecar
 
         sidecar = resolve_sidecar(sidecar, fetch="manifest", select=select)
-    docs = query_status(sidecar=sidecar, socket=socket, devices=devices or (), rank=rank)
+    from mpack import arch
+
+    docs = query_status(
+        sidecar=sidecar,
+        socket=socket,
+        devices=devices or (),
+        rank=rank,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        partition=arch.pp_partition_spec(os.environ),
+    )
     ui.emit_status(docs, as_json=json_out)
 
 

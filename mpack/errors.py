@@ -117,6 +117,13 @@ class ProtocolError(DaemonError):
     ``attach: auto`` falls back from like any other daemon that cannot serve us."""
 
 
+class StageMismatchError(DaemonError):
+    """A daemon that serves another pipeline stage, or another split of the decoder layers,
+    than the one asked for (Note [the daemon of a stage] in runtime/protocol.py). Not a daemon
+    that is missing: the vLLM loader's ``attach: auto`` refuses it rather than loading
+    privately."""
+
+
 # Note [API wording]: an error raised by the library names its arguments as the Python API
 # takes them (``device='cuda:9': no CUDA device here``, hint ``use device='cpu'``); the same
 # error under the command line names the flags (``--device cuda:9``, ``use --device cpu``). A

@@ -986,7 +986,7 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
     else:
         t = Table(title="mpack daemons")
         t.add_column("sidecar", overflow="fold")
-        for col in ("rank", "device", "memory", "clients (pid)", "uptime", "daemon pid"):
+        for col in ("rank", "stage", "device", "memory", "clients (pid)", "uptime", "daemon pid"):
             t.add_column(col)
         for d in live:
             pids = ", ".join(str(c["pid"]) for c in d["clients"]) or "-"
@@ -995,6 +995,7 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
             t.add_row(
                 shown(d["sidecar"], PATH_LIMIT),
                 f"{d['rank']}/{d['tp_size']}",
+                _stage_cell(d),
                 shown(dev),
                 human_bytes(d["bytes"]),
                 f"{len(d['clients'])}: {pids}",
@@ -1017,6 +1018,16 @@ def emit_status(docs: list[dict[str, Any]], *, as_json: bool) -> None:
             )
         else:
             console.print(f"stale socket (its daemon died): {sock}")
+
+
+def _stage_cell(d: dict[str, Any]) -> str:
+    """``P/N (layers a..b)`` of a daemon of pipeline stage P of N (``serve --pp-rank``); ``all``
+    for a daemon of the whole rank."""
+    size, layers = d.get("pp_size", 1), d.get("layers")
+    if size == 1 or not isinstance(layers, list) or len(layers) != 2:
+        return "all"
+    held = f"layers {layers[0]}..{layers[1] - 1}" if layers[1] > layers[0] else "no layers"
+    return f"{d.get('pp_rank')}/{size} ({held})"
 
 
 def _key_uuid(key: str) -> str | None:

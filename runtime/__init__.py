@@ -32,8 +32,10 @@ def load(
     device: str = "cpu",
     revision: str | None = None,
     checkpoint: Any = None,
+    stage: Any = None,
 ) -> SharedWeights:
-    """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``).
+    """A private copy of one rank of a sidecar, no daemon (see ``mpack.runtime.loader.load``);
+    of one pipeline ``stage`` of it only (an :class:`mpack.arch.Stage`), if given.
 
     ``sidecar``: a directory, or a Hub repo id ``org/name[/<target>][@revision]`` (or
     ``revision=``): only this rank's files are fetched (``mpack.hub_sidecar``, docs/HUB.md). A
@@ -47,7 +49,7 @@ def load(
 
     path = resolve_sidecar(sidecar, revision, rank=rank)
     _check_bound(path, checkpoint)
-    return _load(path, rank=rank, device=device)
+    return _load(path, rank=rank, device=device, stage=stage)
 
 
 def _check_bound(path: Any, checkpoint: Any) -> None:
@@ -72,8 +74,9 @@ def attach(
     **kw: Any,
 ) -> SharedWeights:
     """Zero-copy read-only views of a daemon's memory (see ``mpack.runtime.client.attach``;
-    ``timeout`` there). ``sidecar``: a directory or a Hub repo id, as for :func:`load`; only
-    its ``mpack.json`` is fetched (the daemon is found by the manifest's digest).
+    ``timeout`` and ``stage`` there). ``sidecar``: a directory or a Hub repo id, as for
+    :func:`load`; only its ``mpack.json`` is fetched (the daemon is found by the manifest's
+    digest).
     ``checkpoint``: as for :func:`load`."""
     from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.client import attach as _attach
@@ -86,8 +89,9 @@ def attach(
 def serve(
     sidecar: Any, *, rank: int = 0, device: str = "cpu", socket: Any = None, **kw: Any
 ) -> None:
-    """Run the daemon in this process until SIGTERM/SIGINT (see ``mpack.runtime.daemon.serve``);
-    ``sidecar`` a directory or a Hub repo id, as for :func:`load`."""
+    """Run the daemon in this process until SIGTERM/SIGINT (see ``mpack.runtime.daemon.serve``;
+    ``stage`` there: one pipeline stage only); ``sidecar`` a directory or a Hub repo id, as for
+    :func:`load`."""
     from mpack.hub_sidecar import resolve_sidecar
     from mpack.runtime.daemon import serve as _serve
 

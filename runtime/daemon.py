@@ -12,7 +12,8 @@ Note [one daemon per (sidecar, rank, device)]: the daemon holds an exclusive ``f
 dies. So while the lock is held any socket file is live, and when it can be taken any socket
 file left at the path is stale (a daemon killed with SIGKILL) and is replaced. The lock is
 taken for what is served, not only for the path: every daemon, ``--socket PATH`` or not, holds
-the lock of the *default* socket of its (manifest digest, rank, device key) in the per-user
+the lock of the *default* socket of its (manifest digest, rank, device key; and pipeline stage
+index for the daemon of one stage: Note [the daemon of a stage] in protocol.py) in the per-user
 runtime directory (a ``--socket`` daemon holds ``PATH.lock`` as well), so a second daemon of
 the same rank at another path is refused too, naming the first one's pid and socket, instead
 of mapping the sidecar a second time. A daemon that stops cleanly removes the socket and the
@@ -71,8 +72,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpack import __version__, fsutil
+from mpack.arch import Stage
 from mpack.env import PROGRESS_EVERY_S
-from mpack.errors import DaemonError
+from mpack.errors import DaemonError, UsageError
 from mpack.periodic import Periodic
 from mpack.runtime import protocol as P
 from mpack.runtime.allocation import Allocation, plan_rank, tensors_to_wire
@@ -171,6 +173,7 @@ class Served:
             "digest": self.plan.digest,
             "rank": self.plan.rank,
             "tp_size": self.plan.tp_size,
+            **stage_fields(self.plan.stage),
             "engine": target.get("engine"),  # the engine the sidecar was made for (vllm)
             "engine_version": target.get("engine_version"),
             "device": self.device.key,
@@ -180,6 +183,21 @@ class Served:
             "tensors": len(self.plan.tensors),
             "load_s": round(self.export.stats.seconds, 3),
         }
+
+
+def stage_fields(stage: Stage | None) -> dict[str, Any]:
+    """The pipeline stage a daemon serves, as its ``status`` and READY say it: ``pp_rank`` and
+    ``pp_size`` (0 and 1 for the whole rank), ``layers`` (``[start, stop)`` of its decoder
+    layers; null for the whole rank) and ``stage`` (:func:`protocol.stage_to_wire`)."""
+    if stage is None or stage.whole:
+        return {"pp_rank": 0, "pp_size": 1, "layers": None, "stage": None}
+    span = stage.layers
+    return {
+        "pp_rank": stage.rank,
+        "pp_size": stage.size,
+        "layers": [span.start, span.stop],
+        "stage": P.stage_to_wire(stage),
+    }
 
 
 class _Conn:
@@ -310,10 +328,12 @@ class Daemon:
             "pid": os.getpid(),
             "digest": plan.digest,
             "rank": plan.rank,
+            "pp_rank": None if plan.stage is None else plan.stage.rank,
             "device": dev.key,
         }
         try:
-            pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path)
+            pp_rank = None if plan.stage is None else plan.stage.rank
+            pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path, pp_rank)
             return None if pointer is None else (pointer, P.write_pointer(pointer, doc))
         except (OSError, DaemonError) as e:
             self.on_event({"event": "no-pointer", "error": str(e)[:300]})
@@ -327,8 +347,9 @@ class Daemon:
     def _serving_line(self) -> str:
         """What ``systemctl status`` shows while the daemon serves."""
         s = self.served
+        of = f" {s.plan.stage}" if s.plan.stage is not None else ""
         return (
-            f"serving rank {s.plan.rank} of {s.plan.sidecar} on {s.device.label} "
+            f"serving rank {s.plan.rank}{of} of {s.plan.sidecar} on {s.device.label} "
             f"({s.export.size} bytes, loaded in {s.export.stats.seconds:.2f} s)"
         )
 
@@ -442,6 +463,9 @@ class Daemon:
                     "size": s.export.size,
                     "data_size": s.plan.size,
                     "tensors": tensors_to_wire(s.plan.tensors),
+                    **(
+                        {"stage": P.stage_to_wire(s.plan.stage)} if s.plan.stage is not None else {}
+                    ),
                 }
             )
         return self._attached
@@ -599,17 +623,22 @@ def _lock_of(path: Path) -> Path:
 
 @contextlib.contextmanager
 def _locked(
-    path: Path, served: tuple[str, int, str], what: str, on_event: Callback | None
+    path: Path,
+    served: tuple[str, int, str, int | None],
+    what: str,
+    on_event: Callback | None,
 ) -> Iterator[None]:
     """The exclusive locks of Note [one daemon per (sidecar, rank, device)]: the one of what is
-    served (``served``: digest, rank, device key), the lock of the default socket in the
+    served (``served``: digest, rank, device key, pipeline stage index or None: Note [the daemon
+    of a stage] in protocol.py), the lock of the default socket in the
     runtime directory, and for a ``--socket`` daemon also ``<socket>.lock``; each taken through
     ``fsutil.LockFile``: no symlink followed, ours and 0600 or refused, and the pid it reports
     read only from such a file. A ``--socket`` daemon serves where the runtime directory cannot
     be used (as it does without its pointer), with its own lock alone: ``on_event`` gets a
     ``no-rank-lock`` event saying why."""
     try:
-        default: Path | None = P.socket_path(*served, create=True)
+        digest, rank, key, pp_rank = served
+        default: Path | None = P.socket_path(digest, rank, key, create=True, pp_rank=pp_rank)
     except (OSError, DaemonError) as e:  # the default socket's daemon failed on it already
         if on_event is not None:
             on_event({"event": "no-rank-lock", "error": str(e)[:300]})
@@ -629,7 +658,7 @@ def _locked(
         yield
 
 
-def _socket_of(pid: str, served: tuple[str, int, str], default: Path) -> Path | None:
+def _socket_of(pid: str, served: tuple[str, int, str, int | None], default: Path) -> Path | None:
     """Where the daemon ``pid`` holding the lock of ``served`` listens: the socket its pointer
     names (a ``--socket`` daemon: Note [pointers to --socket daemons] in protocol.py), else the
     default socket if there is one; None if neither says."""
@@ -656,8 +685,11 @@ def serve(
     progress_every: float = PROGRESS_EVERY_S,
     metrics_port: int | None = None,
     metrics_addr: str = "127.0.0.1",
+    stage: Stage | None = None,
 ) -> None:
-    """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command).
+    """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command):
+    only what pipeline ``stage`` of it builds, if given (Note [the daemon of a stage] in
+    protocol.py; a stage of a one-stage split is the whole rank).
 
     Order: manifest and headers checked (format version, rank; a layout that fits in a reply
     a client takes) -> socket path -> lock -> (``metrics_port`` given) the metrics endpoint ->
@@ -689,11 +721,17 @@ def serve(
         from mpack.runtime.metrics import check_port
 
         check_port(metrics_port)
-    plan = plan_rank(sidecar, rank)
+    plan = plan_rank(sidecar, rank, stage)
+    if plan.size == 0:
+        raise UsageError(
+            f"{sidecar}: rank {rank} {plan.stage} holds no tensors: there is nothing to serve",
+            hint="serve the stages that have layers (or the whole rank: leave out --pp-rank)",
+        )
     _check_reply_fits(plan)
+    pp_rank = None if plan.stage is None else plan.stage.rank
     dev = P.resolve_device(device)
     if socket_path is None:
-        path = P.socket_path(plan.digest, rank, dev.key, create=True)
+        path = P.socket_path(plan.digest, rank, dev.key, create=True, pp_rank=pp_rank)
     else:
         path = Path(socket_path).absolute()
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -702,9 +740,10 @@ def serve(
     _raise_fd_limit()
     emit = _stamped(on_event)
     notifier = Notifier(lambda why: emit({"event": "notify-failed", "error": why[:300]}))
-    what = f"{sidecar} rank {rank} on {dev.label}"
+    of = f" {plan.stage}" if plan.stage is not None else ""
+    what = f"{sidecar} rank {rank}{of} on {dev.label}"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_locked(path, (plan.digest, rank, dev.key), what, emit))
+        stack.enter_context(_locked(path, (plan.digest, rank, dev.key, pp_rank), what, emit))
         metrics = None
         if metrics_port is not None:
             from mpack.runtime.metrics import ServeMetrics
@@ -717,17 +756,19 @@ def serve(
             "sidecar": str(plan.sidecar.resolve()),
             "rank": rank,
             "tp_size": plan.tp_size,
+            **stage_fields(plan.stage),
             "device": dev.label,
             "bytes": plan.size,
             "files": len(plan.regions),
         }
         emit(loading)
-        notifier.send(status_line(f"loading rank {rank} of {plan.sidecar} on {dev.label}"))
+        notifier.send(status_line(f"loading rank {rank}{of} of {plan.sidecar} on {dev.label}"))
         with _LoadProgress(plan.size, progress_every, emit, notifier) as progress:
             if dev.kind == "cpu":
                 from mpack.runtime.memfd import HostExport
 
-                export: Any = HostExport.create(plan, f"{plan.digest[:16]}-r{rank}", progress)
+                memfd = f"{plan.digest[:16]}-r{rank}" + ("" if pp_rank is None else f"-p{pp_rank}")
+                export: Any = HostExport.create(plan, memfd, progress)
             else:
                 from mpack.runtime.cuda_vmm import DeviceExport
 
@@ -806,7 +847,9 @@ def _check_reply_fits(plan: Allocation) -> None:
         )
 
 
-def _pointer_path(digest: str, rank: int, device_key: str, path: Path) -> Path | None:
+def _pointer_path(
+    digest: str, rank: int, device_key: str, path: Path, pp_rank: int | None = None
+) -> Path | None:
     """Where a ``--socket`` daemon's pointer goes: the per-user runtime directory (Note
     [pointers to --socket daemons] in protocol.py); None where ``status`` finds the socket
     itself (a ``*.sock`` in that directory).
@@ -817,7 +860,7 @@ def _pointer_path(digest: str, rank: int, device_key: str, path: Path) -> Path |
     rdir = P.runtime_dir(create=True)
     if path.name.endswith(P.SOCKET_SUFFIX) and path.parent.resolve() == rdir.resolve():
         return None
-    return rdir / P.pointer_name(digest, rank, device_key, path)
+    return rdir / P.pointer_name(digest, rank, device_key, path, pp_rank)
 
 
 def _raise_fd_limit() -> None:

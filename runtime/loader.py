@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from mpack import iokit
+from mpack.arch import Stage
 from mpack.errors import CorruptFileError, VerificationError
 from mpack.fsutil import open_regular_file
 from mpack.iokit import ChunkDigester, PinnedRing, chunk_spans, pread_full, read_full
@@ -132,6 +133,7 @@ def fill(
     """
     t0 = time.perf_counter()
     pending: list[Future | None] = [None] * depth
+    scratch = _Scratch(depth)
     k = 0
     try:
         with iokit.pool("hash", 1) as ordered, iokit.pool("chunk", FILL_WORKERS) as pool:
@@ -139,11 +141,13 @@ def fill(
                 with open_regular_file(r.path, buffering=0) as f:  # no symlink, FIFO or device
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     if r.chunk_bytes <= chunk:
-                        got, k = _fill_parallel(r, f.fileno(), dest, pool, pending, k, progress)
+                        got, k = _fill_parallel(
+                            r, f.fileno(), dest, pool, pending, k, progress, scratch
+                        )
                     else:
                         digester = ChunkDigester(r.chunk_bytes, r.size, pool=pool, ordered=ordered)
-                        k = _fill_region(r, f, dest, digester, pending, k, chunk, progress)
-                        got = digester.digests()
+                        k = _fill_region(r, f, dest, digester, pending, k, chunk, progress, scratch)
+                        got = dict(enumerate(digester.digests()))
                     for i, p in enumerate(pending):  # the file's last pieces
                         if p is not None:
                             p.result()
@@ -156,11 +160,16 @@ def fill(
     return FillStats(plan.size, time.perf_counter() - t0)
 
 
-def _verify(plan: Allocation, r: Region, got: list[str]) -> None:
-    """Raise ``VerificationError`` unless the chunk digests ``got`` of ``r`` are the manifest's."""
-    bad = chunk_mismatch(got, r.chunk_sha256, r.chunk_bytes, r.size)
+def _verify(plan: Allocation, r: Region, got: dict[int, str]) -> None:
+    """Raise ``VerificationError`` unless the chunk digests ``got`` of ``r`` (by chunk index:
+    every chunk read, Note [a stage's allocation]) are the manifest's."""
+    idx = sorted(got)
+    want = [r.chunk_sha256[i] if i < len(r.chunk_sha256) else "" for i in idx]
+    bad = chunk_mismatch([got[i] for i in idx], want, r.chunk_bytes, r.size)
     if bad:
-        _, lo, hi, nbad = bad
+        first, _, _, nbad = bad
+        lo = idx[first] * r.chunk_bytes
+        hi = min(lo + r.chunk_bytes, r.size)
         raise VerificationError(
             f"{r.path}: sha256 of bytes {lo}..{hi} does not match the manifest's chunk "
             f"sha256 ({nbad} of {len(got)} chunks differ): the file is damaged or was "
@@ -194,20 +203,25 @@ def _fill_parallel(
     pending: list[Future | None],
     k: int,
     progress: Progress | None = None,
-) -> tuple[list[str], int]:
-    """Fill ``r``, one chunk per job on ``pool`` (Note [parallel fill]); its chunk digests, and
-    the next slot's ``k``."""
+    scratch: _Scratch | None = None,
+) -> tuple[dict[int, str], int]:
+    """Fill ``r``, one chunk per job on ``pool`` (Note [parallel fill]): every chunk of a whole
+    file, the chunks a stage's windows or the header touch otherwise (Note [a stage's
+    allocation]); their digests by chunk index, and the next slot's ``k``."""
     depth = len(pending)
-    jobs: list[Future[str]] = []
-    for a, b in chunk_spans(r.size, r.chunk_bytes):
+    scratch = scratch or _Scratch(depth)
+    jobs: dict[int, Future[str]] = {}
+    for c, (a, b) in enumerate(chunk_spans(r.size, r.chunk_bytes)):
+        if not r.needs(a, b - a):
+            continue
         i = k % depth
         if pending[i] is not None:
             pending[i].result()
         dest.wait(i)
-        pending[i] = job = pool.submit(_fill_chunk, r, fd, dest, i, a, b - a, progress)
-        jobs.append(job)
+        pending[i] = job = pool.submit(_fill_chunk, r, fd, dest, i, a, b - a, progress, scratch)
+        jobs[c] = job
         k += 1
-    return [j.result() for j in jobs], k
+    return {c: j.result() for c, j in jobs.items()}, k
 
 
 def _fill_chunk(
@@ -218,18 +232,62 @@ def _fill_chunk(
     pos: int,
     n: int,
     progress: Progress | None = None,
+    scratch: _Scratch | None = None,
 ) -> str:
-    """Read bytes ``[pos, pos + n)`` of ``r`` into slot ``i`` and hand them to ``dest``; their
-    sha256."""
-    view = dest.slot(i, r.offset + pos, n)
-    if pread_full(fd, view, pos) != n:
-        raise CorruptFileError(f"{r.path}: file became shorter while loading")
-    _check_head(r, pos, view)
-    dest.submit(i, r.offset + pos, n)
+    """Read bytes ``[pos, pos + n)`` of ``r`` and hand the held ones to ``dest`` (through slot
+    ``i``); their sha256."""
+    view = _take(r, dest, i, pos, n, lambda v: pread_full(fd, v, pos), scratch)
     digest = hashlib.sha256(view).hexdigest()
     if progress is not None:
         progress(n)
     return digest
+
+
+class _Scratch:
+    """One host buffer per ring slot, for the bytes of a piece that the allocation does not
+    hold in full (Note [a stage's allocation]): read and hashed there, the held part copied."""
+
+    def __init__(self, depth: int) -> None:
+        self._bufs: list[bytearray | None] = [None] * depth
+
+    def get(self, i: int, n: int) -> memoryview:
+        buf = self._bufs[i]
+        if buf is None or len(buf) < n:
+            buf = self._bufs[i] = bytearray(n)
+        return memoryview(buf)[:n]
+
+
+def _take(
+    r: Region,
+    dest: Destination,
+    i: int,
+    pos: int,
+    n: int,
+    read: Callable[[memoryview], int],
+    scratch: _Scratch | None,
+) -> memoryview:
+    """Read bytes ``[pos, pos + n)`` of ``r`` (``read(view)`` fills ``view`` and returns the
+    count) and hand ``dest`` the ones the allocation holds; the bytes read, for the hash. A
+    piece inside one window is read straight into ``dest``'s slot ``i``; any other into
+    ``scratch``'s, and its held parts copied through slot ``i``."""
+    whole = r.window_of(pos, n)
+    if whole is not None:
+        view = dest.slot(i, whole.alloc(pos), n)
+        if read(view) != n:
+            raise CorruptFileError(f"{r.path}: file became shorter while loading")
+        _check_head(r, pos, view)
+        dest.submit(i, whole.alloc(pos), n)
+        return view
+    assert scratch is not None
+    view = scratch.get(i, n)
+    if read(view) != n:
+        raise CorruptFileError(f"{r.path}: file became shorter while loading")
+    _check_head(r, pos, view)
+    for lo, hi, at in r.overlaps(pos, n):
+        dest.wait(i)  # slot i's previous copy is done
+        dest.slot(i, at, hi - lo)[:] = view[lo - pos : hi - pos]
+        dest.submit(i, at, hi - lo)
+    return view
 
 
 def _fill_region(
@@ -241,9 +299,12 @@ def _fill_region(
     k: int,
     chunk: int,
     progress: Progress | None = None,
+    scratch: _Scratch | None = None,
 ) -> int:
     """Read ``r`` from ``f`` in order into ring slots ``k, k + 1, ...`` (mod ``depth``) in pieces
-    that never cross a chunk boundary, each handed to ``digester``; the next slot's ``k``."""
+    that never cross a chunk boundary, each handed to ``digester`` (the whole file: its one
+    chunk is hashed whole; a stage's region keeps only its windows' bytes); the next slot's
+    ``k``."""
     depth = len(pending)
     pos = 0
     while pos < r.size:
@@ -252,11 +313,7 @@ def _fill_region(
         if pending[i] is not None:
             pending[i].result()
         dest.wait(i)
-        view = dest.slot(i, r.offset + pos, n)
-        if read_full(f, view) != n:
-            raise CorruptFileError(f"{r.path}: file became shorter while loading")
-        _check_head(r, pos, view)
-        dest.submit(i, r.offset + pos, n)
+        view = _take(r, dest, i, pos, n, lambda v: read_full(f, v), scratch)
         pending[i] = digester.add(view)  # still reads the slot until it is done
         pos += n
         k += 1
@@ -265,8 +322,11 @@ def _fill_region(
     return k
 
 
-def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> SharedWeights:
-    """A private, writable copy of one rank of a sidecar (no daemon), verified while it loads.
+def load(
+    sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu", stage: Stage | None = None
+) -> SharedWeights:
+    """A private, writable copy of one rank of a sidecar (no daemon), verified while it loads:
+    of pipeline ``stage`` only, if given (Note [a stage's allocation] in allocation.py).
 
     Returns a ``SharedWeights`` whose tensors are views into one uint8 buffer of the rank's
     bytes on ``device`` (``cpu``, ``cuda`` or ``cuda:N``).
@@ -276,7 +336,7 @@ def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> S
     from mpack.runtime.weights import SharedWeights
 
     where = checked_device(device)
-    plan = plan_rank(sidecar, rank)
+    plan = plan_rank(sidecar, rank, stage)
     if where.kind == "cpu":
         buf = torch.empty(plan.size, dtype=torch.uint8)
         fill(plan, HostDest(memoryview(buf.numpy())))
@@ -294,4 +354,5 @@ def load(sidecar: str | os.PathLike, *, rank: int = 0, device: str = "cpu") -> S
         device=label,
         backend="private",
         nbytes=plan.size,
+        stage=plan.stage,
     )

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mpack import fsutil
+from mpack.arch import Stage
 from mpack.device import KEY, DeviceSpec
 from mpack.errors import DaemonError, MpackError, ProtocolError, UsageError, arg
 
@@ -49,6 +50,7 @@ MAX_FDS = 4  # ancillary slots a client reads (one is used)
 HELLO_TIMEOUT_S = 5.0  # a connection must deliver its request (and take its reply) within this
 CLIENT_TIMEOUT_S = 30.0  # how long a client waits for the daemon's whole reply
 MAX_CONNECTIONS = 4096  # open connections (leases included) one daemon keeps
+MAX_STAGES = 1024  # pipeline stages in a split a client accepts from a peer
 SOCKET_SUFFIX = ".sock"
 LOCK_SUFFIX = ".lock"
 POINTER_SUFFIX = ".ptr"  # Note [pointers to --socket daemons]
@@ -190,6 +192,7 @@ def check_status(msg: dict[str, Any]) -> dict[str, Any]:
     for c in msg["clients"]:
         if not (isinstance(c, dict) and type(c.get("pid")) is int):
             raise WireError(BAD_MESSAGE, 'status reply lists a client without an integer "pid"')
+    stage_from_wire(msg.get("stage"))  # null or absent: the whole rank
     return msg
 
 
@@ -366,17 +369,63 @@ def check_private_dir(d: Path) -> None:
         )
 
 
-def socket_name(digest: str, rank: int, device_key: str) -> str:
-    """``<digest[:16]>-r<rank>-<dev>.sock``; ``dev`` is ``cpu`` or ``gpu-`` + the GPU UUID's first
-    12 hex digits (short enough that deep runtime directories stay under sun_path's 107 bytes)."""
+def socket_name(digest: str, rank: int, device_key: str, pp_rank: int | None = None) -> str:
+    """``<digest[:16]>-r<rank>-<dev>.sock``, or ``<digest[:16]>-r<rank>-p<pp_rank>-<dev>.sock``
+    for the daemon of one pipeline stage (Note [the daemon of a stage]); ``dev`` is ``cpu`` or
+    ``gpu-`` + the GPU UUID's first 12 hex digits (short enough that deep runtime directories
+    stay under sun_path's 107 bytes)."""
     d = DeviceSpec.parse(device_key, KEY, "device key")
     dev = d.kind if d.uuid is None else "gpu-" + d.uuid[len("GPU-") :].replace("-", "")[:12]
-    return f"{digest[:16]}-r{rank}-{dev}{SOCKET_SUFFIX}"
+    stage = "" if pp_rank is None else f"p{pp_rank}-"
+    return f"{digest[:16]}-r{rank}-{stage}{dev}{SOCKET_SUFFIX}"
 
 
-def socket_path(digest: str, rank: int, device_key: str, *, create: bool = False) -> Path:
-    """Where the daemon serving (digest, rank, device) listens."""
-    return runtime_dir(create=create) / socket_name(digest, rank, device_key)
+def socket_path(
+    digest: str, rank: int, device_key: str, *, create: bool = False, pp_rank: int | None = None
+) -> Path:
+    """Where the daemon serving (digest, rank, device) listens; with ``pp_rank``, the daemon of
+    that pipeline stage of the rank (Note [the daemon of a stage])."""
+    return runtime_dir(create=create) / socket_name(digest, rank, device_key, pp_rank)
+
+
+# Note [the daemon of a stage]: `mpack serve SIDECAR --rank R --pp-rank P --pp-size N` holds
+# only what pipeline stage P of N builds of rank R (Note [a stage's allocation] in
+# allocation.py). It listens at a socket named from the stage's index, not from its split
+# (``-r<R>-p<P>-``): an engine's stage P finds the daemon of stage P on its device whatever
+# split either was started with, and the split the daemon serves (``stage`` in its ``attached``
+# and ``status`` replies: :func:`stage_to_wire`) is compared with the engine's on attach, which
+# refuses another one naming both (``StageMismatchError``) rather than serving the wrong layers
+# or quietly loading privately. One daemon per (sidecar, rank, stage index, device): its lock
+# is that socket's. A daemon of the whole rank (no ``--pp-rank``) keeps the plain name and
+# serves any stage of it; its replies carry no ``stage``.
+
+
+def stage_to_wire(stage: Stage | None) -> dict[str, Any] | None:
+    """``{"pp_rank": P, "split": [n0, n1, ...]}`` of a stage daemon; None for the whole rank."""
+    if stage is None or stage.whole:
+        return None
+    return {"pp_rank": stage.rank, "split": list(stage.split)}
+
+
+def stage_from_wire(doc: Any) -> Stage | None:
+    """The stage a daemon's reply says it serves (:func:`stage_to_wire`); None: the whole rank.
+
+    Raises:
+        WireError: anything but such an object or null.
+    """
+    if doc is None:
+        return None
+    split = doc.get("split") if isinstance(doc, dict) else None
+    pp_rank = doc.get("pp_rank") if isinstance(doc, dict) else None
+    if not (
+        isinstance(split, list)
+        and 1 <= len(split) <= MAX_STAGES
+        and all(type(n) is int and n >= 0 for n in split)
+        and type(pp_rank) is int
+        and 0 <= pp_rank < len(split)
+    ):
+        raise WireError(BAD_MESSAGE, f"a malformed stage {str(doc)[:200]}")
+    return Stage(pp_rank, tuple(split))
 
 
 def check_socket_path(path: Path) -> None:
@@ -404,9 +453,11 @@ def check_socket_path(path: Path) -> None:
 # convenience for ``status``: a daemon that cannot write one serves all the same.
 
 
-def pointer_name(digest: str, rank: int, device_key: str, socket: Path) -> str:
+def pointer_name(
+    digest: str, rank: int, device_key: str, socket: Path, pp_rank: int | None = None
+) -> str:
     """The pointer file name of a daemon listening at ``socket`` (absolute)."""
-    base = socket_name(digest, rank, device_key)[: -len(SOCKET_SUFFIX)]
+    base = socket_name(digest, rank, device_key, pp_rank)[: -len(SOCKET_SUFFIX)]
     h = hashlib.sha256(os.fsencode(socket)).hexdigest()[:12]
     return f"{base}-at-{h}{POINTER_SUFFIX}"
 

@@ -38,6 +38,9 @@ READY = "READY"
 READY_KEYS = ("socket", "pid", "device", "backend", "bytes", "load_s", "rank", "digest")
 #: Printed after them when the daemon has one: ``metrics``, the URL of its Prometheus endpoint.
 READY_OPTIONAL_KEYS = ("metrics",)
+#: Printed last by the daemon of one pipeline stage (``serve --pp-rank``; Note [the daemon of a
+#: stage] in protocol.py): which stage of how many. A daemon of the whole rank prints neither.
+READY_STAGE_KEYS = ("pp_rank", "pp_size")
 READY_TIMEOUT_S = 900.0  # a cold 8B load from a slow disk, after a cold torch and CUDA start
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.005  # how often the stdout file is read while waiting for READY
@@ -60,11 +63,15 @@ class Ready:
     digest: str  # the sidecar's manifest digest
     fields: dict[str, str]
     metrics: str | None = None  # ``serve --metrics-port``: http://ADDR:PORT/metrics
+    pp_rank: int = 0  # the pipeline stage served (``serve --pp-rank``); 0 of 1: the whole rank
+    pp_size: int = 1
 
 
 def format_ready(info: Mapping[str, Any]) -> str:
     """The READY line for the daemon's ``on_ready`` fields (the ``READY_KEYS`` it has)."""
     keys = READY_KEYS + READY_OPTIONAL_KEYS
+    if info.get("pp_size", 1) != 1:
+        keys += READY_STAGE_KEYS
     return " ".join([READY, *(f"{k}={info[k]}" for k in keys if k in info)])
 
 
@@ -84,7 +91,7 @@ def parse_ready(line: str) -> Ready | None:
         if not (isinstance(doc, dict) and doc.get("event") == "ready"):
             return None
         doc["digest"] = doc.get("manifest_digest")  # its name in every --json document
-        keys = READY_KEYS + READY_OPTIONAL_KEYS
+        keys = READY_KEYS + READY_OPTIONAL_KEYS + READY_STAGE_KEYS
         fields = {k: str(doc[k]) for k in keys if k in doc and doc[k] is not None}
     else:
         head, _, rest = text.partition(" ")
@@ -103,6 +110,8 @@ def parse_ready(line: str) -> Ready | None:
             digest=fields["digest"],
             fields=fields,
             metrics=fields.get("metrics"),
+            pp_rank=int(fields.get("pp_rank", 0)),
+            pp_size=int(fields.get("pp_size", 1)),
         )
     except (KeyError, ValueError) as e:
         raise DaemonError(

@@ -22,6 +22,7 @@ from mpack.sidecar import DTYPE_SIZES, torch_dtype
 if TYPE_CHECKING:
     import torch
 
+    from mpack.arch import Stage
     from mpack.sidecar import TensorEntry
 
 
@@ -52,7 +53,8 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
 
     A ``Mapping[str, torch.Tensor]``; also ``manifest`` (the sidecar's mpack.json), ``digest``,
     ``rank``, ``device`` (``cpu`` or ``cuda:N``), ``backend`` (``private`` for :func:`load`,
-    ``host`` or ``cuda`` for :func:`attach`), ``nbytes`` (bytes of the allocation) and, when
+    ``host`` or ``cuda`` for :func:`attach`), ``nbytes`` (bytes of the allocation), ``stage``
+    (the pipeline stage held, :class:`mpack.arch.Stage`; None: the whole rank) and, when
     attached, ``daemon_pid`` (the daemon's process id, as the kernel reports the peer; None for
     a private load, or a daemon in a PID namespace this process cannot see).
     Attached tensors are read-only: a write fails in the writing process only. Use ``close()``
@@ -73,6 +75,7 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
         nbytes: int,
         lease: socket.socket | None = None,
         daemon_pid: int | None = None,
+        stage: Stage | None = None,
     ) -> None:
         self._base: torch.Tensor | None = base
         self._entries = {e.name: e for e in tensors}
@@ -84,6 +87,9 @@ class SharedWeights(Mapping[str, "torch.Tensor"]):
         self.backend = backend
         self.nbytes = nbytes
         self.daemon_pid = daemon_pid  # attached: the serving daemon's pid (SO_PEERCRED)
+        #: The pipeline stage whose tensors these are (Note [a stage's allocation] in
+        #: allocation.py); None: the whole rank.
+        self.stage = stage
         self._lease = lease
 
     def _live(self) -> torch.Tensor:

@@ -105,6 +105,7 @@ SLOW_FILES = frozenset(
         "tests/test_release.py",
         "tests/convert/test_ctlean.py",
         "tests/runtime/test_serve_attach.py",
+        "tests/runtime/test_pipeline_grid.py",
         "tests/hostile/test_convert_hostile.py",
         "tests/hostile/test_sidecar_hostile.py",
         "tests/convert/test_multi_target.py",

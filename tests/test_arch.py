@@ -373,3 +373,65 @@ def test_stage_layers_keeps_the_stages_decoder_layers() -> None:
     assert list(arch.stage_layers(wrapped, range(3, 4), "language_model.model.layers")) == [
         "language_model.model.layers.3.a"
     ]
+
+
+def test_stage_of_a_split() -> None:
+    s = arch.Stage.of(5, 1, 2)
+    assert (s.rank, s.split, s.layers, s.first, s.last, s.whole) == (
+        1,
+        (3, 2),
+        range(3, 5),
+        False,
+        True,
+        False,
+    )
+    assert str(s) == "stage 1 of 2 (layers 3..4; split [3, 2])"
+    assert arch.Stage.of(5, 0, 2, "1,4").layers == range(0, 1)
+    assert arch.Stage.of(5, 0, 1).whole
+    with pytest.raises(UsageError, match="out of range"):
+        arch.Stage.of(5, 2, 2)
+    # vLLM reads an empty VLLM_PP_LAYER_PARTITION as unset
+    assert arch.pp_partition_spec({arch.PP_PARTITION_ENV: ""}) is None
+    assert arch.pp_partition_spec({arch.PP_PARTITION_ENV: "1,4"}) == "1,4"
+    assert arch.pp_partition_spec({}) is None
+
+
+@pytest.mark.parametrize("tied", [False, True, None])
+def test_stage_holds_what_vllms_llama_builds_on_each_stage(tied: bool | None) -> None:
+    """llama.py: the embeddings on the first stage (and the last when tied), the final norm and
+    lm_head on the last; a decoder layer's tensors on its stage; ``tied`` unknown: as tied."""
+    lay = arch.layout_of("LlamaForCausalLM")
+    first, middle, last = (arch.Stage(r, (2, 2, 1)) for r in range(3))
+    holds = {
+        name: [arch.stage_holds(name, lay, s, tied) for s in (first, middle, last)]
+        for name in (
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+            "model.layers.2.input_layernorm.weight",
+            "model.layers.4.self_attn.qkv_proj.weight",
+        )
+    }
+    assert holds == {
+        "model.embed_tokens.weight": [True, False, tied is not False],
+        "model.norm.weight": [False, False, True],
+        "lm_head.weight": [False, False, True],
+        "model.layers.2.input_layernorm.weight": [False, True, False],
+        "model.layers.4.self_attn.qkv_proj.weight": [False, False, True],
+    }
+    whole = arch.Stage(0, (5,))
+    assert all(arch.stage_holds(n, lay, whole, tied) for n in holds)
+
+
+def test_stage_holds_the_ends_on_every_stage_where_vllm_builds_them_there() -> None:
+    """gemma2.py, mixtral.py, ...: ``embed_tokens``, ``norm`` and ``lm_head`` on every stage; a
+    wrapper's vision tower on every stage, its language model's ends by its text model."""
+    gemma = arch.layout_of("Gemma2ForCausalLM")
+    middle = arch.Stage(1, (2, 2, 1))
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert arch.stage_holds(name, gemma, middle, True)
+    assert not arch.stage_holds("model.layers.0.input_layernorm.weight", gemma, middle, True)
+    llava = arch.layout_of("LlavaForConditionalGeneration", "LlamaForCausalLM")
+    assert arch.stage_holds("vision_tower.encoder.weight", llava, middle, False)
+    assert not arch.stage_holds("language_model.model.embed_tokens.weight", llava, middle, False)
+    assert arch.stage_holds("language_model.model.layers.2.mlp.x", llava, middle, False)

@@ -459,8 +459,11 @@ def check_common(
     dims: Mapping[str, int],
     tied: bool,
     path: Path,
+    stage: arch.Stage | None = None,
 ) -> None:
-    """The tensors of ``common.safetensors`` (name -> shape), which vLLM's own loaders take.
+    """The tensors of ``common.safetensors`` (name -> shape), which vLLM's own loaders take:
+    all of them, or those pipeline ``stage`` holds (:func:`mpack.arch.stage_holds`: what a
+    stage's allocation has of the file).
 
     Every tensor a Llama-family model needs besides its Marlin layers must be there: the
     embeddings, the final norm, each decoder layer's two norms, and lm_head unless the model
@@ -489,6 +492,8 @@ def check_common(
     required = {f"{text}model.embed_tokens.weight", f"{text}model.norm.weight"}
     required |= {f"{decoder}.{i}.{n}" for i in range(layers) for n in norms}
     required |= set() if tied else {f"{text}lm_head.weight"}
+    if stage is not None:
+        required = {n for n in required if arch.stage_holds(n, lay, stage, tied)}
     mapped = {lay.vllm_name(n): n for n in tensors}  # vLLM's name -> the file's
     missing = sorted(required - set(mapped), key=arch.natural_key)
     if missing:

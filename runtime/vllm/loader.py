@@ -21,7 +21,9 @@ What :class:`MpackModelLoader` does, in order (Note [loading from a sidecar]):
    weights).
 2. **The rank's tensors**: attached zero-copy from ``mpack serve`` (``attach: auto|require``) or
    loaded privately with :func:`mpack.runtime.load` (``never``, or ``auto`` with no daemon):
-   :func:`~mpack.runtime.vllm.source.rank_weights`.
+   :func:`~mpack.runtime.vllm.source.rank_weights`. At pipeline-parallel size > 1, those of the
+   rank's stage: from the daemon of that stage (``serve --pp-rank``, refused when its split is
+   not the engine's) or of the whole rank, or loaded privately for the stage alone.
 3. **The model, built as vLLM builds it** (``create_model``), on the target device.
 4. **Every Marlin layer** of the rank's pipeline stage (all of them at PP 1; the decoder layers
    vLLM's ``get_pp_indices`` gives the stage: :func:`pp_stage`, Note [a layer range per stage]
@@ -305,6 +307,9 @@ class Checked:
     #: The manifest's ``layers`` this pipeline stage runs (Note [a layer range per stage] in
     #: docs/FORMAT.md): all of them at pipeline-parallel size 1.
     layers: dict[str, Any]
+    #: This rank's pipeline stage, vLLM's split (:func:`pp_stage`): a one-stage split at
+    #: pipeline-parallel size 1.
+    stage: arch.Stage
 
 
 def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Checked:
@@ -375,19 +380,24 @@ def checked_sidecar(opts: Options, vllm_config: Any, model_config: Any) -> Check
         engine["tied"],
         engine["quant_method"],
         skip,
-        arch.stage_layers(manifest["layers"], stage, lay.decoder_prefix),
+        arch.stage_layers(manifest["layers"], stage.layers, lay.decoder_prefix),
+        stage,
     )
 
 
-def pp_stage(num_layers: int) -> range:
-    """The decoder layers this rank's pipeline stage runs: vLLM's own ``get_pp_indices``, the
-    rule its ``make_layers`` builds the model by (``VLLM_PP_LAYER_PARTITION`` included; mpack's
-    copy of it is :func:`mpack.arch.pp_layers`). Every layer at pipeline-parallel size 1."""
+def pp_stage(num_layers: int) -> arch.Stage:
+    """This rank's pipeline stage, whose ``layers`` are the decoder layers it runs: the split
+    is vLLM's own ``get_pp_indices`` for every stage, the rule its ``make_layers`` builds the
+    model by (``VLLM_PP_LAYER_PARTITION`` included; mpack's copy of it is
+    :func:`mpack.arch.pp_layers`). One stage of every layer at pipeline-parallel size 1."""
     from vllm.distributed import get_pp_group
     from vllm.distributed.utils import get_pp_indices
 
     pp = get_pp_group()
-    return range(*get_pp_indices(num_layers, pp.rank_in_group, pp.world_size))
+    split = tuple(
+        len(range(*get_pp_indices(num_layers, r, pp.world_size))) for r in range(pp.world_size)
+    )
+    return arch.Stage(pp.rank_in_group, split)
 
 
 class Phases:
@@ -449,6 +459,7 @@ class MpackModelLoader(DefaultModelLoader):
                 rank=rank,
                 device=_device_label(torch.device(load_device)),
                 socket=self.options.socket,
+                stage=pp_stage(engine["model"]["num_hidden_layers"]),
             )
         except MpackError:
             return 0
@@ -488,7 +499,9 @@ class MpackModelLoader(DefaultModelLoader):
         target = torch.device(load_device)
         rank = get_tensor_model_parallel_rank()
         with phases("weights"):
-            weights = rank_weights(checked.sidecar, self.options, rank, _device_label(target))
+            weights = rank_weights(
+                checked.sidecar, self.options, rank, _device_label(target), checked.stage
+            )
         try:
             if checked.skip is None:  # the tensors loaded are those whose header was checked
                 check_common(
@@ -498,6 +511,7 @@ class MpackModelLoader(DefaultModelLoader):
                     checked.dims,
                     checked.tied,
                     checked.sidecar / COMMON_NAME,
+                    weights.stage,  # a stage's weights hold its tensors of the file
                 )
             with set_default_torch_dtype(model_config.dtype):
                 with phases("build"), target, building(checked.skip is None) as ph:

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpack.errors import DaemonError, InputError, shown
+from mpack.arch import Stage
+from mpack.errors import DaemonError, InputError, StageMismatchError, shown
+from mpack.runtime.client import serve_command
 from mpack.runtime.vllm import logger
 from mpack.runtime.vllm.checks import Options
 from mpack.sidecar import MANIFEST_NAME
@@ -93,41 +95,60 @@ def not_a_sidecar(
     return InputError(what, hint=hint)
 
 
-def rank_weights(sidecar: Path, opts: Options, rank: int, device: str) -> Any:
+def rank_weights(
+    sidecar: Path, opts: Options, rank: int, device: str, stage: Stage | None = None
+) -> Any:
     """The rank's ``SharedWeights``: attached (zero-copy) or loaded privately, per ``attach``;
-    one INFO line on vLLM's log says which, and how long it took (Note [one logger])."""
+    one INFO line on vLLM's log says which, and how long it took (Note [one logger]).
+
+    ``stage``: the engine's pipeline stage of the rank (a split of more than one stage, Note [a
+    layer range per stage] in docs/FORMAT.md). Attached, from the daemon of that stage or of the
+    whole rank (Note [the daemon of a stage] in runtime/protocol.py); a daemon of another stage
+    or split is refused whatever ``attach`` says (``StageMismatchError``: it is there, but
+    misconfigured; loading privately beside it would hide that and hold the weights twice).
+    Loaded privately, that stage's tensors only (Note [a stage's allocation] in
+    runtime/allocation.py)."""
     from mpack.runtime import attach, load
 
     log = logger()
     t0 = time.perf_counter()
+    if stage is not None and stage.whole:
+        stage = None
+    of = f" {stage}" if stage is not None else ""
     if opts.attach != "never":
         try:
-            w = attach(sidecar, rank=rank, device=device, socket=opts.socket)
+            w = attach(sidecar, rank=rank, device=device, socket=opts.socket, stage=stage)
             pid = w.daemon_pid if w.daemon_pid is not None else "unknown (another PID namespace)"
+            held = f" ({w.stage})" if w.stage is not None else " (the whole rank)" if of else ""
             log.info(
-                "mpack: rank %d attached zero-copy to daemon pid %s: %d bytes (%.2f GiB) on %s "
-                "in %.3f s",
+                "mpack: rank %d%s attached zero-copy to daemon pid %s%s: %d bytes (%.2f GiB) "
+                "on %s in %.3f s",
                 rank,
+                of,
                 pid,
+                held,
                 w.nbytes,
                 w.nbytes / 2**30,
                 device,
                 time.perf_counter() - t0,
             )
             return w
+        except StageMismatchError:
+            raise
         except DaemonError as e:
             if opts.attach == "require":
                 raise DaemonError(
                     f"attach: require, but {e.message}",
-                    hint=f"start it: mpack serve {sidecar} --rank {rank} --device {device}",
+                    hint="start it: " + serve_command(sidecar, rank, stage, device),
                 ) from None
-            log.warning("mpack: rank %d loads privately: %s", rank, e.message)
+            log.warning("mpack: rank %d%s loads privately: %s", rank, of, e.message)
     t0 = time.perf_counter()
-    w = load(sidecar, rank=rank, device=device)
+    w = load(sidecar, rank=rank, device=device, stage=stage)
     log.info(
-        "mpack: rank %d loaded privately (verified, no daemon): %d bytes (%.2f GiB) on %s "
+        "mpack: rank %d%s loaded privately (verified, no daemon): %d bytes (%.2f GiB) on %s "
         "in %.3f s",
         rank,
+        of,
         w.nbytes,
         w.nbytes / 2**30,
         device,

@@ -439,9 +439,12 @@ def serve_and_run(
     work: Path,
     runtime: Path,
     pp: int = 1,
+    staged: list[tuple[Path, int, int, int, Path]] = (),  # type: ignore[assignment]
 ) -> dict:
     """:func:`run_workers` while the main venv's ``mpack serve SIDECAR --rank R --device cpu``
-    serves each ``(SIDECAR, R)`` of ``served`` in the runtime directory ``runtime``."""
+    serves each ``(SIDECAR, R)`` of ``served`` in the runtime directory ``runtime``, and
+    ``mpack serve SIDECAR --rank R --pp-rank P --pp-size N`` each ``(SIDECAR, R, P, N, DIR)`` of
+    ``staged`` in the runtime directory ``DIR``."""
     env = {
         **os.environ,
         "XDG_RUNTIME_DIR": str(runtime),
@@ -452,6 +455,17 @@ def serve_and_run(
     daemons = [
         DaemonProc(sidecar, "cpu", env, work, "--rank", str(rank), python=main_python())
         for sidecar, rank in served
+    ]
+    daemons += [
+        DaemonProc(
+            sidecar,
+            "cpu",
+            {**env, "XDG_RUNTIME_DIR": str(where)},
+            work,
+            *("--rank", str(rank), "--pp-rank", str(p), "--pp-size", str(n)),
+            python=main_python(),
+        )
+        for sidecar, rank, p, n, where in staged
     ]
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

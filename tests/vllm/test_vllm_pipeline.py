@@ -26,7 +26,9 @@ from mpack.errors import UsageError
 from tests.vllm.test_vllm_loader import assert_same_tensors, ok, run_cli, serve_and_run
 
 PP = 2
-PATHS = ("mpack-never", "mpack-require")
+#: Private; attached to the daemon of the whole rank; attached to the daemon of the stage
+#: (``serve --pp-rank``, in a runtime directory of its own).
+PATHS = ("mpack-never", "mpack-require", "mpack-stage")
 #: A split of 3 layers other than vLLM's own [2, 1], set for one pair of loads.
 PARTITION = "1,2"
 
@@ -77,16 +79,35 @@ CASE_IDS = [c.name for c in CASES]
 SPLIT = CASES[0]  # the case loaded again with VLLM_PP_LAYER_PARTITION=PARTITION
 
 
-def _loads(case: Case, ckpt: Path, sidecar: Path) -> list[dict[str, Any]]:
+def _loads(case: Case, ckpt: Path, sidecar: Path, stages: Path) -> list[dict[str, Any]]:
     base = {"model": str(ckpt), "profile": case.profile, "dtype": case.dtype}
     mpack = dict(base, load_format="mpack", sidecar=str(sidecar))
     out = [dict(base, id=f"{case.name}/default")]
     out += [
         dict(mpack, id=f"{case.name}/{p}", extra={"sidecar": str(sidecar), "attach": p[6:]})
-        for p in PATHS
+        for p in PATHS[:2]
     ]
+    at_stages = {"XDG_RUNTIME_DIR": str(stages)}
+    out.append(
+        dict(
+            mpack,
+            id=f"{case.name}/mpack-stage",
+            extra={"sidecar": str(sidecar), "attach": "require"},
+            env=at_stages,
+        )
+    )
     if case is SPLIT:
         split = {"VLLM_PP_LAYER_PARTITION": PARTITION}
+        # the stage daemons serve vLLM's default split, [2, 1]: refused, attach auto or not
+        out += [
+            dict(
+                mpack,
+                id=f"{case.name}/split-stage-{mode}",
+                extra={"sidecar": str(sidecar), "attach": mode},
+                env={**at_stages, **split},
+            )
+            for mode in ("auto", "require")
+        ]
         out += [
             dict(base, id=f"{case.name}/split-default", env=split),
             dict(
@@ -107,8 +128,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, dict]
     if spec is None or spec.origin is None:
         pytest.fail("no vLLM here: run these tests with .venv-vllm (make test)")
     work = tmp_path_factory.mktemp("vllm-pp")
-    runtime = work / "xdg-runtime"
+    runtime, stages = work / "xdg-runtime", work / "xdg-runtime-stages"
     runtime.mkdir(mode=0o700)
+    stages.mkdir(mode=0o700)
     sidecars = {}
     by_tp: dict[int, list[dict[str, Any]]] = {}
     for c in CASES:
@@ -118,10 +140,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, dict]
         run_cli(
             ["mpack", "convert", str(ckpt), "-o", str(sidecars[c.name]), "--quiet", *opts], work
         )
-        by_tp.setdefault(c.tp, []).extend(_loads(c, ckpt, sidecars[c.name]))
+        by_tp.setdefault(c.tp, []).extend(_loads(c, ckpt, sidecars[c.name], stages))
     # one daemon per TP rank, which both stages attach to (the daemon holds the whole rank file)
     served = [(sidecars[c.name], r) for c in CASES for r in range(c.tp)]
-    return serve_and_run(served, by_tp, work, runtime, pp=PP)
+    # and, in their own runtime directory, one per (TP rank, stage): each holds its stage only
+    staged = [
+        (sidecars[c.name], r, p, PP, stages) for c in CASES for r in range(c.tp) for p in range(PP)
+    ]
+    return serve_and_run(served, by_tp, work, runtime, pp=PP, staged=staged)
 
 
 def stages(world: dict, case: Case, load: str = "default") -> list[list[dict[str, Any]]]:
@@ -142,9 +168,30 @@ def test_each_stage_equals_vllms_own_load(world: dict, case: Case, path: str) ->
         for t, (w, g) in enumerate(zip(want, got, strict=True)):
             assert ok(g)["layers"] == ok(w)["layers"]
             assert_same_tensors(g["tensors"], w["tensors"], f"{case.name} {path} stage {s} tp {t}")
-            if path == "mpack-require":  # zero-copy from the daemon, as at PP 1
+            if path != "mpack-never":  # zero-copy from the daemon, as at PP 1
                 assert g["weights"]["backend"] != "private"
                 assert all(v["same_ptr"] for v in g["marlin"].values()), g["marlin"]
+            if path != "mpack-require":  # the stage's tensors only, not the rank's
+                whole = stages(world, case, "mpack-require")[s][t]["weights"]["nbytes"]
+                assert g["weights"]["nbytes"] < whole, (g["weights"], whole)
+
+
+@pytest.mark.slow
+def test_a_stage_daemon_of_another_split_is_refused_naming_both(world: dict) -> None:
+    """The engine's split is ``VLLM_PP_LAYER_PARTITION=1,2``; the daemons of its stages serve
+    vLLM's default [2, 1]. Every stage refuses them, naming both splits, under ``attach: auto``
+    too (it does not load privately beside a misconfigured daemon), before any model memory."""
+    served = [arch.Stage(s, (2, 1)) for s in range(PP)]
+    engine = [arch.Stage(s, (1, 2)) for s in range(PP)]
+    for mode in ("auto", "require"):
+        for s, stage in enumerate(stages(world, SPLIT, f"split-stage-{mode}")):
+            for res in stage:
+                assert not res["ok"], res
+                err = res["error"]
+                assert err["type"] == "StageMismatchError", err
+                assert f"serves pipeline {served[s]}" in err["message"], err["message"]
+                assert f"this engine runs {engine[s]}" in err["message"], err["message"]
+                assert err["linear_layers_built"] == 0
 
 
 @pytest.mark.slow
