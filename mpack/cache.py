@@ -7,7 +7,9 @@ Three kinds live here, each in its own folder under the cache root, ``$MPACK_CAC
 - ``verdicts``: the good verdicts of compressed-tensors' check of a source's quantization
   config (Note [verdict cache] in :mod:`mpack.convert.scheme_check`);
 - ``sources``: where the local source of each sidecar converted here is, by its manifest's
-  source record (Note [source path]: the record names the directory only).
+  source record (Note [source path]: the record names the directory only);
+- ``verified``: the sidecar files whose chunk digests `mpack serve` already checked, by manifest
+  digest and what proves each file unchanged since (Note [verified files]).
 
 Everything here is best effort: an entry is written whole or not at all (a temporary file
 renamed into place), a cache that cannot be read or written is skipped (with ``mpack -v``, a
@@ -53,15 +55,16 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "CAPS",
     "cache_dir",
     "cache_root",
     "read_entry",
+    "VerifiedFiles",
     "recalled_source_dir",
     "remember_source_dir",
     "write_entry",
@@ -71,7 +74,12 @@ log = logging.getLogger("mpack.cache")
 
 #: The most bytes one entry of each kind may have. A verdict of a 47,000-linear MoE is ~5 MB;
 #: the repack kernel's cubin is well under 1 MB.
-CAPS: dict[str, int] = {"kernels": 16 << 20, "verdicts": 64 << 20, "sources": 16 << 10}
+CAPS: dict[str, int] = {
+    "kernels": 16 << 20,
+    "verdicts": 64 << 20,
+    "sources": 16 << 10,
+    "verified": 4 << 20,
+}
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -296,3 +304,131 @@ def recalled_source_dir(record: Mapping[str, Any], sidecar: str | os.PathLike) -
     mine = [Path(src) for sc, src in places if sc == here]
     there = [Path(src) for _, src in places if os.path.isdir(src)]
     return (mine or there or [None])[0]
+
+
+# --- sidecar files already verified ---------------------------------------------------------
+
+# Note [verified files]: `mpack serve` checks every chunk of every file it loads against the
+# manifest's sha256 (Note [the fill pipeline] in runtime/loader.py). Hashing is most of a warm
+# start's fill (docs/BENCHMARKS.md, section 19), and on a restart it re-proves what the last start
+# proved, about bytes nobody touched. So a fill that hashed a file keeps a record of it here,
+# under the manifest's digest (the entry's name, and repeated inside it): the file's name in the
+# manifest, the chunk size, the chunks hashed, and the file's identity as ``fstat`` saw it before
+# the first read and again after the last, unchanged: ``st_dev``, ``st_ino``, ``st_size``,
+# ``st_mtime_ns`` and ``st_ctime_ns``. A later fill of the same manifest whose file has that
+# identity under that name reads its bytes without hashing them (the header comparison, the size
+# and the "grew while loading" checks stay); one whose identity differs in any field, or that
+# names another manifest, hashes as the first did. The identity is ``fstat``-ed again after the
+# read: a trusted file that changed while it loaded is refused (its bytes were not hashed).
+#
+# What this trusts (docs/RUNTIME.md, "Verification on a restart"): any write to a file through
+# the filesystem (``write``, a writable ``mmap``, ``truncate``, a rename onto it) sets its ctime
+# to the current time, and ctime cannot be set by a process, only by setting the system clock
+# (root): git's index relies on the same. So a file that changed through the filesystem is
+# hashed again. It does not catch what bypasses the filesystem: a disk's or a network
+# filesystem's silent corruption, a write to the block device, a filesystem that does not keep
+# ctime, or a clock set back to repeat an old ctime. ``mpack serve --verify always`` and
+# ``mpack verify`` hash regardless (and ``always`` rewrites the record).
+#
+# A file whose ctime or mtime is within ``RACY_S`` of the start of its read is not recorded:
+# a write in the same clock tick as the recorded ``fstat`` (timestamps move in ticks of a few
+# milliseconds; a network filesystem's come from the server's clock) could leave the identity
+# unchanged ("racy git"). A freshly written sidecar is hashed at its first two starts.
+#
+# The record lives in mpack's cache under Note [cache trust]: whoever can write it runs as us
+# and could as well edit the sidecar. Two daemons of one manifest writing at once may lose one's
+# record (the last rename wins): the loser's files are hashed again on their next start.
+
+#: A file changed this close to the start of its read is not recorded (Note [verified files]).
+RACY_S = 1.0
+#: File records one ``verified`` entry keeps (newest first): copies of one sidecar at several
+#: paths each have their own, as do the files of every rank.
+MAX_VERIFIED_FILES = 512
+_VERIFIED_VERSION = 1
+
+
+class FileIdentity(NamedTuple):
+    """What proves a file unchanged since it was hashed (Note [verified files])."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class VerifiedFiles:
+    """The ``verified`` record of the manifest with sha256 ``digest`` (Note [verified files]).
+
+    :meth:`known` answers which chunks of a file need no hashing now; :meth:`add` records the
+    chunks a fill hashed and found right; :meth:`save` writes the record whole. ``trust=False``
+    (``--verify always``): nothing recorded earlier is read, so every chunk is hashed, and the
+    record is rewritten from what this fill hashed. Best effort: a record that is missing,
+    unreadable or breaks Note [cache trust] is an empty one, and one that cannot be written is
+    skipped.
+    """
+
+    def __init__(self, digest: str, *, trust: bool = True) -> None:
+        self.digest, self.trust = digest, trust
+        self._files: dict[tuple[str, FileIdentity, int], frozenset[int]] = {}
+        self._changed = False
+        if trust:
+            self._files = self._read()
+
+    def _read(self) -> dict[tuple[str, FileIdentity, int], frozenset[int]]:
+        data = read_entry("verified", self.digest, then="every file is hashed")
+        if not data:
+            return {}
+        try:
+            doc = json.loads(data)
+            if doc.get("version") != _VERIFIED_VERSION or doc.get("manifest") != self.digest:
+                return {}  # another manifest's record (or a format of another mpack) proves nothing
+            out = {}
+            for f in doc["files"]:
+                ident = FileIdentity(*(int(f[k]) for k in FileIdentity._fields))
+                out[(str(f["name"]), ident, int(f["chunk_bytes"]))] = frozenset(
+                    int(c) for c in f["chunks"]
+                )
+            return out
+        except (ValueError, TypeError, KeyError, AttributeError):
+            why = "not a record; every file is hashed"
+            log.info("cache entry verified/%s ignored: %s", self.digest, why)
+            return {}
+
+    def known(self, name: str, st: os.stat_result, chunk_bytes: int) -> frozenset[int]:
+        """The chunks of file ``name`` (``st``: its ``fstat`` now) recorded as verified with
+        this identity and chunk size; empty for any other identity."""
+        return self._files.get((name, FileIdentity.of(st), chunk_bytes), frozenset())
+
+    def add(
+        self, name: str, st: os.stat_result, chunk_bytes: int, chunks: Iterable[int], since_ns: int
+    ) -> bool:
+        """Record ``chunks`` of file ``name`` as verified with identity ``st`` (``fstat``-ed
+        before its first read and unchanged after its last), merged with what is recorded for
+        that identity; not where the file changed within ``RACY_S`` of ``since_ns`` (the
+        ``time.time_ns()`` before the first read). Whether it was recorded."""
+        if max(st.st_ctime_ns, st.st_mtime_ns) > since_ns - int(RACY_S * 1e9):
+            return False
+        key = (name, FileIdentity.of(st), chunk_bytes)
+        merged = self._files.pop(key, frozenset()) | frozenset(chunks)
+        self._files = {key: merged, **self._files}  # newest first
+        self._changed = True
+        return True
+
+    def save(self) -> bool:
+        """Write the record (if anything was added) whole; False where it was not written."""
+        if not self._changed:
+            return False
+        files = [
+            {"name": name, **ident._asdict(), "chunk_bytes": cb, "chunks": sorted(chunks)}
+            for (name, ident, cb), chunks in list(self._files.items())[:MAX_VERIFIED_FILES]
+        ]
+        doc = {"version": _VERIFIED_VERSION, "manifest": self.digest, "files": files}
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        ok = write_entry("verified", self.digest, data)
+        self._changed = not ok
+        return ok

@@ -1002,6 +1002,15 @@ def serve(
             help="The address the metrics endpoint listens on (0.0.0.0: every interface).",
         ),
     ] = "127.0.0.1",
+    verify: Annotated[
+        str,
+        typer.Option(
+            "--verify",
+            metavar="[auto|always]",
+            help="auto: hash only the files an earlier start did not verify as they are now "
+            "(same inode, size, mtime and ctime); always: hash every file. See docs/RUNTIME.md.",
+        ),
+    ] = "auto",
     tp: SelectTpOpt = None,
     profile: SelectProfileOpt = None,
     act_dtype: SelectActDtypeOpt = None,
@@ -1012,7 +1021,8 @@ def serve(
     A directory of targets (OUT/<target>/) serves its one target, or the one --tp,
     --profile, --act-dtype and --ep name (refused, listing them, when several are left).
 
-    Checks every checksum while loading (a progress line every $MPACK_PROGRESS_EVERY seconds);
+    Checks every checksum while loading (a progress line every $MPACK_PROGRESS_EVERY seconds),
+    except of files an earlier start verified that are unchanged since (--verify always: all);
     prints a READY line once serving. Under systemd (Type=notify) it sends READY=1 then too.
     Stops cleanly on SIGTERM, SIGINT or SIGHUP. Attach with
     mpack.runtime.attach(SIDECAR, rank=R, device=D).
@@ -1041,6 +1051,13 @@ def serve(
         raise UsageError(
             f"--log-format {log_format!r}: not one of {', '.join(ui.LOG_FORMATS)}",
             hint="--log-format text (the default) or --log-format json",
+        )
+    from mpack.runtime.daemon import VERIFY_MODES
+
+    if verify not in VERIFY_MODES:
+        raise UsageError(
+            f"--verify {verify!r}: not one of {', '.join(VERIFY_MODES)}",
+            hint="--verify auto (the default) or --verify always",
         )
     if metrics_port is None and metrics_addr != "127.0.0.1":
         raise UsageError(
@@ -1076,6 +1093,7 @@ def serve(
         progress_every=every,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
+        verify=verify,
     )
 
 

@@ -15,7 +15,6 @@ their installed metadata and the native repack by its file, importing none of th
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -113,6 +112,8 @@ def help_entries() -> dict[str, str]:
 
 def _installed(*dists: str) -> str | None:
     """The installed version of the first of ``dists`` (distribution names) that is there."""
+    import importlib.metadata  # 15 ms of email parsing, for --version only: not at import
+
     for dist in dists:
         try:
             return importlib.metadata.version(dist)

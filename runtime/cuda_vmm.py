@@ -30,12 +30,27 @@ the calling thread: the loader's workers submit copies from several threads. All
 and export import no torch (tests/runtime/test_cuda_vmm.py checks it with a stand-in driver);
 the client side (:func:`map_readonly`) still hands out torch tensors, and
 ``mpack.runtime.load`` to a CUDA device still fills a torch tensor (``loader.CudaDest``).
+
+Note [early device start]: before its fill, a CUDA daemon waits for things that need nothing
+from the sidecar: cuda-bindings' import, ``cuInit``, the primary context, and the fill's
+page-locked ring (``cuMemHostAlloc`` pins ``DEPTH`` x ``CHUNK`` bytes, 640 MiB with 16 cores:
+every fill worker holds a piece while it reads, and one more is in flight to the GPU; with the
+chunk digests one chunk per read, a smaller ring means fewer workers). :func:`prestart` does
+them on a thread of their own as soon as ``serve`` knows the device, while the main thread
+reads and checks the manifest and headers, plans, takes the locks (the driver calls release
+the GIL). ``DeviceExport.create`` then takes that ring (waiting for the thread if it is still
+at work); where the thread failed, the main thread does it all again and reports the error
+itself. The thread imports cuda-bindings, which imports nothing of mpack's: the main thread
+waits for that import only where it needs the driver before the thread is done with it, and
+the two never wait on each other.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +60,7 @@ from mpack.runtime.loader import CHUNK, DEPTH, FillStats, Progress, fill
 if TYPE_CHECKING:
     import torch
 
+    from mpack.cache import VerifiedFiles
     from mpack.runtime.allocation import Allocation
 
 
@@ -218,18 +234,27 @@ class DeviceExport:
 
     backend = "cuda"
 
-    def __init__(self, ordinal: int, handle: Any, fd: int, size: int, stats: FillStats) -> None:
+    def __init__(
+        self, ordinal: int, handle: Any, fd: int, size: int, stats: FillStats, alloc_s: float = 0.0
+    ) -> None:
         self.ordinal, self.handle, self.fd, self.size, self.stats = ordinal, handle, fd, size, stats
+        self.alloc_s = alloc_s  # seconds from the start of ``create`` to the fill's
 
     @classmethod
     def create(
-        cls, plan: Allocation, ordinal: int, progress: Progress | None = None
+        cls,
+        plan: Allocation,
+        ordinal: int,
+        progress: Progress | None = None,
+        verified: VerifiedFiles | None = None,
     ) -> DeviceExport:
-        """Allocate (rounded up to the granularity), fill while verifying (``progress`` as
-        ``loader.fill`` takes it), export.
+        """Allocate (rounded up to the granularity), fill while verifying (``progress`` and
+        ``verified`` as ``loader.fill`` takes them), export. The fill's ring is the one
+        :func:`prestart` made, where it did (Note [early device start]).
 
         Raises what ``loader.fill`` raises, or ``CudaError`` for a failed driver call.
         """
+        t0 = time.perf_counter()
         with on_device(ordinal) as d:
             prop = d.CUmemAllocationProp()
             prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -258,10 +283,13 @@ class DeviceExport:
                 d.cuMemRelease(handle)
                 raise
         try:  # the driver alone copies (Note [torch-free daemon fill])
-            piece = max(1, min(CHUNK, plan.size))  # no read is longer than a file
-            stats = fill(
-                plan, DriverDest(rw.ptr, ordinal, depth=DEPTH, piece=piece), progress=progress
-            )
+            dest = _prestarted(ordinal)
+            if dest is None:
+                piece = max(1, min(CHUNK, plan.size))  # no read is longer than a file
+                dest = DriverDest(rw.ptr, ordinal, depth=DEPTH, piece=piece)
+            dest.ptr = int(rw.ptr)
+            alloc_s = time.perf_counter() - t0
+            stats = fill(plan, dest, progress=progress, verified=verified)
         except BaseException:
             rw.unmap()
             os.close(fd)
@@ -269,7 +297,7 @@ class DeviceExport:
                 d.cuMemRelease(handle)
             raise
         rw.unmap()  # the daemon keeps no mapping at all, only the handle and the fd
-        return cls(ordinal, handle, fd, size, stats)
+        return cls(ordinal, handle, fd, size, stats, alloc_s)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -277,6 +305,61 @@ class DeviceExport:
             self.fd = -1
             with on_device(self.ordinal) as d:
                 d.cuMemRelease(self.handle)
+
+
+class _Prestart(threading.Thread):
+    """The thread of :func:`prestart`: ``dest``, the ring it made (None until it is done, or
+    where it failed)."""
+
+    def __init__(self, ordinal: int) -> None:
+        super().__init__(name="mpack-cuda-start", daemon=True)
+        self.ordinal = ordinal
+        self.dest: DriverDest | None = None
+
+    def run(self) -> None:
+        try:
+            with on_device(self.ordinal):  # cuda-bindings loaded, cuInit, the primary context
+                pass
+            self.dest = DriverDest(0, self.ordinal, depth=DEPTH, piece=CHUNK)  # aimed later
+        except Exception:  # noqa: BLE001 - the main thread does it again and reports it
+            self.dest = None
+
+
+_prestarts: dict[int, _Prestart] = {}
+_prestart_lock = threading.Lock()
+
+
+def prestart(ordinal: int) -> None:
+    """Start initialising device ``ordinal`` for a daemon's fill on a thread (Note [early
+    device start]): the driver, its primary context, the fill's pinned ring. Once per device
+    and process; never raises (a failure shows when the main thread needs the device)."""
+    from mpack.device import no_cuda_here
+
+    if no_cuda_here():
+        return
+    with _prestart_lock:
+        if ordinal not in _prestarts:
+            t = _prestarts[ordinal] = _Prestart(ordinal)
+            t.start()
+
+
+def _prestarted(ordinal: int) -> DriverDest | None:
+    """The ring :func:`prestart` made for device ``ordinal`` (waiting for its thread), taken:
+    a second call gets None. None where none was started or it failed."""
+    with _prestart_lock:
+        t = _prestarts.get(ordinal)
+        if t is None:
+            return None
+        _prestarts[ordinal] = _Taken(ordinal)
+    t.join()
+    return t.dest
+
+
+class _Taken(_Prestart):
+    """Stands for a prestart whose ring was taken: never started, joins at once."""
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
 
 
 def prepare() -> None:

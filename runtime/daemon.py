@@ -165,6 +165,7 @@ class Served:
     device: P.Device
     export: Any  # host.HostExport | cuda_vmm.DeviceExport: .fd, .size, .backend, .stats, .close()
     started: float = field(default_factory=time.time)
+    startup: Startup | None = None  # where the start went (the ready event's ``startup``)
 
     def status(self) -> dict[str, Any]:
         target = self.plan.manifest.get("target", {})
@@ -284,7 +285,9 @@ class Daemon:
                 self.metrics.loaded(self.status())
             if on_ready:
                 on_ready(info)
-            self.on_event({"event": "ready", **info})
+            startup = self.served.startup
+            more = {} if startup is None else {"startup": startup.done(self.served.export)}
+            self.on_event({"event": "ready", **info, **more})
             if self.notifier is not None:
                 self.notifier.send("READY=1", status_line(self._serving_line()))
             while not self._stop:
@@ -686,6 +689,7 @@ def serve(
     metrics_port: int | None = None,
     metrics_addr: str = "127.0.0.1",
     stage: Stage | None = None,
+    verify: str = "auto",
 ) -> None:
     """Serve one rank of ``sidecar`` until SIGTERM/SIGINT/SIGHUP (the ``mpack serve`` command):
     only what pipeline ``stage`` of it builds, if given (Note [the daemon of a stage] in
@@ -705,7 +709,10 @@ def serve(
     once the socket listens and ``STOPPING=1`` on a stop signal (runtime/sdnotify.py; a failed
     send is a ``notify-failed`` event). ``metrics_port`` (0: any free port) serves Prometheus
     metrics at ``http://metrics_addr:PORT/metrics`` (runtime/metrics.py); the ready event and
-    READY line name it as ``metrics``.
+    READY line name it as ``metrics``. ``verify`` (:data:`VERIFY_MODES`): ``auto`` hashes only
+    the files an earlier start did not verify as they are now, ``always`` hashes every file
+    (Note [verified files] in mpack/cache.py); either way the files hashed are recorded. The
+    ready event's ``startup`` says where the start went (:class:`Startup`).
 
     Raises:
         FormatVersionError, CorruptFileError, VerificationError: an unusable sidecar.
@@ -717,6 +724,13 @@ def serve(
             file in its place that is not a socket of ours), the rank has more tensors than
             a client takes (``protocol.MAX_TENSORS``), or the metrics port cannot be bound.
     """
+    startup = Startup()
+    if verify not in VERIFY_MODES:
+        raise UsageError(
+            f"verify={verify!r}: not one of {', '.join(VERIFY_MODES)}",
+            hint="auto (hash what an earlier start did not verify) or always",
+        )
+    _prestart(device)  # Note [early device start] in cuda_vmm.py
     if metrics_port is not None:
         from mpack.runtime.metrics import check_port
 
@@ -729,7 +743,9 @@ def serve(
         )
     _check_reply_fits(plan)
     pp_rank = None if plan.stage is None else plan.stage.rank
+    startup.mark("plan_s")
     dev = P.resolve_device(device)
+    startup.mark("device_s")
     if socket_path is None:
         path = P.socket_path(plan.digest, rank, dev.key, create=True, pp_rank=pp_rank)
     else:
@@ -763,20 +779,26 @@ def serve(
         }
         emit(loading)
         notifier.send(status_line(f"loading rank {rank}{of} of {plan.sidecar} on {dev.label}"))
+        from mpack.cache import VerifiedFiles
+
+        verified = VerifiedFiles(plan.digest, trust=verify == "auto")
+        startup.mark("lock_s")
         with _LoadProgress(plan.size, progress_every, emit, notifier) as progress:
             if dev.kind == "cpu":
                 from mpack.runtime.memfd import HostExport
 
                 memfd = f"{plan.digest[:16]}-r{rank}" + ("" if pp_rank is None else f"-p{pp_rank}")
-                export: Any = HostExport.create(plan, memfd, progress)
+                export: Any = HostExport.create(plan, memfd, progress, verified)
             else:
                 from mpack.runtime.cuda_vmm import DeviceExport
 
                 assert dev.ordinal is not None
-                export = DeviceExport.create(plan, dev.ordinal, progress)
+                export = DeviceExport.create(plan, dev.ordinal, progress, verified)
+        startup.mark("export_s")
+        startup.verify = verify
         stack.callback(export.close)
         daemon = Daemon(
-            Served(plan, dev, export),
+            Served(plan, dev, export, startup=startup),
             path,
             on_event=on_event,
             advertise=socket_path is not None,
@@ -784,6 +806,77 @@ def serve(
             notifier=notifier,
         )
         daemon.run(on_ready)
+
+
+#: ``serve(verify=...)``: ``auto`` trusts the record of files verified by an earlier start (Note
+#: [verified files] in mpack/cache.py), ``always`` hashes every file.
+VERIFY_MODES = ("auto", "always")
+
+
+def _prestart(device: str) -> None:
+    """For a CUDA device, start the driver, its context and the fill's ring on a thread now
+    (Note [early device start] in cuda_vmm.py); a bad spec is left for ``resolve_device``."""
+    try:
+        spec = P.DeviceSpec.parse(device)
+    except UsageError:
+        return
+    if spec.kind == "cuda" and spec.ordinal is not None:
+        from mpack.runtime import cuda_vmm
+
+        cuda_vmm.prestart(spec.ordinal)
+
+
+def _process_age() -> float | None:
+    """Seconds since this process was started (Linux ``/proc``, 10 ms ticks); None elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rpartition(")")[2].split()
+        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class Startup:
+    """Where a daemon's start went, for the ready event's ``startup`` field (seconds, 4 places):
+    ``imports_s`` (process start to ``serve``: the interpreter, imports, the CLI; null where the
+    process's start time is unknown), ``plan_s`` (manifest, headers, plan), ``device_s`` (the
+    device checked: for CUDA the driver's start, or the wait for :func:`_prestart`'s thread),
+    ``lock_s`` (socket path, locks, metrics endpoint), ``alloc_s`` (the allocation mapped and,
+    for CUDA, the ring taken), ``fill_s`` (the verified fill), ``seal_s`` (sealed or unmapped and
+    exported), ``listen_s`` (up to READY), ``ready_s`` (process start to READY); ``verify`` (the
+    mode), ``hashed_bytes`` and ``trusted_bytes`` (read without hashing: Note [verified
+    files] in mpack/cache.py)."""
+
+    def __init__(self) -> None:
+        self.imports_s = _process_age()
+        self.verify = "auto"
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        """The time since the last mark is phase ``name``'s."""
+        now = time.perf_counter()
+        self.phases[name], self._last = now - self._last, now
+
+    def done(self, export: Any) -> dict[str, Any]:
+        """The ``startup`` field, ``export`` the filled allocation (its ``stats``, ``alloc_s``)."""
+        self.mark("listen_s")
+        p = dict(self.phases)
+        stats = export.stats
+        alloc = getattr(export, "alloc_s", 0.0)
+        fill = stats.seconds
+        p["alloc_s"], p["fill_s"] = alloc, fill
+        p["seal_s"] = max(0.0, p.pop("export_s", 0.0) - alloc - fill)
+        age = _process_age()
+        out: dict[str, Any] = {"imports_s": self.imports_s, **p, "ready_s": age}
+        out = {k: None if v is None else round(v, 4) for k, v in out.items()}
+        return {
+            **out,
+            "verify": self.verify,
+            "hashed_bytes": stats.hashed,
+            "trusted_bytes": stats.trusted,
+        }
 
 
 def _stamped(on_event: Callback | None) -> Callback:

@@ -12,7 +12,10 @@ read front to back and hashed piece by piece on one thread. ``preadv`` and ``has
 the GIL, so disk, hashing and H2D copies overlap. A slot is reused only after its hash and its
 copy finished. Every digest must match the manifest, and each file's first bytes must equal the
 header that was parsed when planning (so the file map describes exactly the bytes loaded);
-otherwise the load fails and nothing is served.
+otherwise the load fails and nothing is served. The daemon passes a record of the files an
+earlier start already hashed (``mpack.cache.VerifiedFiles``): the chunks it vouches for, of a
+file whose ``fstat`` identity is the recorded one, are read and checked like the others but not
+hashed (Note [verified files] in mpack/cache.py).
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from mpack import iokit
 from mpack.arch import Stage
+from mpack.cache import FileIdentity
 from mpack.errors import CorruptFileError, VerificationError
 from mpack.fsutil import open_regular_file
 from mpack.iokit import ChunkDigester, PinnedRing, chunk_spans, pread_full, read_full
@@ -37,6 +41,7 @@ from mpack.sidecar import CHUNK_BYTES, chunk_mismatch, regenerate_hint_of
 if TYPE_CHECKING:
     import torch
 
+    from mpack.cache import VerifiedFiles
     from mpack.runtime.weights import SharedWeights
 
 CHUNK = CHUNK_BYTES  # read size: one piece per manifest chunk digest
@@ -101,8 +106,12 @@ class CudaDest:
 
 @dataclass(frozen=True)
 class FillStats:
-    bytes: int
+    bytes: int  # the allocation's bytes filled
     seconds: float
+    #: File bytes read and hashed against the manifest's chunk digests.
+    hashed: int = 0
+    #: File bytes read but not hashed: chunks a ``VerifiedFiles`` record vouched for.
+    trusted: int = 0
 
 
 #: Called with the byte count of each piece once it is read, checked and handed to the
@@ -117,6 +126,7 @@ def fill(
     chunk: int = CHUNK,
     depth: int = DEPTH,
     progress: Progress | None = None,
+    verified: VerifiedFiles | None = None,
 ) -> FillStats:
     """Copy every region of ``plan`` into ``dest``, verifying each file (Note [the fill pipeline]).
 
@@ -127,43 +137,78 @@ def fill(
     order and hashed piece by piece on one thread (:class:`mpack.iokit.ChunkDigester`).
     ``progress(n)``, if given, is called for every ``n`` bytes done, from any of those threads.
 
+    ``verified`` (the daemon's): the chunks it vouches for of a file whose identity is the
+    recorded one are not hashed (Note [verified files] in mpack/cache.py; a file of chunks
+    longer than ``chunk`` is always hashed); the chunks hashed and found right are recorded
+    there, and the record is saved once every file is filled.
+
     Raises:
         VerificationError: a chunk whose sha256 differs from the manifest.
-        CorruptFileError: a file that changed size or header since it was planned.
+        CorruptFileError: a file that changed size or header since it was planned, or a file
+            whose chunks were not hashed that changed while it loaded.
     """
     t0 = time.perf_counter()
     pending: list[Future | None] = [None] * depth
     scratch = _Scratch(depth)
-    k = 0
+    k = hashed = trusted = 0
     try:
         with iokit.pool("hash", 1) as ordered, iokit.pool("chunk", FILL_WORKERS) as pool:
             for r in plan.regions:
                 with open_regular_file(r.path, buffering=0) as f:  # no symlink, FIFO or device
+                    before = os.fstat(f.fileno())
+                    since = time.time_ns()
+                    skip: frozenset[int] = frozenset()
+                    if verified is not None and r.chunk_bytes <= chunk:
+                        skip = verified.known(r.name, before, r.chunk_bytes)
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     if r.chunk_bytes <= chunk:
-                        got, k = _fill_parallel(
-                            r, f.fileno(), dest, pool, pending, k, progress, scratch
+                        done, k = _fill_parallel(
+                            r, f.fileno(), dest, pool, pending, k, progress, scratch, skip
                         )
+                        got = {c: d for c, d in done.items() if d is not None}
+                        unhashed = [c for c, d in done.items() if d is None]
                     else:
                         digester = ChunkDigester(r.chunk_bytes, r.size, pool=pool, ordered=ordered)
                         k = _fill_region(r, f, dest, digester, pending, k, chunk, progress, scratch)
-                        got = dict(enumerate(digester.digests()))
+                        got, unhashed = dict(enumerate(digester.digests())), []
                     for i, p in enumerate(pending):  # the file's last pieces
                         if p is not None:
                             p.result()
                             pending[i] = None
                     if os.pread(f.fileno(), 1, r.size):
                         raise CorruptFileError(f"{r.path}: file grew while loading")
+                    after = os.fstat(f.fileno())
                 _verify(plan, r, got)
+                same = FileIdentity.of(after) == FileIdentity.of(before)
+                if unhashed and not same:
+                    raise CorruptFileError(
+                        f"{r.path}: changed while loading (its size, mtime or ctime moved); its "
+                        "chunks were trusted from an earlier start's record, not hashed, so "
+                        "what was read is not known to be right",
+                        hint="start again once nothing writes the sidecar's files",
+                    )
+                hashed += _span_bytes(r, got)
+                trusted += _span_bytes(r, unhashed)
+                if verified is not None and same:
+                    verified.add(r.name, before, r.chunk_bytes, [*got, *unhashed], since)
+        if verified is not None:
+            verified.save()
     finally:
         dest.finish()  # also on failure: no copy may still be writing into memory about to go
-    return FillStats(plan.size, time.perf_counter() - t0)
+    return FillStats(plan.size, time.perf_counter() - t0, hashed, trusted)
+
+
+def _span_bytes(r: Region, chunks: Iterable[int]) -> int:
+    """How many bytes of ``r``'s file the chunks ``chunks`` (indices) hold."""
+    return sum(min(r.chunk_bytes, r.size - c * r.chunk_bytes) for c in chunks)
 
 
 def _verify(plan: Allocation, r: Region, got: dict[int, str]) -> None:
     """Raise ``VerificationError`` unless the chunk digests ``got`` of ``r`` (by chunk index:
-    every chunk read, Note [a stage's allocation]) are the manifest's."""
+    every chunk hashed, Note [a stage's allocation]) are the manifest's."""
     idx = sorted(got)
+    if not idx:
+        return
     want = [r.chunk_sha256[i] if i < len(r.chunk_sha256) else "" for i in idx]
     bad = chunk_mismatch([got[i] for i in idx], want, r.chunk_bytes, r.size)
     if bad:
@@ -204,13 +249,15 @@ def _fill_parallel(
     k: int,
     progress: Progress | None = None,
     scratch: _Scratch | None = None,
-) -> tuple[dict[int, str], int]:
+    skip: frozenset[int] = frozenset(),
+) -> tuple[dict[int, str | None], int]:
     """Fill ``r``, one chunk per job on ``pool`` (Note [parallel fill]): every chunk of a whole
     file, the chunks a stage's windows or the header touch otherwise (Note [a stage's
-    allocation]); their digests by chunk index, and the next slot's ``k``."""
+    allocation]); their digests by chunk index (None for a chunk in ``skip``: read, not
+    hashed), and the next slot's ``k``."""
     depth = len(pending)
     scratch = scratch or _Scratch(depth)
-    jobs: dict[int, Future[str]] = {}
+    jobs: dict[int, Future[str | None]] = {}
     for c, (a, b) in enumerate(chunk_spans(r.size, r.chunk_bytes)):
         if not r.needs(a, b - a):
             continue
@@ -218,7 +265,9 @@ def _fill_parallel(
         if pending[i] is not None:
             pending[i].result()
         dest.wait(i)
-        pending[i] = job = pool.submit(_fill_chunk, r, fd, dest, i, a, b - a, progress, scratch)
+        pending[i] = job = pool.submit(
+            _fill_chunk, r, fd, dest, i, a, b - a, progress, scratch, c not in skip
+        )
         jobs[c] = job
         k += 1
     return {c: j.result() for c, j in jobs.items()}, k
@@ -233,11 +282,12 @@ def _fill_chunk(
     n: int,
     progress: Progress | None = None,
     scratch: _Scratch | None = None,
-) -> str:
+    hashed: bool = True,
+) -> str | None:
     """Read bytes ``[pos, pos + n)`` of ``r`` and hand the held ones to ``dest`` (through slot
-    ``i``); their sha256."""
+    ``i``); their sha256 (None unless ``hashed``)."""
     view = _take(r, dest, i, pos, n, lambda v: pread_full(fd, v, pos), scratch)
-    digest = hashlib.sha256(view).hexdigest()
+    digest = hashlib.sha256(view).hexdigest() if hashed else None
     if progress is not None:
         progress(n)
     return digest

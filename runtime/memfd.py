@@ -18,6 +18,7 @@ import fcntl
 import mmap
 import os
 import stat
+import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from mpack.runtime.loader import FillStats, HostDest, Progress, fill
 if TYPE_CHECKING:
     import torch
 
+    from mpack.cache import VerifiedFiles
     from mpack.runtime.allocation import Allocation
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -38,22 +40,31 @@ class HostExport:
 
     backend = "host"
 
-    def __init__(self, fd: int, size: int, stats: FillStats) -> None:
+    def __init__(self, fd: int, size: int, stats: FillStats, alloc_s: float = 0.0) -> None:
         self.fd = fd
         self.size = size
         self.stats = stats
+        self.alloc_s = alloc_s  # seconds from the start of ``create`` to the fill's
 
     @classmethod
-    def create(cls, plan: Allocation, name: str, progress: Progress | None = None) -> HostExport:
-        """Allocate, fill (verifying checksums; ``progress`` as ``loader.fill`` takes it) and
-        seal. Raises what ``loader.fill`` raises."""
+    def create(
+        cls,
+        plan: Allocation,
+        name: str,
+        progress: Progress | None = None,
+        verified: VerifiedFiles | None = None,
+    ) -> HostExport:
+        """Allocate, fill (verifying checksums; ``progress`` and ``verified`` as ``loader.fill``
+        takes them) and seal. Raises what ``loader.fill`` raises."""
+        t0 = time.perf_counter()
         size = plan.size
         fd = os.memfd_create(MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            alloc_s = time.perf_counter() - t0
             try:
-                stats = fill(plan, HostDest(memoryview(mm)), progress=progress)
+                stats = fill(plan, HostDest(memoryview(mm)), progress=progress, verified=verified)
             finally:
                 # After a failed fill a traceback may still hold a view; the writable mapping
                 # then goes with it (and the memfd is closed below, unsealed and unserved).
@@ -63,7 +74,7 @@ class HostExport:
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, size, stats)
+        return cls(fd, size, stats, alloc_s)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -13,9 +13,14 @@ Everything is measured in the same run, on the same files (one rank: its rank fi
   preallocated device buffer (no hashing, no checks): cold and warm. Also the same reads, no copy
   ("read only": disk or page cache alone, not PCIe). With ``--device cpu`` the floor reads
   straight into a fresh shared anonymous mapping (what the daemon does with its memfd).
-- **serve**: ``mpack serve SIDECAR --device D --socket S`` in a fresh process, cold (page cache
-  dropped first) and warm; ``load_s`` from its READY line (the verified fill only, comparable
-  with the floor) and the wall time from ``Popen`` to READY (interpreter, torch, CUDA init too).
+- **serve**: ``mpack serve SIDECAR --device D --socket S --json`` in a fresh process: first
+  ``--verify always`` (every file hashed and recorded as verified, in the run's own cache), then
+  ``--verify auto`` cold (page cache dropped first) and warm (the record trusted: files read,
+  not hashed), then ``--verify always`` warm again; ``load_s`` from its READY line (the fill
+  only, comparable with the floor), the wall time from ``Popen`` to READY (interpreter, imports,
+  CUDA init too), and the ready event's ``startup`` phases (imports, plan, device, lock, alloc,
+  fill, seal, listen; bytes hashed and trusted: runtime/daemon.py ``Startup``). With ``--skip
+  floor,safetensors,attach,torch_mp`` only this runs (``--cold none``: warm only).
 - **safetensors**: ``safetensors.torch.load_file(f, device=D)`` of the same files in a fresh
   process, timed after ``torch.cuda.init()`` and a first allocation, up to a synchronize. (On
   CPU ``load_file`` maps the file lazily, so each tensor is also cloned: a private copy.)
@@ -247,6 +252,7 @@ def main() -> int:
         return 0
     exit_on_signals()  # so that `finally` ends every child
     tmp, env = scratch_dir("brt-")  # short: the socket lives here
+    env["MPACK_CACHE_DIR"] = str(tmp / "cache")  # the run's own record of verified files
     try:
         bench(a, tmp, env)
     finally:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -179,16 +179,23 @@ def run_worker(
 
 @contextlib.contextmanager
 def serve(
-    sidecar: Path, rank: int, device: str, socket: Path, env: dict[str, str], cwd: Path
+    sidecar: Path,
+    rank: int,
+    device: str,
+    socket: Path,
+    env: dict[str, str],
+    cwd: Path,
+    args: Sequence[str] = (),
 ) -> Iterator[DaemonHandle]:
-    """``mpack serve SIDECAR --device D --rank R --socket S`` in a fresh process, READY (its
-    ``ready_s``: process start to READY); stopped with SIGTERM (then SIGKILL) when the block
-    ends, unless already stopped. Its stdout and stderr stay in ``cwd``."""
+    """``mpack serve SIDECAR --device D --rank R --socket S *args`` in a fresh process, READY
+    (its ``ready_s``: process start to READY); stopped with SIGTERM (then SIGKILL) when the
+    block ends, unless already stopped. Its stdout and stderr stay in ``cwd``."""
     d = spawn(
         sidecar,
         rank=rank,
         device=device,
         socket=socket,
+        args=args,
         env=env,
         cwd=cwd,
         log_dir=cwd,
