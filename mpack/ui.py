@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rich.console import Console
@@ -930,12 +931,18 @@ def event_line(event: dict[str, Any], log_format: str = "text") -> str:
     doc = event_doc(event)
     if log_format == "json":
         return json.dumps(doc, separators=(",", ":"), default=str)
-    rest = " ".join(
-        f"{k}={shown(str(v), NOTE_LIMIT)}"
-        for k, v in doc.items()
-        if k not in ("ts", "level", "event", "ok")
-    )
+    pairs = ((k, v) for k, v in doc.items() if k not in ("ts", "level", "event", "ok"))
+    rest = " ".join(f"{k}={shown(str(v), NOTE_LIMIT)}" for k, v in _flat(pairs))
     return f"{doc['ts']} {doc['level']} mpack serve: {shown(doc['event'])} {rest}".rstrip()
+
+
+def _flat(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A nested mapping's entries as dotted keys (``startup.fill_s=0.91``), for text lines."""
+    for k, v in pairs:
+        if isinstance(v, dict):
+            yield from _flat((f"{k}.{kk}", vv) for kk, vv in v.items())
+        else:
+            yield k, v
 
 
 def emit_event(event: dict[str, Any], log_format: str = "text") -> None:

@@ -226,3 +226,13 @@ def test_a_fast_load_reports_no_progress(world):
     with _LoadProgress(plan.size, 0.1, events.append, Notifier(environ={})) as progress:
         fill(plan, HostDest(memoryview(bytearray(plan.size))), progress=progress)
     assert events == []  # under FIRST_PROGRESS_S: loading, then ready, nothing between
+
+
+def test_a_nested_field_reads_as_dotted_keys_in_the_text_log() -> None:
+    event = {"event": "ready", "ts": time.time(), "startup": {"fill_s": 0.91, "verify": "auto"}}
+    line = ui.event_line(event)
+    assert TEXT_LINE.match(line), line
+    assert " startup.fill_s=0.91" in line and " startup.verify=auto" in line, line
+    assert "{" not in line  # no Python dict repr in the log
+    doc = json.loads(ui.event_line(event, "json"))
+    assert doc["startup"] == {"fill_s": 0.91, "verify": "auto"}  # JSON keeps the structure
