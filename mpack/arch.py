@@ -640,13 +640,7 @@ def pp_layers(num_layers: int, pp_rank: int, pp_size: int, spec: str | None = No
     Raises:
         UsageError: ``pp_rank`` outside ``0..pp_size-1``, or a bad ``spec``.
     """
-    if not (type(pp_size) is int and pp_size >= 1 and type(pp_rank) is int):
-        raise UsageError(f"pipeline stage {pp_rank!r} of {pp_size!r}: not integers, or size < 1")
-    if not 0 <= pp_rank < pp_size:
-        raise UsageError(f"pipeline stage {pp_rank} is out of range: there are {pp_size} stages")
-    counts = pp_partition(num_layers, pp_size, spec)
-    start = sum(counts[:pp_rank])
-    return range(start, start + counts[pp_rank])
+    return Stage.of(num_layers, pp_rank, pp_size, spec).layers
 
 
 def stage_layers(layers: Mapping[str, Any], span: range, prefix: str = DECODER_PREFIX) -> dict:
@@ -684,7 +678,14 @@ class Stage:
         Raises:
             UsageError: ``pp_rank`` outside ``0..pp_size-1``, or a bad ``spec``.
         """
-        pp_layers(num_layers, pp_rank, pp_size, spec)  # its checks
+        if not (type(pp_size) is int and pp_size >= 1 and type(pp_rank) is int):
+            raise UsageError(
+                f"pipeline stage {pp_rank!r} of {pp_size!r}: not integers, or size < 1"
+            )
+        if not 0 <= pp_rank < pp_size:
+            raise UsageError(
+                f"pipeline stage {pp_rank} is out of range: there are {pp_size} stages"
+            )
         return cls(pp_rank, tuple(pp_partition(num_layers, pp_size, spec)))
 
     @property
@@ -709,6 +710,11 @@ class Stage:
     def whole(self) -> bool:
         """Whether this is the only stage (every layer, every pass-through tensor)."""
         return self.size == 1
+
+    @staticmethod
+    def partial(stage: Stage | None) -> Stage | None:
+        """``stage``, or None where it is None or the whole model (a split of one stage)."""
+        return None if stage is None or stage.whole else stage
 
     def __str__(self) -> str:
         span = self.layers

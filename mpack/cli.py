@@ -183,6 +183,7 @@ FLAGS: dict[str, Callable[[Any, bool], str]] = {
     "passthrough": lambda value, given: "--no-passthrough",
     "rank": _flag("--rank"),
     "socket": _flag("--socket"),
+    "verify": _flag("--verify"),
     "out": _flag("-o"),
     "layout": _flag("--layout"),
 }
@@ -1052,13 +1053,9 @@ def serve(
             f"--log-format {log_format!r}: not one of {', '.join(ui.LOG_FORMATS)}",
             hint="--log-format text (the default) or --log-format json",
         )
-    from mpack.runtime.daemon import VERIFY_MODES
+    from mpack.runtime.daemon import check_verify
 
-    if verify not in VERIFY_MODES:
-        raise UsageError(
-            f"--verify {verify!r}: not one of {', '.join(VERIFY_MODES)}",
-            hint="--verify auto (the default) or --verify always",
-        )
+    check_verify(verify)  # before the sidecar is resolved (a repo id: a download)
     if metrics_port is None and metrics_addr != "127.0.0.1":
         raise UsageError(
             f"--metrics-addr {metrics_addr} without --metrics-port: the endpoint is off",

@@ -128,6 +128,16 @@ class Allocation:
     #: The pipeline stage held (Note [a stage's allocation]); None: the whole rank.
     stage: Stage | None = None
 
+    @property
+    def pp_rank(self) -> int | None:
+        """The index of the pipeline stage held; None: the whole rank."""
+        return None if self.stage is None else self.stage.rank
+
+    @property
+    def of_stage(self) -> str:
+        """`` <the stage>`` to follow "rank R" in a message; empty for the whole rank."""
+        return "" if self.stage is None else f" {self.stage}"
+
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
@@ -173,8 +183,7 @@ def plan_rank(sidecar: str | os.PathLike, rank: int, stage: Stage | None = None)
     sidecar = Path(sidecar)
     manifest, digest = load_manifest(sidecar)
     tp = check_rank(manifest, rank)
-    if stage is not None and stage.whole:
-        stage = None
+    stage = Stage.partial(stage)
     holds = None if stage is None else stage_rule(manifest, stage, sidecar)
     listed = {f["name"]: f for f in manifest["files"]}
     names = [rank_file_name(rank, tp)] + ([COMMON_NAME] if COMMON_NAME in listed else [])

@@ -159,8 +159,7 @@ def attach(
 
     manifest, digest = load_manifest(sidecar)
     check_rank(manifest, rank)
-    if stage is not None and stage.whole:
-        stage = None
+    stage = Stage.partial(stage)
     dev = P.resolve_device(device)
     of = f" {stage}" if stage is not None else ""
     what = f"{sidecar} rank {rank}{of} on {dev.label}"
@@ -404,13 +403,8 @@ def status_of(path: Path, *, timeout: float = 5.0) -> dict[str, Any]:
     except P.WireError as e:
         raise ProtocolError(f"the daemon at {path} broke the protocol: {e}") from None
     doc = {"state": "serving", **{k: v for k, v in reply.items() if k not in ("v", "type")}}
-    stage = P.stage_from_wire(doc.get("stage"))  # checked above
     # the stage fields of Note [the daemon of a stage], the same whatever the peer wrote
-    if stage is None:
-        doc.update(pp_rank=0, pp_size=1, layers=None, stage=None)
-    else:
-        span = stage.layers
-        doc.update(pp_rank=stage.rank, pp_size=stage.size, layers=[span.start, span.stop])
+    doc.update(P.stage_fields(P.stage_from_wire(doc.get("stage"))))  # checked above
     return doc
 
 
@@ -428,8 +422,7 @@ def served_bytes(
     engine that attaches will find outside its own memory."""
     manifest, digest = load_manifest(sidecar)
     check_rank(manifest, rank)
-    if stage is not None and stage.whole:
-        stage = None
+    stage = Stage.partial(stage)
     dev = P.resolve_device(device)
     paths = [Path(socket)] if socket is not None else _sockets(digest, rank, dev, stage)
     for path in paths:

@@ -331,8 +331,8 @@ _prestart_lock = threading.Lock()
 
 def prestart(ordinal: int) -> None:
     """Start initialising device ``ordinal`` for a daemon's fill on a thread (Note [early
-    device start]): the driver, its primary context, the fill's pinned ring. Once per device
-    and process; never raises (a failure shows when the main thread needs the device)."""
+    device start]): the driver, its primary context, the fill's pinned ring. One per device
+    until a fill takes it; never raises (a failure shows when the main thread needs the device)."""
     from mpack.device import no_cuda_here
 
     if no_cuda_here():
@@ -345,21 +345,13 @@ def prestart(ordinal: int) -> None:
 
 def _prestarted(ordinal: int) -> DriverDest | None:
     """The ring :func:`prestart` made for device ``ordinal`` (waiting for its thread), taken:
-    a second call gets None. None where none was started or it failed."""
+    a later fill starts its own. None where none was started or it failed."""
     with _prestart_lock:
-        t = _prestarts.get(ordinal)
-        if t is None:
-            return None
-        _prestarts[ordinal] = _Taken(ordinal)
+        t = _prestarts.pop(ordinal, None)
+    if t is None:
+        return None
     t.join()
     return t.dest
-
-
-class _Taken(_Prestart):
-    """Stands for a prestart whose ring was taken: never started, joins at once."""
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
 
 
 def prepare() -> None:

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 from mpack import __version__, fsutil
 from mpack.arch import Stage
 from mpack.env import PROGRESS_EVERY_S
-from mpack.errors import DaemonError, UsageError
+from mpack.errors import DaemonError, UsageError, arg
 from mpack.periodic import Periodic
 from mpack.runtime import protocol as P
 from mpack.runtime.allocation import Allocation, plan_rank, tensors_to_wire
@@ -174,7 +174,7 @@ class Served:
             "digest": self.plan.digest,
             "rank": self.plan.rank,
             "tp_size": self.plan.tp_size,
-            **stage_fields(self.plan.stage),
+            **P.stage_fields(self.plan.stage),
             "engine": target.get("engine"),  # the engine the sidecar was made for (vllm)
             "engine_version": target.get("engine_version"),
             "device": self.device.key,
@@ -184,21 +184,6 @@ class Served:
             "tensors": len(self.plan.tensors),
             "load_s": round(self.export.stats.seconds, 3),
         }
-
-
-def stage_fields(stage: Stage | None) -> dict[str, Any]:
-    """The pipeline stage a daemon serves, as its ``status`` and READY say it: ``pp_rank`` and
-    ``pp_size`` (0 and 1 for the whole rank), ``layers`` (``[start, stop)`` of its decoder
-    layers; null for the whole rank) and ``stage`` (:func:`protocol.stage_to_wire`)."""
-    if stage is None or stage.whole:
-        return {"pp_rank": 0, "pp_size": 1, "layers": None, "stage": None}
-    span = stage.layers
-    return {
-        "pp_rank": stage.rank,
-        "pp_size": stage.size,
-        "layers": [span.start, span.stop],
-        "stage": P.stage_to_wire(stage),
-    }
 
 
 class _Conn:
@@ -331,12 +316,11 @@ class Daemon:
             "pid": os.getpid(),
             "digest": plan.digest,
             "rank": plan.rank,
-            "pp_rank": None if plan.stage is None else plan.stage.rank,
+            "pp_rank": plan.pp_rank,
             "device": dev.key,
         }
         try:
-            pp_rank = None if plan.stage is None else plan.stage.rank
-            pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path, pp_rank)
+            pointer = _pointer_path(plan.digest, plan.rank, dev.key, self.path, plan.pp_rank)
             return None if pointer is None else (pointer, P.write_pointer(pointer, doc))
         except (OSError, DaemonError) as e:
             self.on_event({"event": "no-pointer", "error": str(e)[:300]})
@@ -350,9 +334,8 @@ class Daemon:
     def _serving_line(self) -> str:
         """What ``systemctl status`` shows while the daemon serves."""
         s = self.served
-        of = f" {s.plan.stage}" if s.plan.stage is not None else ""
         return (
-            f"serving rank {s.plan.rank}{of} of {s.plan.sidecar} on {s.device.label} "
+            f"serving rank {s.plan.rank}{s.plan.of_stage} of {s.plan.sidecar} on {s.device.label} "
             f"({s.export.size} bytes, loaded in {s.export.stats.seconds:.2f} s)"
         )
 
@@ -725,11 +708,7 @@ def serve(
             a client takes (``protocol.MAX_TENSORS``), or the metrics port cannot be bound.
     """
     startup = Startup()
-    if verify not in VERIFY_MODES:
-        raise UsageError(
-            f"verify={verify!r}: not one of {', '.join(VERIFY_MODES)}",
-            hint="auto (hash what an earlier start did not verify) or always",
-        )
+    check_verify(verify)
     _prestart(device)  # Note [early device start] in cuda_vmm.py
     if metrics_port is not None:
         from mpack.runtime.metrics import check_port
@@ -742,7 +721,7 @@ def serve(
             hint="serve the stages that have layers (or the whole rank: leave out --pp-rank)",
         )
     _check_reply_fits(plan)
-    pp_rank = None if plan.stage is None else plan.stage.rank
+    pp_rank = plan.pp_rank
     startup.mark("plan_s")
     dev = P.resolve_device(device)
     startup.mark("device_s")
@@ -756,7 +735,7 @@ def serve(
     _raise_fd_limit()
     emit = _stamped(on_event)
     notifier = Notifier(lambda why: emit({"event": "notify-failed", "error": why[:300]}))
-    of = f" {plan.stage}" if plan.stage is not None else ""
+    of = plan.of_stage
     what = f"{sidecar} rank {rank}{of} on {dev.label}"
     with contextlib.ExitStack() as stack:
         stack.enter_context(_locked(path, (plan.digest, rank, dev.key, pp_rank), what, emit))
@@ -772,7 +751,7 @@ def serve(
             "sidecar": str(plan.sidecar.resolve()),
             "rank": rank,
             "tp_size": plan.tp_size,
-            **stage_fields(plan.stage),
+            **P.stage_fields(plan.stage),
             "device": dev.label,
             "bytes": plan.size,
             "files": len(plan.regions),
@@ -811,6 +790,17 @@ def serve(
 #: ``serve(verify=...)``: ``auto`` trusts the record of files verified by an earlier start (Note
 #: [verified files] in mpack/cache.py), ``always`` hashes every file.
 VERIFY_MODES = ("auto", "always")
+
+
+def check_verify(verify: str) -> None:
+    """Refuse a ``verify`` that is not one of :data:`VERIFY_MODES` (``UsageError``, in the
+    caller's words: Note [API wording] in mpack/errors.py)."""
+    if verify not in VERIFY_MODES:
+        raise UsageError(
+            f"{arg('verify', verify)}: not one of {', '.join(VERIFY_MODES)}",
+            hint=f"{arg('verify', 'auto')} (the default: hash what an earlier start did not "
+            f"verify) or {arg('verify', 'always')}",
+        )
 
 
 def _prestart(device: str) -> None:

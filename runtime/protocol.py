@@ -402,9 +402,26 @@ def socket_path(
 
 def stage_to_wire(stage: Stage | None) -> dict[str, Any] | None:
     """``{"pp_rank": P, "split": [n0, n1, ...]}`` of a stage daemon; None for the whole rank."""
-    if stage is None or stage.whole:
+    stage = Stage.partial(stage)
+    if stage is None:
         return None
     return {"pp_rank": stage.rank, "split": list(stage.split)}
+
+
+def stage_fields(stage: Stage | None) -> dict[str, Any]:
+    """The pipeline stage a daemon serves, as its ``status`` and READY say it: ``pp_rank`` and
+    ``pp_size`` (0 and 1 for the whole rank), ``layers`` (``[start, stop)`` of its decoder
+    layers; null for the whole rank) and ``stage`` (:func:`stage_to_wire`)."""
+    stage = Stage.partial(stage)
+    if stage is None:
+        return {"pp_rank": 0, "pp_size": 1, "layers": None, "stage": None}
+    span = stage.layers
+    return {
+        "pp_rank": stage.rank,
+        "pp_size": stage.size,
+        "layers": [span.start, span.stop],
+        "stage": stage_to_wire(stage),
+    }
 
 
 def stage_from_wire(doc: Any) -> Stage | None:

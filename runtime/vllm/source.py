@@ -112,8 +112,7 @@ def rank_weights(
 
     log = logger()
     t0 = time.perf_counter()
-    if stage is not None and stage.whole:
-        stage = None
+    stage = Stage.partial(stage)
     of = f" {stage}" if stage is not None else ""
     if opts.attach != "never":
         try:

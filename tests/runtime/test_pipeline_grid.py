@@ -130,12 +130,12 @@ class Grid:
             out.append(json.loads(lines[-1]))
         return out
 
-    def status(self, *args: str) -> subprocess.CompletedProcess:
+    def status(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "mpack.cli", "status", str(self.sidecar), *args],
             capture_output=True,
             text=True,
-            env={**self.env, "COLUMNS": "250"},
+            env={**self.env, "COLUMNS": "250", **(env or {})},
             cwd=self.root,
             timeout=120,
         )
@@ -328,15 +328,8 @@ def test_serve_reads_the_partition_variable_as_vllm_does(grid: Grid, tmp_path: P
         assert res["ok"] and {arch.decoder_index(n) for n in res["tensors"]} - {None} == {0}
         r = other.status("--pp-size", "2", "--rank", "0", "--pp-rank", "0")
         assert r.returncode == 0, r.stderr  # status reads the variable too
-        env = {**other.env, arch.PP_PARTITION_ENV: ""}
-        r = subprocess.run(
-            [sys.executable, "-m", "mpack.cli", "status", str(grid.sidecar), "--rank", "0"]
-            + ["--pp-rank", "0", "--pp-size", "2"],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-            timeout=120,
+        r = other.status(
+            "--rank", "0", "--pp-rank", "0", "--pp-size", "2", env={arch.PP_PARTITION_ENV: ""}
         )
         assert r.returncode == 2 and "split [3, 2]" in r.stderr, r.stderr
         assert "split [1, 4]" in r.stderr.split("; served:")[1]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from mpack.runtime.allocation import plan_rank
 from mpack.runtime.loader import HostDest, fill
 from mpack.sidecar import rank_file_name
 from tests.conftest import flip_byte
+from tests.convert.helpers import cli
 from tests.runtime.rt_helpers import DaemonProc, private_runtime
 from tests.runtime.sidecar_factory import make_sidecar
 
@@ -188,23 +187,9 @@ def test_serve_verify_always_refuses_what_auto_trusts(tmp_path, cache_root):
     assert (startup["verify"], startup["hashed_bytes"]) == ("auto", 0)
     assert startup["trusted_bytes"] == _file_bytes(plan)
     assert startup["fill_s"] >= 0 and startup["ready_s"] >= startup["fill_s"]
-    r = subprocess.run(
-        [sys.executable, "-m", "mpack.cli", "serve", str(sc), "--verify", "always"],
-        env=env,
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = cli("serve", sc, "--verify", "always", env=env, timeout=120)
     assert r.returncode != 0 and "does not match the manifest" in r.stderr, r.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "mpack.cli", "serve", str(sc), "--verify", "never"],
-        env=env,
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = cli("serve", sc, "--verify", "never", env=env, timeout=120)
     assert bad.returncode == 2 and "--verify" in bad.stderr, bad.stderr
 
 
