@@ -172,26 +172,26 @@ def synth_present(path: Path, layers: int, vocab: int) -> bool:
 
 
 def synth(
-    path: Path, layers: int, vocab: int, env: dict[str, str], cwd: Path, quiet: bool = False
+    path: Path,
+    layers: int,
+    vocab: int,
+    env: dict[str, str],
+    cwd: Path,
+    quiet: bool = False,
+    quant: str = "compressed-tensors",
 ) -> None:
-    """``scripts/synth_checkpoint.py PATH --layers L --vocab V`` in a child process (``quiet``:
-    its stdout discarded); says how long it took."""
+    """``scripts/synth_checkpoint.py PATH --layers L --vocab V --quant Q`` in a child process
+    (``quiet``: its stdout discarded); says how long it took."""
     t = time.perf_counter()
+    script = str(Path(__file__).resolve().parent / "synth_checkpoint.py")
     subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve().parent / "synth_checkpoint.py"),
-            str(path),
-            "--layers",
-            str(layers),
-            "--vocab",
-            str(vocab),
-        ],
+        [sys.executable, script, str(path), "--layers", str(layers), "--vocab", str(vocab),
+         "--quant", quant],
         check=True,
         env=env,
         cwd=cwd,
         stdout=subprocess.DEVNULL if quiet else None,
-    )
+    )  # fmt: skip
     print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)
 
 
@@ -260,17 +260,25 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def marlin_8b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path]:
-    """The 8B-shaped checkpoint ``work/ck-8b`` (``layers`` decoder layers) and its ``w8a8-marlin``
-    sidecar ``work/sc-8b`` converted on CUDA, each made only when missing (vLLM's GPU runs)."""
-    ck, sc = work / "ck-8b", work / "sc-8b"
+#: The 8B-shaped checkpoint's two forms: directory suffix and the sidecar's profile (AutoFP8 is
+#: weight-only on Marlin: mpack/target.py).
+FORMS_8B = {"compressed-tensors": ("", "w8a8-marlin"), "autofp8": ("-autofp8", "w8a16")}
+
+
+def marlin_8b(
+    work: Path, layers: int, env: dict[str, str], quant: str = "compressed-tensors"
+) -> tuple[Path, Path]:
+    """The 8B-shaped checkpoint ``work/ck-8b`` (``layers`` decoder layers; ``quant="autofp8"``:
+    the same weights in AutoFP8's form, ``work/ck-8b-autofp8``) and its sidecar ``work/sc-8b``
+    (``-autofp8``) converted on CUDA with :data:`FORMS_8B`'s profile, each made only when missing
+    (vLLM's GPU runs)."""
+    suffix, profile = FORMS_8B[quant]
+    ck, sc = work / f"ck-8b{suffix}", work / f"sc-8b{suffix}"
     if not synth_present(ck, layers, LLAMA_8B_VOCAB):
-        synth(ck, layers, LLAMA_8B_VOCAB, env, work)
+        synth(ck, layers, LLAMA_8B_VOCAB, env, work, quant=quant)
     if not (sc / "mpack.json").is_file():
         convert = [sys.executable, "-m", "mpack", "convert", str(ck), "-o", str(sc), "-q"]
-        subprocess.run(
-            [*convert, "--profile", "w8a8-marlin", "--device", "cuda"], env=env, check=True
-        )
+        subprocess.run([*convert, "--profile", profile, "--device", "cuda"], env=env, check=True)
     return ck, sc
 
 

@@ -65,6 +65,14 @@ QUANT_CONFIG = {
     "quantization_status": "compressed",
     "version": "0.20.1",
 }
+#: AutoFP8's ``quantization_config`` (as mpack.fixtures.make_autofp8_checkpoint writes it).
+AUTOFP8_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "static",
+    "ignored_layers": ["lm_head"],
+}
+#: How each format stores a per-tensor scale: safetensors dtype and shape.
+SCALE_FORM = {"compressed-tensors": ("BF16", (1,)), "autofp8": ("F32", ())}
 
 
 def _specs(
@@ -77,6 +85,7 @@ def _specs(
     head_dim: int = 0,
     experts: int = 0,
     moe_intermediate: int = 0,
+    quant: str = "compressed-tensors",
 ) -> list[TensorSpec]:
     d = head_dim or hidden // heads
     out = [TensorSpec("model.embed_tokens.weight", "BF16", (vocab, hidden))]
@@ -93,13 +102,14 @@ def _specs(
     }
     experts_of = [f"mlp.experts.{e}." for e in range(experts)] if experts else ["mlp."]
     lin |= {x + name: shape for x in experts_of for name, shape in mlp.items()}
+    scale_dtype, scale_shape = SCALE_FORM[quant]
     for i in range(layers):
         p = f"model.layers.{i}."
         for name, (n, k) in lin.items():
             out += [
                 TensorSpec(p + name + ".weight", "F8_E4M3", (n, k)),
-                TensorSpec(p + name + ".weight_scale", "BF16", (1,)),
-                TensorSpec(p + name + ".input_scale", "BF16", (1,)),
+                TensorSpec(p + name + ".weight_scale", scale_dtype, scale_shape),
+                TensorSpec(p + name + ".input_scale", scale_dtype, scale_shape),
             ]
         out += [
             TensorSpec(p + "input_layernorm.weight", "BF16", (hidden,)),
@@ -136,22 +146,33 @@ def _data(spec: TensorSpec, gen: torch.Generator, pool: torch.Tensor) -> torch.T
             return pool.repeat(-(-n // pool.numel()))[:n].view(spec.shape)
         at = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=gen))
         return pool[at : at + n].view(spec.shape)
+    # scales are bf16 values in either form (float32 holds each exactly): the same checkpoint
+    scale = {"BF16": torch.bfloat16, "F32": torch.float32}.get(spec.dtype)
     if spec.name.endswith("input_scale"):  # one for all: vLLM wants gate's and up's equal
-        return torch.full(spec.shape, 5e-4).to(torch.bfloat16).view(torch.uint8)
+        s = torch.full(spec.shape, 5e-4)
+        return s.to(torch.bfloat16).to(scale).reshape(-1).view(torch.uint8)
     if spec.name.endswith("weight_scale"):
         s = torch.rand(spec.shape, generator=gen) * 1e-3 + 1e-4
-        return s.to(torch.bfloat16).view(torch.uint8)
+        return s.to(torch.bfloat16).to(scale).reshape(-1).view(torch.uint8)
     return (torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
 
 
 def write_checkpoint(
-    out: str | Path, *, seed: int = 0, shard_bytes: int = SHARD_BYTES, **dims: int
+    out: str | Path,
+    *,
+    seed: int = 0,
+    shard_bytes: int = SHARD_BYTES,
+    quant: str = "compressed-tensors",
+    **dims: int,
 ) -> Path:
-    """Write the checkpoint into ``out`` (shards + index + config); return ``out``."""
+    """Write the checkpoint into ``out`` (shards + index + config) in ``quant``'s form (a key of
+    :data:`SCALE_FORM`); return ``out``."""
     dims = {**LLAMA_8B, **dims}  # a MoE model passes every one of QWEN3_30B_A3B's
+    if quant == "autofp8" and dims.get("experts"):
+        raise SystemExit("--quant autofp8: Llama's shape only")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = _specs(**dims)
+    specs = _specs(**dims, quant=quant)
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for s in specs:
@@ -189,7 +210,7 @@ def write_checkpoint(
         "vocab_size": dims["vocab"],
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
-        "quantization_config": QUANT_CONFIG,
+        "quantization_config": AUTOFP8_CONFIG if quant == "autofp8" else QUANT_CONFIG,
     }
     if dims.get("experts"):  # Qwen3-30B-A3B's config.json
         config.update(
@@ -217,10 +238,11 @@ def main() -> None:
     for k in QWEN3_30B_A3B:
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, help="default: the model's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quant", choices=sorted(SCALE_FORM), default="compressed-tensors")
     a = vars(ap.parse_args())
-    out, model = a.pop("out"), MODELS[a.pop("model")]
+    out, model, quant = a.pop("out"), MODELS[a.pop("model")], a.pop("quant")
     dims = {k: v for k, v in a.items() if v is not None and k != "seed"}
-    print(write_checkpoint(out, seed=a["seed"], **{**model, **dims}))
+    print(write_checkpoint(out, seed=a["seed"], quant=quant, **{**model, **dims}))
 
 
 if __name__ == "__main__":

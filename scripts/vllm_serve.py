@@ -16,7 +16,15 @@ process, timed from its spawn to the first successful ``/v1/completions`` answer
 - ``private``: ``--load-format mpack``, the sidecar loaded by the engine itself;
 - ``attached``: one ``mpack serve`` daemon, then two attached engines at once (memory of each
   process and in total), then one SIGKILLed and started again (``attached-restart``), and
-  ``attached-cold``: the page cache dropped and a fresh daemon before the engine.
+  ``attached-cold``: the page cache dropped and a fresh daemon before the engine. The daemon's
+  own start is recorded too: its first start (every file hashed), the warm one that trusts the
+  record the first left (``--verify auto``), the cold one, and the disk's cold sequential read
+  of the sidecar's files (the floor under a cold start);
+- on the same weights in AutoFP8's form (``quant_method: fp8``, benchutil.FORMS_8B), the only
+  format vLLM's own weight-cache daemon takes: ``autofp8`` (vLLM's ordinary load),
+  ``ipc_cache`` (``vllm preload``, then two engines with ``--load-format ipc_cache``; an engine
+  that fell back to the disk is an error) and ``autofp8-attached`` (an ``mpack serve`` daemon of
+  the ``w8a16`` sidecar, then two attached engines).
 
 Each start records: the seconds to the first completion, vLLM's own figures (load, compile,
 memory profiling, CUDA graphs, engine init) and the wall-clock time of each marker line, the
@@ -44,7 +52,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # PYTHONSAFEPATH=1 on the device
-from benchutil import drop_caches, marlin_8b, mpack_spawn, proc_status_bytes  # noqa: E402
+from benchutil import (  # noqa: E402
+    drop_caches,
+    marlin_8b,
+    mpack_spawn,
+    proc_status_bytes,
+    read_files,
+)
 from vllm_engine import READY_TIMEOUT_S, _env, gpu_memory  # noqa: E402
 
 STARTS = (
@@ -56,6 +70,9 @@ STARTS = (
     "private",
     "attached",
     "attached-cold",
+    "autofp8",
+    "ipc_cache",
+    "autofp8-attached",
 )
 #: vLLM's log lines that mark the parts of a start: label -> pattern (its first number, where it
 #: has one, is vLLM's own figure in seconds, or GiB for the KV cache).
@@ -73,6 +90,10 @@ MARKERS = {
     "cuda_graphs": r"Graph capturing finished in ([0-9.]+) secs",
     "engine_init": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)",
     "server_up": r"Application startup complete",
+    # vLLM's weight-cache daemon (``vllm preload``) and its loader in the engine
+    "ipc_daemon_ready": r"Weight cache daemon READY",
+    "ipc_mapped": r"Mapped ([0-9]+) tensors from the weight cache daemon",
+    "ipc_fallback": r"Weight cache unusable",
 }
 PROMPT = [128000, 791, 6864, 315, 9822, 374]  # token ids: no tokenizer here
 KV_BYTES = 2 << 30
@@ -103,13 +124,20 @@ def tree_pids(root: int) -> list[int]:
 
 
 class Server:
-    """One ``vllm serve`` process: its output read line by line, each marker's wall time."""
+    """One ``vllm serve`` process (``preload``: ``vllm preload``, vLLM's weight-cache daemon,
+    which serves no HTTP): its output read line by line, each marker's wall time."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], out: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], env: dict[str, str], out: Path, preload: bool = False
+    ) -> None:
         self.name, self.port = name, free_port()
         self.t0 = time.time()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
-               "--port", str(self.port), "--host", "127.0.0.1"]  # fmt: skip
+        if preload:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload",
+                   "--model", *args]  # fmt: skip
+        else:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
+                   "--port", str(self.port), "--host", "127.0.0.1"]  # fmt: skip
         self.log = open(out / f"serve-{name}.log", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -156,6 +184,17 @@ class Server:
             except (OSError, ValueError):
                 time.sleep(0.1)
         raise RuntimeError(f"{self.name}: no completion in {READY_TIMEOUT_S} s")
+
+    def wait_mark(self, label: str) -> float:
+        """Seconds from the spawn to ``label``'s line (a daemon's readiness)."""
+        deadline = self.t0 + READY_TIMEOUT_S
+        while label not in self.marks:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: exited {self.proc.returncode} before {label}")
+            if time.time() > deadline:
+                raise RuntimeError(f"{self.name}: no {label} in {READY_TIMEOUT_S} s")
+            time.sleep(0.05)
+        return self.marks[label]["at_s"]
 
     def memory(self) -> dict[str, Any]:
         pids = tree_pids(self.proc.pid)
@@ -211,7 +250,7 @@ def serve_args(model: Path, loader: str, sc: Path) -> list[str]:
             "--max-model-len", "1024", "--kv-cache-memory-bytes", str(KV_BYTES),
             "--gpu-memory-utilization", "0.3", "--linear-backend", "marlin",
             "--skip-tokenizer-init", "--seed", "0"]  # fmt: skip
-    if loader in ("fastsafetensors", "runai_streamer"):
+    if loader in ("fastsafetensors", "runai_streamer", "ipc_cache"):
         args += ["--load-format", loader]
     elif loader in ("private", "attached"):
         extra = {"sidecar": str(sc), "attach": "never" if loader == "private" else "require"}
@@ -249,7 +288,9 @@ def main() -> int:
         return 2
     t = time.time()
     ck, sc = marlin_8b(a.work, a.layers, menv)
-    print(f"8B-shaped checkpoint and sidecar: {time.time() - t:.0f} s", flush=True)
+    if {"autofp8", "ipc_cache", "autofp8-attached"} & set(starts):
+        fp8_ck, fp8_sc = marlin_8b(a.work, a.layers, menv, quant="autofp8")
+    print(f"8B-shaped checkpoint(s) and sidecar(s): {time.time() - t:.0f} s", flush=True)
     rec: dict[str, Any] = json.loads(a.record.read_text()) if a.record.exists() else {}
     rec.setdefault("layers", a.layers)
     sp = mpack_spawn(a.mpack_env)
@@ -258,11 +299,16 @@ def main() -> int:
         a.record.write_text(json.dumps(rec, indent=1))
         (a.out / "serve-starts.json").write_text(json.dumps(rec, indent=1))
 
-    def one(name: str, loader: str, cold: bool = False, keep: bool = False) -> Server:
+    def one(
+        name: str, loader: str, cold: bool = False, keep: bool = False, fp8: bool = False
+    ) -> Server:
         dropped = drop_caches() if cold else None
-        s = Server(name, serve_args(ck, loader, sc), venv, a.out)
+        model, sidecar = (fp8_ck, fp8_sc) if fp8 else (ck, sc)
+        s = Server(name, serve_args(model, loader, sidecar), venv, a.out)
         try:
             ttfc = s.first_completion()
+            if loader == "ipc_cache" and ("ipc_mapped" not in s.marks or "ipc_fallback" in s.marks):
+                raise RuntimeError("the engine loaded from the disk, not from the weight cache")
             r = {"first_completion_s": ttfc, "dropped_caches": dropped, **parts(s, ttfc),
                  "memory": s.memory(), "answer": s.answer.get("text")}  # fmt: skip
         except Exception as e:  # noqa: BLE001  (recorded; the next start goes on)
@@ -276,6 +322,29 @@ def main() -> int:
             s.stop()
         return s
 
+    def two_engines(name: str, loader: str, fp8: bool, restart: bool) -> None:
+        """Two engines on one daemon (memory of each and in total); ``restart``: the first
+        SIGKILLed and started again while the second serves."""
+        e1 = one(name, loader, keep=True, fp8=fp8)
+        e2 = one(f"{name}-2", loader, keep=True, fp8=fp8)
+        rec[f"two-{name}-gpu"] = gpu_memory()
+        engines = [e1, e2]
+        if restart:
+            e1.kill()
+            engines.append(one(f"{name}-restart", loader, keep=True, fp8=fp8))
+            rec[f"{name}-2-alive-after-kill"] = e2.proc.poll() is None
+        for e in engines:
+            e.stop()
+
+    def mpack_daemon(sidecar: Path, verify: str = "auto") -> Any:
+        return sp.DaemonHandle(sidecar, device="cuda:0", env=menv, cwd=a.work, log_dir=a.work,
+                               args=("--verify", verify), timeout=READY_TIMEOUT_S)  # fmt: skip
+
+    def daemon_start(d: Any, dropped: bool | None) -> dict[str, Any]:
+        ready = d.wait_ready()
+        return {"ready_s": round(d.ready_s, 3), "load_s": ready.load_s, "bytes": ready.bytes,
+                "dropped_caches": dropped, "gpu": gpu_memory()}  # fmt: skip
+
     for name in starts:
         if name in ("first", "ordinary"):
             one(name, "ordinary")
@@ -283,27 +352,42 @@ def main() -> int:
             one(name, "ordinary", cold=True)
         elif name in ("fastsafetensors", "runai_streamer", "private"):
             one(name, name)
-        elif name in ("attached", "attached-cold"):
-            cold = name == "attached-cold"
-            dropped = drop_caches() if cold else None
-            with sp.DaemonHandle(sc, device="cuda:0", env=menv, cwd=a.work, log_dir=a.work,
-                                 timeout=READY_TIMEOUT_S) as d:  # fmt: skip
-                ready = d.wait_ready()
-                rec[f"{name}-daemon"] = {"ready_s": round(d.ready_s, 3), "load_s": ready.load_s,
-                                         "bytes": ready.bytes, "dropped_caches": dropped,
-                                         "gpu": gpu_memory()}  # fmt: skip
-                if cold:
-                    one(name, "attached")
-                else:
-                    e1 = one("attached", "attached", keep=True)
-                    e2 = one("attached-2", "attached", keep=True)
-                    rec["two-attached-gpu"] = gpu_memory()
-                    e1.kill()
-                    e3 = one("attached-restart", "attached", keep=True)
-                    rec["attached-2-alive-after-kill"] = e2.proc.poll() is None
-                    for e in (e1, e2, e3):
-                        e.stop()
-                save()
+        elif name == "attached":
+            # a start that hashes every file (as the first one does), then the one timed, which
+            # trusts the record it left (serve --verify auto)
+            with mpack_daemon(sc, verify="always") as d:
+                rec["attached-daemon-first"] = daemon_start(d, None)
+            with mpack_daemon(sc) as d:
+                rec["attached-daemon"] = daemon_start(d, None)
+                two_engines("attached", "attached", fp8=False, restart=True)
+        elif name == "attached-cold":
+            files = sorted(sc.glob("*.safetensors"))
+            if drop_caches():
+                seconds = round(read_files(files), 3)
+                size = sum(f.stat().st_size for f in files)
+                rec["sidecar-cold-read"] = {"seconds": seconds, "bytes": size}
+            dropped = drop_caches()
+            with mpack_daemon(sc) as d:
+                rec["attached-cold-daemon"] = daemon_start(d, dropped)
+                one(name, "attached")
+        elif name == "autofp8":
+            one(name, "ordinary", fp8=True)
+        elif name == "ipc_cache":
+            args = serve_args(fp8_ck, "ordinary", fp8_sc)
+            daemon = Server("ipc_cache-daemon", args, venv, a.out, preload=True)
+            try:
+                rec["ipc_cache-daemon"] = {"ready_s": daemon.wait_mark("ipc_daemon_ready"),
+                                           "gpu": gpu_memory()}  # fmt: skip
+                two_engines("ipc_cache", "ipc_cache", fp8=True, restart=False)
+            except Exception as e:  # noqa: BLE001  (recorded; the next start goes on)
+                rec["ipc_cache-daemon"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            finally:
+                daemon.stop()
+        elif name == "autofp8-attached":
+            with mpack_daemon(fp8_sc) as d:
+                rec["autofp8-attached-daemon"] = daemon_start(d, None)
+                two_engines("autofp8-attached", "attached", fp8=True, restart=False)
+        save()
     print(json.dumps({k: v.get("first_completion_s") if isinstance(v, dict) else v
                       for k, v in rec.items()}, indent=1), flush=True)  # fmt: skip
     return 0 if all("error" not in v for v in rec.values() if isinstance(v, dict)) else 1
