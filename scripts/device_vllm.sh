@@ -8,7 +8,8 @@
 #       the wheels mpack's environment shares with it (w/msite.txt) into /tmp/mpack-site
 #   PHASE=fa (carry .vllmdev/fa .vllmdev/mw .vllmdev/mm; after 1): vLLM's FlashAttention 3 build,
 #       the rest of mpack's environment (mw: what .device/wheels holds beyond w/), and what vLLM's
-#       multimodal wrappers import into vLLM's (mm: mistral_common and its deps)
+#       multimodal wrappers import into vLLM's (mm: mistral_common and its deps); carrying
+#       .vllmdev/serve too installs what RUN=serve needs (it does not fit beside PHASE=2's load)
 #   PHASE=2 (carry .vllmdev/p2): join the compiled ops, install mpack into both environments,
 #       check which platform vLLM resolves (adding scripts/vllm_platform_standin.py where its
 #       probe fails) and whether its flash attention imports (else scripts/vllm_fa_standin.py),
@@ -99,6 +100,9 @@ fa)
   (cd /tmp/vfa && sha256sum -c fa.sha256) || exit 1
   pipi "$MSITE" .vllmdev/mw/*.whl || exit 1
   pipi "$VSITE" .vllmdev/mm/*.whl || exit 1
+  # what `vllm serve` needs beyond them (RUN=serve), where this call carries it: PHASE=2's
+  # compiled ops and the tree leave no room for it in that call
+  if [ -d .vllmdev/serve ]; then pipi "$VSITE" .vllmdev/serve/*.whl || exit 1; fi
   xz -dc /tmp/vfa/_vllm_fa3_C.abi3.so.xz > "$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" || exit 1
   PYTHONPATH=$VSITE python3 -c "import torch; torch.ops.load_library('$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'); print('FA3 loads on torch', torch.__version__)" 2>&1 | tail -3 | tee "$OUT/fa3.txt"
   ;;
