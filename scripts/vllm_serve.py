@@ -54,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # PYTHONSAFEPATH=1 on the device
 from benchutil import (  # noqa: E402
     drop_caches,
+    exit_on_signals,
     marlin_8b,
     mpack_spawn,
     proc_status_bytes,
@@ -74,19 +75,26 @@ STARTS = (
     "ipc_cache",
     "autofp8-attached",
 )
-#: vLLM's log lines that mark the parts of a start: label -> pattern (its first number, where it
-#: has one, is vLLM's own figure in seconds, or GiB for the KV cache).
+#: vLLM's log lines that mark the parts of a start, in the order they come: label -> pattern (its
+#: first number, where it has one, is vLLM's own figure in seconds, GiB for the KV cache, a count
+#: for the weight cache's tensors).
 MARKERS = {
+    "engine_core": r"\(EngineCore pid=[0-9]+\)",  # the engine core process's first line
     "engine_setup": r"Initializing a V1 LLM engine",
-    "load_start": r"Starting to load model",
+    "load_start": r"Loading model from scratch",
+    "model_init": r"Initializing model took ([0-9.]+) seconds",
     "weights": r"Loading weights took ([0-9.]+) seconds",
+    "mpack_attach": r"mpack: rank [0-9]+ attached zero-copy",
+    "mpack_passthrough": r"mpack pass-through: [0-9]+ tensors",
+    "mpack_phases": r"mpack: load phases \(s\): (.*)$",  # kept as text
     "load": r"Model loading took [0-9.]+ GiB memory and ([0-9.]+) seconds",
     "dynamo": r"Dynamo bytecode transform time: ([0-9.]+) s",
     "compile_cache_hit": r"Directly load the compiled graph",
     "compile_miss": r"Compiling a graph for compile range",
     "compile": r"torch\.compile took ([0-9.]+) s in total",
     "profiling": r"Memory profiling takes ([0-9.]+) seconds",
-    "kv_cache": r"Available KV cache memory: ([0-9.]+) GiB",
+    "kv_cache": r"Available KV cache memory: ([0-9.]+) GiB"  # profiled, or set by the bytes:
+    r"|reserved ([0-9.]+) GiB memory for KV Cache",
     "cuda_graphs": r"Graph capturing finished in ([0-9.]+) secs",
     "engine_init": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)",
     "server_up": r"Application startup complete",
@@ -95,6 +103,49 @@ MARKERS = {
     "ipc_mapped": r"Mapped ([0-9]+) tensors from the weight cache daemon",
     "ipc_fallback": r"Weight cache unusable",
 }
+#: Where a start's time goes (issue 40 item 5): each part runs from one marker's line to the
+#: next's; "spawn" is the process's start, "first_line" vLLM's first log line, "answer" the first
+#: completion. Their sum is the time to the first completion.
+PARTS = (
+    ("imports", "spawn", "first_line"),  # interpreter, vLLM's imports, argument parsing
+    ("config_and_engine_process", "first_line", "engine_core"),  # config, engine core's imports
+    ("engine_setup", "engine_core", "load_start"),  # distributed init, worker, model runner
+    ("load", "load_start", "load"),  # model init, weights, their processing
+    ("compile", "load", "compile"),  # torch.compile (Dynamo, the compiled graph or its cache)
+    ("profiling_kv_cache", "compile", "kv_cache"),  # warm-up run, memory, the KV cache
+    ("cuda_graphs", "kv_cache", "cuda_graphs"),
+    ("engine_ready", "cuda_graphs", "engine_init"),
+    ("server_start", "engine_init", "server_up"),
+    ("first_request", "server_up", "answer"),
+)
+
+
+def see_line(marks: dict[str, dict[str, float]], t: float, line: str) -> None:
+    """Record in ``marks`` each marker ``line`` (seen ``t`` s after the spawn) is the first of."""
+    if "first_line" not in marks and line.strip():
+        marks["first_line"] = {"at_s": t}
+    for label, pat in MARKERS.items():
+        m = re.search(pat, line)
+        if m and label not in marks:
+            marks[label] = {"at_s": t}
+            found = next((g for g in m.groups() if g is not None), None)
+            if found is not None:
+                try:
+                    marks[label]["vllm"] = float(found)
+                except ValueError:
+                    marks[label]["text"] = found.strip()
+
+
+def marks_of_log(path: Path) -> dict[str, dict[str, float]]:
+    """The markers of a ``serve-<name>.log`` this script wrote (each line ``[  t] ...``)."""
+    marks: dict[str, dict[str, float]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        m = re.match(r"\[\s*([0-9.]+)\] (.*)", line)
+        if m:
+            see_line(marks, float(m[1]), m[2])
+    return marks
+
+
 PROMPT = [128000, 791, 6864, 315, 9822, 374]  # token ids: no tokenizer here
 KV_BYTES = 2 << 30
 
@@ -123,6 +174,11 @@ def tree_pids(root: int) -> list[int]:
     return found
 
 
+#: Every server this run started: a run ended by a signal (the device call's time limit) kills
+#: them, so that none outlives it holding GPU memory.
+LIVE: list[Server] = []
+
+
 class Server:
     """One ``vllm serve`` process (``preload``: ``vllm preload``, vLLM's weight-cache daemon,
     which serves no HTTP): its output read line by line, each marker's wall time."""
@@ -138,14 +194,15 @@ class Server:
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
                    "--port", str(self.port), "--host", "127.0.0.1"]  # fmt: skip
-        self.log = open(out / f"serve-{name}.log", "w")  # noqa: SIM115 (closed in stop)
+        # line-buffered: a run ended by its time limit still leaves every line it saw
+        self.log = open(out / f"serve-{name}.log", "w", buffering=1)  # noqa: SIM115 (stop)
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
         self.marks: dict[str, dict[str, float]] = {}
+        LIVE.append(self)
         self.answer: dict[str, Any] = {}
-        self.first_line: float | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -154,14 +211,7 @@ class Server:
         for line in self.proc.stdout:
             t = round(time.time() - self.t0, 3)
             self.log.write(f"[{t:8.3f}] {line}")
-            if self.first_line is None:
-                self.first_line = t
-            for label, pat in MARKERS.items():
-                m = re.search(pat, line)
-                if m and label not in self.marks:
-                    self.marks[label] = {"at_s": t}
-                    if m.groups():
-                        self.marks[label]["vllm"] = float(m[1])
+            see_line(self.marks, t, line)
 
     def first_completion(self) -> float:
         """Seconds from the spawn to the first completion answered over HTTP."""
@@ -222,26 +272,22 @@ class Server:
         self.log.close()
 
 
-def parts(s: Server, ttfc: float | None) -> dict[str, Any]:
-    """The start broken into parts (s): before vLLM's first line (interpreter, imports, argument
-    parsing), engine set-up, model init, load, compile, profiling and KV cache, CUDA graphs, the
-    server's own start, and the first request (``ttfc`` None: no answer came; the parts seen
-    before the failure are kept)."""
-    at = {k: v["at_s"] for k, v in s.marks.items()}
-    own = {k: v.get("vllm") for k, v in s.marks.items()}
-    got: dict[str, Any] = {"first_line": s.first_line}
-    chain = [("setup", "engine_setup", "load_start"), ("load_wall", "load_start", "load"),
-             ("after_load_to_engine_ready", "load", "engine_init"),
-             ("server_start", "engine_init", "server_up")]  # fmt: skip
-    for name, a, b in chain:
+def parts(marks: dict[str, dict[str, float]], ttfc: float | None) -> dict[str, Any]:
+    """The start broken into :data:`PARTS` (s; ``ttfc`` None: no answer came, and the parts seen
+    before the failure are kept), vLLM's own figures, whether the compile cache hit, and each
+    marker's wall time."""
+    at = {"spawn": 0.0, **{k: v["at_s"] for k, v in marks.items()}}
+    if ttfc is not None:
+        at["answer"] = ttfc
+    got: dict[str, Any] = {"parts": {}}
+    for name, a, b in PARTS:
         if a in at and b in at:
-            got[name] = round(at[b] - at[a], 3)
-    if "server_up" in at and ttfc is not None:
-        got["first_request"] = round(ttfc - at["server_up"], 3)
-    got["vllm"] = {k: v for k, v in own.items() if v is not None}
+            got["parts"][name] = round(at[b] - at[a], 3)
+    got["vllm"] = {k: v["vllm"] for k, v in marks.items() if "vllm" in v}
     got["compile_cache"] = (
         "hit" if "compile_cache_hit" in at else "miss" if "compile_miss" in at else None
     )
+    got["marks"] = {k: v for k, v in at.items() if k not in ("spawn", "answer")}
     return got
 
 
@@ -258,6 +304,34 @@ def serve_args(model: Path, loader: str, sc: Path) -> list[str]:
     return args
 
 
+def table(rec: dict[str, Any], logs: list[Path]) -> str:
+    """A Markdown table of where each answered start's time went (:data:`PARTS`), with vLLM's
+    load figure, the compile cache and the engine's GPU memory. A start recorded before the
+    marks were (no ``marks``) takes them from its log in one of ``logs``."""
+    names = [name for name, _, _ in PARTS]
+    head = ["start", "first completion", *names, "vLLM load", "compile cache", "GPU MiB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for start, r in rec.items():
+        if not isinstance(r, dict) or "first_completion_s" not in r:
+            continue
+        got = r
+        if "marks" not in r:
+            log = next(
+                (d / f"serve-{start}.log" for d in logs if (d / f"serve-{start}.log").is_file()),
+                None,
+            )
+            if log is None:
+                continue
+            got = parts(marks_of_log(log), r["first_completion_s"])
+        cells = [start, f"{r['first_completion_s']:.1f}"]
+        cells += [f"{got['parts'][n]:.1f}" if n in got["parts"] else "" for n in names]
+        load = got["vllm"].get("load")
+        cells += [f"{load:.2f}" if load is not None else "", got["compile_cache"] or "",
+                  str(r.get("memory", {}).get("gpu_mib", ""))]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/mpack-engine"))
@@ -269,7 +343,19 @@ def main() -> int:
         "--starts", default=",".join(STARTS), help="comma list of: " + ", ".join(STARTS)
     )
     ap.add_argument("--record", type=Path, default=Path("/tmp/mpack-serve-starts.json"))
+    ap.add_argument(
+        "--table", type=Path, metavar="JSON",
+        help="print where each start's time went, from a serve-starts.json (no run)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--logs", type=Path, nargs="*", default=[],
+        help="with --table: folders of the serve-<start>.log files, for a record without marks",
+    )  # fmt: skip
     a = ap.parse_args()
+    if a.table is not None:
+        print(table(json.loads(a.table.read_text()), a.logs))
+        return 0
+    exit_on_signals()
     starts = [s for s in a.starts.split(",") if s]
     unknown = set(starts) - set(STARTS)
     if unknown:
@@ -309,10 +395,10 @@ def main() -> int:
             ttfc = s.first_completion()
             if loader == "ipc_cache" and ("ipc_mapped" not in s.marks or "ipc_fallback" in s.marks):
                 raise RuntimeError("the engine loaded from the disk, not from the weight cache")
-            r = {"first_completion_s": ttfc, "dropped_caches": dropped, **parts(s, ttfc),
+            r = {"first_completion_s": ttfc, "dropped_caches": dropped, **parts(s.marks, ttfc),
                  "memory": s.memory(), "answer": s.answer.get("text")}  # fmt: skip
         except Exception as e:  # noqa: BLE001  (recorded; the next start goes on)
-            r = {"error": f"{type(e).__name__}: {e}"[:500], **parts(s, None)}
+            r = {"error": f"{type(e).__name__}: {e}"[:500], **parts(s.marks, None)}
             keep = False
         rec[name] = r
         save()
@@ -345,49 +431,53 @@ def main() -> int:
         return {"ready_s": round(d.ready_s, 3), "load_s": ready.load_s, "bytes": ready.bytes,
                 "dropped_caches": dropped, "gpu": gpu_memory()}  # fmt: skip
 
-    for name in starts:
-        if name in ("first", "ordinary"):
-            one(name, "ordinary")
-        elif name == "ordinary-cold":
-            one(name, "ordinary", cold=True)
-        elif name in ("fastsafetensors", "runai_streamer", "private"):
-            one(name, name)
-        elif name == "attached":
-            # a start that hashes every file (as the first one does), then the one timed, which
-            # trusts the record it left (serve --verify auto)
-            with mpack_daemon(sc, verify="always") as d:
-                rec["attached-daemon-first"] = daemon_start(d, None)
-            with mpack_daemon(sc) as d:
-                rec["attached-daemon"] = daemon_start(d, None)
-                two_engines("attached", "attached", fp8=False, restart=True)
-        elif name == "attached-cold":
-            files = sorted(sc.glob("*.safetensors"))
-            if drop_caches():
-                seconds = round(read_files(files), 3)
-                size = sum(f.stat().st_size for f in files)
-                rec["sidecar-cold-read"] = {"seconds": seconds, "bytes": size}
-            dropped = drop_caches()
-            with mpack_daemon(sc) as d:
-                rec["attached-cold-daemon"] = daemon_start(d, dropped)
-                one(name, "attached")
-        elif name == "autofp8":
-            one(name, "ordinary", fp8=True)
-        elif name == "ipc_cache":
-            args = serve_args(fp8_ck, "ordinary", fp8_sc)
-            daemon = Server("ipc_cache-daemon", args, venv, a.out, preload=True)
-            try:
-                rec["ipc_cache-daemon"] = {"ready_s": daemon.wait_mark("ipc_daemon_ready"),
-                                           "gpu": gpu_memory()}  # fmt: skip
-                two_engines("ipc_cache", "ipc_cache", fp8=True, restart=False)
-            except Exception as e:  # noqa: BLE001  (recorded; the next start goes on)
-                rec["ipc_cache-daemon"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            finally:
-                daemon.stop()
-        elif name == "autofp8-attached":
-            with mpack_daemon(fp8_sc) as d:
-                rec["autofp8-attached-daemon"] = daemon_start(d, None)
-                two_engines("autofp8-attached", "attached", fp8=True, restart=False)
-        save()
+    try:
+        for name in starts:
+            if name in ("first", "ordinary"):
+                one(name, "ordinary")
+            elif name == "ordinary-cold":
+                one(name, "ordinary", cold=True)
+            elif name in ("fastsafetensors", "runai_streamer", "private"):
+                one(name, name)
+            elif name == "attached":
+                # a start that hashes every file (as the first one does), then the one timed, which
+                # trusts the record it left (serve --verify auto)
+                with mpack_daemon(sc, verify="always") as d:
+                    rec["attached-daemon-first"] = daemon_start(d, None)
+                with mpack_daemon(sc) as d:
+                    rec["attached-daemon"] = daemon_start(d, None)
+                    two_engines("attached", "attached", fp8=False, restart=True)
+            elif name == "attached-cold":
+                files = sorted(sc.glob("*.safetensors"))
+                if drop_caches():
+                    seconds = round(read_files(files), 3)
+                    size = sum(f.stat().st_size for f in files)
+                    rec["sidecar-cold-read"] = {"seconds": seconds, "bytes": size}
+                dropped = drop_caches()
+                with mpack_daemon(sc) as d:
+                    rec["attached-cold-daemon"] = daemon_start(d, dropped)
+                    one(name, "attached")
+            elif name == "autofp8":
+                one(name, "ordinary", fp8=True)
+            elif name == "ipc_cache":
+                args = serve_args(fp8_ck, "ordinary", fp8_sc)
+                daemon = Server("ipc_cache-daemon", args, venv, a.out, preload=True)
+                try:
+                    rec["ipc_cache-daemon"] = {"ready_s": daemon.wait_mark("ipc_daemon_ready"),
+                                               "gpu": gpu_memory()}  # fmt: skip
+                    two_engines("ipc_cache", "ipc_cache", fp8=True, restart=False)
+                except Exception as e:  # noqa: BLE001  (recorded; the next start goes on)
+                    rec["ipc_cache-daemon"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                finally:
+                    daemon.stop()
+            elif name == "autofp8-attached":
+                with mpack_daemon(fp8_sc) as d:
+                    rec["autofp8-attached-daemon"] = daemon_start(d, None)
+                    two_engines("autofp8-attached", "attached", fp8=True, restart=False)
+            save()
+    finally:
+        for server in LIVE:
+            server.kill()
     print(json.dumps({k: v.get("first_completion_s") if isinstance(v, dict) else v
                       for k, v in rec.items()}, indent=1), flush=True)  # fmt: skip
     return 0 if all("error" not in v for v in rec.values() if isinstance(v, dict)) else 1

@@ -536,7 +536,11 @@ class MpackModelLoader(DefaultModelLoader):
             "placeholder_bytes": ph.bytes_saved,
             "materialized": list(ph.materialized),
         }
-        logger().debug("mpack: load phases (s): %s", phases.seconds)
+        # one line per rank: where the part of vLLM's "Model loading took" that is mpack's went
+        logger().info(
+            "mpack: load phases (s): %s",
+            ", ".join(f"{k} {v:.3f}" for k, v in phases.seconds.items()),
+        )
         return model.eval()
 
     def _load_rest(
