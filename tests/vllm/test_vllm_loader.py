@@ -776,3 +776,18 @@ def test_vllm_counts_the_daemons_weights_as_external(world: dict[str, Any], case
         assert attached["external_weight_memory"] == attached["weights"]["nbytes"] > 0, what
         assert ok(res[f"{case.name}/mpack-never"])["external_weight_memory"] == 0, what
         assert ok(res[f"{case.name}/default"])["external_weight_memory"] == 0, what
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_the_load_freezes_the_heap_vllms_collections_would_walk(
+    world: dict[str, Any], case: Case
+) -> None:
+    """Note [the heap frozen for vLLM's collections]: an mpack load (vLLM's question about the
+    external weights, then the load) freezes the objects alive as it starts, so that the
+    collections vLLM runs around the load (``DeviceMemoryProfiler``) do not walk them again;
+    vLLM's own load leaves the collector as it was."""
+    for rank, res in enumerate(ranks(world, case.tp)):
+        what = f"{case.name} rank {rank}"
+        for path in ("mpack-require", "mpack-never"):
+            assert ok(res[f"{case.name}/{path}"])["frozen_by_load"] > 0, f"{what} {path}"
+        assert ok(res[f"{case.name}/default"])["frozen_by_load"] <= 0, what  # freed, not frozen

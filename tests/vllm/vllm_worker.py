@@ -326,9 +326,11 @@ def run_load(load: dict[str, Any], tp: int, pp: int = 1) -> dict[str, Any]:
     try:
         with env(load.get("env")):
             cfg = engine_config(load, tp, **({"pipeline_parallel_size": pp} if pp > 1 else {}))
+            frozen = gc.get_freeze_count()
             external = external_weight_memory(cfg)
             model = build(cfg)
             seconds = time.perf_counter() - t0
+            frozen = gc.get_freeze_count() - frozen
             info, views = marlin_views(model, load.get("sidecar"))
             return {
                 "ok": True,
@@ -341,6 +343,7 @@ def run_load(load: dict[str, Any], tp: int, pp: int = 1) -> dict[str, Any]:
                 "outside_sidecar": outside_sidecar(model),
                 "load": getattr(model, "_mpack_load", None),
                 "external_weight_memory": external,
+                "frozen_by_load": frozen,  # objects the query and the load froze (gc.freeze)
                 "marlin_bytes": marlin_bytes(model),
                 "layers": built_layers(model),
             }
