@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -426,8 +427,13 @@ def main() -> int:
         return sp.DaemonHandle(sidecar, device="cuda:0", env=menv, cwd=a.work, log_dir=a.work,
                                args=("--verify", verify), timeout=READY_TIMEOUT_S)  # fmt: skip
 
-    def daemon_start(d: Any, dropped: bool | None) -> dict[str, Any]:
+    def daemon_start(d: Any, dropped: bool | None, label: str) -> dict[str, Any]:
+        """The daemon's READY, its GPU memory, and a copy of its log so far in OUT (the text log's
+        ready line carries the phases of its start: ``startup.*``)."""
         ready = d.wait_ready()
+        for src in (d.out_path, d.err_path):
+            if src is not None and Path(src).is_file():
+                shutil.copyfile(src, a.out / f"{label}{Path(src).suffix or '.log'}")
         return {"ready_s": round(d.ready_s, 3), "load_s": ready.load_s, "bytes": ready.bytes,
                 "dropped_caches": dropped, "gpu": gpu_memory()}  # fmt: skip
 
@@ -443,9 +449,9 @@ def main() -> int:
                 # a start that hashes every file (as the first one does), then the one timed, which
                 # trusts the record it left (serve --verify auto)
                 with mpack_daemon(sc, verify="always") as d:
-                    rec["attached-daemon-first"] = daemon_start(d, None)
+                    rec["attached-daemon-first"] = daemon_start(d, None, "attached-daemon-first")
                 with mpack_daemon(sc) as d:
-                    rec["attached-daemon"] = daemon_start(d, None)
+                    rec["attached-daemon"] = daemon_start(d, None, "attached-daemon")
                     two_engines("attached", "attached", fp8=False, restart=True)
             elif name == "attached-cold":
                 files = sorted(sc.glob("*.safetensors"))
@@ -455,7 +461,7 @@ def main() -> int:
                     rec["sidecar-cold-read"] = {"seconds": seconds, "bytes": size}
                 dropped = drop_caches()
                 with mpack_daemon(sc) as d:
-                    rec["attached-cold-daemon"] = daemon_start(d, dropped)
+                    rec["attached-cold-daemon"] = daemon_start(d, dropped, "attached-cold-daemon")
                     one(name, "attached")
             elif name == "autofp8":
                 one(name, "ordinary", fp8=True)
@@ -472,7 +478,9 @@ def main() -> int:
                     daemon.stop()
             elif name == "autofp8-attached":
                 with mpack_daemon(fp8_sc) as d:
-                    rec["autofp8-attached-daemon"] = daemon_start(d, None)
+                    rec["autofp8-attached-daemon"] = daemon_start(
+                        d, None, "autofp8-attached-daemon"
+                    )
                     two_engines("autofp8-attached", "attached", fp8=True, restart=False)
             save()
     finally:
