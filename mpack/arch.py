@@ -716,6 +716,12 @@ class Stage:
         """``stage``, or None where it is None or the whole model (a split of one stage)."""
         return None if stage is None or stage.whole else stage
 
+    @staticmethod
+    def label(stage: Stage | None) -> str:
+        """`` <the stage>`` to follow "rank R" in a message; empty for the whole rank."""
+        stage = Stage.partial(stage)
+        return "" if stage is None else f" {stage}"
+
     def __str__(self) -> str:
         span = self.layers
         held = f"layers {span.start}..{span.stop - 1}" if span else "no layers"

@@ -133,11 +133,6 @@ class Allocation:
         """The index of the pipeline stage held; None: the whole rank."""
         return None if self.stage is None else self.stage.rank
 
-    @property
-    def of_stage(self) -> str:
-        """`` <the stage>`` to follow "rank R" in a message; empty for the whole rank."""
-        return "" if self.stage is None else f" {self.stage}"
-
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a

@@ -161,7 +161,7 @@ def attach(
     check_rank(manifest, rank)
     stage = Stage.partial(stage)
     dev = P.resolve_device(device)
-    of = f" {stage}" if stage is not None else ""
+    of = Stage.label(stage)
     what = f"{sidecar} rank {rank}{of} on {dev.label}"
     hint = "start one: " + serve_command(sidecar, rank, stage, dev.label)
     if socket is not None:

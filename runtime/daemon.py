@@ -335,7 +335,8 @@ class Daemon:
         """What ``systemctl status`` shows while the daemon serves."""
         s = self.served
         return (
-            f"serving rank {s.plan.rank}{s.plan.of_stage} of {s.plan.sidecar} on {s.device.label} "
+            f"serving rank {s.plan.rank}{Stage.label(s.plan.stage)} of {s.plan.sidecar} "
+            f"on {s.device.label} "
             f"({s.export.size} bytes, loaded in {s.export.stats.seconds:.2f} s)"
         )
 
@@ -735,7 +736,7 @@ def serve(
     _raise_fd_limit()
     emit = _stamped(on_event)
     notifier = Notifier(lambda why: emit({"event": "notify-failed", "error": why[:300]}))
-    of = plan.of_stage
+    of = Stage.label(plan.stage)
     what = f"{sidecar} rank {rank}{of} on {dev.label}"
     with contextlib.ExitStack() as stack:
         stack.enter_context(_locked(path, (plan.digest, rank, dev.key, pp_rank), what, emit))

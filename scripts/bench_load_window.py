@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,8 +36,7 @@ def one(sidecar: str, sock: str | None, before: bool) -> dict[str, float]:
 
     cpu_standins.install()  # before vLLM is imported
     import vllm_worker
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.utils.network_utils import get_open_port
 
     from mpack.runtime.vllm import loader, register
 
@@ -48,14 +46,8 @@ def one(sidecar: str, sock: str | None, before: bool) -> dict[str, float]:
     extra = {"attach": "require", "socket": sock} if sock else {"attach": "never"}
     load = {"model": sidecar, "profile": "w8a8-marlin", "dtype": "bfloat16",
             "load_format": "mpack", "extra": extra}  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = vllm_worker.engine_config(load, 1)
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
-        initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    vllm_worker.join_world(cfg, tp=1, pp=1, rank=0, port=get_open_port())
     gc.collect()  # the worker's, before it asks about external weights
     vllm_worker.external_weight_memory(cfg)
     t0 = time.perf_counter()

@@ -174,24 +174,21 @@ def synth_present(path: Path, layers: int, vocab: int) -> bool:
 def synth(
     path: Path,
     layers: int,
-    vocab: int,
+    vocab: int | None,
     env: dict[str, str],
     cwd: Path,
     quiet: bool = False,
     quant: str = "compressed-tensors",
+    model: str = "llama-8b",
 ) -> None:
-    """``scripts/synth_checkpoint.py PATH --layers L --vocab V --quant Q`` in a child process
-    (``quiet``: its stdout discarded); says how long it took."""
+    """``scripts/synth_checkpoint.py PATH --model M --layers L [--vocab V] --quant Q`` in a child
+    process (``vocab`` None: the model's; ``quiet``: its stdout discarded); says how long it
+    took."""
     t = time.perf_counter()
     script = str(Path(__file__).resolve().parent / "synth_checkpoint.py")
-    subprocess.run(
-        [sys.executable, script, str(path), "--layers", str(layers), "--vocab", str(vocab),
-         "--quant", quant],
-        check=True,
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.DEVNULL if quiet else None,
-    )  # fmt: skip
+    cmd = [sys.executable, script, str(path), "--model", model, "--layers", str(layers),
+           "--quant", quant, *(["--vocab", str(vocab)] if vocab is not None else [])]  # fmt: skip
+    subprocess.run(cmd, check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL if quiet else None)
     print(f"generated {path} in {time.perf_counter() - t:.1f} s", flush=True)
 
 
@@ -224,15 +221,7 @@ def moe_30b(work: Path, layers: int, env: dict[str, str]) -> tuple[Path, Path, d
     where this process may drop it (the copy is removed after)."""
     ck, sc, copy = work / "ck-30b", work / "sc-30b", work / "ck-30b-copy"
     if not (ck / "config.json").is_file():
-        t = time.perf_counter()
-        script = str(Path(__file__).resolve().parent / "synth_checkpoint.py")
-        subprocess.run(
-            [sys.executable, script, str(ck), "--model", "qwen3-30b-a3b", "--layers", str(layers)],
-            check=True,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        print(f"generated {ck} in {time.perf_counter() - t:.1f} s", flush=True)
+        synth(ck, layers, None, env, work, quiet=True, model="qwen3-30b-a3b")
     shutil.rmtree(copy, ignore_errors=True)
     shutil.rmtree(sc, ignore_errors=True)
     res: dict[str, Any] = {"layers": layers, "checkpoint_bytes": dir_bytes(ck)}

@@ -49,7 +49,7 @@ run_step() {
   real) timeout "${RUN_S:-560}" python3 scripts/vllm_real.py run --out "$OUT" --real "${REAL_DIR:-/tmp/real}" \
          --mpack-env "$MSITE" --vllm-env "$VSITE" 2>&1 | tee "$OUT/engine-real.txt"
        return "${PIPESTATUS[0]}" ;;
-  serve) if [ -d .vllmdev/serve ]; then pipi "$VSITE" .vllmdev/serve/*.whl || return 1; fi
+  serve) serve_wheels || return 1
        timeout "${RUN_S:-570}" python3 scripts/vllm_serve.py --out "$OUT" --mpack-env "$MSITE" \
          --vllm-env "$VSITE" --layers "${BENCH_LAYERS:-32}" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve.txt"
        return "${PIPESTATUS[0]}" ;;
@@ -57,6 +57,8 @@ run_step() {
   esac
 }
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
+# what `vllm serve` needs beyond the device image (RUN=serve), where this call carries it
+serve_wheels() { if [ -d .vllmdev/serve ]; then pipi "$VSITE" .vllmdev/serve/*.whl; fi; }
 case "${PHASE:-}" in
 1)
   mkdir -p /tmp/vso "$VSITE"
@@ -100,9 +102,7 @@ fa)
   (cd /tmp/vfa && sha256sum -c fa.sha256) || exit 1
   pipi "$MSITE" .vllmdev/mw/*.whl || exit 1
   pipi "$VSITE" .vllmdev/mm/*.whl || exit 1
-  # what `vllm serve` needs beyond them (RUN=serve), where this call carries it: PHASE=2's
-  # compiled ops and the tree leave no room for it in that call
-  if [ -d .vllmdev/serve ]; then pipi "$VSITE" .vllmdev/serve/*.whl || exit 1; fi
+  serve_wheels || exit 1  # no room for them beside PHASE=2's compiled ops and the tree
   xz -dc /tmp/vfa/_vllm_fa3_C.abi3.so.xz > "$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" || exit 1
   PYTHONPATH=$VSITE python3 -c "import torch; torch.ops.load_library('$VSITE/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so'); print('FA3 loads on torch', torch.__version__)" 2>&1 | tail -3 | tee "$OUT/fa3.txt"
   ;;

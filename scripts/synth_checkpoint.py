@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mpack.sidecar import FileMap, TensorSpec
+from mpack.sidecar import FileMap, TensorSpec, torch_dtype
 
 LLAMA_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
 #: Qwen3-30B-A3B's config.json (its dense intermediate_size is unused: every layer is MoE).
@@ -147,13 +147,13 @@ def _data(spec: TensorSpec, gen: torch.Generator, pool: torch.Tensor) -> torch.T
         at = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=gen))
         return pool[at : at + n].view(spec.shape)
     # scales are bf16 values in either form (float32 holds each exactly): the same checkpoint
-    scale = {"BF16": torch.bfloat16, "F32": torch.float32}.get(spec.dtype)
-    if spec.name.endswith("input_scale"):  # one for all: vLLM wants gate's and up's equal
-        s = torch.full(spec.shape, 5e-4)
-        return s.to(torch.bfloat16).to(scale).reshape(-1).view(torch.uint8)
-    if spec.name.endswith("weight_scale"):
-        s = torch.rand(spec.shape, generator=gen) * 1e-3 + 1e-4
-        return s.to(torch.bfloat16).to(scale).reshape(-1).view(torch.uint8)
+    if spec.name.endswith(("input_scale", "weight_scale")):
+        if spec.name.endswith("input_scale"):  # one for all: vLLM wants gate's and up's equal
+            s = torch.full(spec.shape, 5e-4)
+        else:
+            s = torch.rand(spec.shape, generator=gen) * 1e-3 + 1e-4
+        stored = s.to(torch.bfloat16).to(torch_dtype(spec.dtype))
+        return stored.reshape(-1).view(torch.uint8)
     return (torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
 
 

@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,12 +190,9 @@ class Server:
     ) -> None:
         self.name, self.port = name, free_port()
         self.t0 = time.time()
-        if preload:
-            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload",
-                   "--model", *args]  # fmt: skip
-        else:
-            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
-                   "--port", str(self.port), "--host", "127.0.0.1"]  # fmt: skip
+        sub = ["preload", "--model", *args] if preload else [
+            "serve", *args, "--port", str(self.port), "--host", "127.0.0.1"]  # fmt: skip
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", *sub]
         # line-buffered: a run ended by its time limit still leaves every line it saw
         self.log = open(out / f"serve-{name}.log", "w", buffering=1)  # noqa: SIM115 (stop)
         self.proc = subprocess.Popen(
@@ -214,38 +212,42 @@ class Server:
             self.log.write(f"[{t:8.3f}] {line}")
             see_line(self.marks, t, line)
 
+    def _until(self, probe: Callable[[], float | None], what: str, pause: float) -> float:
+        """``probe()``'s first answer that is not None, asked every ``pause`` s until the process
+        exits or ``READY_TIMEOUT_S`` from its spawn has passed (each a ``RuntimeError``)."""
+        deadline = self.t0 + READY_TIMEOUT_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: exited {self.proc.returncode} before {what}")
+            got = probe()
+            if got is not None:
+                return got
+            time.sleep(pause)
+        raise RuntimeError(f"{self.name}: no {what} in {READY_TIMEOUT_S} s")
+
     def first_completion(self) -> float:
         """Seconds from the spawn to the first completion answered over HTTP."""
         url = f"http://127.0.0.1:{self.port}/v1/completions"
         body = json.dumps(
             {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
         ).encode()
-        deadline = self.t0 + READY_TIMEOUT_S
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: vllm serve exited {self.proc.returncode}")
+
+        def ask() -> float | None:
+            req = urllib.request.Request(
+                url, data=body, headers={"Content-Type": "application/json"}
+            )
             try:
-                req = urllib.request.Request(
-                    url, data=body, headers={"Content-Type": "application/json"}
-                )
                 with urllib.request.urlopen(req, timeout=30) as r:
-                    answer = json.loads(r.read())
-                self.answer = answer["choices"][0]
-                return round(time.time() - self.t0, 3)
+                    self.answer = json.loads(r.read())["choices"][0]
             except (OSError, ValueError):
-                time.sleep(0.1)
-        raise RuntimeError(f"{self.name}: no completion in {READY_TIMEOUT_S} s")
+                return None
+            return round(time.time() - self.t0, 3)
+
+        return self._until(ask, "a completion", 0.1)
 
     def wait_mark(self, label: str) -> float:
         """Seconds from the spawn to ``label``'s line (a daemon's readiness)."""
-        deadline = self.t0 + READY_TIMEOUT_S
-        while label not in self.marks:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: exited {self.proc.returncode} before {label}")
-            if time.time() > deadline:
-                raise RuntimeError(f"{self.name}: no {label} in {READY_TIMEOUT_S} s")
-            time.sleep(0.05)
-        return self.marks[label]["at_s"]
+        return self._until(lambda: self.marks.get(label, {}).get("at_s"), label, 0.05)
 
     def memory(self) -> dict[str, Any]:
         pids = tree_pids(self.proc.pid)
@@ -317,13 +319,10 @@ def table(rec: dict[str, Any], logs: list[Path]) -> str:
             continue
         got = r
         if "marks" not in r:
-            log = next(
-                (d / f"serve-{start}.log" for d in logs if (d / f"serve-{start}.log").is_file()),
-                None,
-            )
-            if log is None:
+            found = [d / f"serve-{start}.log" for d in logs if (d / f"serve-{start}.log").is_file()]
+            if not found:
                 continue
-            got = parts(marks_of_log(log), r["first_completion_s"])
+            got = parts(marks_of_log(found[0]), r["first_completion_s"])
         cells = [start, f"{r['first_completion_s']:.1f}"]
         cells += [f"{got['parts'][n]:.1f}" if n in got["parts"] else "" for n in names]
         load = got["vllm"].get("load")
@@ -433,7 +432,7 @@ def main() -> int:
         ready = d.wait_ready()
         for src in (d.out_path, d.err_path):
             if src is not None and Path(src).is_file():
-                shutil.copyfile(src, a.out / f"{label}{Path(src).suffix or '.log'}")
+                shutil.copyfile(src, a.out / f"{label}{Path(src).suffix}")
         return {"ready_s": round(d.ready_s, 3), "load_s": ready.load_s, "bytes": ready.bytes,
                 "dropped_caches": dropped, "gpu": gpu_memory()}  # fmt: skip
 

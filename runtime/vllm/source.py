@@ -113,7 +113,7 @@ def rank_weights(
     log = logger()
     t0 = time.perf_counter()
     stage = Stage.partial(stage)
-    of = f" {stage}" if stage is not None else ""
+    of = Stage.label(stage)
     if opts.attach != "never":
         try:
             w = attach(sidecar, rank=rank, device=device, socket=opts.socket, stage=stage)

@@ -372,6 +372,23 @@ def run_load(load: dict[str, Any], tp: int, pp: int = 1) -> dict[str, Any]:
 WARMED = ("mpack.hub_sidecar", "mpack.runtime.client", "mpack.runtime.memfd")
 
 
+def join_world(cfg: Any, tp: int, pp: int, rank: int, port: int) -> None:
+    """Rank ``rank`` of ``tp`` x ``pp`` over gloo on ``127.0.0.1:port``, TP and PP groups made
+    as vLLM's engine makes them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=tp * pp,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
 def main(job_path: str, rank: int) -> int:
     cpu_standins.install()  # before anything imports vLLM
     job = json.loads(Path(job_path).read_text())
@@ -380,8 +397,6 @@ def main(job_path: str, rank: int) -> int:
 
     t0 = time.perf_counter()
     LinearCount.install()
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     first = dict(job["loads"][0], load_format="auto", extra=None)  # any config will do
@@ -392,15 +407,7 @@ def main(job_path: str, rank: int) -> int:
     from mpack.runtime.vllm import register
 
     register()
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(
-            world_size=tp * pp,
-            rank=rank,
-            local_rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{job['port']}",
-            backend="gloo",
-        )
-        initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    join_world(cfg, tp, pp, rank, job["port"])
     setup = time.perf_counter() - t0
 
     results: dict[str, Any] = {
